@@ -1,0 +1,405 @@
+"""The typed config: one dataclass per group, registered in Hydra's ConfigStore, plus the
+cross-group rules that no single group can check.
+
+Every group YAML starts with `defaults: [base_<group>]`, so a typo (`optim.lrr=...`) or a wrong
+type (`optim.lr=fast`) fails when Hydra composes, naming the key. `validate` then checks what
+spans groups (batch sizes vs. launch size, options that need each other) and raises
+`ConfigError` with one line that names the keys and says what to do.
+
+This module imports no torch: the launcher and a dry run stay instant.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+
+
+class ConfigError(ValueError):
+    """A user mistake in the config: the message is one line that says what to change."""
+
+
+# `${asset:tokenizer}` in a YAML file is the absolute path of a file the package ships.
+OmegaConf.register_new_resolver("asset", lambda rel: str(ASSETS / rel), replace=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Enumerations (member name == value, so YAML and the command line use the plain word)
+
+
+class AttnImpl(str, Enum):
+    sdpa = "sdpa"
+    eager = "eager"
+
+
+class DataFormat(str, Enum):
+    auto = "auto"
+    alpaca = "alpaca"
+    chat = "chat"
+
+
+class Template(str, Enum):
+    auto = "auto"
+    tokenizer = "tokenizer"
+    builtin = "builtin"
+
+
+class LongPrompt(str, Enum):
+    drop = "drop"
+    error = "error"
+
+
+class Method(str, Enum):
+    sft = "sft"
+
+
+class Precision(str, Enum):
+    fp32 = "fp32"
+
+
+class Checkpointing(str, Enum):
+    none = "none"
+
+
+class PeftMethod(str, Enum):
+    none = "none"
+
+
+class Strategy(str, Enum):
+    single = "single"
+    ddp = "ddp"
+
+
+class Optimizer(str, Enum):
+    adamw = "adamw"
+
+
+class Scheduler(str, Enum):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
+
+class LauncherName(str, Enum):
+    auto = "auto"
+    torchrun = "torchrun"
+
+
+class Device(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+# ---------------------------------------------------------------------------------------------
+# Groups
+
+
+@dataclass
+class ModelInit:
+    """Architecture of a randomly initialised model (no download); a transformers config."""
+
+    model_type: str = "llama"
+    """Any `transformers` model type that `AutoConfig.for_model` knows (llama, qwen2, mistral...)."""
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 256
+    tie_word_embeddings: bool = False
+    seed: int = 0
+    """Seed of the random initialisation (the same on every rank)."""
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None
+    """Hub id or local directory of pretrained weights; null: random init from `init`."""
+    init: ModelInit | None = None
+    """Architecture for a random-init model; only when `path` is null."""
+    tokenizer: str | None = None
+    """Hub id or local directory of the tokenizer; null: the same as `path`."""
+    attn_implementation: AttnImpl = AttnImpl.sdpa
+    """Attention kernel: sdpa (PyTorch scaled-dot-product) or eager (plain matmuls)."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) for `path` and `tokenizer`."""
+    trust_remote_code: bool = False
+
+
+@dataclass
+class DataConfig:
+    train: str = MISSING
+    """A local .jsonl/.json file, a local dataset directory, or a hub dataset id."""
+    eval: str | None = None
+    """The same forms as `train`; null: hold out `eval_size` rows of `train` instead."""
+    eval_size: int = 0
+    """Rows of `train` held out for evaluation when `eval` is null (0: no evaluation)."""
+    train_split: str = "train"
+    """Split to read from a dataset directory or hub id (ignored for .jsonl files)."""
+    eval_split: str = "train"
+    format: DataFormat = DataFormat.auto
+    """alpaca (instruction/input/output), chat (messages), or auto: decided per row by its keys."""
+    template: Template = Template.auto
+    """tokenizer: its chat template; builtin: ours; auto: the tokenizer's if it has one."""
+    system_prompt: str | None = None
+    """Prepended as a system message to rows that have none."""
+    max_length: int = 512
+    """Tokens per sample; longer responses are cut (and counted)."""
+    long_prompt: LongPrompt = LongPrompt.drop
+    """Rows whose prompt leaves no room for a response token: drop (counted) or error."""
+
+
+@dataclass
+class MethodConfig:
+    name: Method = Method.sft
+    """sft: cross-entropy on response tokens only."""
+
+
+@dataclass
+class PrecisionConfig:
+    name: Precision = Precision.fp32
+
+
+@dataclass
+class CheckpointingConfig:
+    name: Checkpointing = Checkpointing.none
+
+
+@dataclass
+class ZeroConfig:
+    stage: int = 0
+    """DeepSpeed ZeRO stage; 0 (none) is the only one in this version."""
+
+
+@dataclass
+class ParallelismConfig:
+    strategy: Strategy = Strategy.single
+    """single: one process; ddp: data parallel over every launched rank."""
+
+
+@dataclass
+class PeftConfig:
+    name: PeftMethod = PeftMethod.none
+
+
+@dataclass
+class OptimConfig:
+    name: Optimizer = Optimizer.adamw
+    lr: float = 1e-4
+    """Peak learning rate (after warmup)."""
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    scheduler: Scheduler = Scheduler.cosine
+    """cosine or linear decay after warmup, or constant."""
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    """Cosine decays to lr * min_lr_ratio."""
+    max_grad_norm: float | None = 1.0
+    """Clip the global gradient norm to this; null: no clipping."""
+
+
+@dataclass
+class LauncherConfig:
+    name: LauncherName = LauncherName.auto
+    """torchrun, or auto (torchrun until a backend needs another launcher)."""
+    nproc_per_node: int = 1
+    """Processes (ranks) per node: one per GPU, or per CPU process group member."""
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    """null on a single node: torchrun --standalone picks a free port."""
+    omp_num_threads: int | None = None
+    """Threads per rank; null: CPU cores / nproc_per_node."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for every rank."""
+    dry_run: bool = False
+    """Print the resolved config and the exact command, start nothing."""
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 100
+    """Optimizer steps."""
+    micro_batch_size: int = 8
+    """Samples per rank per forward/backward."""
+    global_batch_size: int = 32
+    """Samples per optimizer step over all ranks; accumulation = global / (micro x data-parallel)."""
+    seed: int = 42
+    """Data order; the same seed gives the same samples per step on any number of ranks."""
+    eval_every: int = 0
+    """Evaluate every N steps (0: only before and after training)."""
+    eval_batch_size: int = 32
+    exact_match_samples: int = 0
+    """Eval rows scored by greedy generation (response == reference) before and after training."""
+    max_new_tokens: int = 64
+    """Generation length limit for exact match."""
+    log_every: int = 10
+    """Print a metrics line every N steps when there is no progress bar."""
+    progress_bar: bool = True
+    tensorboard: bool = True
+    device: Device = Device.auto
+    """auto: cuda when available, else cpu."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    method: MethodConfig = MISSING
+    precision: PrecisionConfig = MISSING
+    checkpointing: CheckpointingConfig = MISSING
+    zero: ZeroConfig = MISSING
+    parallelism: ParallelismConfig = MISSING
+    peft: PeftConfig = MISSING
+    optim: OptimConfig = MISSING
+    launcher: LauncherConfig = MISSING
+    train: TrainConfig = MISSING
+    run_dir: str | None = None
+    """Where the run writes; null: Hydra's run directory (`hydra.run.dir`)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.launcher.nproc_per_node * self.launcher.nnodes
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.data_parallel_size)
+
+
+GROUPS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "method": MethodConfig,
+    "precision": PrecisionConfig,
+    "checkpointing": CheckpointingConfig,
+    "zero": ZeroConfig,
+    "parallelism": ParallelismConfig,
+    "peft": PeftConfig,
+    "optim": OptimConfig,
+    "launcher": LauncherConfig,
+    "train": TrainConfig,
+}
+
+
+def register() -> None:
+    """Store the schemas: `base_config` for the root, `base_<group>` in each group."""
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    for group, schema in GROUPS.items():
+        cs.store(group=group, name=f"base_{group}", node=schema)
+
+
+register()
+
+
+# ---------------------------------------------------------------------------------------------
+# Typed config <-> YAML
+
+
+def to_config(dcfg: DictConfig) -> Config:
+    """Resolve a composed DictConfig into the typed `Config`.
+
+    Goes through a plain container so that keys added with `+key=...` are checked against the
+    schema too (merging two DictConfigs would let them through).
+    """
+    plain = OmegaConf.to_container(dcfg, resolve=True)
+    plain.pop("hydra", None)
+    merged = OmegaConf.merge(OmegaConf.structured(Config), plain)
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def load(path: str | Path) -> Config:
+    """Read a resolved config.yaml (what the launcher wrote into the run directory)."""
+    return to_config(OmegaConf.load(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# Cross-group validation
+
+
+def validate(cfg: Config) -> None:
+    """Check the rules that span groups. Raises ConfigError naming the keys to change."""
+    m, t, launch = cfg.model, cfg.train, cfg.launcher
+    if m.path is None and m.init is None:
+        raise ConfigError("model: set model.path (hub id or local directory) or model.init (random-init architecture)")
+    if m.path is not None and m.init is not None:
+        raise ConfigError(f"model.path={m.path!r} and model.init are both set: choose one (model.init=null to load weights)")
+    if m.path is None and m.tokenizer is None:
+        raise ConfigError("model.tokenizer: a random-init model needs a tokenizer path or hub id")
+    if m.init is not None and cfg.data.max_length > m.init.max_position_embeddings:
+        raise ConfigError(
+            f"data.max_length={cfg.data.max_length} exceeds model.init.max_position_embeddings="
+            f"{m.init.max_position_embeddings}: lower one or raise the other"
+        )
+    for key, value in (
+        ("train.max_steps", t.max_steps),
+        ("train.micro_batch_size", t.micro_batch_size),
+        ("train.global_batch_size", t.global_batch_size),
+        ("train.eval_batch_size", t.eval_batch_size),
+        ("data.max_length", cfg.data.max_length),
+        ("launcher.nproc_per_node", launch.nproc_per_node),
+        ("launcher.nnodes", launch.nnodes),
+    ):
+        if value < 1:
+            raise ConfigError(f"{key}={value} must be at least 1")
+    if not 0 <= launch.node_rank < launch.nnodes:
+        raise ConfigError(f"launcher.node_rank={launch.node_rank} must be in [0, launcher.nnodes={launch.nnodes})")
+    if cfg.optim.lr <= 0:
+        raise ConfigError(f"optim.lr={cfg.optim.lr} must be positive")
+    if len(cfg.optim.betas) != 2:
+        raise ConfigError(f"optim.betas={cfg.optim.betas} must be two numbers, e.g. [0.9,0.999]")
+    if cfg.optim.min_lr_ratio and cfg.optim.scheduler != Scheduler.cosine:
+        raise ConfigError(
+            f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} applies to optim.scheduler=cosine only "
+            f"(got {cfg.optim.scheduler.value}): set optim.min_lr_ratio=0 or optim.scheduler=cosine"
+        )
+    if cfg.optim.warmup_steps >= t.max_steps and cfg.optim.warmup_steps > 0:
+        raise ConfigError(f"optim.warmup_steps={cfg.optim.warmup_steps} must be below train.max_steps={t.max_steps}")
+
+    world = cfg.world_size
+    if cfg.parallelism.strategy == Strategy.single and world != 1:
+        raise ConfigError(
+            f"parallelism=single runs one process, but the launcher starts {world} "
+            f"(launcher.nproc_per_node={launch.nproc_per_node} x launcher.nnodes={launch.nnodes}): "
+            "use parallelism=ddp or launcher.nproc_per_node=1"
+        )
+    per_step = t.micro_batch_size * cfg.data_parallel_size
+    if t.global_batch_size < cfg.data_parallel_size:
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is smaller than the data-parallel size "
+            f"{cfg.data_parallel_size}: every rank needs at least one sample per step"
+        )
+    if t.global_batch_size % per_step:
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size="
+            f"{t.micro_batch_size} x data-parallel size {cfg.data_parallel_size} = {per_step}: "
+            f"use e.g. train.global_batch_size={max(per_step, t.global_batch_size // per_step * per_step)}"
+        )
+    if cfg.data.eval is None and cfg.data.eval_size < 0:
+        raise ConfigError(f"data.eval_size={cfg.data.eval_size} must be 0 or more")
+    if t.exact_match_samples and cfg.data.eval is None and cfg.data.eval_size == 0:
+        raise ConfigError("train.exact_match_samples needs an eval set: set data.eval or data.eval_size")
+
+
+def did_you_mean(word: str, options: list[str], prefix: str = "") -> str:
+    """" (did you mean 'PREFIXx'?)" for the option closest to `word`, or "" when none is close."""
+    close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
+    return f" (did you mean '{prefix}{close[0]}'?)" if close else ""

@@ -1,0 +1,222 @@
+"""Datasets -> conversations -> token ids with response-only labels -> per-rank micro-batches.
+
+Rows come in two forms: alpaca (`instruction`, optional `input`, `output`) and chat (`messages`:
+a list of `{role, content}` ending with the assistant). Both become a list of messages, rendered
+by the tokenizer's chat template or our built-in one, and tokenized segment by segment so that we
+know exactly which tokens are the response: only those carry labels.
+
+The batch order is a pure function of (seed, step): step k uses the same global batch of samples
+on any number of ranks, so runs with different layouts (and a resumed run) see the same data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from finetune.config import ConfigError, DataConfig, LongPrompt, Template
+from finetune.formats import Rows, load_rows, to_messages
+
+IGNORE = -100  # label of tokens that carry no loss (prompt, padding)
+
+
+# ---------------------------------------------------------------------------------------------
+# Messages -> tokens
+
+
+def uses_chat_template(tokenizer: Any, template: Template) -> bool:
+    has = bool(getattr(tokenizer, "chat_template", None))
+    if template == Template.tokenizer and not has:
+        raise ConfigError("data.template=tokenizer, but the tokenizer has no chat template: use data.template=builtin or auto")
+    return template == Template.tokenizer or (template == Template.auto and has)
+
+
+def segments(messages: list[dict[str, str]], tokenizer: Any, chat_template: bool) -> list[tuple[str, bool]]:
+    """Split a rendered conversation into (text, is_response) pieces, in order."""
+    if not chat_template:
+        return _builtin_segments(messages, tokenizer)
+    out: list[tuple[str, bool]] = []
+    done = ""
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prompt = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not (prompt.startswith(done) and full.startswith(prompt)):
+            raise ConfigError(
+                "the tokenizer's chat template does not render a conversation as a prefix of its continuation, "
+                "so prompt and response tokens cannot be separated: use data.template=builtin"
+            )
+        out += [(prompt[len(done) :], False), (full[len(prompt) :], True)]
+        done = full
+    return [(text, resp) for text, resp in out if text]
+
+
+def _builtin_segments(messages: list[dict[str, str]], tokenizer: Any) -> list[tuple[str, bool]]:
+    """Our template for tokenizers without one: '### Role:' headers, EOS after each response."""
+    out: list[tuple[str, bool]] = [(tokenizer.bos_token, False)] if tokenizer.bos_token else []
+    for m in messages:
+        header = f"### {m['role'].capitalize()}:\n"
+        if m["role"] == "assistant":
+            out += [(header, False), (m["content"] + (tokenizer.eos_token or ""), True), ("\n\n", False)]
+        else:
+            out.append((f"{header}{m['content']}\n\n", False))
+    return out[:-1]  # drop the separator after the last response: the sample ends with EOS
+
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    labels: list[int]
+    prompt_len: int  # tokens before the last response: what generation continues from
+    reference: str  # the last response's text, for exact match
+
+
+def encode(messages: list[dict[str, str]], tokenizer: Any, chat_template: bool) -> Example:
+    ids: list[int] = []
+    labels: list[int] = []
+    prompt_len = 0
+    for text, is_response in segments(messages, tokenizer, chat_template):
+        if is_response:
+            prompt_len = len(ids)
+        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += piece
+        labels += piece if is_response else [IGNORE] * len(piece)
+    return Example(ids, labels, prompt_len, messages[-1]["content"])
+
+
+@dataclass
+class Stats:
+    rows: int = 0
+    truncated: int = 0  # responses cut at max_length
+    dropped: int = 0  # prompts that leave no room for a response token
+    shortest_dropped_prompt: int = 0
+
+    def line(self, name: str, max_length: int) -> str:
+        return (
+            f"data {name}: {self.rows} rows, {self.truncated} responses truncated at max_length={max_length}, "
+            f"{self.dropped} dropped (prompt too long)"
+        )
+
+
+def tokenize(rows: Rows, tokenizer: Any, cfg: DataConfig, key: str) -> tuple[list[Example], Stats]:
+    """Rows -> examples no longer than cfg.max_length, with truncation counted."""
+    chat = uses_chat_template(tokenizer, cfg.template)
+    stats = Stats(rows=len(rows.rows))
+    out: list[Example] = []
+    for i, row in enumerate(rows.rows):
+        ex = encode(to_messages(row, cfg.format, cfg.system_prompt, rows.where(i)), tokenizer, chat)
+        first_label = next((j for j, label in enumerate(ex.labels) if label != IGNORE), len(ex.labels))
+        if first_label >= cfg.max_length:  # not a single response token would fit
+            if cfg.long_prompt == LongPrompt.error:
+                raise ConfigError(
+                    f"{rows.where(i)}: the prompt is {first_label} tokens, data.max_length={cfg.max_length} leaves no "
+                    "room for the response: raise data.max_length or set data.long_prompt=drop"
+                )
+            stats.dropped += 1
+            stats.shortest_dropped_prompt = min(stats.shortest_dropped_prompt or first_label, first_label)
+            continue
+        if len(ex.input_ids) > cfg.max_length:
+            stats.truncated += 1
+            ex.input_ids, ex.labels = ex.input_ids[: cfg.max_length], ex.labels[: cfg.max_length]
+        out.append(ex)
+    if not out:
+        why = (
+            f"all {stats.dropped} prompts are longer than data.max_length={cfg.max_length} "
+            f"(the shortest is {stats.shortest_dropped_prompt} tokens): raise data.max_length"
+            if stats.dropped
+            else "it has no rows"
+        )
+        raise ConfigError(f"{key}={rows.source}: the dataset is empty after filtering: {why}")
+    return out, stats
+
+
+def load_split(cfg: DataConfig, tokenizer: Any, seed: int) -> tuple[list[Example], list[Example], dict[str, Stats]]:
+    """The train and eval examples, per the data config, with their counts."""
+    train_rows = load_rows(cfg.train, cfg.train_split, "data.train")
+    if cfg.eval is not None:
+        eval_rows = load_rows(cfg.eval, cfg.eval_split, "data.eval")
+    elif cfg.eval_size:
+        if cfg.eval_size >= len(train_rows.rows):
+            raise ConfigError(f"data.eval_size={cfg.eval_size} leaves no training rows out of {len(train_rows.rows)}")
+        order = np.random.default_rng(seed).permutation(len(train_rows.rows))
+        held, kept = sorted(order[: cfg.eval_size]), sorted(order[cfg.eval_size :])
+        eval_rows = train_rows.subset(held)
+        train_rows = train_rows.subset(kept)
+    else:
+        eval_rows = None
+    train, train_stats = tokenize(train_rows, tokenizer, cfg, "data.train")
+    stats = {"train": train_stats}
+    evals: list[Example] = []
+    if eval_rows is not None:
+        evals, stats["eval"] = tokenize(eval_rows, tokenizer, cfg, "data.eval")
+    return train, evals, stats
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches
+
+
+def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest example; padding is masked out of attention and loss."""
+    width = max(len(e.input_ids) for e in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for row, e in enumerate(examples):
+        n = len(e.input_ids)
+        ids[row, :n] = torch.tensor(e.input_ids)
+        labels[row, :n] = torch.tensor(e.labels)
+        mask[row, :n] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+class TrainBatches:
+    """Step -> this rank's micro-batches. Pure in (seed, step): any layout sees the same samples.
+
+    The global batch of step k is positions [k*G, (k+1)*G) of an endless stream made of one
+    seeded permutation of the dataset per epoch. It is split into contiguous blocks, one per
+    data-parallel rank, and each block into micro-batches.
+    """
+
+    def __init__(
+        self, examples: list[Example], *, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int, seed: int, pad_id: int
+    ) -> None:
+        self.examples, self.global_batch, self.micro_batch = examples, global_batch, micro_batch
+        self.dp_rank, self.dp_size, self.seed, self.pad_id = dp_rank, dp_size, seed, pad_id
+        self._perm: dict[int, np.ndarray] = {}
+
+    def indices(self, step: int) -> list[int]:
+        """Dataset indices of this rank's share of the global batch of `step` (0-based)."""
+        n, per_rank = len(self.examples), self.global_batch // self.dp_size
+        start = step * self.global_batch + self.dp_rank * per_rank
+        return [int(self._permutation(p // n)[p % n]) for p in range(start, start + per_rank)]
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perm:
+            self._perm = {e: p for e, p in self._perm.items() if e == epoch - 1}  # a step spans <= 2 epochs
+            self._perm[epoch] = np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
+        return self._perm[epoch]
+
+    def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
+        idx = self.indices(step)
+        chunks = [idx[i : i + self.micro_batch] for i in range(0, len(idx), self.micro_batch)]
+        return [collate([self.examples[i] for i in chunk], self.pad_id) for chunk in chunks]
+
+    def epoch(self, step: int) -> float:
+        return step * self.global_batch / len(self.examples)
+
+
+def shard(items: list[Any], rank: int, world: int) -> list[Any]:
+    """This rank's contiguous share of an evaluation list (sizes differ by at most one)."""
+    per, extra = divmod(len(items), world)
+    start = rank * per + min(rank, extra)
+    return items[start : start + per + (rank < extra)]
+
+
+def eval_batches(examples: list[Example], batch_size: int, pad_id: int) -> Iterator[dict[str, torch.Tensor]]:
+    for i in range(0, len(examples), batch_size):
+        yield collate(examples[i : i + batch_size], pad_id)

@@ -1,0 +1,55 @@
+"""Process group set-up and the few collectives the loop needs (gloo on CPU, nccl on GPU)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from finetune.config import Device
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def sum(self, *values: float) -> list[float]:
+        """All-reduce (sum) a few scalars in one collective; identity on one process."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(t)
+        return t.tolist()
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+
+def init(device: Device) -> Dist:
+    """Join the process group torchrun (or deepspeed) set up through the environment."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    cuda = device == Device.cuda or (device == Device.auto and torch.cuda.is_available())
+    if cuda and not torch.cuda.is_available():
+        raise RuntimeError("train.device=cuda but CUDA is not available on this machine: use train.device=cpu or auto")
+    dev = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
+    return Dist(rank=rank, local_rank=local_rank, world_size=world, device=dev)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,177 @@
+"""Entry point: compose -> validate -> build the launch -> show it -> run it.
+
+    python -m finetune.launch +recipe=quickstart_sft [group=option] [key=value ...]
+    python -m finetune.launch +recipe=quickstart_sft launcher.dry_run=true
+    python -m finetune.launch -m +recipe=quickstart_sft optim.lr=1e-3,3e-3      # a sweep
+
+Imports no torch: composing, validating and a dry run are instant and need no GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+from omegaconf import DictConfig
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from finetune.config import Config, ConfigError, did_you_mean, to_config, validate
+from finetune.launcher import LaunchSpec, build
+
+
+def _recipes_dir() -> Path:
+    installed = Path(__file__).resolve().parent / "recipes"  # `pip install .` puts recipes/ here
+    return installed if installed.is_dir() else Path(__file__).resolve().parent.parent / "recipes"
+
+
+RECIPES = _recipes_dir()
+
+
+def main() -> None:
+    """Check the composition first so a user mistake is one line, then hand over to Hydra."""
+    args = hydra._internal.utils.get_args_parser().parse_args()  # Hydra's own flags, unchanged
+    if not (args.multirun or args.help or args.hydra_help or args.info or args.shell_completion):
+        try:
+            preflight(args.overrides, config_dir=args.config_dir, config_name=args.config_name or "config")
+        except ConfigError as e:
+            fail(e)
+    _hydra_main()
+
+
+@hydra.main(version_base="1.3", config_path=str(RECIPES), config_name="config")
+def _hydra_main(dcfg: DictConfig) -> None:
+    try:
+        cfg = typed(dcfg)
+    except ConfigError as e:
+        fail(e)
+    run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir).resolve()
+    spec = build(cfg, run_dir, python=sys.executable, cpu_count=os.cpu_count() or 1)
+    write_files(spec, run_dir)
+    if cfg.launcher.dry_run:
+        print(spec.files["config.yaml"], end="")
+        print(f"# run directory: {run_dir}")
+        print(f"# environment set: {' '.join(f'{k}={v}' for k, v in spec.env.items())}")
+        print(spec.shell())
+        return
+    print(f"[finetune] run directory: {run_dir}", flush=True)
+    print(f"[finetune] {spec.shell()}", flush=True)
+    code = execute(spec)
+    if code != 0:
+        print(f"[finetune] error: training exited with code {code}; see the output above and {run_dir}", file=sys.stderr)
+        sys.exit(code)
+
+
+def typed(dcfg: DictConfig) -> Config:
+    """Composed DictConfig -> validated typed Config, or ConfigError with one line."""
+    try:
+        cfg = to_config(dcfg)
+    except OmegaConfBaseException as e:
+        raise ConfigError(explain(e)) from None
+    validate(cfg)
+    return cfg
+
+
+def preflight(overrides: list[str], *, config_dir: str | None = None, config_name: str = "config") -> Config:
+    """Compose and validate as the real run will, turning Hydra's errors into one line."""
+    from hydra import compose, initialize_config_dir
+
+    if config_dir:  # --config-dir: the user's recipes come first, ours after
+        overrides = [*overrides, f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"]
+    try:
+        with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
+            dcfg = compose(config_name, overrides=overrides)
+    except (ConfigCompositionException, MissingConfigException, OverrideParseException, OmegaConfBaseException) as e:
+        raise ConfigError(explain(e)) from None
+    return typed(dcfg)
+
+
+def explain(e: BaseException) -> str:
+    """One line for a Hydra/OmegaConf error: what is wrong, and what would be right."""
+    if isinstance(e, MissingConfigException):
+        return _explain_missing(str(e))
+    if isinstance(e, OverrideParseException):
+        return f"cannot parse the command line: {_first_line(str(e))} (see Hydra's override grammar)"
+    cause: BaseException | None = e
+    while cause is not None and not isinstance(cause, OmegaConfBaseException):
+        cause = cause.__cause__
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+        key = getattr(cause, "full_key", None) or getattr(cause, "key", "?")
+        parent, _, leaf = str(key).rpartition(".")
+        known = _fields_at(parent)
+        where = f"'{parent}'" if parent else "the config"
+        hint = did_you_mean(leaf, known, prefix=f"{parent}." if parent else "")
+        return f"unknown key '{key}' in {where}{hint}; known keys: {', '.join(known)}"
+    if isinstance(cause, ValidationError):
+        key = getattr(cause, "full_key", "?")
+        return f"invalid value for '{key}': {_first_line(str(cause))}"
+    if isinstance(cause, OmegaConfBaseException):
+        key = getattr(cause, "full_key", None)
+        return f"{key + ': ' if key else ''}{_first_line(str(cause))}"
+    return _first_line(str(e))
+
+
+def _explain_missing(message: str) -> str:
+    found = re.search(r"Could not find '([^']+)'", message)
+    options_block = re.search(r"Available options in '([^']+)':\n((?:\t.*\n?)*)", message)
+    where = re.search(r"In '([^']+)'", message)
+    missing = found.group(1) if found else "?"
+    group, _, option = missing.rpartition("/")
+    options = [o.strip() for o in options_block.group(2).splitlines()] if options_block else []
+    options = [o for o in options if o and not o.startswith("base_")]  # schemas are not options
+    source = f" (in {where.group(1)}.yaml)" if where and where.group(1) != "config" else ""
+    if not group:
+        return f"config '{missing}' not found{source}"
+    kind = "recipe" if group == "recipe" else f"{group} option"
+    return f"unknown {kind} '{option}'{source}{did_you_mean(option, options)}; available: {', '.join(options) or '(none)'}"
+
+
+def _fields_at(path: str) -> list[str]:
+    """Field names of the config dataclass at a dotted path ('' = the root)."""
+    node: Any = Config
+    for part in filter(None, path.split(".")):
+        hints = get_type_hints(node)
+        node = hints.get(part)
+        node = next((a for a in getattr(node, "__args__", ()) if is_dataclass(a)), node)  # X | None
+        if not is_dataclass(node):
+            return []
+    return [f.name for f in fields(node)]
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else text
+
+
+def fail(e: Exception) -> None:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+def write_files(spec: LaunchSpec, run_dir: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for name, content in spec.files.items():
+        (run_dir / name).write_text(content)
+
+
+def execute(spec: LaunchSpec) -> int:
+    """Run the launch as a child process sharing our stdout/stderr; return its exit code."""
+    proc = subprocess.Popen(spec.argv, env={**os.environ, **spec.env})
+    forward = lambda signum, _frame: proc.send_signal(signum)  # noqa: E731 - Ctrl-C/SIGTERM reach the job
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return proc.wait()
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Metrics to a JSONL file and TensorBoard (rank 0), and the loss-curve plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+METRICS = "metrics.jsonl"
+
+
+class MetricsLog:
+    """One JSON object per line: {"kind": "train"|"eval", "step": N, ...metrics}."""
+
+    def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool) -> None:
+        self.enabled = enabled
+        self.file = open(run_dir / METRICS, "a") if enabled else None
+        self.tb = None
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def write(self, kind: str, step: int, values: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps({"kind": kind, "step": step, **values}) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k, v in values.items():
+                self.tb.add_scalar(f"{kind}/{k}", v, step)
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read(run_dir: Path) -> list[dict[str, Any]]:
+    with open(run_dir / METRICS) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_loss(run_dir: Path, out: Path) -> None:
+    """Train loss per step and eval loss at each evaluation, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read(run_dir)
+    train = [(r["step"], r["loss"]) for r in rows if r["kind"] == "train"]
+    evals = [(r["step"], r["eval_loss"]) for r in rows if r["kind"] == "eval"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train loss", linewidth=1)
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats per response token)")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(run_dir.name)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)

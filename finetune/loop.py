@@ -1,0 +1,70 @@
+"""The one training loop, shared by every method and engine. Reads top to bottom:
+evaluate -> for each step: count, step, log, (evaluate) -> evaluate."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from finetune.config import TrainConfig
+from finetune.data import Example, TrainBatches
+from finetune.dist import Dist
+from finetune.evaluate import evaluate
+from finetune.logs import MetricsLog
+
+
+def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatches, evals: list[Example],
+          tokenizer: Any, dist: Dist, log: MetricsLog) -> dict[str, dict[str, float]]:
+    """Run `cfg.max_steps` optimizer steps. Returns the eval metrics before and after training."""
+    def run_eval(step: int, final: bool) -> dict[str, float]:
+        if not evals:
+            return {}
+        metrics = evaluate(engine, objective, evals, dist=dist, tokenizer=tokenizer, batch_size=cfg.eval_batch_size,
+                           exact_match_samples=cfg.exact_match_samples if final else 0, max_new_tokens=cfg.max_new_tokens)
+        log.write("eval", step, metrics)
+        say(dist, bar, f"step {step:>5}  " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        return metrics
+
+    bar = progress(cfg, dist)
+    before = run_eval(0, final=True)
+    start = time.perf_counter()
+    for step in range(1, cfg.max_steps + 1):
+        micro_batches = batches.micro_batches(step - 1)
+        local_count = sum(objective.count(mb) for mb in micro_batches)
+        local_tokens = sum(int(mb["attention_mask"].sum()) for mb in micro_batches)
+        (count,) = dist.sum(local_count)  # loss units of the whole global batch: the normaliser
+
+        tic = time.perf_counter()
+        out = engine.train_step(micro_batches, objective, count)
+        loss_sum, tokens = dist.sum(out.loss_sum, local_tokens)
+        seconds = time.perf_counter() - tic
+
+        metrics = {"loss": loss_sum / count, "lr": out.lr, "grad_norm": out.grad_norm,
+                   "tokens_per_s": tokens / seconds,  # non-pad tokens over all ranks
+                   "step_s": seconds, "epoch": batches.epoch(step), "elapsed_s": time.perf_counter() - start}
+        log.write("train", step, metrics)
+        if bar is not None:
+            bar.update()
+            bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{out.lr:.2e}", refresh=False)
+        elif step % cfg.log_every == 0:
+            say(dist, None, f"step {step:>5}  loss {metrics['loss']:.4f}  lr {out.lr:.2e}  "
+                            f"grad_norm {out.grad_norm:.3f}  tokens/s {metrics['tokens_per_s']:.0f}")
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps:
+            run_eval(step, final=False)
+    after = run_eval(cfg.max_steps, final=True)
+    if bar is not None:
+        bar.close()
+    return {"before": before, "after": after}
+
+
+def progress(cfg: TrainConfig, dist: Dist) -> Any:
+    if not (cfg.progress_bar and dist.is_main):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.max_steps, desc="train", unit="step", mininterval=1.0, dynamic_ncols=True)
+
+
+def say(dist: Dist, bar: Any, line: str) -> None:
+    if dist.is_main:
+        (bar.write if bar is not None else print)(line)
