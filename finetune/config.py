@@ -113,7 +113,7 @@ class ModelInit:
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
-    max_position_embeddings: int = 256
+    max_position_embeddings: int = 512
     tie_word_embeddings: bool = False
     seed: int = 0
     """Seed of the random initialisation (the same on every rank)."""

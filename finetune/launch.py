@@ -22,10 +22,17 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    MissingMandatoryValue,
+    OmegaConfBaseException,
+    ValidationError,
+)
 
+from finetune import formats
 from finetune.config import Config, ConfigError, did_you_mean, to_config, validate
-from finetune.launcher import LaunchSpec, build
+from finetune.launcher import ERROR_FILE, LaunchSpec, build
 
 
 def _recipes_dir() -> Path:
@@ -51,6 +58,7 @@ def main() -> None:
 def _hydra_main(dcfg: DictConfig) -> None:
     try:
         cfg = typed(dcfg)
+        formats.check(cfg.data)  # missing file or malformed row: one line now, not N ranks later
     except ConfigError as e:
         fail(e)
     run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir).resolve()
@@ -64,9 +72,12 @@ def _hydra_main(dcfg: DictConfig) -> None:
         return
     print(f"[finetune] run directory: {run_dir}", flush=True)
     print(f"[finetune] {spec.shell()}", flush=True)
+    (run_dir / ERROR_FILE).unlink(missing_ok=True)
     code = execute(spec)
     if code != 0:
-        print(f"[finetune] error: training exited with code {code}; see the output above and {run_dir}", file=sys.stderr)
+        reason = run_dir / ERROR_FILE  # a rank's one-line reason for a user mistake, if it found one
+        why = reason.read_text().strip() if reason.is_file() else f"training exited with code {code}; see the output above"
+        print(f"error: {why}", file=sys.stderr)
         sys.exit(code)
 
 
@@ -110,6 +121,9 @@ def explain(e: BaseException) -> str:
         where = f"'{parent}'" if parent else "the config"
         hint = did_you_mean(leaf, known, prefix=f"{parent}." if parent else "")
         return f"unknown key '{key}' in {where}{hint}; known keys: {', '.join(known)}"
+    if isinstance(cause, MissingMandatoryValue):
+        key = getattr(cause, "full_key", "?")
+        return f"'{key}' has no value and needs one: set it in the recipe or on the command line ({key}=...)"
     if isinstance(cause, ValidationError):
         key = getattr(cause, "full_key", "?")
         return f"invalid value for '{key}': {_first_line(str(cause))}"

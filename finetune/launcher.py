@@ -13,6 +13,7 @@ from pathlib import Path
 from finetune.config import Config, LauncherName, to_yaml
 
 CONFIG_FILE = "config.yaml"
+ERROR_FILE = "error.txt"  # a rank writes the one-line reason for a user mistake here
 
 
 @dataclass(frozen=True)

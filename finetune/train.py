@@ -15,8 +15,7 @@ import torch
 
 from finetune import config, data, dist, engine, logs, loop, model, objectives
 from finetune.config import Config, ConfigError
-
-ERROR_FILE = "error.txt"  # rank 0's one-line reason, which the launcher repeats last
+from finetune.launcher import ERROR_FILE
 
 
 def main(argv: list[str] | None = None) -> int:
