@@ -1,0 +1,36 @@
+"""Shared helpers: compose configs exactly as the CLI does, and run the real CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def compose():
+    """compose(overrides) -> validated Config, through the same path as `finetune.launch`."""
+    from finetune.launch import preflight
+
+    return lambda overrides=(): preflight(list(overrides))
+
+
+def run_cli(*args: str, cwd: Path, timeout: int = 300, module: str = "finetune.launch") -> subprocess.CompletedProcess:
+    """Run `python -m finetune.launch ARGS` (progress bars off) and return the finished process."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""

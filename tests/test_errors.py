@@ -1,0 +1,83 @@
+"""Every user mistake ends in one clear line on stderr and a non-zero exit, through the real CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import last_line, run_cli
+
+
+def cli_error(tmp_path, *args: str) -> str:
+    out = run_cli(*args, "launcher.dry_run=true", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=60)
+    assert out.returncode == 2, (out.returncode, out.stdout, out.stderr)
+    assert out.stderr.count("\n") == 1, out.stderr  # one line, no traceback
+    assert "Traceback" not in out.stderr
+    return out.stderr.strip()
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["optim.lrr=1e-4"],
+         "error: unknown key 'optim.lrr' in 'optim' (did you mean 'optim.lr'?); known keys: name, lr, weight_decay, betas, eps, scheduler, warmup_steps, min_lr_ratio, max_grad_norm"),
+        (["+train.max_step=3"],
+         "error: unknown key 'train.max_step' in 'train' (did you mean 'train.max_steps'?); known keys: max_steps, micro_batch_size, global_batch_size, seed, eval_every, eval_batch_size, exact_match_samples, max_new_tokens, log_every, progress_bar, tensorboard, device"),
+        (["optim.lr=fast"], "error: invalid value for 'optim.lr': Value 'fast' of type 'str' could not be converted to Float"),
+        (["train.max_steps=1.5"], "error: invalid value for 'train.max_steps': Value '1.5' of type 'float' could not be converted to Integer"),
+        (["data.format=xml"], "error: invalid value for 'data.format': Invalid value 'xml', expected one of [auto, alpaca, chat]"),
+        (["model=tinyy"], "error: unknown model option 'tinyy' (did you mean 'tiny'?); available: pretrained, tiny"),
+        (["parallelism=dp"], "error: unknown parallelism option 'dp' (did you mean 'ddp'?); available: ddp, single"),
+        (["+recipe=quickstart"], "error: unknown recipe 'quickstart' (did you mean 'quickstart_sft'?); available: quickstart_sft"),
+        (["data=jsonl"], "error: 'data.train' has no value and needs one: set it in the recipe or on the command line (data.train=...)"),
+        (["data.train=/nowhere/train.jsonl"], "error: data.train: no such file or directory: /nowhere/train.jsonl"),
+    ],
+)
+def test_config_mistakes(tmp_path, args, message):
+    assert cli_error(tmp_path, *args) == message
+
+
+def test_malformed_jsonl_row_names_file_and_line(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"instruction": "a", "output": "b"}\n\n{"instruction": "c", "output": \n')
+    assert cli_error(tmp_path, "data=jsonl", f"data.train={path}") == f"error: {path}:3: not valid JSON (Expecting value at column 1)"
+
+
+def test_row_of_unknown_shape_names_file_line_and_keys(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"instruction": "a", "output": "b"}) + "\n" + json.dumps({"question": "q", "answer": "a"}) + "\n")
+    assert cli_error(tmp_path, "data=jsonl", f"data.train={path}") == (
+        f"error: {path}:2: alpaca rows need string 'instruction' and 'output' (missing or not text: instruction, output; keys present: answer, question)"
+    )
+
+
+def test_chat_row_must_end_with_assistant(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    assert cli_error(tmp_path, "data=jsonl", f"data.train={path}") == (
+        f"error: {path}:1: the last message must be the assistant's response, got role 'user'"
+    )
+
+
+@pytest.mark.slow
+def test_rank_found_mistakes_end_with_one_clear_line(tmp_path):
+    """Errors only a rank can find (they need the tokenizer) are repeated as the launcher's last line."""
+    out = run_cli("data.max_length=8", "train.max_steps=1", f"hydra.run.dir={tmp_path / 'a'}", cwd=tmp_path)
+    assert out.returncode != 0
+    assert last_line(out.stderr) == (
+        "error: data.train=" + _asset("data/quickstart/train.jsonl")
+        + ": the dataset is empty after filtering: all 4000 prompts are longer than data.max_length=8 (the shortest is 12 tokens): raise data.max_length"
+    )
+    out = run_cli("data.max_length=8", "data.long_prompt=error", "train.max_steps=1", f"hydra.run.dir={tmp_path / 'b'}", cwd=tmp_path)
+    assert out.returncode != 0
+    assert last_line(out.stderr) == (
+        "error: " + _asset("data/quickstart/train.jsonl")
+        + ":1: the prompt is 16 tokens, data.max_length=8 leaves no room for the response: raise data.max_length or set data.long_prompt=drop"
+    )
+
+
+def _asset(rel: str) -> str:
+    from finetune.config import ASSETS
+
+    return str(ASSETS / rel)

@@ -1,0 +1,89 @@
+"""The launcher is a pure function config -> argv/env/files: golden outputs, and the dry run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import yaml
+
+from finetune import config
+from finetune.launcher import build
+
+from conftest import REPO, run_cli
+
+
+def test_single_node_two_ranks_golden(compose):
+    cfg = compose(["+recipe=quickstart_sft"])
+    spec = build(cfg, "/runs/a", python="python", cpu_count=8)
+    assert spec.argv == [
+        "python", "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2", "--standalone",
+        "-m", "finetune.train", "/runs/a/config.yaml",
+    ]
+    assert spec.env == {"OMP_NUM_THREADS": "4", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    assert list(spec.files) == ["config.yaml"]
+
+
+def test_multi_node_golden(compose):
+    cfg = compose(["parallelism=ddp", "launcher.nnodes=2", "launcher.node_rank=1", "launcher.nproc_per_node=4",
+                   "launcher.master_addr=10.0.0.7", "launcher.master_port=29600", "launcher.omp_num_threads=6",
+                   "+launcher.env.NCCL_DEBUG=INFO", "train.global_batch_size=64"])
+    spec = build(cfg, "/runs/b", python="/usr/bin/python3", cpu_count=64)
+    assert spec.argv == [
+        "/usr/bin/python3", "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=4",
+        "--node_rank=1", "--master_addr=10.0.0.7", "--master_port=29600",
+        "-m", "finetune.train", "/runs/b/config.yaml",
+    ]
+    assert spec.env == {"OMP_NUM_THREADS": "6", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "NCCL_DEBUG": "INFO"}
+    assert spec.shell() == (
+        "OMP_NUM_THREADS=6 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false NCCL_DEBUG=INFO /usr/bin/python3 -m torch.distributed.run "
+        "--nnodes=2 --nproc_per_node=4 --node_rank=1 --master_addr=10.0.0.7 --master_port=29600 -m finetune.train /runs/b/config.yaml"
+    )
+
+
+def test_single_node_with_fixed_port_uses_static_rendezvous(compose):
+    spec = build(compose(["launcher.master_port=29555"]), "/r", python="python", cpu_count=2)
+    assert "--standalone" not in spec.argv
+    assert spec.argv[3:8] == ["--nnodes=1", "--nproc_per_node=1", "--node_rank=0", "--master_addr=127.0.0.1", "--master_port=29555"]
+
+
+def test_written_config_round_trips_to_the_same_typed_config(compose, tmp_path):
+    cfg = compose(["+recipe=quickstart_sft", "optim.lr=2e-4"])
+    spec = build(cfg, tmp_path, python="python", cpu_count=2)
+    path = tmp_path / "config.yaml"
+    path.write_text(spec.files["config.yaml"])
+    loaded = config.load(path)
+    assert loaded.run_dir == str(tmp_path)
+    assert loaded.optim == cfg.optim and loaded.train == cfg.train and loaded.model == cfg.model and loaded.data == cfg.data
+
+
+def test_launch_imports_no_torch():
+    code = "import sys, finetune.launch; bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'deepspeed')]; print(bad); sys.exit(bool(bad))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_dry_run_prints_config_and_command_and_starts_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    out = run_cli("+recipe=quickstart_sft", "launcher.dry_run=true", f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert lines[-1].startswith("OMP_NUM_THREADS=")
+    assert f"-m torch.distributed.run --nnodes=1 --nproc_per_node=2 --standalone -m finetune.train {run_dir}/config.yaml" in lines[-1]
+    assert f"# run directory: {run_dir}" in lines
+    printed = yaml.safe_load("\n".join(line for line in lines if not line.startswith(("#", "OMP_NUM_THREADS="))))
+    assert printed["train"]["max_steps"] == 500 and printed["parallelism"]["strategy"] == "ddp"
+    assert (run_dir / "config.yaml").is_file()
+    assert not (run_dir / "metrics.jsonl").exists()  # nothing ran
+
+
+def test_hydra_cfg_job_prints_composed_config(tmp_path):
+    out = run_cli("+recipe=quickstart_sft", "--cfg", "job", cwd=tmp_path, timeout=60)
+    assert out.returncode == 0, out.stderr
+    printed = yaml.safe_load(out.stdout)
+    assert printed["launcher"]["nproc_per_node"] == 2 and printed["optim"]["lr"] == 1e-3
+
+
+def test_repo_layout():
+    for path in ("pyproject.toml", "README.md", "recipes/config.yaml", "finetune/launch.py", "launch", "scripts", "tests", ".ci/run"):
+        assert (REPO / path).exists(), path
