@@ -10,6 +10,10 @@ from pathlib import Path
 
 import pytest
 
+# Tests never reach a hub: fail fast instead of retrying the network (set before any HF import).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
 REPO = Path(__file__).resolve().parent.parent
 
 

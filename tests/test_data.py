@@ -1,0 +1,148 @@
+"""Data: templates, response-only labels, truncation accounting, sources, and batch order."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from finetune import data
+from finetune.config import ASSETS, ConfigError, DataConfig, DataFormat, LongPrompt, Template
+from finetune.data import IGNORE
+from finetune.formats import load_rows, to_messages
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(ASSETS / "tokenizer")
+
+
+def labelled(tok, ex) -> str:
+    return tok.decode([t for t, label in zip(ex.input_ids, ex.labels) if label != IGNORE])
+
+
+def test_alpaca_row_becomes_user_and_assistant():
+    row = {"instruction": "reverse", "input": "abc", "output": "cba"}
+    assert to_messages(row, DataFormat.auto, None, "f:1") == [
+        {"role": "user", "content": "reverse\nabc"},
+        {"role": "assistant", "content": "cba"},
+    ]
+    assert to_messages({"instruction": "hi", "output": "yo"}, DataFormat.alpaca, "be brief", "f:1")[0] == {"role": "system", "content": "be brief"}
+
+
+def test_builtin_template_segments_and_labels(tok):
+    messages = [{"role": "user", "content": "abc"}, {"role": "assistant", "content": "xy"}]
+    assert data.segments(messages, tok, chat_template=False) == [
+        ("<s>", False), ("### User:\nabc\n\n", False), ("### Assistant:\n", False), ("xy</s>", True),
+    ]
+    ex = data.encode(messages, tok, chat_template=False)
+    assert len(ex.input_ids) == 1 + len("### User:\nabc\n\n") + len("### Assistant:\n") + 3  # one token per character
+    assert ex.labels[: ex.prompt_len] == [IGNORE] * ex.prompt_len
+    assert ex.labels[ex.prompt_len :] == ex.input_ids[ex.prompt_len :] == tok.convert_tokens_to_ids(["x", "y", "</s>"])
+    assert ex.reference == "xy"
+
+
+def test_chat_template_labels_only_the_responses(tok):
+    messages = [
+        {"role": "user", "content": "reverse\nabc"}, {"role": "assistant", "content": "cba"},
+        {"role": "user", "content": "uppercase\nab"}, {"role": "assistant", "content": "AB"},
+    ]
+    ex = data.encode(messages, tok, chat_template=True)
+    assert tok.decode(ex.input_ids) == tok.apply_chat_template(messages, tokenize=False)
+    assert labelled(tok, ex) == "cba</s>AB</s>"
+    assert tok.decode(ex.input_ids[: ex.prompt_len]).endswith("<|user|>uppercase\nab\n<|assistant|>")
+    assert ex.reference == "AB"
+
+
+def test_non_prefix_chat_template_is_refused(tok):
+    weird = AutoTokenizer.from_pretrained(ASSETS / "tokenizer")
+    weird.chat_template = "{% for m in messages|reverse %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(ConfigError, match="use data.template=builtin"):
+        data.encode([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], weird, chat_template=True)
+
+
+def test_template_choice(tok):
+    assert data.uses_chat_template(tok, Template.auto) and not data.uses_chat_template(tok, Template.builtin)
+    bare = AutoTokenizer.from_pretrained(ASSETS / "tokenizer")
+    bare.chat_template = None
+    assert not data.uses_chat_template(bare, Template.auto)
+    with pytest.raises(ConfigError, match="the tokenizer has no chat template: use data.template=builtin or auto"):
+        data.uses_chat_template(bare, Template.tokenizer)
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_truncation_and_drops_are_counted(tok, tmp_path):
+    rows = [
+        {"instruction": "r", "output": "abcdefghij"},  # prompt 4 tokens (<|user|> r \n <|assistant|>) + 11: cut at 10
+        {"instruction": "r" * 30, "output": "x"},  # prompt 33 tokens: no room, dropped
+        {"instruction": "r", "output": "ab"},  # 4 + 3 tokens: fits
+    ]
+    cfg = DataConfig(train=write_jsonl(tmp_path / "t.jsonl", rows), max_length=10)
+    examples, stats = data.tokenize(load_rows(cfg.train, "train", "data.train"), tok, cfg, "data.train")
+    assert (stats.rows, stats.truncated, stats.dropped) == (3, 1, 1)
+    assert [len(e.input_ids) for e in examples] == [10, 7]
+    assert labelled(tok, examples[0]) == "abcdef" and labelled(tok, examples[1]) == "ab</s>"
+    cfg.long_prompt = LongPrompt.error
+    with pytest.raises(ConfigError) as e:
+        data.tokenize(load_rows(cfg.train, "train", "data.train"), tok, cfg, "data.train")
+    assert str(e.value) == f"{cfg.train}:2: the prompt is 33 tokens, data.max_length=10 leaves no room for the response: raise data.max_length or set data.long_prompt=drop"
+
+
+def test_eval_held_out_from_train(tok, tmp_path):
+    rows = [{"instruction": "r", "output": f"{i}"} for i in range(20)]
+    cfg = DataConfig(train=write_jsonl(tmp_path / "t.jsonl", rows), eval_size=5)
+    train, evals, stats = data.load_split(cfg, tok, seed=3)
+    assert (len(train), len(evals)) == (15, 5)
+    assert {e.reference for e in train}.isdisjoint({e.reference for e in evals})
+    again = data.load_split(cfg, tok, seed=3)[1]
+    assert [e.reference for e in again] == [e.reference for e in evals]
+
+
+def test_local_dataset_directory_goes_through_datasets(tok, tmp_path):
+    """The hub-id code path (`datasets.load_dataset`) on a local directory of data files, chat format."""
+    folder = tmp_path / "my_dataset"
+    folder.mkdir()
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]} for i in range(6)]
+    write_jsonl(folder / "train.jsonl", rows)
+    loaded = load_rows(str(folder), "train", "data.train")
+    assert len(loaded.rows) == 6 and loaded.where(2) == f"{folder} row 2"
+    cfg = DataConfig(train=str(folder), format=DataFormat.chat)
+    train, evals, _ = data.load_split(cfg, tok, seed=0)
+    assert [labelled(tok, e) for e in train] == [f"a{i}</s>" for i in range(6)] and evals == []
+
+
+def test_unknown_hub_dataset_is_one_line():
+    with pytest.raises(ConfigError, match=r"^data.train: could not load the hub dataset 'nobody/no-such-set' \(split 'train'\): "):
+        load_rows("nobody/no-such-set", "train", "data.train")
+
+
+def test_collate_masks_padding(tok):
+    a = data.Example([5, 6, 7], [IGNORE, 6, 7], 1, "")
+    b = data.Example([5, 6], [IGNORE, 6], 1, "")
+    batch = data.collate([a, b], pad_id=0)
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [5, 6, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert batch["labels"].tolist() == [[IGNORE, 6, 7], [IGNORE, 6, IGNORE]]
+
+
+def test_batch_order_is_the_same_on_any_number_of_ranks():
+    examples = [data.Example([i], [i], 0, "") for i in range(10)]
+    one = data.TrainBatches(examples, global_batch=4, micro_batch=2, dp_rank=0, dp_size=1, seed=7, pad_id=0)
+    two = [data.TrainBatches(examples, global_batch=4, micro_batch=2, dp_rank=r, dp_size=2, seed=7, pad_id=0) for r in range(2)]
+    for step in range(6):  # crosses two epoch boundaries
+        assert one.indices(step) == two[0].indices(step) + two[1].indices(step)
+    stream = [i for step in range(5) for i in one.indices(step)]  # 20 samples = 2 epochs
+    assert sorted(stream[:10]) == list(range(10)) and sorted(stream[10:]) == list(range(10))
+    assert stream[:10] != stream[10:]  # each epoch reshuffles
+    assert len(one.micro_batches(0)) == 2 and one.micro_batches(0)[0]["input_ids"].shape == (2, 1)
+
+
+def test_shard_covers_everything_once():
+    items = list(range(7))
+    parts = [data.shard(items, r, 3) for r in range(3)]
+    assert parts == [[0, 1, 2], [3, 4], [5, 6]]

@@ -1,0 +1,91 @@
+"""End to end through the real CLI on CPU: torchrun, gloo, the shipped tiny model and data."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from finetune import config, data
+from finetune.config import DataConfig
+from finetune.evaluate import exact_match
+from finetune.objectives import SFT
+
+from conftest import read_metrics, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def quickstart(tmp_path_factory):
+    """The full quickstart recipe, as a user runs it: 2 ranks, 500 steps."""
+    tmp = tmp_path_factory.mktemp("quickstart")
+    out = run_cli("+recipe=quickstart_sft", "train.progress_bar=false", f"hydra.run.dir={tmp / 'run'}", cwd=tmp)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return tmp / "run", out
+
+
+def test_quickstart_learns_and_reports(quickstart):
+    run_dir, out = quickstart
+    summary = json.loads((run_dir / "summary.json").read_text())
+    before, after = summary["before"], summary["after"]
+    assert before["exact_match"] == 0.0 and after["exact_match"] >= 0.6  # measured: 0.0 -> ~0.8
+    assert after["eval_loss"] < 0.5 * before["eval_loss"]
+    assert f"exact_match  0.0% -> {after['exact_match']:.1%}" in out.stdout
+    assert f"checkpoint   {run_dir / 'final'}" in out.stdout
+    assert (run_dir / "loss.png").stat().st_size > 10_000
+    assert list((run_dir / "tensorboard").iterdir())
+    train = [m for m in read_metrics(run_dir) if m["kind"] == "train"]
+    assert [m["step"] for m in train] == list(range(1, 501))
+    assert set(train[0]) >= {"loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s"}
+    assert train[-1]["loss"] < train[0]["loss"] / 5
+
+
+def test_checkpoint_reloads_with_transformers_and_gives_the_same_eval(quickstart):
+    run_dir, _ = quickstart
+    cfg = config.load(run_dir / "config.yaml")
+    final = run_dir / "final"
+    tok = AutoTokenizer.from_pretrained(final)
+    model = AutoModelForCausalLM.from_pretrained(final).eval()
+    evals, _ = data.tokenize(data.load_rows(cfg.data.eval, "train", "data.eval"), tok, cfg.data, "data.eval")
+    loss_sum = count = 0.0
+    with torch.no_grad():
+        for batch in data.eval_batches(evals, 32, tok.pad_token_id):
+            loss_sum += SFT()(model, batch).item()
+            count += SFT().count(batch)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert loss_sum / count == pytest.approx(summary["after"]["eval_loss"], rel=1e-4)
+    correct = exact_match(model, tok, evals, batch_size=32, max_new_tokens=16, device=torch.device("cpu"))
+    assert correct / len(evals) == pytest.approx(summary["after"]["exact_match"], abs=1 / len(evals))
+
+
+def test_one_rank_and_two_ranks_follow_the_same_trajectory(tmp_path):
+    """Token-count normalisation + layout-independent batch order: DDP on 2 ranks == 1 process."""
+    common = ["+recipe=quickstart_sft", "train.max_steps=15", "train.exact_match_samples=16", "train.eval_every=5", "train.progress_bar=false", "optim.warmup_steps=5"]
+    one = run_cli(*common, "parallelism=single", "launcher.nproc_per_node=1", "train.micro_batch_size=8",
+                  f"hydra.run.dir={tmp_path / 'one'}", cwd=tmp_path)
+    two = run_cli(*common, f"hydra.run.dir={tmp_path / 'two'}", cwd=tmp_path)
+    assert one.returncode == 0 and two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]
+    m1, m2 = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    loss1 = [m["loss"] for m in m1 if m["kind"] == "train"]
+    loss2 = [m["loss"] for m in m2 if m["kind"] == "train"]
+    assert len(loss1) == len(loss2) == 15
+    assert loss1 == pytest.approx(loss2, rel=2e-4)  # float summation order differs, nothing else
+    eval1 = [m["eval_loss"] for m in m1 if m["kind"] == "eval"]
+    eval2 = [m["eval_loss"] for m in m2 if m["kind"] == "eval"]
+    assert len(eval1) == 4 and eval1 == pytest.approx(eval2, rel=2e-4)
+
+
+def test_pretrained_model_from_a_local_directory(quickstart, tmp_path):
+    """model.path takes hub ids or directories; the directory path is the one testable offline."""
+    run_dir, _ = quickstart
+    final = run_dir / "final"
+    out = run_cli("model=pretrained", f"model.path={final}", "train.max_steps=2", "train.progress_bar=false",
+                  "data=quickstart", "optim.lr=1e-6", f"hydra.run.dir={tmp_path / 'ft'}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    first_eval = next(m for m in read_metrics(tmp_path / "ft") if m["kind"] == "eval")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert first_eval["step"] == 0
+    assert first_eval["eval_loss"] == pytest.approx(summary["after"]["eval_loss"], rel=1e-4)
