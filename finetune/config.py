@@ -62,6 +62,14 @@ class Method(str, Enum):
 
 class Precision(str, Enum):
     fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class Offload(str, Enum):
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
 
 
 class Checkpointing(str, Enum):
@@ -90,6 +98,7 @@ class Scheduler(str, Enum):
 class LauncherName(str, Enum):
     auto = "auto"
     torchrun = "torchrun"
+    deepspeed = "deepspeed"
 
 
 class Device(str, Enum):
@@ -166,6 +175,11 @@ class MethodConfig:
 @dataclass
 class PrecisionConfig:
     name: Precision = Precision.fp32
+    """fp32; bf16 (autocast, fp32 master weights); fp16 (autocast + dynamic loss scaling)."""
+    initial_scale_power: int = 16
+    """fp16: the loss scale starts at 2**initial_scale_power."""
+    loss_scale_window: int = 1000
+    """fp16: steps without overflow before the scale doubles (it halves on every overflow)."""
 
 
 @dataclass
@@ -175,8 +189,39 @@ class CheckpointingConfig:
 
 @dataclass
 class ZeroConfig:
-    stage: int = 0
-    """DeepSpeed ZeRO stage; 0 (none) is the only one in this version."""
+    stage: int | None = None
+    """null: no DeepSpeed (the torch engine). 0-3: the DeepSpeed engine with this ZeRO stage
+    (0 plain data parallel, 1 optimizer states sharded, 2 + gradients, 3 + parameters)."""
+    offload_optimizer: Offload = Offload.none
+    """Optimizer states (and the fp32 gradient copy) to cpu or nvme: stage 2 or 3."""
+    offload_param: Offload = Offload.none
+    """Parameters to cpu or nvme: stage 3 only."""
+    nvme_path: str | None = None
+    """Directory on a fast local disk for nvme offload."""
+    pin_memory: bool = True
+    """Page-locked CPU buffers for offload: faster copies, more locked RAM."""
+    overlap_comm: bool = True
+    """Overlap gradient reduction with the backward pass (costs bucket memory)."""
+    contiguous_gradients: bool = True
+    """Copy gradients into one buffer as they are produced: less fragmentation."""
+    reduce_bucket_size: int = 500_000_000
+    """Elements reduced at a time."""
+    allgather_bucket_size: int = 500_000_000
+    """Stages 1-2: elements all-gathered at a time after the step."""
+    stage3_prefetch_bucket_size: int = 50_000_000
+    """Stage 3: elements of upcoming parameters fetched ahead."""
+    stage3_param_persistence_threshold: int = 100_000
+    """Stage 3: parameters smaller than this stay unpartitioned (saves communication)."""
+    stage3_max_live_parameters: int = 1_000_000_000
+    """Stage 3: gathered parameters kept before releasing."""
+    stage3_max_reuse_distance: int = 1_000_000_000
+    """Stage 3: keep a parameter gathered if it is reused within this many parameters."""
+    sub_group_size: int = 1_000_000_000
+    """Stage 3: optimizer step granularity (lower it if the offloaded step runs out of memory)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.stage is not None
 
 
 @dataclass
@@ -222,6 +267,10 @@ class LauncherConfig:
     """Threads per rank; null: CPU cores / nproc_per_node."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for every rank."""
+    hostfile: str | None = None
+    """deepspeed: hostfile ('host slots=N' lines) for multi-node jobs."""
+    no_ssh: bool = False
+    """deepspeed: start this node's ranks only (run once per node with launcher.node_rank), no ssh."""
     dry_run: bool = False
     """Print the resolved config and the exact command, start nothing."""
 
@@ -247,6 +296,11 @@ class TrainConfig:
     """Print a metrics line every N steps when there is no progress bar."""
     progress_bar: bool = True
     tensorboard: bool = True
+    save_every: int = 0
+    """Save a resumable checkpoint every N steps into RUN_DIR/checkpoints (0: never)."""
+    resume: str | None = None
+    """null: start fresh; auto: the newest checkpoint in RUN_DIR/checkpoints (same hydra.run.dir),
+    or start fresh if there is none; a path: that checkpoint directory."""
     device: Device = Device.auto
     """auto: cuda when available, else cpu."""
 
@@ -293,6 +347,11 @@ GROUPS: dict[str, type] = {
     "launcher": LauncherConfig,
     "train": TrainConfig,
 }
+
+
+def uses_deepspeed(cfg: Config) -> bool:
+    """The DeepSpeed engine runs when a ZeRO stage is set."""
+    return cfg.zero.enabled
 
 
 def register() -> None:
@@ -375,6 +434,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"optim.warmup_steps={cfg.optim.warmup_steps} must be below train.max_steps={t.max_steps}")
 
     world = cfg.world_size
+    _validate_zero(cfg)
     if cfg.parallelism.strategy == Strategy.single and world != 1:
         raise ConfigError(
             f"parallelism=single runs one process, but the launcher starts {world} "
@@ -397,6 +457,46 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.eval_size={cfg.data.eval_size} must be 0 or more")
     if t.exact_match_samples and cfg.data.eval is None and cfg.data.eval_size == 0:
         raise ConfigError("train.exact_match_samples needs an eval set: set data.eval or data.eval_size")
+
+
+def _validate_zero(cfg: Config) -> None:
+    z, launch = cfg.zero, cfg.launcher
+    if launch.name == LauncherName.deepspeed and not z.enabled:
+        raise ConfigError("launcher=deepspeed starts the DeepSpeed engine, which needs a zero option: use zero=stage0..stage3 or launcher=torchrun")
+    if (launch.hostfile or launch.no_ssh) and launch.name == LauncherName.torchrun:
+        raise ConfigError("launcher.hostfile and launcher.no_ssh are deepspeed launcher settings: use launcher=deepspeed (or unset them)")
+    if not z.enabled:
+        if z.offload_optimizer != Offload.none or z.offload_param != Offload.none:
+            raise ConfigError("zero.offload_* needs DeepSpeed: choose a zero option (e.g. zero=stage2_offload), not zero=none")
+        return
+    if z.stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero.stage={z.stage} must be 0, 1, 2 or 3 (or null for no DeepSpeed)")
+    if cfg.parallelism.strategy not in (Strategy.single, Strategy.ddp):
+        raise ConfigError(
+            f"zero=stage{z.stage} shards over data-parallel ranks; parallelism={cfg.parallelism.strategy.value} is a "
+            "torch-engine layout: use parallelism=ddp with zero, or zero=none"
+        )
+    if z.offload_optimizer != Offload.none and z.stage < 2:
+        raise ConfigError(
+            f"zero.offload_optimizer={z.offload_optimizer.value} needs ZeRO stage 2 or 3 (got stage {z.stage}): "
+            "use zero=stage2_offload or zero=stage3_offload"
+        )
+    if z.offload_param != Offload.none and z.stage != 3:
+        raise ConfigError(f"zero.offload_param={z.offload_param.value} needs ZeRO stage 3 (got stage {z.stage}): use zero=stage3_offload")
+    if Offload.nvme in (z.offload_optimizer, z.offload_param) and not z.nvme_path:
+        raise ConfigError("NVMe offload needs a directory on a fast local disk: set zero.nvme_path=/local/nvme")
+    if launch.nnodes > 1 and launcher_for(cfg) == LauncherName.deepspeed and not launch.hostfile:
+        raise ConfigError(
+            f"launcher.nnodes={launch.nnodes} with the deepspeed launcher needs launcher.hostfile "
+            "(one 'host slots=N' line per node; see launch/hostfile.example)"
+        )
+
+
+def launcher_for(cfg: Config) -> LauncherName:
+    """Which launcher `launcher=auto` means: deepspeed for the DeepSpeed engine, else torchrun."""
+    if cfg.launcher.name != LauncherName.auto:
+        return cfg.launcher.name
+    return LauncherName.deepspeed if cfg.zero.enabled else LauncherName.torchrun
 
 
 def did_you_mean(word: str, options: list[str], prefix: str = "") -> str:

@@ -35,8 +35,11 @@ class Dist:
             dist.barrier()
 
 
-def init(device: Device) -> Dist:
-    """Join the process group torchrun (or deepspeed) set up through the environment."""
+def init(device: Device, *, deepspeed: bool = False) -> Dist:
+    """Join the process group torchrun (or deepspeed) set up through the environment.
+
+    With `deepspeed`, DeepSpeed's communication layer wraps the same torch process group
+    (ZeRO-3's zero.Init needs it before the engine exists)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     cuda = device == Device.cuda or (device == Device.auto and torch.cuda.is_available())
@@ -45,8 +48,13 @@ def init(device: Device) -> Dist:
     dev = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(dev)
+    backend = "nccl" if cuda else "gloo"
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
+        dist.init_process_group(backend, timeout=timedelta(minutes=10))
+    if deepspeed:
+        import deepspeed as ds
+
+        ds.init_distributed(dist_backend=backend)
     return Dist(rank=rank, local_rank=local_rank, world_size=world, device=dev)
 
 

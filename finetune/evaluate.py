@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from finetune.data import Example, eval_batches, shard
+from finetune.data import Example, collate, eval_batches, shard
 from finetune.dist import Dist
 
 
@@ -15,25 +15,44 @@ def evaluate(engine: Any, objective: Any, examples: list[Example], *, dist: Dist
     """Eval loss (mean over every response token of the eval set, all ranks) and optionally exact match."""
     mine = shard(examples, dist.rank, dist.world_size)
     loss_sum = count = 0.0
-    for batch in eval_batches(mine, batch_size, tokenizer.pad_token_id):
+    batches = list(eval_batches(mine, batch_size, tokenizer.pad_token_id))
+    for batch in batches:
         loss_sum += engine.eval_loss(batch, objective)
         count += objective.count(batch)
+    for _ in range(lockstep_extra(engine, len(examples), batch_size, dist)):
+        engine.eval_loss(collate(examples[:1], tokenizer.pad_token_id), objective)  # ZeRO-3: match the other ranks' forwards
     loss_sum, count = dist.sum(loss_sum, count)
     out = {"eval_loss": loss_sum / max(count, 1)}
     if exact_match_samples:
         scored = shard(examples[:exact_match_samples], dist.rank, dist.world_size)
-        correct, total = dist.sum(exact_match(engine.generation_model, tokenizer, scored, batch_size=batch_size,
-                                              max_new_tokens=max_new_tokens, device=dist.device), len(scored))
+        extra = lockstep_extra(engine, min(exact_match_samples, len(examples)), batch_size, dist)
+        correct = exact_match(engine.generation_model, tokenizer, scored + examples[:1] * extra * batch_size, batch_size=batch_size,
+                              max_new_tokens=max_new_tokens, device=dist.device, synced=engine.lockstep, count=len(scored))
+        correct, total = dist.sum(correct, len(scored))
         out["exact_match"] = correct / max(total, 1)
     return out
 
 
+def lockstep_extra(engine: Any, total: int, batch_size: int, dist: Dist) -> int:
+    """Batches this rank must add so every rank runs as many forwards (engines with `lockstep`)."""
+    if not engine.lockstep:
+        return 0
+    most = -(-total // dist.world_size)  # the largest shard
+    return -(-most // batch_size) - -(-len(shard(range(total), dist.rank, dist.world_size)) // batch_size)
+
+
 @torch.no_grad()
 def exact_match(model: Any, tokenizer: Any, examples: list[Example], *, batch_size: int, max_new_tokens: int,
-                device: torch.device) -> int:
-    """How many greedy continuations of the prompt equal the reference response (stripped)."""
+                device: torch.device, synced: bool = False, count: int | None = None) -> int:
+    """How many greedy continuations of the prompt equal the reference response (stripped).
+
+    Args:
+        synced: ZeRO-3 across ranks: every rank keeps generating until all are done.
+        count: score only the first `count` examples (the rest keep ranks in lockstep).
+    """
     model.eval()
     correct = 0
+    count = len(examples) if count is None else count
     for i in range(0, len(examples), batch_size):
         chunk = examples[i : i + batch_size]
         width = max(e.prompt_len for e in chunk)
@@ -43,7 +62,8 @@ def exact_match(model: Any, tokenizer: Any, examples: list[Example], *, batch_si
             ids[row, width - e.prompt_len :] = torch.tensor(e.input_ids[: e.prompt_len])
             mask[row, width - e.prompt_len :] = 1
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+                             do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                             synced_gpus=synced)
         texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-        correct += sum(text.strip() == e.reference.strip() for text, e in zip(texts, chunk))
+        correct += sum(text.strip() == e.reference.strip() for j, (text, e) in enumerate(zip(texts, chunk)) if i + j < count)
     return correct

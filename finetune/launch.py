@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from dataclasses import fields, is_dataclass
@@ -62,11 +63,14 @@ def _hydra_main(dcfg: DictConfig) -> None:
     except ConfigError as e:
         fail(e)
     run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir).resolve()
-    spec = build(cfg, run_dir, python=sys.executable, cpu_count=os.cpu_count() or 1)
+    spec = build(cfg, run_dir, python=sys.executable, cpu_count=os.cpu_count() or 1, port=free_port())
     write_files(spec, run_dir)
     if cfg.launcher.dry_run:
         print(spec.files["config.yaml"], end="")
         print(f"# run directory: {run_dir}")
+        for name in spec.files:
+            if name != "config.yaml":
+                print(f"# {run_dir / name}:\n" + "\n".join(f"#   {line}" for line in spec.files[name].splitlines()))
         print(f"# environment set: {' '.join(f'{k}={v}' for k, v in spec.env.items())}")
         print(spec.shell())
         return
@@ -167,6 +171,13 @@ def _first_line(text: str) -> str:
 def fail(e: Exception) -> None:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
+
+
+def free_port() -> int:
+    """A port nobody listens on now (the rendezvous port when launcher.master_port is null)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def write_files(spec: LaunchSpec, run_dir: Path) -> None:

@@ -1,25 +1,30 @@
 """Config -> the exact launch: argv, environment and the files the ranks read.
 
-A pure function of the typed config (plus the python executable and core count passed in),
-so it is unit-tested with golden outputs and shown verbatim by a dry run. No torch import.
+A pure function of the typed config (plus the python executable, core count and a free port,
+passed in), so it is unit-tested with golden outputs and shown verbatim by a dry run. The
+DeepSpeed JSON is generated here from the typed config alone: nobody keeps one by hand.
+No torch import.
 """
 
 from __future__ import annotations
 
+import json
 import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
-from finetune.config import Config, LauncherName, to_yaml
+from finetune.config import Config, LauncherName, Offload, Precision, launcher_for, to_yaml
 
 CONFIG_FILE = "config.yaml"
+DEEPSPEED_FILE = "deepspeed.json"
 ERROR_FILE = "error.txt"  # a rank writes the one-line reason for a user mistake here
 
 
 @dataclass(frozen=True)
 class LaunchSpec:
     argv: list[str]
-    """The command; argv[0] is the python that runs torch.distributed.run (torchrun)."""
+    """The command; argv[0] is the python that runs torch.distributed.run or the deepspeed runner."""
     env: dict[str, str]
     """Variables the launch sets on top of the caller's environment."""
     files: dict[str, str] = field(default_factory=dict)
@@ -31,21 +36,15 @@ class LaunchSpec:
         return f"{env} {shlex.join(self.argv)}".strip()
 
 
-def launcher_name(cfg: Config) -> LauncherName:
-    """Which launcher `auto` means for this config."""
-    if cfg.launcher.name != LauncherName.auto:
-        return cfg.launcher.name
-    return LauncherName.torchrun
-
-
-def build(cfg: Config, run_dir: str | Path, *, python: str, cpu_count: int) -> LaunchSpec:
+def build(cfg: Config, run_dir: str | Path, *, python: str, cpu_count: int, port: int = 29500) -> LaunchSpec:
     """Build the launch for `cfg` writing into `run_dir`.
 
     Args:
         cfg: the validated config; `cfg.run_dir` is set to `run_dir` in the written copy.
-        run_dir: the run directory; the ranks read `run_dir/config.yaml`.
+        run_dir: the run directory; the ranks read `run_dir/config.yaml` (and deepspeed.json).
         python: the interpreter that starts the launcher (the one running this, normally).
         cpu_count: cores on this node, to split among ranks when omp_num_threads is null.
+        port: rendezvous port when launcher.master_port is null and the launcher needs one.
 
     Returns:
         The LaunchSpec; nothing is written or started here.
@@ -53,16 +52,24 @@ def build(cfg: Config, run_dir: str | Path, *, python: str, cpu_count: int) -> L
     run_dir = str(run_dir)
     launch = cfg.launcher
     config_path = str(Path(run_dir) / CONFIG_FILE)
-    name = launcher_name(cfg)
-    assert name == LauncherName.torchrun, name  # other launchers arrive with their engines
+    files = {CONFIG_FILE: to_yaml(replace(cfg, run_dir=run_dir))}  # the ranks read this copy
+    master_port = launch.master_port if launch.master_port is not None else port
 
-    argv = [python, "-m", "torch.distributed.run", f"--nnodes={launch.nnodes}", f"--nproc_per_node={launch.nproc_per_node}"]
-    if launch.nnodes == 1 and launch.master_port is None:
-        argv.append("--standalone")  # local rendezvous on a free port: concurrent jobs never collide
+    if launcher_for(cfg) == LauncherName.deepspeed:
+        argv = [python, "-m", "deepspeed.launcher.runner", f"--num_nodes={launch.nnodes}", f"--num_gpus={launch.nproc_per_node}"]
+        if launch.hostfile:
+            argv.append(f"--hostfile={launch.hostfile}")
+        if launch.no_ssh:
+            argv += ["--no_ssh", f"--node_rank={launch.node_rank}"]
+        argv += [f"--master_addr={launch.master_addr}", f"--master_port={master_port}", "--module", "finetune.train", config_path]
+        files[DEEPSPEED_FILE] = json.dumps(deepspeed_config(cfg), indent=2) + "\n"
     else:
-        port = launch.master_port if launch.master_port is not None else 29500
-        argv += [f"--node_rank={launch.node_rank}", f"--master_addr={launch.master_addr}", f"--master_port={port}"]
-    argv += ["-m", "finetune.train", config_path]
+        argv = [python, "-m", "torch.distributed.run", f"--nnodes={launch.nnodes}", f"--nproc_per_node={launch.nproc_per_node}"]
+        if launch.nnodes == 1 and launch.master_port is None:
+            argv.append("--standalone")  # local rendezvous on a free port: concurrent jobs never collide
+        else:
+            argv += [f"--node_rank={launch.node_rank}", f"--master_addr={launch.master_addr}", f"--master_port={master_port}"]
+        argv += ["-m", "finetune.train", config_path]
 
     threads = launch.omp_num_threads or max(1, cpu_count // launch.nproc_per_node)
     env = {
@@ -71,6 +78,61 @@ def build(cfg: Config, run_dir: str | Path, *, python: str, cpu_count: int) -> L
         "TOKENIZERS_PARALLELISM": "false",  # we tokenize before any fork; silence the warning
         **launch.env,
     }
+    return LaunchSpec(argv=argv, env=env, files=files)
 
-    written = replace(cfg, run_dir=run_dir)  # the ranks read this copy, so they know where to write
-    return LaunchSpec(argv=argv, env=env, files={CONFIG_FILE: to_yaml(written)})
+
+def deepspeed_config(cfg: Config) -> dict[str, Any]:
+    """The DeepSpeed JSON, every number taken from the typed config.
+
+    The learning-rate schedule is not in it: both engines step the same scheduler object
+    (`engine.build_scheduler`), because DeepSpeed's Warmup* schedulers run their first step at
+    lr 0 even without warmup, which would make the DeepSpeed run diverge from the torch run.
+    """
+    t, o, z, p = cfg.train, cfg.optim, cfg.zero, cfg.precision
+    ds: dict[str, Any] = {
+        "train_batch_size": t.global_batch_size,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": cfg.grad_accum_steps,
+        "gradient_clipping": o.max_grad_norm or 0.0,  # 0: no clipping
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay},
+        },
+        "steps_per_print": t.max_steps + 1,  # we log; keep DeepSpeed's own step lines quiet
+        "wall_clock_breakdown": False,
+    }
+    if p.name == Precision.fp16:
+        ds["fp16"] = {
+            "enabled": True,
+            "loss_scale": 0,  # 0 = dynamic
+            "initial_scale_power": p.initial_scale_power,
+            "loss_scale_window": p.loss_scale_window,
+            "hysteresis": 1,  # back off on the first overflow, as torch's GradScaler does
+            "min_loss_scale": 1,
+        }
+    elif p.name == Precision.bf16:
+        ds["bf16"] = {"enabled": True}
+    zero: dict[str, Any] = {
+        "stage": z.stage,
+        "overlap_comm": z.overlap_comm,
+        "contiguous_gradients": z.contiguous_gradients,
+        "reduce_bucket_size": z.reduce_bucket_size,
+    }
+    if z.stage in (1, 2):
+        zero["allgather_bucket_size"] = z.allgather_bucket_size
+    if z.stage == 3:
+        zero |= {
+            "stage3_prefetch_bucket_size": z.stage3_prefetch_bucket_size,
+            "stage3_param_persistence_threshold": z.stage3_param_persistence_threshold,
+            "stage3_max_live_parameters": z.stage3_max_live_parameters,
+            "stage3_max_reuse_distance": z.stage3_max_reuse_distance,
+            "sub_group_size": z.sub_group_size,
+            "stage3_gather_16bit_weights_on_model_save": True,  # the final export needs whole weights
+        }
+    for key, where in (("offload_optimizer", z.offload_optimizer), ("offload_param", z.offload_param)):
+        if where != Offload.none:
+            zero[key] = {"device": where.value, "pin_memory": z.pin_memory}
+            if where == Offload.nvme:
+                zero[key]["nvme_path"] = z.nvme_path
+    ds["zero_optimization"] = zero
+    return ds

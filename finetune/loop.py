@@ -1,10 +1,12 @@
 """The one training loop, shared by every method and engine. Reads top to bottom:
-evaluate -> for each step: count, step, log, (evaluate) -> evaluate."""
+(resume) -> evaluate -> for each step: count, step, log, (evaluate), (save) -> evaluate."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
+
+from pathlib import Path
 
 from finetune.config import TrainConfig
 from finetune.data import Example, TrainBatches
@@ -14,8 +16,13 @@ from finetune.logs import MetricsLog
 
 
 def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatches, evals: list[Example],
-          tokenizer: Any, dist: Dist, log: MetricsLog) -> dict[str, dict[str, float]]:
-    """Run `cfg.max_steps` optimizer steps. Returns the eval metrics before and after training."""
+          tokenizer: Any, dist: Dist, log: MetricsLog, checkpoints: Path, resume_from: Path | None) -> dict[str, dict[str, float]]:
+    """Run optimizer steps up to `cfg.max_steps`. Returns the eval metrics before and after training.
+
+    Args:
+        checkpoints: where `save_every` writes resumable checkpoints.
+        resume_from: a step directory to continue from (same data order: batches are a function of the step).
+    """
     def run_eval(step: int, final: bool) -> dict[str, float]:
         if not evals:
             return {}
@@ -25,10 +32,14 @@ def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatche
         say(dist, bar, f"step {step:>5}  " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         return metrics
 
-    bar = progress(cfg, dist)
-    before = run_eval(0, final=True)
+    first = 1
+    if resume_from is not None:
+        first = engine.load(resume_from) + 1
+        say(dist, None, f"resumed from {resume_from} at step {first - 1}")
+    bar = progress(cfg, dist, initial=first - 1)
+    before = run_eval(first - 1, final=True)
     start = time.perf_counter()
-    for step in range(1, cfg.max_steps + 1):
+    for step in range(first, cfg.max_steps + 1):
         micro_batches = batches.micro_batches(step - 1)
         local_count = sum(objective.count(mb) for mb in micro_batches)
         local_tokens = sum(int(mb["attention_mask"].sum()) for mb in micro_batches)
@@ -42,6 +53,8 @@ def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatche
         metrics = {"loss": loss_sum / count, "lr": out.lr, "grad_norm": out.grad_norm,
                    "tokens_per_s": tokens / seconds,  # non-pad tokens over all ranks
                    "step_s": seconds, "epoch": batches.epoch(step), "elapsed_s": time.perf_counter() - start}
+        if out.loss_scale is not None:  # fp16: the dynamic scale and how many steps overflowed
+            metrics |= {"loss_scale": out.loss_scale, "skipped_steps": out.skipped}
         log.write("train", step, metrics)
         if bar is not None:
             bar.update()
@@ -51,18 +64,20 @@ def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatche
                             f"grad_norm {out.grad_norm:.3f}  tokens/s {metrics['tokens_per_s']:.0f}")
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps:
             run_eval(step, final=False)
+        if cfg.save_every and step % cfg.save_every == 0:
+            engine.save(checkpoints, step)
     after = run_eval(cfg.max_steps, final=True)
     if bar is not None:
         bar.close()
     return {"before": before, "after": after}
 
 
-def progress(cfg: TrainConfig, dist: Dist) -> Any:
+def progress(cfg: TrainConfig, dist: Dist, initial: int) -> Any:
     if not (cfg.progress_bar and dist.is_main):
         return None
     from tqdm import tqdm
 
-    return tqdm(total=cfg.max_steps, desc="train", unit="step", mininterval=1.0, dynamic_ncols=True)
+    return tqdm(total=cfg.max_steps, initial=initial, desc="train", unit="step", mininterval=1.0, dynamic_ncols=True)
 
 
 def say(dist: Dist, bar: Any, line: str) -> None:

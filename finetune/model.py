@@ -1,7 +1,8 @@
 """Tokenizer and model: from a hub id / local directory, or random-init from an architecture.
 
-`prepare` is the one place where memory strategies (precision, activation checkpointing, PEFT)
-are applied to a model, each from its own slice of the config.
+Under ZeRO-3 the caller holds a `transformers.integrations.HfDeepSpeedConfig` while the model is
+built (`zero3_context`): transformers then creates it inside `deepspeed.zero.Init`, so each
+rank only ever materialises its own shard of the weights.
 """
 
 from __future__ import annotations
@@ -29,8 +30,18 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
     return tok
 
 
+def zero3_context(ds_config: dict[str, Any] | None) -> Any:
+    """Keep the returned object alive while loading: transformers sees ZeRO-3 and partitions
+    weights as they are created. None when ZeRO-3 is off."""
+    if ds_config is None or ds_config["zero_optimization"]["stage"] != 3:
+        return None
+    from transformers.integrations import HfDeepSpeedConfig
+
+    return HfDeepSpeedConfig(ds_config)
+
+
 def load_model(cfg: ModelConfig, tokenizer: Any) -> torch.nn.Module:
-    """The model in fp32 on CPU, the same weights on every rank."""
+    """The model in fp32 on CPU, the same weights on every rank (sharded under ZeRO-3)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if cfg.path is not None:
@@ -56,8 +67,3 @@ def load_model(cfg: ModelConfig, tokenizer: Any) -> torch.nn.Module:
     )
     torch.manual_seed(cfg.init.seed)  # every rank builds the same initial weights
     return AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation.value, dtype=torch.float32)
-
-
-def prepare(model: torch.nn.Module, *, device: torch.device) -> torch.nn.Module:
-    """Apply the memory strategies (precision, checkpointing, PEFT arrive with their issues)."""
-    return model.to(device)

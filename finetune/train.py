@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from finetune import config, data, dist, engine, logs, loop, model, objectives
-from finetune.config import Config, ConfigError
-from finetune.launcher import ERROR_FILE
+from finetune import checkpoint, config, data, dist, engine, logs, loop, model, objectives
+from finetune.config import Config, ConfigError, uses_deepspeed
+from finetune.launcher import ERROR_FILE, deepspeed_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher (LOCAL_RANK is used)")
     args = parser.parse_args(argv)
     cfg = config.load(args.config)
-    d = dist.init(cfg.train.device)
+    d = dist.init(cfg.train.device, deepspeed=uses_deepspeed(cfg))
     try:
         run(cfg, d)
     except ConfigError as e:  # a user mistake found on the rank (data vs. tokenizer): one line, no traceback
@@ -45,15 +45,16 @@ def run(cfg: Config, d: dist.Dist) -> None:
     if d.is_main:
         for name, s in stats.items():
             print(s.line(name, cfg.data.max_length))
-    net = model.prepare(model.load_model(cfg.model, tokenizer), device=d.device)
-    eng = engine.build(cfg, net, d)
+    zero3 = model.zero3_context(deepspeed_config(cfg) if uses_deepspeed(cfg) else None)  # noqa: F841 - kept alive
+    eng = engine.build(cfg, model.load_model(cfg.model, tokenizer), d)
     objective = objectives.build(cfg.method)
     batches = data.TrainBatches(train_examples, global_batch=cfg.train.global_batch_size, micro_batch=cfg.train.micro_batch_size,
                                 dp_rank=d.rank, dp_size=d.world_size, seed=cfg.train.seed, pad_id=tokenizer.pad_token_id)
     log = logs.MetricsLog(run_dir, enabled=d.is_main, tensorboard=cfg.train.tensorboard)
     try:
         result = loop.train(cfg.train, engine=eng, objective=objective, batches=batches, evals=eval_examples,
-                            tokenizer=tokenizer, dist=d, log=log)
+                            tokenizer=tokenizer, dist=d, log=log, checkpoints=run_dir / "checkpoints",
+                            resume_from=checkpoint.resolve(cfg.train.resume, run_dir))
     finally:
         log.close()
     final = run_dir / "final"

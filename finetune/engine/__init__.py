@@ -1,21 +1,30 @@
 """How a step runs. The loop calls one interface; engines differ behind it:
 
-- `torch`: a plain module, DDP for data parallel (FSDP2 / TP / PP arrive with the parallelism issue).
-- `deepspeed`: ZeRO stages and offload (arrives with the ZeRO issue).
+- `TorchEngine`: a plain module, DDP for data parallel, torch autocast + GradScaler.
+- `DeepSpeedEngine`: ZeRO stages 0-3 with CPU/NVMe offload, DeepSpeed's precision and scaler.
 
-An engine owns the model, optimizer, scheduler and gradient scaling, and exposes
-`train_step(micro_batches, objective, count)`, `eval_loss(batch, objective)`, `generation_model`
-and `export(path, tokenizer)`.
+Both expose `train_step(micro_batches, objective, count) -> StepResult`, `eval_loss(batch,
+objective)`, `generation_model`, `lockstep` (every rank must run the same number of forwards),
+`save(root, step)`, `load(step_dir) -> step` and `export(path, tokenizer)`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from finetune.config import Config
+from finetune.config import Config, uses_deepspeed
 from finetune.dist import Dist
-from finetune.engine.torch_engine import TorchEngine
+from finetune.engine.common import StepResult, build_scheduler
+
+__all__ = ["StepResult", "build", "build_scheduler"]
 
 
-def build(cfg: Config, model: Any, dist: Dist) -> TorchEngine:
-    return TorchEngine(model, optim=cfg.optim, max_steps=cfg.train.max_steps, strategy=cfg.parallelism.strategy, dist=dist)
+def build(cfg: Config, model: Any, dist: Dist) -> Any:
+    if uses_deepspeed(cfg):
+        from finetune.engine.deepspeed_engine import DeepSpeedEngine
+
+        return DeepSpeedEngine(model, cfg=cfg, dist=dist)
+    from finetune.engine.torch_engine import TorchEngine
+
+    return TorchEngine(model, optim=cfg.optim, precision=cfg.precision, max_steps=cfg.train.max_steps,
+                       strategy=cfg.parallelism.strategy, dist=dist)

@@ -1,42 +1,50 @@
-"""The torch engine: one module (DDP-wrapped for data parallel), AdamW, warmup + decay, clipping."""
+"""The torch engine: one module (DDP-wrapped for data parallel), AdamW, warmup + decay,
+clipping, and autocast with a GradScaler for fp16."""
 
 from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from finetune.config import OptimConfig, Scheduler, Strategy
+from finetune import checkpoint
+from finetune.config import ConfigError, OptimConfig, Precision, PrecisionConfig, Strategy
 from finetune.dist import Dist
+from finetune.engine.common import StepResult, autocast_dtype, build_scheduler, param_groups
 
 Objective = Callable[[Any, dict[str, torch.Tensor]], torch.Tensor]
-
-
-@dataclass
-class StepResult:
-    loss_sum: float
-    """This rank's summed loss over its micro-batches (the loop reduces and divides)."""
-    grad_norm: float
-    """Global gradient norm before clipping."""
-    lr: float
-    """Learning rate this step used."""
+STATE_FILE = "state.pt"
 
 
 class TorchEngine:
-    def __init__(self, model: torch.nn.Module, *, optim: OptimConfig, max_steps: int, strategy: Strategy, dist: Dist) -> None:
+    lockstep = False  # each rank holds the whole model: ranks may run different numbers of forwards
+
+    def __init__(self, model: torch.nn.Module, *, optim: OptimConfig, precision: PrecisionConfig, max_steps: int,
+                 strategy: Strategy, dist: Dist) -> None:
         self.dist = dist
-        self.module = model
+        check_precision(precision.name, dist.device)
+        self.module = model.to(dist.device)  # fp32 master weights whatever the compute precision
         ddp = strategy == Strategy.ddp and dist.world_size > 1
-        self.model: torch.nn.Module = DistributedDataParallel(model) if ddp else model
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.model: torch.nn.Module = DistributedDataParallel(self.module) if ddp else self.module
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.max_grad_norm = optim.max_grad_norm
         self.optimizer = build_optimizer(self.params, optim)
         self.scheduler = build_scheduler(self.optimizer, optim, max_steps)
+        self.dtype = autocast_dtype(precision.name)
+        self.scaler = None
+        if precision.name == Precision.fp16:  # fp16 gradients underflow without loss scaling
+            self.scaler = torch.amp.GradScaler(dist.device.type, init_scale=2.0**precision.initial_scale_power,
+                                               growth_interval=precision.loss_scale_window)
+        self.skipped = 0
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.dist.device.type, dtype=self.dtype)
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], objective: Objective, count: float) -> StepResult:
         """One optimizer step over this rank's micro-batches.
@@ -53,27 +61,63 @@ class TorchEngine:
             batch = {k: v.to(self.dist.device) for k, v in batch.items()}
             sync = i == len(micro_batches) - 1  # DDP all-reduces gradients on the last micro-batch only
             with contextlib.nullcontext() if sync or self.model is self.module else self.model.no_sync():
-                loss = objective(self.model, batch)
+                with self.autocast():
+                    loss = objective(self.model, batch)
                 # Gradients accumulate as sums; DDP then averages over ranks, hence * world_size:
                 # the step's gradient is d(sum of every rank's token losses)/dW / count.
-                (loss * (self.dist.world_size / count)).backward()
+                scaled = loss * (self.dist.world_size / count)
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             loss_sum += loss.item()
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm or math.inf)
-        self.optimizer.step()
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
+        norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm or math.inf))
+        if self.scaler:
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)  # skipped when gradients hold inf/nan
+            self.scaler.update()
+            self.skipped += int(self.scaler.get_scale() < scale)  # the scale backs off only on overflow
+        else:
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_sum=loss_sum, grad_norm=float(norm), lr=lr)
+        return StepResult(loss_sum=loss_sum, grad_norm=norm, lr=lr,
+                          loss_scale=self.scaler.get_scale() if self.scaler else None, skipped=self.skipped)
 
     @torch.no_grad()
     def eval_loss(self, batch: dict[str, torch.Tensor], objective: Objective) -> float:
         """Summed loss of one batch, no gradients."""
         self.module.eval()
-        return float(objective(self.module, {k: v.to(self.dist.device) for k, v in batch.items()}))
+        with self.autocast():
+            return float(objective(self.module, {k: v.to(self.dist.device) for k, v in batch.items()}))
 
     @property
     def generation_model(self) -> torch.nn.Module:
         """The unwrapped model, for `generate` (each rank holds it whole under DDP)."""
         return self.module
+
+    def save(self, root: Path, step: int) -> None:
+        """A resumable checkpoint: model, optimizer, scheduler and scaler (ranks hold the same state)."""
+        if self.dist.is_main:
+            target = root / checkpoint.tag(step)
+            target.mkdir(parents=True, exist_ok=True)
+            state = {"step": step, "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                     "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else None,
+                     "skipped": self.skipped}
+            torch.save(state, target / STATE_FILE)
+            checkpoint.mark_latest(root, step)
+        self.dist.barrier()
+
+    def load(self, step_dir: Path) -> int:
+        if not (step_dir / STATE_FILE).is_file():
+            raise ConfigError(f"train.resume: {step_dir} holds no torch-engine checkpoint ({STATE_FILE}); was it saved with zero=none?")
+        state = torch.load(step_dir / STATE_FILE, map_location=self.dist.device, weights_only=False)
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler and state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+        self.skipped = state["skipped"]
+        return state["step"]
 
     def export(self, path: Path, tokenizer: Any) -> None:
         """Hugging Face format (safetensors + config + tokenizer), written by rank 0."""
@@ -83,21 +127,11 @@ class TorchEngine:
         self.dist.barrier()
 
 
+def check_precision(name: Precision, device: torch.device) -> None:
+    """Refuse a precision this device cannot compute in, naming what it can."""
+    if device.type == "cuda" and name == Precision.bf16 and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"precision=bf16 needs an Ampere or newer GPU ({torch.cuda.get_device_name(device)} has no bf16): use precision=fp16")
+
+
 def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
-    # No weight decay on biases and norm scales (1-D tensors), as is standard for transformers.
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int) -> Any:
-    from transformers import get_scheduler
-
-    name, extra = {
-        Scheduler.cosine: ("cosine_with_min_lr", {"min_lr_rate": cfg.min_lr_ratio}),
-        Scheduler.linear: ("linear", {}),
-        Scheduler.constant: ("constant_with_warmup", {}),
-    }[cfg.scheduler]
-    return get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=max_steps, scheduler_specific_kwargs=extra)
+    return torch.optim.AdamW(param_groups(params, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)

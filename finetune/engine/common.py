@@ -1,0 +1,48 @@
+"""What both engines share: the step result and the learning-rate schedule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from finetune.config import OptimConfig, Scheduler
+
+
+@dataclass
+class StepResult:
+    loss_sum: float
+    """This rank's summed loss over its micro-batches (the loop reduces and divides)."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    lr: float
+    """Learning rate this step used."""
+    loss_scale: float | None = None
+    """fp16: the dynamic loss scale after this step."""
+    skipped: int = 0
+    """fp16: optimizer steps skipped so far because gradients overflowed."""
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int) -> Any:
+    """Linear warmup, then cosine (to lr * min_lr_ratio) or linear decay, or constant."""
+    from transformers import get_scheduler
+
+    name, extra = {
+        Scheduler.cosine: ("cosine_with_min_lr", {"min_lr_rate": cfg.min_lr_ratio}),
+        Scheduler.linear: ("linear", {}),
+        Scheduler.constant: ("constant_with_warmup", {}),
+    }[cfg.scheduler]
+    return get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=max_steps, scheduler_specific_kwargs=extra)
+
+
+def autocast_dtype(name: Any) -> torch.dtype | None:
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name.value]
+
+
+def param_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
+    """No weight decay on biases and norm scales (1-D tensors), as is standard for transformers."""
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]

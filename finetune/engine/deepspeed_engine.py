@@ -1,0 +1,96 @@
+"""The DeepSpeed engine: ZeRO stages 0-3, CPU/NVMe offload, DeepSpeed's fp16 scaler / bf16.
+
+The JSON comes from `launcher.deepspeed_config` (the same pure function the launcher wrote
+RUN_DIR/deepspeed.json with); the learning-rate schedule is the torch engine's, handed to
+DeepSpeed as a client scheduler so both engines follow the same curve.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from finetune import checkpoint
+from finetune.config import Config, ConfigError, Precision
+from finetune.dist import Dist
+from finetune.engine.common import StepResult, build_scheduler, param_groups
+from finetune.launcher import deepspeed_config
+
+Objective = Callable[[Any, dict[str, torch.Tensor]], torch.Tensor]
+
+
+class DeepSpeedEngine:
+    def __init__(self, model: torch.nn.Module, *, cfg: Config, dist: Dist) -> None:
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+
+        if cfg.precision.name == Precision.fp16 and not get_accelerator().is_fp16_supported():
+            raise ConfigError(f"precision=fp16 is not supported by DeepSpeed's {get_accelerator().device_name()} accelerator: use precision=bf16 or fp32")
+        if cfg.precision.name == Precision.bf16 and not get_accelerator().is_bf16_supported():
+            raise ConfigError(f"precision=bf16 is not supported by DeepSpeed's {get_accelerator().device_name()} accelerator: use precision=fp16 or fp32")
+        self.dist = dist
+        self.stage = cfg.zero.stage
+        self.lockstep = self.stage == 3 and dist.world_size > 1  # parameters are gathered collectively
+        self.fp16 = cfg.precision.name == Precision.fp16
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.engine, _, _, self.scheduler = deepspeed.initialize(
+            model=model,
+            model_parameters=param_groups(params, cfg.optim.weight_decay),
+            config=deepspeed_config(cfg),
+            lr_scheduler=lambda opt: build_scheduler(opt, cfg.optim, cfg.train.max_steps),
+        )
+        self.module = self.engine.module
+
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]], objective: Objective, count: float) -> StepResult:
+        """One optimizer step: DeepSpeed steps at the accumulation boundary (the last micro-batch)."""
+        self.engine.train()
+        lr = self.scheduler.get_last_lr()[0]
+        loss_sum, norm = 0.0, None
+        for i, batch in enumerate(micro_batches):
+            batch = {k: v.to(self.engine.device) for k, v in batch.items()}
+            loss = objective(self.engine, batch)
+            # DeepSpeed averages gradients over ranks (hence * world_size); we normalise by the
+            # global token count ourselves, so no extra 1/accumulation scaling.
+            self.engine.backward(loss * (self.dist.world_size / count), scale_wrt_gas=False)
+            if self.stage == 0 and i == len(micro_batches) - 1:  # ZeRO off: DeepSpeed reports no norm
+                norm = torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in self.module.parameters() if p.grad is not None]))
+            self.engine.step()
+            loss_sum += loss.item()
+        norm = self.engine.get_global_grad_norm() if norm is None else norm
+        return StepResult(loss_sum=loss_sum, grad_norm=float(norm) if norm is not None else float("nan"), lr=lr,
+                          loss_scale=float(self.engine.optimizer.loss_scale) if self.fp16 else None,
+                          skipped=int(self.engine.skipped_steps))
+
+    @torch.no_grad()
+    def eval_loss(self, batch: dict[str, torch.Tensor], objective: Objective) -> float:
+        self.engine.eval()
+        return float(objective(self.engine, {k: v.to(self.engine.device) for k, v in batch.items()}))
+
+    @property
+    def generation_model(self) -> torch.nn.Module:
+        """The module; under ZeRO-3 its forward gathers parameters (generate with synced_gpus)."""
+        return self.module
+
+    def save(self, root: Path, step: int) -> None:
+        """DeepSpeed's sharded checkpoint (every rank writes its shard), then `latest`."""
+        self.engine.save_checkpoint(str(root), tag=checkpoint.tag(step), client_state={"step": step}, save_latest=False)
+        self.dist.barrier()
+        if self.dist.is_main:
+            checkpoint.mark_latest(root, step)
+        self.dist.barrier()
+
+    def load(self, step_dir: Path) -> int:
+        path, client = self.engine.load_checkpoint(str(step_dir.parent), tag=step_dir.name)
+        if path is None:
+            raise ConfigError(f"train.resume: {step_dir} holds no DeepSpeed checkpoint; was it saved with a zero option?")
+        return int(client["step"])
+
+    def export(self, path: Path, tokenizer: Any) -> None:
+        """Consolidated Hugging Face weights: under ZeRO-3 gathered from every rank's shard."""
+        state = self.engine._zero3_consolidated_16bit_state_dict() if self.stage == 3 else None  # collective
+        if self.dist.is_main:
+            self.module.save_pretrained(path, state_dict=state)
+            tokenizer.save_pretrained(path)
+        self.dist.barrier()
