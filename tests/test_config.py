@@ -13,6 +13,8 @@ from finetune.launch import RECIPES
 NEEDS = {
     ("model", "pretrained"): ["model.path=/some/local/model"],
     ("data", "jsonl"): ["data.train=/some/train.jsonl"],
+    ("zero", "stage3_nvme"): ["zero.nvme_path=/local/nvme"],
+    ("launcher", "deepspeed"): ["zero=stage2"],
 }
 GROUPS = sorted(p.name for p in RECIPES.iterdir() if p.is_dir() and p.name != "recipe")
 

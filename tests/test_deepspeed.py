@@ -1,0 +1,206 @@
+"""ZeRO through DeepSpeed: the generated JSON and argv (golden), the refusals, and real runs on
+CPU (DeepSpeed's CPU accelerator, gloo) checked against the single-process torch engine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from finetune.config import ConfigError
+from finetune.launcher import build, deepspeed_config
+
+from conftest import read_metrics, run_cli
+
+
+def test_stage3_offload_fp16_recipe_golden(compose):
+    """The classic 'does not fit' recipe: the whole JSON and command, as its dry run shows them."""
+    cfg = compose(["+recipe=zero3_offload_fp16"])
+    spec = build(cfg, "/runs/z3", python="python", cpu_count=32, port=29400)
+    assert spec.argv == [
+        "python", "-m", "deepspeed.launcher.runner", "--num_nodes=1", "--num_gpus=4",
+        "--master_addr=127.0.0.1", "--master_port=29400", "--module", "finetune.train", "/runs/z3/config.yaml",
+    ]
+    assert json.loads(spec.files["deepspeed.json"]) == {
+        "train_batch_size": 16,
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 4,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}},
+        "steps_per_print": 101,
+        "wall_clock_breakdown": False,
+        "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 1, "min_loss_scale": 1},
+        "zero_optimization": {
+            "stage": 3, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 500_000_000,
+            "stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000,
+            "stage3_max_live_parameters": 1_000_000_000, "stage3_max_reuse_distance": 1_000_000_000,
+            "sub_group_size": 1_000_000_000, "stage3_gather_16bit_weights_on_model_save": True,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "offload_param": {"device": "cpu", "pin_memory": True},
+        },
+    }
+
+
+def test_json_follows_every_yaml_number(compose):
+    """What the YAML says is what DeepSpeed runs, field by field."""
+    cfg = compose([
+        "parallelism=ddp", "launcher.nproc_per_node=2", "zero=stage2_offload", "precision=bf16",
+        "train.micro_batch_size=3", "train.global_batch_size=24", "optim.lr=7e-5", "optim.betas=[0.8,0.95]",
+        "optim.eps=1e-6", "optim.weight_decay=0.1", "optim.max_grad_norm=0.5", "zero.pin_memory=false",
+        "zero.overlap_comm=false", "zero.contiguous_gradients=false", "zero.reduce_bucket_size=1234",
+        "zero.allgather_bucket_size=5678",
+    ])
+    ds = deepspeed_config(cfg)
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (24, 3, 4)
+    assert ds["gradient_clipping"] == 0.5
+    assert ds["optimizer"]["params"] == {"lr": 7e-5, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1}
+    assert ds["bf16"] == {"enabled": True} and "fp16" not in ds
+    assert ds["zero_optimization"] == {
+        "stage": 2, "overlap_comm": False, "contiguous_gradients": False, "reduce_bucket_size": 1234,
+        "allgather_bucket_size": 5678, "offload_optimizer": {"device": "cpu", "pin_memory": False},
+    }
+    cfg = compose(["zero=stage3_nvme", "zero.nvme_path=/nvme", "optim.max_grad_norm=null", "precision=fp16",
+                   "precision.initial_scale_power=12", "precision.loss_scale_window=50"])
+    ds = deepspeed_config(cfg)
+    assert ds["gradient_clipping"] == 0.0
+    assert ds["fp16"]["initial_scale_power"] == 12 and ds["fp16"]["loss_scale_window"] == 50
+    assert ds["zero_optimization"]["offload_param"] == {"device": "nvme", "pin_memory": True, "nvme_path": "/nvme"}
+    assert ds["zero_optimization"]["offload_optimizer"] == {"device": "nvme", "pin_memory": True, "nvme_path": "/nvme"}
+
+
+def test_multi_node_deepspeed_argv(compose):
+    cfg = compose(["zero=stage1", "parallelism=ddp", "launcher.nnodes=2", "launcher.node_rank=1", "launcher.nproc_per_node=8",
+                   "launcher.hostfile=/etc/hosts.ds", "launcher.no_ssh=true", "launcher.master_addr=10.1.1.1",
+                   "launcher.master_port=29501", "train.global_batch_size=128"])
+    spec = build(cfg, "/r", python="python", cpu_count=64)
+    assert spec.argv == [
+        "python", "-m", "deepspeed.launcher.runner", "--num_nodes=2", "--num_gpus=8", "--hostfile=/etc/hosts.ds",
+        "--no_ssh", "--node_rank=1", "--master_addr=10.1.1.1", "--master_port=29501", "--module", "finetune.train", "/r/config.yaml",
+    ]
+
+
+def test_auto_launcher_picks_deepspeed_for_zero_and_torchrun_otherwise(compose):
+    assert "deepspeed.launcher.runner" in build(compose(["zero=stage0"]), "/r", python="p", cpu_count=1).argv
+    assert "torch.distributed.run" in build(compose(["zero=none"]), "/r", python="p", cpu_count=1).argv
+    torchrun = build(compose(["zero=stage2", "launcher=torchrun"]), "/r", python="p", cpu_count=1)
+    assert "torch.distributed.run" in torchrun.argv and "deepspeed.json" not in torchrun.files
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["zero=stage3_nvme"], "NVMe offload needs a directory on a fast local disk: set zero.nvme_path=/local/nvme"),
+        (["zero=stage1", "zero.offload_optimizer=cpu"],
+         "zero.offload_optimizer=cpu needs ZeRO stage 2 or 3 (got stage 1): use zero=stage2_offload or zero=stage3_offload"),
+        (["zero=stage2", "zero.offload_param=cpu"], "zero.offload_param=cpu needs ZeRO stage 3 (got stage 2): use zero=stage3_offload"),
+        (["zero=stage2", "parallelism=ddp", "launcher.nproc_per_node=4", "train.global_batch_size=2", "train.micro_batch_size=1"],
+         "train.global_batch_size=2 is smaller than the data-parallel size 4: every rank needs at least one sample per step"),
+        (["launcher=deepspeed"],
+         "launcher=deepspeed starts the DeepSpeed engine, which needs a zero option: use zero=stage0..stage3 or launcher=torchrun"),
+        (["zero=stage2", "parallelism=ddp", "launcher.nnodes=2", "train.global_batch_size=16"],
+         "launcher.nnodes=2 with the deepspeed launcher needs launcher.hostfile (one 'host slots=N' line per node; see launch/hostfile.example)"),
+        (["zero.offload_optimizer=cpu"], "zero.offload_* needs DeepSpeed: choose a zero option (e.g. zero=stage2_offload), not zero=none"),
+        (["launcher=torchrun", "launcher.no_ssh=true"],
+         "launcher.hostfile and launcher.no_ssh are deepspeed launcher settings: use launcher=deepspeed (or unset them)"),
+    ],
+)
+def test_what_cannot_work_is_refused(compose, overrides, message):
+    with pytest.raises(ConfigError) as e:
+        compose(overrides)
+    assert str(e.value) == message
+
+
+# ---------------------------------------------------------------------------------------------
+# Real runs: 2 ranks, DeepSpeed CPU accelerator, the same weights loaded from a local directory.
+
+STEPS = ["+recipe=quickstart_sft", "train.max_steps=4", "optim.warmup_steps=1", "train.exact_match_samples=0",
+         "train.progress_bar=false", "train.eval_every=0"]
+
+
+@pytest.fixture(scope="module")
+def start_model(tmp_path_factory):
+    """A tiny random-init model saved to disk: every run below starts from the same weights
+    (ZeRO-3 builds random-init models inside zero.Init, which draws different random numbers)."""
+    from finetune import config, model
+    from finetune.launch import preflight
+
+    cfg = preflight(["+recipe=quickstart_sft"])
+    path = tmp_path_factory.mktemp("start") / "model"
+    tok = model.load_tokenizer(cfg.model)
+    model.load_model(cfg.model, tok).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def train_losses(run_dir):
+    return [m["loss"] for m in read_metrics(run_dir) if m["kind"] == "train"]
+
+
+def final_eval(run_dir):
+    return [m["eval_loss"] for m in read_metrics(run_dir) if m["kind"] == "eval"][-1]
+
+
+@pytest.fixture(scope="module")
+def torch_reference(start_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ref")
+    out = run_cli(*STEPS, "model=pretrained", f"model.path={start_model}", "parallelism=single", "launcher.nproc_per_node=1",
+                  f"hydra.run.dir={tmp / 'run'}", cwd=tmp)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return tmp / "run"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", ["stage0", "stage1", "stage2", "stage2_offload", "stage3", "stage3_offload"])
+def test_two_rank_zero_matches_single_process_torch(zero, start_model, torch_reference, tmp_path):
+    out = run_cli(*STEPS, f"zero={zero}", "model=pretrained", f"model.path={start_model}", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "deepspeed.launcher.runner --num_nodes=1 --num_gpus=2" in out.stdout
+    # Tolerance: fp32 on both sides; only the order of float sums differs (measured: < 1e-6 relative).
+    assert train_losses(tmp_path / "run") == pytest.approx(train_losses(torch_reference), rel=1e-4)
+    assert final_eval(tmp_path / "run") == pytest.approx(final_eval(torch_reference), rel=1e-4)
+    # The exported Hugging Face weights are whole (consolidated from the shards under ZeRO-3).
+    ours, ref = load_file(tmp_path / "run/final/model.safetensors"), load_file(torch_reference / "final/model.safetensors")
+    assert set(ours) == set(ref)
+    assert all(torch.allclose(ours[k], ref[k], atol=1e-5) for k in ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", ["stage2", "none"])
+def test_resume_continues_the_same_trajectory(zero, start_model, tmp_path):
+    common = [*STEPS, "train.max_steps=6", f"zero={zero}", "model=pretrained", f"model.path={start_model}", "train.save_every=3"]
+    full = run_cli(*common, f"hydra.run.dir={tmp_path / 'full'}", cwd=tmp_path)
+    assert full.returncode == 0, full.stderr[-3000:]
+    assert (tmp_path / "full/checkpoints/latest").read_text().strip() == "step_6"
+    resumed = run_cli(*common, f"train.resume={tmp_path / 'full/checkpoints/step_3'}", f"hydra.run.dir={tmp_path / 'resumed'}", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "at step 3" in resumed.stdout
+    steps = [m["step"] for m in read_metrics(tmp_path / "resumed") if m["kind"] == "train"]
+    assert steps == [4, 5, 6]
+    assert train_losses(tmp_path / "resumed") == pytest.approx(train_losses(tmp_path / "full")[3:], rel=1e-6)
+    assert final_eval(tmp_path / "resumed") == pytest.approx(final_eval(tmp_path / "full"), rel=1e-6)
+
+
+@pytest.mark.slow
+def test_two_nodes_on_one_machine_train_together(start_model, torch_reference, tmp_path):
+    """Two `deepspeed --no_ssh` launches (node ranks 0 and 1) on 127.0.0.1 form one 2-rank job."""
+    from finetune.launch import free_port
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "finetune.launch", *STEPS, "zero=stage2", "model=pretrained", f"model.path={start_model}",
+             "launcher.nnodes=2", "launcher.nproc_per_node=1", f"launcher.node_rank={rank}", f"launcher.hostfile={hostfile}",
+             "launcher.no_ssh=true", f"launcher.master_port={port}", f"hydra.run.dir={tmp_path / f'node{rank}'}"],
+            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in (0, 1)
+    ]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    assert "dist_world_size=2" in outs[0]
+    assert train_losses(tmp_path / "node0") == pytest.approx(train_losses(torch_reference), rel=1e-4)
