@@ -35,6 +35,8 @@ OmegaConf.register_new_resolver("asset", lambda rel: str(ASSETS / rel), replace=
 
 
 class AttnImpl(str, Enum):
+    auto = "auto"
+    flash_attention_2 = "flash_attention_2"
     sdpa = "sdpa"
     eager = "eager"
 
@@ -74,10 +76,21 @@ class Offload(str, Enum):
 
 class Checkpointing(str, Enum):
     none = "none"
+    full = "full"
+    selective = "selective"
+    offload = "offload"
 
 
 class PeftMethod(str, Enum):
     none = "none"
+    lora = "lora"
+    qlora = "qlora"
+    dora = "dora"
+
+
+class QuantType(str, Enum):
+    nf4 = "nf4"
+    fp4 = "fp4"
 
 
 class Strategy(str, Enum):
@@ -137,7 +150,8 @@ class ModelConfig:
     tokenizer: str | None = None
     """Hub id or local directory of the tokenizer; null: the same as `path`."""
     attn_implementation: AttnImpl = AttnImpl.sdpa
-    """Attention kernel: sdpa (PyTorch scaled-dot-product) or eager (plain matmuls)."""
+    """flash_attention_2 (CUDA, fp16/bf16, the `gpu` extra), sdpa (PyTorch's fused attention),
+    eager (plain matmuls), or auto: flash_attention_2 where it can run, else sdpa."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) for `path` and `tokenizer`."""
     trust_remote_code: bool = False
@@ -164,6 +178,8 @@ class DataConfig:
     """Tokens per sample; longer responses are cut (and counted)."""
     long_prompt: LongPrompt = LongPrompt.drop
     """Rows whose prompt leaves no room for a response token: drop (counted) or error."""
+    packing: bool = False
+    """Train on rows of several samples (up to max_length), each attending only to itself."""
 
 
 @dataclass
@@ -185,6 +201,10 @@ class PrecisionConfig:
 @dataclass
 class CheckpointingConfig:
     name: Checkpointing = Checkpointing.none
+    """none; full (recompute every block in backward); selective (every k-th block);
+    offload (keep saved activations in CPU memory instead of recomputing)."""
+    every: int = 2
+    """selective: recompute blocks 0, k, 2k, ... (k = every)."""
 
 
 @dataclass
@@ -233,6 +253,20 @@ class ParallelismConfig:
 @dataclass
 class PeftConfig:
     name: PeftMethod = PeftMethod.none
+    """none (full fine-tuning), lora, dora (weight-decomposed LoRA), or qlora (LoRA on a 4-bit base)."""
+    r: int = 16
+    """Adapter rank."""
+    alpha: int = 32
+    """Scaling: the adapter's update is multiplied by alpha / r."""
+    dropout: float = 0.05
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Module names to adapt (e.g. [q_proj,v_proj]); [all-linear]: every linear layer but the output head."""
+    modules_to_save: list[str] = field(default_factory=list)
+    """Modules trained fully and saved with the adapter (e.g. [lm_head,embed_tokens])."""
+    quant_type: QuantType = QuantType.nf4
+    """qlora: 4-bit data type of the frozen base."""
+    double_quant: bool = True
+    """qlora: quantize the quantization constants too (~0.4 bits/param less)."""
 
 
 @dataclass
@@ -296,6 +330,10 @@ class TrainConfig:
     """Print a metrics line every N steps when there is no progress bar."""
     progress_bar: bool = True
     tensorboard: bool = True
+    memory_report: bool = True
+    """Measure memory by category (parameters, gradients, optimizer, activations) over the first 2 steps."""
+    memory_snapshot: bool = False
+    """CUDA only: write RUN_DIR/memory_snapshot.pickle of the first steps (open it at pytorch.org/memory_viz)."""
     save_every: int = 0
     """Save a resumable checkpoint every N steps into RUN_DIR/checkpoints (0: never)."""
     resume: str | None = None
@@ -453,10 +491,26 @@ def validate(cfg: Config) -> None:
             f"{t.micro_batch_size} x data-parallel size {cfg.data_parallel_size} = {per_step}: "
             f"use e.g. train.global_batch_size={max(per_step, t.global_batch_size // per_step * per_step)}"
         )
+    _validate_strategies(cfg)
     if cfg.data.eval is None and cfg.data.eval_size < 0:
         raise ConfigError(f"data.eval_size={cfg.data.eval_size} must be 0 or more")
     if t.exact_match_samples and cfg.data.eval is None and cfg.data.eval_size == 0:
         raise ConfigError("train.exact_match_samples needs an eval set: set data.eval or data.eval_size")
+
+
+def _validate_strategies(cfg: Config) -> None:
+    ck, peft = cfg.checkpointing, cfg.peft
+    if ck.name == Checkpointing.selective and ck.every < 1:
+        raise ConfigError(f"checkpointing.every={ck.every} must be at least 1 (1 = every block, like checkpointing=full)")
+    if cfg.model.attn_implementation == AttnImpl.flash_attention_2 and cfg.precision.name == Precision.fp32:
+        raise ConfigError("model.attn_implementation=flash_attention_2 runs in fp16/bf16 only: add precision=bf16 (or use sdpa)")
+    if peft.name != PeftMethod.none and peft.r < 1:
+        raise ConfigError(f"peft.r={peft.r} must be at least 1")
+    if peft.name == PeftMethod.qlora and cfg.zero.stage == 3 and cfg.precision.name == Precision.fp32:
+        raise ConfigError(
+            "peft=qlora under zero=stage3 stores the 4-bit weights in the compute dtype so DeepSpeed can shard them: "
+            "use precision=bf16 or fp16"
+        )
 
 
 def _validate_zero(cfg: Config) -> None:

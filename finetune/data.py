@@ -73,6 +73,7 @@ class Example:
     labels: list[int]
     prompt_len: int  # tokens before the last response: what generation continues from
     reference: str  # the last response's text, for exact match
+    position_ids: list[int] | None = None  # packed rows: positions restart at 0 for every sample
 
 
 def encode(messages: list[dict[str, str]], tokenizer: Any, chat_template: bool) -> Example:
@@ -161,17 +162,60 @@ def load_split(cfg: DataConfig, tokenizer: Any, seed: int) -> tuple[list[Example
 
 
 def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest example; padding is masked out of attention and loss."""
+    """Right-pad to the longest example; padding carries no loss.
+
+    Plain rows get an attention mask. Packed rows get position ids instead, restarting at 0 for
+    every sample (and for the padding tail): transformers then attends only within each sample
+    (a block-diagonal causal mask with sdpa/eager, varlen kernels with flash-attn).
+    `real_tokens` counts the non-pad tokens of each row.
+    """
     width = max(len(e.input_ids) for e in examples)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
-    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    real = torch.tensor([len(e.input_ids) for e in examples])
     for row, e in enumerate(examples):
-        n = len(e.input_ids)
-        ids[row, :n] = torch.tensor(e.input_ids)
-        labels[row, :n] = torch.tensor(e.labels)
-        mask[row, :n] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        ids[row, : len(e.input_ids)] = torch.tensor(e.input_ids)
+        labels[row, : len(e.input_ids)] = torch.tensor(e.labels)
+    batch = {"input_ids": ids, "labels": labels, "real_tokens": real}
+    if examples[0].position_ids is None:
+        batch["attention_mask"] = (torch.arange(width)[None, :] < real[:, None]).long()
+    else:
+        pos = torch.zeros((len(examples), width), dtype=torch.long)
+        for row, e in enumerate(examples):
+            n = len(e.input_ids)
+            pos[row, :n] = torch.tensor(e.position_ids)
+            pos[row, n:] = torch.arange(width - n)  # the padding tail is a separate "sample"
+        batch["position_ids"] = pos
+    return batch
+
+
+def pack(examples: list[Example], max_length: int, seed: int) -> list[Example]:
+    """Several samples per row of at most `max_length` tokens (first fit, in a seeded order).
+
+    Each sample keeps its own labels and positions; nothing crosses sample boundaries.
+    """
+    order = np.random.default_rng(seed).permutation(len(examples))
+    rows: list[list[Example]] = []
+    room: list[int] = []
+    for i in order:
+        e = examples[int(i)]
+        slot = next((r for r, free in enumerate(room) if free >= len(e.input_ids)), None)
+        if slot is None:
+            rows.append([])
+            room.append(max_length)
+            slot = len(rows) - 1
+        rows[slot].append(e)
+        room[slot] -= len(e.input_ids)
+    return [
+        Example(
+            input_ids=[t for e in row for t in e.input_ids],
+            labels=[t for e in row for t in e.labels],
+            prompt_len=0,
+            reference="",
+            position_ids=[p for e in row for p in range(len(e.input_ids))],
+        )
+        for row in rows
+    ]
 
 
 class TrainBatches:

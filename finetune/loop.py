@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -13,15 +14,21 @@ from finetune.data import Example, TrainBatches
 from finetune.dist import Dist
 from finetune.evaluate import evaluate
 from finetune.logs import MetricsLog
+from finetune.memory import MemoryProbe
+from finetune.memory import line as mem_line
+
+MEMORY_STEPS = 2  # the second step has optimizer states and gradients: the steady-state peak
 
 
 def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatches, evals: list[Example],
-          tokenizer: Any, dist: Dist, log: MetricsLog, checkpoints: Path, resume_from: Path | None) -> dict[str, dict[str, float]]:
+          tokenizer: Any, dist: Dist, log: MetricsLog, checkpoints: Path, resume_from: Path | None,
+          probe: MemoryProbe | None) -> dict[str, dict[str, float]]:
     """Run optimizer steps up to `cfg.max_steps`. Returns the eval metrics before and after training.
 
     Args:
         checkpoints: where `save_every` writes resumable checkpoints.
         resume_from: a step directory to continue from (same data order: batches are a function of the step).
+        probe: measures memory by category over the first MEMORY_STEPS steps (None: not measured).
     """
     def run_eval(step: int, final: bool) -> dict[str, float]:
         if not evals:
@@ -36,22 +43,31 @@ def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatche
     if resume_from is not None:
         first = engine.load(resume_from) + 1
         say(dist, None, f"resumed from {resume_from} at step {first - 1}")
+    memory: dict[str, float] = {}
     bar = progress(cfg, dist, initial=first - 1)
     before = run_eval(first - 1, final=True)
     start = time.perf_counter()
     for step in range(first, cfg.max_steps + 1):
         micro_batches = batches.micro_batches(step - 1)
         local_count = sum(objective.count(mb) for mb in micro_batches)
-        local_tokens = sum(int(mb["attention_mask"].sum()) for mb in micro_batches)
+        local_tokens = sum(int(mb["real_tokens"].sum()) for mb in micro_batches)
+        local_slots = sum(mb["input_ids"].numel() for mb in micro_batches)
         (count,) = dist.sum(local_count)  # loss units of the whole global batch: the normaliser
 
+        measured = probe is not None and step < first + MEMORY_STEPS
         tic = time.perf_counter()
-        out = engine.train_step(micro_batches, objective, count)
-        loss_sum, tokens = dist.sum(out.loss_sum, local_tokens)
+        with probe.track() if measured else contextlib.nullcontext():
+            out = engine.train_step(micro_batches, objective, count)
+        loss_sum, tokens, slots = dist.sum(out.loss_sum, local_tokens, local_slots)
         seconds = time.perf_counter() - tic
+        if measured and step == first + MEMORY_STEPS - 1:
+            memory = probe.report()
+            log.write("memory", step, memory)
+            say(dist, bar, mem_line(memory))
 
         metrics = {"loss": loss_sum / count, "lr": out.lr, "grad_norm": out.grad_norm,
-                   "tokens_per_s": tokens / seconds,  # non-pad tokens over all ranks
+                   "tokens_per_s": tokens / seconds,  # non-pad tokens over all ranks (slow while memory is measured)
+                   "nonpad_fraction": tokens / slots,  # packing raises it towards 1
                    "step_s": seconds, "epoch": batches.epoch(step), "elapsed_s": time.perf_counter() - start}
         if out.loss_scale is not None:  # fp16: the dynamic scale and how many steps overflowed
             metrics |= {"loss_scale": out.loss_scale, "skipped_steps": out.skipped}
@@ -69,7 +85,7 @@ def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatche
     after = run_eval(cfg.max_steps, final=True)
     if bar is not None:
         bar.close()
-    return {"before": before, "after": after}
+    return {"before": before, "after": after, "memory": memory}
 
 
 def progress(cfg: TrainConfig, dist: Dist, initial: int) -> Any:

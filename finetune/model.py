@@ -1,4 +1,5 @@
-"""Tokenizer and model: from a hub id / local directory, or random-init from an architecture.
+"""Tokenizer and model: from a hub id / local directory, or random-init from an architecture,
+and the one place where memory strategies are applied to it (`apply_strategies`).
 
 Under ZeRO-3 the caller holds a `transformers.integrations.HfDeepSpeedConfig` while the model is
 built (`zero3_context`): transformers then creates it inside `deepspeed.zero.Init`, so each
@@ -7,11 +8,26 @@ rank only ever materialises its own shard of the weights.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib.util
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from finetune.config import ConfigError, ModelConfig
+from finetune.config import (
+    AttnImpl,
+    Checkpointing,
+    CheckpointingConfig,
+    ConfigError,
+    ModelConfig,
+    PeftConfig,
+    PeftMethod,
+    Precision,
+)
+
+BASE_DIR = "base"  # RUN_DIR/base: the random-init base weights a PEFT adapter refers to
 
 
 def load_tokenizer(cfg: ModelConfig) -> Any:
@@ -40,30 +56,104 @@ def zero3_context(ds_config: dict[str, Any] | None) -> Any:
     return HfDeepSpeedConfig(ds_config)
 
 
-def load_model(cfg: ModelConfig, tokenizer: Any) -> torch.nn.Module:
-    """The model in fp32 on CPU, the same weights on every rank (sharded under ZeRO-3)."""
+def resolve_attention(impl: AttnImpl, precision: Precision, device: torch.device) -> str:
+    """The attention kernel to load with; flash-attn only where it can run, with a reason if not."""
+    can_flash = device.type == "cuda" and precision != Precision.fp32 and importlib.util.find_spec("flash_attn") is not None
+    if impl == AttnImpl.auto:
+        return "flash_attention_2" if can_flash else "sdpa"
+    if impl == AttnImpl.flash_attention_2 and not can_flash:
+        why = "CUDA" if device.type != "cuda" else "the flash-attn package (pip install -e '.[gpu]')"
+        raise ConfigError(f"model.attn_implementation=flash_attention_2 needs {why}: use model.attn_implementation=sdpa (or auto)")
+    return impl.value
+
+
+def load_model(cfg: ModelConfig, tokenizer: Any, *, attention: str, peft: PeftConfig, compute_dtype: torch.dtype,
+               zero3: bool, run_dir: Path, is_main: bool, barrier: Any) -> torch.nn.Module:
+    """The model with fp32 weights on CPU, the same on every rank (sharded under ZeRO-3).
+
+    For QLoRA the base is loaded 4-bit (bitsandbytes NF4/FP4); a random-init base is first saved to
+    RUN_DIR/base and loaded from there, which is also where its adapter says its base lives.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if cfg.path is not None:
-        try:
-            return AutoModelForCausalLM.from_pretrained(
-                cfg.path,
-                revision=cfg.revision,
-                dtype=torch.float32,
-                attn_implementation=cfg.attn_implementation.value,
-                trust_remote_code=cfg.trust_remote_code,
-            )
-        except OSError as e:
-            raise ConfigError(f"model.path={cfg.path!r}: could not load weights: {str(e).splitlines()[0]}") from None
-    assert cfg.init is not None
-    arch = {k: v for k, v in vars(cfg.init).items() if k not in ("model_type", "seed")}
-    config = AutoConfig.for_model(
-        cfg.init.model_type,
-        vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        **arch,
-    )
-    torch.manual_seed(cfg.init.seed)  # every rank builds the same initial weights
-    return AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation.value, dtype=torch.float32)
+    path = cfg.path
+    if path is None:
+        assert cfg.init is not None
+        arch = {k: v for k, v in vars(cfg.init).items() if k not in ("model_type", "seed")}
+        config = AutoConfig.for_model(cfg.init.model_type, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **arch)
+        torch.manual_seed(cfg.init.seed)  # every rank builds the same initial weights
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=torch.float32)
+        if peft.name == PeftMethod.none:
+            return model
+        path = str(run_dir / BASE_DIR)  # adapters need a base on disk to be merged into later
+        with _gathered(model, zero3):  # under ZeRO-3 each rank holds a shard: gather to write it whole
+            if is_main:
+                model.save_pretrained(path)
+                tokenizer.save_pretrained(path)
+        barrier()
+        if peft.name != PeftMethod.qlora:
+            model.name_or_path = model.config._name_or_path = path  # recorded in adapter_config.json
+            return model
+    kwargs: dict[str, Any] = {"dtype": torch.float32}
+    if peft.name == PeftMethod.qlora:
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=peft.quant_type.value, bnb_4bit_use_double_quant=peft.double_quant,
+            bnb_4bit_compute_dtype=compute_dtype,
+            # DeepSpeed shards tensors of one dtype: store the packed 4-bit values as the compute dtype.
+            bnb_4bit_quant_storage=compute_dtype if zero3 else torch.uint8,
+        )
+        if not zero3:
+            kwargs["device_map"] = {"": torch.cuda.current_device()} if torch.cuda.is_available() else "cpu"
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, revision=cfg.revision, attn_implementation=attention,
+                                                    trust_remote_code=cfg.trust_remote_code, **kwargs)
+    except OSError as e:
+        raise ConfigError(f"model.path={path!r}: could not load weights: {str(e).splitlines()[0]}") from None
+
+
+def _gathered(model: torch.nn.Module, zero3: bool) -> Any:
+    if not zero3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
+
+
+def apply_strategies(model: torch.nn.Module, *, checkpointing: CheckpointingConfig, peft: PeftConfig) -> torch.nn.Module:
+    """Adapters, then activation checkpointing / offload, each from its own config slice."""
+    if peft.name != PeftMethod.none:
+        from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+        if peft.name == PeftMethod.qlora:  # norms and head in fp32, frozen 4-bit base
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        target = peft.target_modules[0] if peft.target_modules == ["all-linear"] else list(peft.target_modules)
+        model = get_peft_model(model, LoraConfig(
+            r=peft.r, lora_alpha=peft.alpha, lora_dropout=peft.dropout, target_modules=target,
+            modules_to_save=list(peft.modules_to_save) or None, use_dora=peft.name == PeftMethod.dora, task_type="CAUSAL_LM",
+        ))
+    if checkpointing.name in (Checkpointing.full, Checkpointing.selective):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if checkpointing.name == Checkpointing.selective:
+            from transformers.modeling_layers import GradientCheckpointingLayer
+
+            blocks = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+            for i, block in enumerate(blocks):
+                block.gradient_checkpointing = i % checkpointing.every == 0
+    elif checkpointing.name == Checkpointing.offload:
+        model.forward = functools.partial(_offloaded_forward, model.forward)
+    return model
+
+
+def _offloaded_forward(forward: Any, *args: Any, **kwargs: Any) -> Any:
+    # Tensors saved for backward go to (pinned) CPU memory and come back when backward needs them.
+    with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+        return forward(*args, **kwargs)
+
+
+def trainable_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]  # ZeRO-3: whole sizes
+    return sum(n for n, trains in sizes if trains), sum(n for n, _ in sizes)

@@ -22,8 +22,13 @@ class SFT:
 
     def __call__(self, model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed token loss of the batch (not averaged: the loop normalises)."""
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        return token_loss_sum(logits, batch["labels"])
+        return token_loss_sum(forward(model, batch), batch["labels"])
+
+
+def forward(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Logits of a plain (attention mask) or packed (position ids, no mask) batch."""
+    return model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                 position_ids=batch.get("position_ids"), use_cache=False).logits
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

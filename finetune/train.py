@@ -10,12 +10,15 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from finetune import checkpoint, config, data, dist, engine, logs, loop, model, objectives
 from finetune.config import Config, ConfigError, uses_deepspeed
+from finetune.engine.common import autocast_dtype
 from finetune.launcher import ERROR_FILE, deepspeed_config
+from finetune.memory import MemoryProbe
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,11 +45,24 @@ def run(cfg: Config, d: dist.Dist) -> None:
     torch.manual_seed(cfg.train.seed)
     tokenizer = model.load_tokenizer(cfg.model)
     train_examples, eval_examples, stats = data.load_split(cfg.data, tokenizer, cfg.train.seed)
+    if cfg.data.packing:
+        samples = len(train_examples)
+        train_examples = data.pack(train_examples, cfg.data.max_length, cfg.train.seed)
+        if d.is_main:
+            print(f"packing: {samples} samples -> {len(train_examples)} rows of up to {cfg.data.max_length} tokens")
     if d.is_main:
         for name, s in stats.items():
             print(s.line(name, cfg.data.max_length))
     zero3 = model.zero3_context(deepspeed_config(cfg) if uses_deepspeed(cfg) else None)  # noqa: F841 - kept alive
-    eng = engine.build(cfg, model.load_model(cfg.model, tokenizer), d)
+    attention = model.resolve_attention(cfg.model.attn_implementation, cfg.precision.name, d.device)
+    net = model.load_model(cfg.model, tokenizer, attention=attention, peft=cfg.peft,
+                           compute_dtype=autocast_dtype(cfg.precision.name) or torch.float32, zero3=cfg.zero.stage == 3,
+                           run_dir=run_dir, is_main=d.is_main, barrier=d.barrier)
+    net = model.apply_strategies(net, checkpointing=cfg.checkpointing, peft=cfg.peft)
+    if d.is_main:
+        trainable, total = model.trainable_parameters(net)
+        print(f"model: {total:,} parameters, {trainable:,} trainable ({trainable / total:.2%}), attention {attention}")
+    eng = engine.build(cfg, net, d)
     objective = objectives.build(cfg.method)
     batches = data.TrainBatches(train_examples, global_batch=cfg.train.global_batch_size, micro_batch=cfg.train.micro_batch_size,
                                 dp_rank=d.rank, dp_size=d.world_size, seed=cfg.train.seed, pad_id=tokenizer.pad_token_id)
@@ -54,13 +70,23 @@ def run(cfg: Config, d: dist.Dist) -> None:
     try:
         result = loop.train(cfg.train, engine=eng, objective=objective, batches=batches, evals=eval_examples,
                             tokenizer=tokenizer, dist=d, log=log, checkpoints=run_dir / "checkpoints",
-                            resume_from=checkpoint.resolve(cfg.train.resume, run_dir))
+                            resume_from=checkpoint.resolve(cfg.train.resume, run_dir),
+                            probe=probe(cfg, eng, d, run_dir))
     finally:
         log.close()
     final = run_dir / "final"
     eng.export(final, tokenizer)
     if d.is_main:
         report(run_dir, final, result, {k: vars(s) for k, s in stats.items()})
+
+
+def probe(cfg: Config, eng: Any, d: dist.Dist, run_dir: Path) -> MemoryProbe | None:
+    if cfg.train.memory_snapshot and d.device.type != "cuda":
+        raise ConfigError("train.memory_snapshot=true records the CUDA allocator and needs a GPU; on CPU train.memory_report "
+                          "measures memory by category")
+    if not (cfg.train.memory_report or cfg.train.memory_snapshot):
+        return None
+    return MemoryProbe(*eng.memory_targets(), d.device, snapshot=run_dir / "memory_snapshot.pickle" if cfg.train.memory_snapshot else None)
 
 
 def report(run_dir: Path, final: Path, result: dict[str, dict[str, float]], stats: dict) -> None:
@@ -72,7 +98,10 @@ def report(run_dir: Path, final: Path, result: dict[str, dict[str, float]], stat
     for key, fmt in (("eval_loss", "{:.4f}"), ("exact_match", "{:.1%}")):
         if key in after:
             print(f"{key:<12} {fmt.format(before[key])} -> {fmt.format(after[key])}")
-    print(f"checkpoint   {final}  (AutoModelForCausalLM.from_pretrained / AutoTokenizer.from_pretrained)")
+    if (final / "adapter_config.json").is_file():
+        print(f"adapter      {final}  (PEFT format; plain weights: python scripts/merge_adapter.py {final} MERGED_DIR)")
+    else:
+        print(f"checkpoint   {final}  (AutoModelForCausalLM.from_pretrained / AutoTokenizer.from_pretrained)")
     print(f"metrics      {run_dir / logs.METRICS}, {run_dir / 'tensorboard'}, loss curve {run_dir / 'loss.png'}")
 
 

@@ -31,6 +31,22 @@ def run_cli(*args: str, cwd: Path, timeout: int = 300, module: str = "finetune.l
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def train_here(overrides: list[str], run_dir: Path) -> dict:
+    """Compose like the CLI, then run the rank code in this process (one CPU rank, no torchrun):
+    the fast way to exercise a strategy end to end. Returns summary.json."""
+    import torch
+
+    from finetune import train
+    from finetune.dist import Dist
+    from finetune.launch import preflight
+
+    cfg = preflight([*overrides, "train.progress_bar=false", "train.tensorboard=false"])
+    cfg.run_dir = str(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    train.run(cfg, Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+    return json.loads((run_dir / "summary.json").read_text())
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

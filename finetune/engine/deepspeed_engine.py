@@ -73,6 +73,10 @@ class DeepSpeedEngine:
         """The module; under ZeRO-3 its forward gathers parameters (generate with synced_gpus)."""
         return self.module
 
+    def memory_targets(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """The module and the torch optimizer inside DeepSpeed's ZeRO wrapper (it holds the states)."""
+        return self.module, getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
+
     def save(self, root: Path, step: int) -> None:
         """DeepSpeed's sharded checkpoint (every rank writes its shard), then `latest`."""
         self.engine.save_checkpoint(str(root), tag=checkpoint.tag(step), client_state={"step": step}, save_latest=False)

@@ -95,6 +95,9 @@ class TorchEngine:
         """The unwrapped model, for `generate` (each rank holds it whole under DDP)."""
         return self.module
 
+    def memory_targets(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        return self.module, self.optimizer
+
     def save(self, root: Path, step: int) -> None:
         """A resumable checkpoint: model, optimizer, scheduler and scaler (ranks hold the same state)."""
         if self.dist.is_main:

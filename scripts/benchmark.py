@@ -1,0 +1,105 @@
+"""Run a set of strategies on this machine and write one Markdown table: peak memory by
+category, tokens/s, step time and final loss for each.
+
+    python scripts/benchmark.py                         # the default set, tiny model, this machine
+    python scripts/benchmark.py --steps 50 --out bench.md
+    python scripts/benchmark.py --only "fp32 baseline" "LoRA r=16"
+    python scripts/benchmark.py --extra model=pretrained model.path=Qwen/Qwen2.5-0.5B data.max_length=1024   # a real model
+
+Each row is a real launch (`python -m finetune.launch +recipe=quickstart_sft ...`) of the same
+recipe; memory is the run's own report (MemTracker: the first 2 steps, rank 0). On a GPU machine
+the same command measures CUDA (and `bf16`/flash-attn rows become meaningful).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SINGLE = ["parallelism=single", "launcher.nproc_per_node=1"]
+STRATEGIES: dict[str, list[str]] = {
+    "fp32 baseline": SINGLE,
+    "bf16 autocast": [*SINGLE, "precision=bf16"],
+    "full checkpointing": [*SINGLE, "checkpointing=full"],
+    "selective checkpointing (every 2nd)": [*SINGLE, "checkpointing=selective"],
+    "packing": [*SINGLE, "data.packing=true"],
+    "LoRA r=16": [*SINGLE, "peft=lora"],
+    "DoRA r=16": [*SINGLE, "peft=dora"],
+    "QLoRA r=16 (NF4)": [*SINGLE, "peft=qlora"],
+    "DDP x2": ["parallelism=ddp", "launcher.nproc_per_node=2"],
+    "ZeRO-2 x2": ["zero=stage2", "launcher.nproc_per_node=2", "zero.reduce_bucket_size=5000000", "zero.allgather_bucket_size=5000000"],
+    "ZeRO-3 + CPU offload x2": ["zero=stage3_offload", "launcher.nproc_per_node=2", "zero.reduce_bucket_size=5000000"],
+}
+
+
+def run(name: str, overrides: list[str], steps: int, extra: list[str], root: Path) -> dict:
+    run_dir = root / name.replace(" ", "_").replace("/", "_")
+    cmd = [sys.executable, "-m", "finetune.launch", "+recipe=quickstart_sft", *overrides, f"train.max_steps={steps}",
+           "optim.warmup_steps=0", "train.exact_match_samples=0", "train.eval_every=0", "train.progress_bar=false",
+           "train.tensorboard=false", *extra, f"hydra.run.dir={run_dir}"]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        return {"name": name, "error": (out.stderr.strip().splitlines() or ["?"])[-1]}
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    mem = next((r for r in rows if r["kind"] == "memory"), {})
+    steady = train[2:] or train  # the first 2 steps are measured (slow) and warm-up
+    return {
+        "name": name,
+        "peak": mem.get("mem_peak_total_mib", float("nan")),
+        "params": mem.get("mem_params_mib", float("nan")),
+        "grads": mem.get("mem_grads_mib", float("nan")),
+        "optimizer": mem.get("mem_optimizer_mib", float("nan")),
+        "activations": mem.get("mem_activations_mib", float("nan")),
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
+        "step_ms": 1000 * statistics.median(r["step_s"] for r in steady),
+        "loss": train[-1]["loss"],
+    }
+
+
+def table(results: list[dict], steps: int) -> str:
+    head = ("| strategy | peak MiB | params | grads | optimizer | activations | tokens/s | step ms | loss after "
+            f"{steps} steps |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    lines = [head]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['name']} | failed: {r['error']} |||||||")
+            continue
+        lines.append(f"| {r['name']} | {r['peak']:.1f} | {r['params']:.2f} | {r['grads']:.2f} | {r['optimizer']:.2f} | "
+                     f"{r['activations']:.2f} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.1f} | {r['loss']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--out", type=Path, default=Path("benchmark.md"))
+    parser.add_argument("--only", nargs="*", help="strategy names to run (default: all)")
+    parser.add_argument("--extra", nargs="*", default=[], help="overrides added to every run")
+    args = parser.parse_args(argv)
+    names = args.only or list(STRATEGIES)
+    unknown = [n for n in names if n not in STRATEGIES]
+    if unknown:
+        print(f"error: unknown strategy {unknown[0]!r}; known: {', '.join(STRATEGIES)}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        results = []
+        for name in names:
+            print(f"running {name} ...", flush=True)
+            results.append(run(name, STRATEGIES[name], args.steps, args.extra, Path(tmp)))
+    machine = f"{os.cpu_count()} CPU cores" if "cuda" not in " ".join(args.extra) else "GPU"
+    text = (f"Tiny Llama (quickstart recipe), micro batch 16, {args.steps} steps, {machine}; memory: rank 0, MemTracker, "
+            "first 2 steps; tokens/s: median non-pad tokens/s over all ranks after step 2.\n\n" + table(results, args.steps))
+    args.out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

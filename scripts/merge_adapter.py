@@ -1,0 +1,48 @@
+"""Merge a PEFT adapter (a run's `final/` with peft=lora|dora|qlora) into its base model and
+write plain Hugging Face weights that load without peft.
+
+    python scripts/merge_adapter.py RUN_DIR/final MERGED_DIR [--base PATH_OR_HUB_ID] [--dtype bf16]
+
+The base defaults to the one recorded in the adapter (`base_model_name_or_path`); it is loaded
+unquantized (a QLoRA adapter merges into the full-precision base).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+def merge(adapter: Path, out: Path, base: str | None = None, dtype: str = "fp32") -> Path:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config_file = adapter / "adapter_config.json"
+    if not config_file.is_file():
+        raise SystemExit(f"error: {adapter} holds no adapter_config.json: is it the final/ of a run with peft=lora|dora|qlora?")
+    base = base or json.loads(config_file.read_text())["base_model_name_or_path"]
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch_dtype)
+    merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    merged.save_pretrained(out)
+    AutoTokenizer.from_pretrained(adapter).save_pretrained(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("adapter", type=Path, help="the adapter directory (RUN_DIR/final)")
+    parser.add_argument("out", type=Path, help="where to write the merged model")
+    parser.add_argument("--base", help="base model path or hub id (default: the one the adapter records)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    args = parser.parse_args(argv)
+    print(f"merged into {merge(args.adapter, args.out, args.base, args.dtype)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
