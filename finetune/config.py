@@ -12,9 +12,10 @@ This module imports no torch: the launcher and a dry run stay instant.
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -498,8 +499,25 @@ def validate(cfg: Config) -> None:
         raise ConfigError("train.exact_match_samples needs an eval set: set data.eval or data.eval_size")
 
 
+def _unused(section: Any, key: str, used: tuple[str, ...], why: str) -> None:
+    """Refuse fields set away from their defaults where the chosen option ignores them."""
+    default = type(section)()
+    for f in fields(section):
+        if f.name not in used and getattr(section, f.name) != getattr(default, f.name):
+            value = getattr(section, f.name)
+            raise ConfigError(f"{key}.{f.name}={getattr(value, 'value', value)} has no effect {why}: remove it or change the option")
+
+
 def _validate_strategies(cfg: Config) -> None:
     ck, peft = cfg.checkpointing, cfg.peft
+    if ck.name != Checkpointing.selective:
+        _unused(ck, "checkpointing", ("name",), f"with checkpointing={ck.name.value} (only with selective)")
+    if peft.name == PeftMethod.none:
+        _unused(peft, "peft", ("name",), "with peft=none")
+    elif peft.name != PeftMethod.qlora:
+        _unused(peft, "peft", ("name", "r", "alpha", "dropout", "target_modules", "modules_to_save"), f"with peft={peft.name.value} (only with qlora)")
+    if cfg.precision.name != Precision.fp16:
+        _unused(cfg.precision, "precision", ("name",), f"with precision={cfg.precision.name.value} (only with fp16)")
     if ck.name == Checkpointing.selective and ck.every < 1:
         raise ConfigError(f"checkpointing.every={ck.every} must be at least 1 (1 = every block, like checkpointing=full)")
     if cfg.model.attn_implementation == AttnImpl.flash_attention_2 and cfg.precision.name == Precision.fp32:
@@ -522,9 +540,15 @@ def _validate_zero(cfg: Config) -> None:
     if not z.enabled:
         if z.offload_optimizer != Offload.none or z.offload_param != Offload.none:
             raise ConfigError("zero.offload_* needs DeepSpeed: choose a zero option (e.g. zero=stage2_offload), not zero=none")
+        _unused(z, "zero", ("stage",), "with zero=none (no DeepSpeed)")
         return
     if z.stage not in (0, 1, 2, 3):
         raise ConfigError(f"zero.stage={z.stage} must be 0, 1, 2 or 3 (or null for no DeepSpeed)")
+    if z.stage == 3:
+        _unused(z, "zero", tuple(f.name for f in fields(z) if f.name != "allgather_bucket_size"), "with ZeRO stage 3 (stages 1-2 only)")
+    else:  # offload_param below stage 3 gets its own message further down
+        stage3_knobs = [f.name for f in fields(z) if f.name.startswith("stage3_") or f.name == "sub_group_size"]
+        _unused(z, "zero", tuple(f.name for f in fields(z) if f.name not in stage3_knobs), f"with ZeRO stage {z.stage} (stage 3 only)")
     if cfg.parallelism.strategy not in (Strategy.single, Strategy.ddp):
         raise ConfigError(
             f"zero=stage{z.stage} shards over data-parallel ranks; parallelism={cfg.parallelism.strategy.value} is a "

@@ -66,11 +66,14 @@ def run(cfg: Config, d: dist.Dist) -> None:
     objective = objectives.build(cfg.method)
     batches = data.TrainBatches(train_examples, global_batch=cfg.train.global_batch_size, micro_batch=cfg.train.micro_batch_size,
                                 dp_rank=d.rank, dp_size=d.world_size, seed=cfg.train.seed, pad_id=tokenizer.pad_token_id)
+    resume_from = checkpoint.resolve(cfg.train.resume, run_dir)
+    if cfg.train.resume == "auto" and resume_from is None and d.is_main:
+        print(f"train.resume=auto: no checkpoint in {run_dir / 'checkpoints'}, starting from step 0")
     log = logs.MetricsLog(run_dir, enabled=d.is_main, tensorboard=cfg.train.tensorboard)
     try:
         result = loop.train(cfg.train, engine=eng, objective=objective, batches=batches, evals=eval_examples,
                             tokenizer=tokenizer, dist=d, log=log, checkpoints=run_dir / "checkpoints",
-                            resume_from=checkpoint.resolve(cfg.train.resume, run_dir),
+                            resume_from=resume_from,
                             probe=probe(cfg, eng, d, run_dir))
     finally:
         log.close()

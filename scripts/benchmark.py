@@ -39,7 +39,7 @@ STRATEGIES: dict[str, list[str]] = {
 
 
 def run(name: str, overrides: list[str], steps: int, extra: list[str], root: Path) -> dict:
-    run_dir = root / name.replace(" ", "_").replace("/", "_")
+    run_dir = root / "".join(c if c.isalnum() else "_" for c in name)  # no '=' etc.: it goes on a Hydra command line
     cmd = [sys.executable, "-m", "finetune.launch", "+recipe=quickstart_sft", *overrides, f"train.max_steps={steps}",
            "optim.warmup_steps=0", "train.exact_match_samples=0", "train.eval_every=0", "train.progress_bar=false",
            "train.tensorboard=false", *extra, f"hydra.run.dir={run_dir}"]
@@ -95,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
             results.append(run(name, STRATEGIES[name], args.steps, args.extra, Path(tmp)))
     machine = f"{os.cpu_count()} CPU cores" if "cuda" not in " ".join(args.extra) else "GPU"
     text = (f"Tiny Llama (quickstart recipe), micro batch 16, {args.steps} steps, {machine}; memory: rank 0, MemTracker, "
-            "first 2 steps; tokens/s: median non-pad tokens/s over all ranks after step 2.\n\n" + table(results, args.steps))
+            "first 2 steps, MiB; tokens/s: median non-pad tokens/s over all ranks after step 2. Under DeepSpeed, gradients "
+            "live in DeepSpeed's flat buffers (counted under peak, not grads), and ZeRO-3 random-inits inside zero.Init "
+            "(other initial weights, so another loss).\n\n" + table(results, args.steps))
     args.out.write_text(text)
     print(text)
     return 0

@@ -18,7 +18,7 @@ from finetune.dist import Dist
 from finetune.engine.torch_engine import TorchEngine
 from finetune.objectives import SFT
 
-from conftest import REPO, read_metrics, train_here
+from conftest import REPO, read_metrics, run_cli, train_here
 
 FEW = ["train.max_steps=6", "optim.lr=3e-3", "train.eval_every=0"]
 
@@ -198,3 +198,19 @@ def test_flash_attention_in_fp32_is_refused(compose):
 def test_memory_snapshot_on_gpu(tmp_path):
     train_here(["train.max_steps=2", "precision=bf16", "train.memory_snapshot=true", "train.device=cuda"], tmp_path / "run")
     assert (tmp_path / "run/memory_snapshot.pickle").stat().st_size > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("combo", [
+    ["parallelism=ddp", "checkpointing=full", "peft=lora", "precision=bf16"],
+    ["zero=stage2", "peft=qlora", "checkpointing=selective"],
+    ["zero=stage3", "peft=lora", "checkpointing=full"],
+    ["zero=stage3", "peft=qlora", "precision=bf16"],  # 4-bit weights stored as bf16 so ZeRO-3 can shard them
+])
+def test_strategies_combine_on_two_ranks(combo, tmp_path):
+    out = run_cli("+recipe=quickstart_sft", *combo, "train.max_steps=6", "optim.warmup_steps=1", "optim.lr=3e-3",
+                  "train.exact_match_samples=0", "train.progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    losses = train_losses(tmp_path / "run")
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
+    assert (tmp_path / "run/final/adapter_config.json").is_file()
