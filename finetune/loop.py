@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any
-
 from pathlib import Path
+from typing import Any
 
 from finetune.config import TrainConfig
 from finetune.data import Example, TrainBatches
@@ -22,13 +21,14 @@ MEMORY_STEPS = 2  # the second step has optimizer states and gradients: the stea
 
 def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatches, evals: list[Example],
           tokenizer: Any, dist: Dist, log: MetricsLog, checkpoints: Path, resume_from: Path | None,
-          probe: MemoryProbe | None) -> dict[str, dict[str, float]]:
+          probe: MemoryProbe | None, flops_per_token: float | None = None, peak_flops: float | None = None) -> dict[str, dict[str, float]]:
     """Run optimizer steps up to `cfg.max_steps`. Returns the eval metrics before and after training.
 
     Args:
         checkpoints: where `save_every` writes resumable checkpoints.
         resume_from: a step directory to continue from (same data order: batches are a function of the step).
         probe: measures memory by category over the first MEMORY_STEPS steps (None: not measured).
+        flops_per_token, peak_flops: for model FLOPs utilisation (GPU; None: not reported).
     """
     def run_eval(step: int, final: bool) -> dict[str, float]:
         if not evals:
@@ -69,6 +69,8 @@ def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatche
                    "tokens_per_s": tokens / seconds,  # non-pad tokens over all ranks (slow while memory is measured)
                    "nonpad_fraction": tokens / slots,  # packing raises it towards 1
                    "step_s": seconds, "epoch": batches.epoch(step), "elapsed_s": time.perf_counter() - start}
+        if flops_per_token and peak_flops:  # achieved model FLOPs over the dense peak of all ranks
+            metrics["mfu"] = tokens * flops_per_token / seconds / (peak_flops * dist.world_size)
         if out.loss_scale is not None:  # fp16: the dynamic scale and how many steps overflowed
             metrics |= {"loss_scale": out.loss_scale, "skipped_steps": out.skipped}
         log.write("train", step, metrics)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from finetune import checkpoint, config, data, dist, engine, logs, loop, model, objectives
+from finetune import checkpoint, config, data, dist, engine, flops, logs, loop, model, objectives
 from finetune.config import Config, ConfigError, uses_deepspeed
 from finetune.engine.common import autocast_dtype
 from finetune.launcher import ERROR_FILE, deepspeed_config
@@ -73,8 +73,8 @@ def run(cfg: Config, d: dist.Dist) -> None:
     try:
         result = loop.train(cfg.train, engine=eng, objective=objective, batches=batches, evals=eval_examples,
                             tokenizer=tokenizer, dist=d, log=log, checkpoints=run_dir / "checkpoints",
-                            resume_from=resume_from,
-                            probe=probe(cfg, eng, d, run_dir))
+                            resume_from=resume_from, probe=probe(cfg, eng, d, run_dir),
+                            **mfu_inputs(cfg, net, d))
     finally:
         log.close()
     final = run_dir / "final"
@@ -90,6 +90,15 @@ def probe(cfg: Config, eng: Any, d: dist.Dist, run_dir: Path) -> MemoryProbe | N
     if not (cfg.train.memory_report or cfg.train.memory_snapshot):
         return None
     return MemoryProbe(*eng.memory_targets(), d.device, snapshot=run_dir / "memory_snapshot.pickle" if cfg.train.memory_snapshot else None)
+
+
+def mfu_inputs(cfg: Config, net: Any, d: dist.Dist) -> dict[str, float | None]:
+    """FLOPs per token and the GPU's peak, for MFU (None on CPU or an unlisted GPU)."""
+    arch = net.config
+    _, total = model.trainable_parameters(net)
+    per_token = flops.train_flops_per_token(total, arch.num_hidden_layers, arch.hidden_size, cfg.data.max_length)
+    return {"flops_per_token": per_token,
+            "peak_flops": flops.peak_flops(d.device, autocast_dtype(cfg.precision.name) or torch.float32)}
 
 
 def report(run_dir: Path, final: Path, result: dict[str, dict[str, float]], stats: dict) -> None:
