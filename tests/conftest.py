@@ -47,6 +47,20 @@ def train_here(overrides: list[str], run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+def tiny_model(compute_dtype=None):
+    """The quickstart's random-init tiny Llama and its tokenizer, built in this process."""
+    import torch
+
+    from finetune import model
+    from finetune.config import ASSETS, ModelConfig, ModelInit, PeftConfig
+
+    tok = model.load_tokenizer(ModelConfig(tokenizer=str(ASSETS / "tokenizer"), init=ModelInit()))
+    net = model.load_model(ModelConfig(tokenizer=str(ASSETS / "tokenizer"), init=ModelInit()), tok, attention="sdpa",
+                           peft=PeftConfig(), compute_dtype=compute_dtype or torch.float32, zero3=False, run_dir=REPO,
+                           is_main=True, barrier=lambda: None)
+    return net, tok
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from finetune.config import ConfigError
 from finetune.launcher import build, deepspeed_config
 
-from conftest import read_metrics, run_cli
+from conftest import read_metrics, run_cli, tiny_model
 
 
 def test_stage3_offload_fp16_recipe_golden(compose):
@@ -125,13 +125,9 @@ STEPS = ["+recipe=quickstart_sft", "train.max_steps=4", "optim.warmup_steps=1", 
 def start_model(tmp_path_factory):
     """A tiny random-init model saved to disk: every run below starts from the same weights
     (ZeRO-3 builds random-init models inside zero.Init, which draws different random numbers)."""
-    from finetune import config, model
-    from finetune.launch import preflight
-
-    cfg = preflight(["+recipe=quickstart_sft"])
     path = tmp_path_factory.mktemp("start") / "model"
-    tok = model.load_tokenizer(cfg.model)
-    model.load_model(cfg.model, tok).save_pretrained(path)
+    net, tok = tiny_model()
+    net.save_pretrained(path)
     tok.save_pretrained(path)
     return path
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from finetune.config import OptimConfig, Scheduler, Strategy
+from finetune.config import OptimConfig, PrecisionConfig, Scheduler, Strategy
 from finetune.data import IGNORE
 from finetune.dist import Dist
 from finetune.engine.torch_engine import TorchEngine, build_scheduler
@@ -31,7 +31,7 @@ class Table(torch.nn.Module):
         super().__init__()
         self.table = torch.nn.Parameter(torch.tensor([[0.0, 1.0, 2.0], [1.0, 0.0, -1.0], [0.5, 0.5, 0.0]]))
 
-    def forward(self, input_ids, attention_mask):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False):
         return type("Out", (), {"logits": self.table[input_ids]})()
 
 
@@ -48,7 +48,8 @@ def one_step(micro_batches, count):
     torch.manual_seed(0)
     model = Table()
     optim = OptimConfig(lr=1.0, eps=1.0, max_grad_norm=None, scheduler=Scheduler.constant)
-    engine = TorchEngine(model, optim=optim, max_steps=10, strategy=Strategy.single, dist=Dist(0, 0, 1, torch.device("cpu")))
+    engine = TorchEngine(model, optim=optim, precision=PrecisionConfig(), max_steps=10, strategy=Strategy.single,
+                         dist=Dist(0, 0, 1, torch.device("cpu")))
     result = engine.train_step(micro_batches, SFT(), count)
     return model.table.detach().clone(), result
 

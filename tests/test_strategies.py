@@ -18,7 +18,7 @@ from finetune.dist import Dist
 from finetune.engine.torch_engine import TorchEngine
 from finetune.objectives import SFT
 
-from conftest import REPO, read_metrics, run_cli, train_here
+from conftest import REPO, read_metrics, run_cli, tiny_model, train_here
 
 FEW = ["train.max_steps=6", "optim.lr=3e-3", "train.eval_every=0"]
 
@@ -89,9 +89,7 @@ def test_packing_fills_rows_and_keeps_the_loss(tmp_path):
     # The same samples give the same loss packed or not: no sample attends to another.
     subset = examples[:40]
     rows = data.pack(subset, 64, seed=1)
-    torch.manual_seed(0)
-    net = model.load_model(model.ModelConfig(tokenizer=str(ASSETS / "tokenizer"), init=model_init()), tok, attention="sdpa",
-                           peft=_no_peft(), compute_dtype=torch.float32, zero3=False, run_dir=tmp_path, is_main=True, barrier=lambda: None)
+    net, _ = tiny_model()
     sft = SFT()
     with torch.no_grad():
         plain = sum(sft(net, data.collate(subset[i : i + 8], tok.pad_token_id)).item() for i in range(0, 40, 8))
@@ -108,18 +106,6 @@ def test_packing_fills_rows_and_keeps_the_loss(tmp_path):
     assert p > 0.9 > u
 
 
-def model_init():
-    from finetune.config import ModelInit
-
-    return ModelInit()
-
-
-def _no_peft():
-    from finetune.config import PeftConfig
-
-    return PeftConfig()
-
-
 class _Overflow(SFT):
     """SFT whose loss is infinite on chosen calls: an injected fp16 overflow."""
 
@@ -133,12 +119,7 @@ class _Overflow(SFT):
 
 
 def test_fp16_scaler_skips_an_overflowing_step_and_recovers():
-    tok = AutoTokenizer.from_pretrained(ASSETS / "tokenizer")
-    torch.manual_seed(0)
-    net = torch.nn.Sequential()  # placeholder replaced below
-    cfg = model.ModelConfig(tokenizer=str(ASSETS / "tokenizer"), init=model_init())
-    net = model.load_model(cfg, tok, attention="sdpa", peft=_no_peft(), compute_dtype=torch.float16, zero3=False,
-                           run_dir=REPO, is_main=True, barrier=lambda: None)
+    net, tok = tiny_model(torch.float16)
     engine = TorchEngine(net, optim=OptimConfig(lr=1e-3, scheduler=Scheduler.constant), precision=PrecisionConfig(name=Precision.fp16),
                          max_steps=10, strategy=Strategy.single, dist=Dist(0, 0, 1, torch.device("cpu")))
     examples, _ = data.tokenize(data.load_rows(str(ASSETS / "data/quickstart/eval.jsonl"), "train", "d"), tok,
