@@ -9,7 +9,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from finetune import config, data
-from finetune.config import DataConfig
 from finetune.evaluate import exact_match
 from finetune.objectives import SFT
 
