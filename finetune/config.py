@@ -46,6 +46,7 @@ class DataFormat(str, Enum):
     auto = "auto"
     alpaca = "alpaca"
     chat = "chat"
+    preference = "preference"
 
 
 class Template(str, Enum):
@@ -61,6 +62,20 @@ class LongPrompt(str, Enum):
 
 class Method(str, Enum):
     sft = "sft"
+    dpo = "dpo"
+
+
+class DpoLoss(str, Enum):
+    sigmoid = "sigmoid"
+    ipo = "ipo"
+    hinge = "hinge"
+    simpo = "simpo"
+
+
+class Reference(str, Enum):
+    precomputed = "precomputed"
+    live = "live"
+    adapter_disabled = "adapter_disabled"
 
 
 class Precision(str, Enum):
@@ -156,6 +171,9 @@ class ModelConfig:
     revision: str | None = None
     """Hub revision (branch, tag or commit) for `path` and `tokenizer`."""
     trust_remote_code: bool = False
+    recipe_if_missing: str | None = None
+    """When `path` is a local directory that does not exist yet: the recipe whose run makes it
+    (run first, in `path`'s parent directory, which must be RUN_DIR/final of that run)."""
 
 
 @dataclass
@@ -170,13 +188,15 @@ class DataConfig:
     """Split to read from a dataset directory or hub id (ignored for .jsonl files)."""
     eval_split: str = "train"
     format: DataFormat = DataFormat.auto
-    """alpaca (instruction/input/output), chat (messages), or auto: decided per row by its keys."""
+    """alpaca (instruction/input/output), chat (messages), preference (prompt/chosen/rejected, for
+    method=dpo), or auto: decided per row by its keys."""
     template: Template = Template.auto
     """tokenizer: its chat template; builtin: ours; auto: the tokenizer's if it has one."""
     system_prompt: str | None = None
     """Prepended as a system message to rows that have none."""
     max_length: int = 512
-    """Tokens per sample; longer responses are cut (and counted)."""
+    """Tokens per sample (per prompt+response for preference pairs); longer responses are cut at
+    the end (and counted), the prompt is kept whole."""
     long_prompt: LongPrompt = LongPrompt.drop
     """Rows whose prompt leaves no room for a response token: drop (counted) or error."""
     packing: bool = False
@@ -186,7 +206,30 @@ class DataConfig:
 @dataclass
 class MethodConfig:
     name: Method = Method.sft
-    """sft: cross-entropy on response tokens only."""
+    """sft: cross-entropy on response tokens only. dpo: preference optimisation on
+    (prompt, chosen, rejected) pairs, with the DPO-family loss `loss`."""
+    loss: DpoLoss = DpoLoss.sigmoid
+    """dpo: sigmoid (DPO), ipo (squared loss on length-averaged log-ratios), hinge (SLiC),
+    simpo (reference-free, length-averaged log-probs, target margin `gamma`)."""
+    beta: float | None = None
+    """dpo: inverse temperature of the implicit reward; null: 0.1, or 2.0 for simpo (the papers' values)."""
+    gamma: float = 1.0
+    """simpo: the target reward margin between chosen and rejected."""
+    label_smoothing: float = 0.0
+    """sigmoid/simpo: probability that a preference label is flipped (conservative DPO), in [0, 0.5)."""
+    sft_weight: float = 0.0
+    """dpo: weight of an added SFT loss on the chosen response (per-token mean; RPO-style)."""
+    reference: Reference = Reference.precomputed
+    """dpo: where the reference log-probs come from. precomputed: one no-grad pass of the initial
+    policy over the data before training (no reference model in memory while training);
+    live: a frozen copy of the initial model (sharded like the policy under ZeRO-3);
+    adapter_disabled: with peft, the policy itself with its adapter switched off (no copy)."""
+
+    @property
+    def beta_value(self) -> float:
+        if self.beta is not None:
+            return self.beta
+        return 2.0 if self.loss == DpoLoss.simpo else 0.1
 
 
 @dataclass
@@ -440,6 +483,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError("model: set model.path (hub id or local directory) or model.init (random-init architecture)")
     if m.path is not None and m.init is not None:
         raise ConfigError(f"model.path={m.path!r} and model.init are both set: choose one (model.init=null to load weights)")
+    if m.recipe_if_missing is not None and (m.path is None or Path(m.path).name != "final"):
+        raise ConfigError(
+            f"model.recipe_if_missing={m.recipe_if_missing} makes model.path by running that recipe, so model.path must be "
+            f"its RUN_DIR/final (e.g. outputs/{m.recipe_if_missing}/final), got {m.path!r}"
+        )
     if m.path is None and m.tokenizer is None:
         raise ConfigError("model.tokenizer: a random-init model needs a tokenizer path or hub id")
     if m.init is not None and cfg.data.max_length > m.init.max_position_embeddings:
@@ -493,6 +541,7 @@ def validate(cfg: Config) -> None:
             f"use e.g. train.global_batch_size={max(per_step, t.global_batch_size // per_step * per_step)}"
         )
     _validate_strategies(cfg)
+    _validate_method(cfg)
     if cfg.data.eval is None and cfg.data.eval_size < 0:
         raise ConfigError(f"data.eval_size={cfg.data.eval_size} must be 0 or more")
     if t.exact_match_samples and cfg.data.eval is None and cfg.data.eval_size == 0:
@@ -529,6 +578,35 @@ def _validate_strategies(cfg: Config) -> None:
             "peft=qlora under zero=stage3 stores the 4-bit weights in the compute dtype so DeepSpeed can shard them: "
             "use precision=bf16 or fp16"
         )
+
+
+def _validate_method(cfg: Config) -> None:
+    m = cfg.method
+    if m.name == Method.sft:
+        _unused(m, "method", ("name",), "with method=sft (DPO settings)")
+        if cfg.data.format == DataFormat.preference:
+            raise ConfigError("data.format=preference holds (prompt, chosen, rejected) pairs for method=dpo; method=sft needs alpaca or chat rows")
+        return
+    if m.loss == DpoLoss.simpo:
+        _unused(m, "method", ("name", "loss", "beta", "gamma", "label_smoothing", "sft_weight"), "with method.loss=simpo (reference-free)")
+    else:
+        _unused(m, "method", tuple(f.name for f in fields(m) if f.name != "gamma"), f"with method.loss={m.loss.value} (only with simpo)")
+    if m.loss in (DpoLoss.ipo, DpoLoss.hinge) and m.label_smoothing:
+        raise ConfigError(f"method.label_smoothing={m.label_smoothing} applies to method.loss=sigmoid or simpo, not {m.loss.value}")
+    if m.beta_value <= 0:
+        raise ConfigError(f"method.beta={m.beta} must be positive")
+    if not 0 <= m.label_smoothing < 0.5:
+        raise ConfigError(f"method.label_smoothing={m.label_smoothing} must be in [0, 0.5)")
+    if m.sft_weight < 0:
+        raise ConfigError(f"method.sft_weight={m.sft_weight} must be 0 or more")
+    if m.reference == Reference.adapter_disabled and cfg.peft.name == PeftMethod.none:
+        raise ConfigError("method.reference=adapter_disabled uses the base model under a PEFT adapter: add peft=lora (or qlora/dora), "
+                          "or use method.reference=precomputed")
+    if cfg.data.packing:
+        raise ConfigError("data.packing=true is not supported with method=dpo (chosen and rejected are scored as separate rows): "
+                          "set data.packing=false")
+    if cfg.data.format not in (DataFormat.auto, DataFormat.preference):
+        raise ConfigError(f"method=dpo trains on preference pairs: data.format={cfg.data.format.value} must be preference or auto")
 
 
 def _validate_zero(cfg: Config) -> None:

@@ -1,9 +1,13 @@
 """Datasets -> conversations -> token ids with response-only labels -> per-rank micro-batches.
 
-Rows come in two forms: alpaca (`instruction`, optional `input`, `output`) and chat (`messages`:
+SFT rows come in two forms: alpaca (`instruction`, optional `input`, `output`) and chat (`messages`:
 a list of `{role, content}` ending with the assistant). Both become a list of messages, rendered
 by the tokenizer's chat template or our built-in one, and tokenized segment by segment so that we
 know exactly which tokens are the response: only those carry labels.
+
+Preference rows (DPO) become a `Pair` of two examples, prompt + chosen and prompt + rejected,
+rendered through the same templates; only the final response carries labels. A pair's batch is
+its chosen rows followed by its rejected rows, so one forward scores both.
 
 The batch order is a pure function of (seed, step): step k uses the same global batch of samples
 on any number of ranks, so runs with different layouts (and a resumed run) see the same data.
@@ -17,8 +21,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from finetune.config import ConfigError, DataConfig, LongPrompt, Template
-from finetune.formats import Rows, load_rows, to_messages
+from finetune.config import ConfigError, DataConfig, LongPrompt, Method, Template
+from finetune.formats import Rows, load_rows, to_messages, to_pair
 
 IGNORE = -100  # label of tokens that carry no loss (prompt, padding)
 
@@ -76,17 +80,36 @@ class Example:
     position_ids: list[int] | None = None  # packed rows: positions restart at 0 for every sample
 
 
-def encode(messages: list[dict[str, str]], tokenizer: Any, chat_template: bool) -> Example:
+@dataclass
+class Pair:
+    """A preference pair: the same prompt with the chosen and with the rejected response."""
+
+    chosen: Example
+    rejected: Example
+    reference: tuple[float, float] | None = None
+    """Reference-model log-probs of the chosen and rejected responses (summed over their tokens),
+    when precomputed before training."""
+
+
+def encode(messages: list[dict[str, str]], tokenizer: Any, chat_template: bool, last_only: bool = False) -> Example:
+    """Token ids and labels; every assistant response is labelled (only the last with `last_only`)."""
     ids: list[int] = []
     labels: list[int] = []
     prompt_len = 0
-    for text, is_response in segments(messages, tokenizer, chat_template):
+    pieces = segments(messages, tokenizer, chat_template)
+    last = max(i for i, (_, is_response) in enumerate(pieces) if is_response)
+    for i, (text, is_response) in enumerate(pieces):
         if is_response:
             prompt_len = len(ids)
         piece = tokenizer(text, add_special_tokens=False)["input_ids"]
         ids += piece
-        labels += piece if is_response else [IGNORE] * len(piece)
+        labels += piece if is_response and (i == last or not last_only) else [IGNORE] * len(piece)
     return Example(ids, labels, prompt_len, messages[-1]["content"])
+
+
+def encode_pair(prompt: list[dict[str, str]], chosen: str, rejected: str, tokenizer: Any, chat_template: bool) -> Pair:
+    return Pair(*(encode([*prompt, {"role": "assistant", "content": text}], tokenizer, chat_template, last_only=True)
+                  for text in (chosen, rejected)))
 
 
 @dataclass
@@ -103,14 +126,22 @@ class Stats:
         )
 
 
-def tokenize(rows: Rows, tokenizer: Any, cfg: DataConfig, key: str) -> tuple[list[Example], Stats]:
-    """Rows -> examples no longer than cfg.max_length, with truncation counted."""
+def tokenize(rows: Rows, tokenizer: Any, cfg: DataConfig, key: str, method: Method = Method.sft) -> tuple[list[Any], Stats]:
+    """Rows -> examples (or preference pairs) no longer than cfg.max_length, with truncation counted.
+
+    A pair keeps its prompt whole and cuts each response at the end, so the prompt/response
+    boundary (and the prompt both responses share) is never lost."""
     chat = uses_chat_template(tokenizer, cfg.template)
     stats = Stats(rows=len(rows.rows))
-    out: list[Example] = []
+    out: list[Any] = []
     for i, row in enumerate(rows.rows):
-        ex = encode(to_messages(row, cfg.format, cfg.system_prompt, rows.where(i)), tokenizer, chat)
-        first_label = next((j for j, label in enumerate(ex.labels) if label != IGNORE), len(ex.labels))
+        if method == Method.dpo:
+            item = encode_pair(*to_pair(row, cfg.system_prompt, rows.where(i)), tokenizer, chat)
+            parts = [item.chosen, item.rejected]
+        else:
+            item = encode(to_messages(row, cfg.format, cfg.system_prompt, rows.where(i)), tokenizer, chat)
+            parts = [item]
+        first_label = next((j for j, label in enumerate(parts[0].labels) if label != IGNORE), len(parts[0].labels))
         if first_label >= cfg.max_length:  # not a single response token would fit
             if cfg.long_prompt == LongPrompt.error:
                 raise ConfigError(
@@ -120,10 +151,11 @@ def tokenize(rows: Rows, tokenizer: Any, cfg: DataConfig, key: str) -> tuple[lis
             stats.dropped += 1
             stats.shortest_dropped_prompt = min(stats.shortest_dropped_prompt or first_label, first_label)
             continue
-        if len(ex.input_ids) > cfg.max_length:
+        if any(len(ex.input_ids) > cfg.max_length for ex in parts):
             stats.truncated += 1
-            ex.input_ids, ex.labels = ex.input_ids[: cfg.max_length], ex.labels[: cfg.max_length]
-        out.append(ex)
+            for ex in parts:
+                ex.input_ids, ex.labels = ex.input_ids[: cfg.max_length], ex.labels[: cfg.max_length]
+        out.append(item)
     if not out:
         why = (
             f"all {stats.dropped} prompts are longer than data.max_length={cfg.max_length} "
@@ -135,8 +167,8 @@ def tokenize(rows: Rows, tokenizer: Any, cfg: DataConfig, key: str) -> tuple[lis
     return out, stats
 
 
-def load_split(cfg: DataConfig, tokenizer: Any, seed: int) -> tuple[list[Example], list[Example], dict[str, Stats]]:
-    """The train and eval examples, per the data config, with their counts."""
+def load_split(cfg: DataConfig, tokenizer: Any, seed: int, method: Method = Method.sft) -> tuple[list[Any], list[Any], dict[str, Stats]]:
+    """The train and eval examples (pairs for DPO), per the data config, with their counts."""
     train_rows = load_rows(cfg.train, cfg.train_split, "data.train")
     if cfg.eval is not None:
         eval_rows = load_rows(cfg.eval, cfg.eval_split, "data.eval")
@@ -149,11 +181,11 @@ def load_split(cfg: DataConfig, tokenizer: Any, seed: int) -> tuple[list[Example
         train_rows = train_rows.subset(kept)
     else:
         eval_rows = None
-    train, train_stats = tokenize(train_rows, tokenizer, cfg, "data.train")
+    train, train_stats = tokenize(train_rows, tokenizer, cfg, "data.train", method)
     stats = {"train": train_stats}
-    evals: list[Example] = []
+    evals: list[Any] = []
     if eval_rows is not None:
-        evals, stats["eval"] = tokenize(eval_rows, tokenizer, cfg, "data.eval")
+        evals, stats["eval"] = tokenize(eval_rows, tokenizer, cfg, "data.eval", method)
     return train, evals, stats
 
 
@@ -161,14 +193,23 @@ def load_split(cfg: DataConfig, tokenizer: Any, seed: int) -> tuple[list[Example
 # Batches
 
 
-def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
+def collate(examples: list[Any], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad to the longest example; padding carries no loss.
+
+    Preference pairs become 2B rows: the B chosen, then the B rejected, and their precomputed
+    reference log-probs (if any) as `reference_logps` in the same order.
 
     Plain rows get an attention mask. Packed rows get position ids instead, restarting at 0 for
     every sample (and for the padding tail): transformers then attends only within each sample
     (a block-diagonal causal mask with sdpa/eager, varlen kernels with flash-attn).
     `real_tokens` counts the non-pad tokens of each row.
     """
+    if isinstance(examples[0], Pair):
+        batch = collate([p.chosen for p in examples] + [p.rejected for p in examples], pad_id)
+        if examples[0].reference is not None:
+            batch["reference_logps"] = torch.tensor([p.reference[0] for p in examples] + [p.reference[1] for p in examples],
+                                                    dtype=torch.float64)
+        return batch
     width = max(len(e.input_ids) for e in examples)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
@@ -261,6 +302,11 @@ def shard(items: list[Any], rank: int, world: int) -> list[Any]:
     return items[start : start + per + (rank < extra)]
 
 
-def eval_batches(examples: list[Example], batch_size: int, pad_id: int) -> Iterator[dict[str, torch.Tensor]]:
+def for_generation(examples: list[Any]) -> list[Example]:
+    """What exact match generates from: the example, or a pair's chosen response."""
+    return [e.chosen if isinstance(e, Pair) else e for e in examples]
+
+
+def eval_batches(examples: list[Any], batch_size: int, pad_id: int) -> Iterator[dict[str, torch.Tensor]]:
     for i in range(0, len(examples), batch_size):
         yield collate(examples[i : i + batch_size], pad_id)

@@ -30,6 +30,14 @@ class Dist:
             dist.all_reduce(t)
         return t.tolist()
 
+    def sum_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """All-reduce (sum) a tensor (moved to the device for the collective); identity on one process."""
+        if self.world_size == 1:
+            return t
+        on_device = t.to(self.device)
+        dist.all_reduce(on_device)
+        return on_device.to(t.device)
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()

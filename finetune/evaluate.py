@@ -6,24 +6,29 @@ from typing import Any
 
 import torch
 
-from finetune.data import Example, collate, eval_batches, shard
+from finetune.data import collate, eval_batches, for_generation, shard
 from finetune.dist import Dist
+from finetune.engine.common import add_metrics
 
 
-def evaluate(engine: Any, objective: Any, examples: list[Example], *, dist: Dist, tokenizer: Any, batch_size: int,
+def evaluate(engine: Any, objective: Any, examples: list[Any], *, dist: Dist, tokenizer: Any, batch_size: int,
              exact_match_samples: int = 0, max_new_tokens: int = 64) -> dict[str, float]:
-    """Eval loss (mean over every response token of the eval set, all ranks) and optionally exact match."""
+    """Eval loss (mean over every loss unit of the eval set, all ranks), the objective's own
+    metrics (DPO: eval_rewards/accuracy...) and optionally exact match (DPO: of the chosen response)."""
     mine = shard(examples, dist.rank, dist.world_size)
     loss_sum = count = 0.0
-    batches = list(eval_batches(mine, batch_size, tokenizer.pad_token_id))
-    for batch in batches:
-        loss_sum += engine.eval_loss(batch, objective)
+    metrics: dict[str, float] = {}
+    for batch in eval_batches(mine, batch_size, tokenizer.pad_token_id):
+        loss, sums = engine.inference(objective, batch)
+        loss_sum += float(loss)
+        add_metrics(metrics, sums)
         count += objective.count(batch)
     for _ in range(lockstep_extra(engine, len(examples), batch_size, dist)):
-        engine.eval_loss(collate(examples[:1], tokenizer.pad_token_id), objective)  # ZeRO-3: match the other ranks' forwards
-    loss_sum, count = dist.sum(loss_sum, count)
-    out = {"eval_loss": loss_sum / max(count, 1)}
+        engine.inference(objective, collate(examples[:1], tokenizer.pad_token_id))  # ZeRO-3: match the other ranks' forwards
+    loss_sum, count, *values = dist.sum(loss_sum, count, *(metrics[k] for k in sorted(metrics)))
+    out = {"eval_loss": loss_sum / max(count, 1)} | {f"eval_{k}": v / max(count, 1) for k, v in zip(sorted(metrics), values)}
     if exact_match_samples:
+        examples = for_generation(examples)
         scored = shard(examples[:exact_match_samples], dist.rank, dist.world_size)
         extra = lockstep_extra(engine, min(exact_match_samples, len(examples)), batch_size, dist)
         correct = exact_match(engine.generation_model, tokenizer, scored + examples[:1] * extra * batch_size, batch_size=batch_size,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -59,7 +60,8 @@ def main() -> None:
 def _hydra_main(dcfg: DictConfig) -> None:
     try:
         cfg = typed(dcfg)
-        formats.check(cfg.data)  # missing file or malformed row: one line now, not N ranks later
+        formats.check(cfg.data, cfg.method.name)  # missing file or malformed row: one line now, not N ranks later
+        make_model_first(cfg)
     except ConfigError as e:
         fail(e)
     run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir).resolve()
@@ -83,6 +85,28 @@ def _hydra_main(dcfg: DictConfig) -> None:
         why = reason.read_text().strip() if reason.is_file() else f"training exited with code {code}; see the output above"
         print(f"error: {why}", file=sys.stderr)
         sys.exit(code)
+
+
+def make_model_first(cfg: Config) -> None:
+    """`model.recipe_if_missing`: when model.path (RUN_DIR/final of that recipe) does not exist yet,
+    run the recipe first, into model.path's parent (a dry run only says it would)."""
+    m = cfg.model
+    if m.recipe_if_missing is None:
+        return
+    target = Path(m.path).expanduser().resolve()
+    m.path = str(target)  # the ranks may not share our working directory's meaning of a relative path
+    if (target / "config.json").is_file():
+        return
+    argv = [sys.executable, "-m", "finetune.launch", f"+recipe={m.recipe_if_missing}", f"hydra.run.dir={target.parent}"]
+    if cfg.launcher.dry_run:
+        print(f"# model.path={target} does not exist: a real run first makes it with\n#   {shlex.join(argv)}")
+        return
+    print(f"[finetune] model.path={target} does not exist: training it first with +recipe={m.recipe_if_missing}", flush=True)
+    code = subprocess.call(argv)
+    if code != 0 or not (target / "config.json").is_file():
+        raise ConfigError(f"model.recipe_if_missing={m.recipe_if_missing} did not produce {target} (exit code {code}): "
+                          "see its output above, or set model.path to an existing model")
+    print(f"[finetune] made {target}; now the run itself", flush=True)
 
 
 def typed(dcfg: DictConfig) -> Config:

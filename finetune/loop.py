@@ -58,7 +58,8 @@ def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatche
         tic = time.perf_counter()
         with probe.track() if measured else contextlib.nullcontext():
             out = engine.train_step(micro_batches, objective, count)
-        loss_sum, tokens, slots = dist.sum(out.loss_sum, local_tokens, local_slots)
+        names = sorted(out.metrics)  # the objective's own (DPO rewards...), averaged like the loss
+        loss_sum, tokens, slots, *sums = dist.sum(out.loss_sum, local_tokens, local_slots, *(out.metrics[k] for k in names))
         seconds = time.perf_counter() - tic
         if measured and step == first + MEMORY_STEPS - 1:
             memory = probe.report()
@@ -69,6 +70,7 @@ def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatche
                    "tokens_per_s": tokens / seconds,  # non-pad tokens over all ranks (slow while memory is measured)
                    "nonpad_fraction": tokens / slots,  # packing raises it towards 1
                    "step_s": seconds, "epoch": batches.epoch(step), "elapsed_s": time.perf_counter() - start}
+        metrics |= {k: v / count for k, v in zip(names, sums)}
         if flops_per_token and peak_flops:  # achieved model FLOPs over the dense peak of all ranks
             metrics["mfu"] = tokens * flops_per_token / seconds / (peak_flops * dist.world_size)
         if out.loss_scale is not None:  # fp16: the dynamic scale and how many steps overflowed
@@ -79,7 +81,8 @@ def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatche
             bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{out.lr:.2e}", refresh=False)
         elif step % cfg.log_every == 0:
             say(dist, None, f"step {step:>5}  loss {metrics['loss']:.4f}  lr {out.lr:.2e}  "
-                            f"grad_norm {out.grad_norm:.3f}  tokens/s {metrics['tokens_per_s']:.0f}")
+                            f"grad_norm {out.grad_norm:.3f}  tokens/s {metrics['tokens_per_s']:.0f}"
+                            + "".join(f"  {k} {metrics[k]:.3f}" for k in names))
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps:
             run_eval(step, final=False)
         if cfg.save_every and step % cfg.save_every == 0:

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from finetune import checkpoint, config, data, dist, engine, flops, logs, loop, model, objectives
-from finetune.config import Config, ConfigError, uses_deepspeed
+from finetune import checkpoint, config, data, dist, engine, flops, logs, loop, model, objectives, reference
+from finetune.config import Config, ConfigError, PeftConfig, PeftMethod, uses_deepspeed
 from finetune.engine.common import autocast_dtype
 from finetune.launcher import ERROR_FILE, deepspeed_config
 from finetune.memory import MemoryProbe
@@ -44,7 +44,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
     run_dir = Path(cfg.run_dir)
     torch.manual_seed(cfg.train.seed)
     tokenizer = model.load_tokenizer(cfg.model)
-    train_examples, eval_examples, stats = data.load_split(cfg.data, tokenizer, cfg.train.seed)
+    train_examples, eval_examples, stats = data.load_split(cfg.data, tokenizer, cfg.train.seed, cfg.method.name)
     if cfg.data.packing:
         samples = len(train_examples)
         train_examples = data.pack(train_examples, cfg.data.max_length, cfg.train.seed)
@@ -55,20 +55,26 @@ def run(cfg: Config, d: dist.Dist) -> None:
             print(s.line(name, cfg.data.max_length))
     zero3 = model.zero3_context(deepspeed_config(cfg) if uses_deepspeed(cfg) else None)  # noqa: F841 - kept alive
     attention = model.resolve_attention(cfg.model.attn_implementation, cfg.precision.name, d.device)
-    net = model.load_model(cfg.model, tokenizer, attention=attention, peft=cfg.peft,
-                           compute_dtype=autocast_dtype(cfg.precision.name) or torch.float32, zero3=cfg.zero.stage == 3,
-                           run_dir=run_dir, is_main=d.is_main, barrier=d.barrier)
-    net = model.apply_strategies(net, checkpointing=cfg.checkpointing, peft=cfg.peft)
+    def load(peft: PeftConfig) -> torch.nn.Module:
+        return model.load_model(cfg.model, tokenizer, attention=attention, peft=peft,
+                                compute_dtype=autocast_dtype(cfg.precision.name) or torch.float32, zero3=cfg.zero.stage == 3,
+                                run_dir=run_dir, is_main=d.is_main, barrier=d.barrier)
+
+    net = model.apply_strategies(load(cfg.peft), checkpointing=cfg.checkpointing, peft=cfg.peft)
     if d.is_main:
         trainable, total = model.trainable_parameters(net)
         print(f"model: {total:,} parameters, {trainable:,} trainable ({trainable / total:.2%}), attention {attention}")
     eng = engine.build(cfg, net, d)
-    objective = objectives.build(cfg.method)
-    batches = data.TrainBatches(train_examples, global_batch=cfg.train.global_batch_size, micro_batch=cfg.train.micro_batch_size,
-                                dp_rank=d.rank, dp_size=d.world_size, seed=cfg.train.seed, pad_id=tokenizer.pad_token_id)
     resume_from = checkpoint.resolve(cfg.train.resume, run_dir)
     if cfg.train.resume == "auto" and resume_from is None and d.is_main:
         print(f"train.resume=auto: no checkpoint in {run_dir / 'checkpoints'}, starting from step 0")
+    # DPO's reference: the live one is the initial model again (a 4-bit base for QLoRA, no adapter).
+    base_peft = cfg.peft if cfg.peft.name == PeftMethod.qlora else PeftConfig()
+    ref = reference.setup(cfg, engine=eng, dist=d, splits={"train": train_examples, "eval": eval_examples}, run_dir=run_dir,
+                          resuming=resume_from is not None, load_model=lambda: load(base_peft), pad_id=tokenizer.pad_token_id)
+    objective = objectives.build(cfg.method, ref)
+    batches = data.TrainBatches(train_examples, global_batch=cfg.train.global_batch_size, micro_batch=cfg.train.micro_batch_size,
+                                dp_rank=d.rank, dp_size=d.world_size, seed=cfg.train.seed, pad_id=tokenizer.pad_token_id)
     log = logs.MetricsLog(run_dir, enabled=d.is_main, tensorboard=cfg.train.tensorboard)
     try:
         result = loop.train(cfg.train, engine=eng, objective=objective, batches=batches, evals=eval_examples,
@@ -107,9 +113,10 @@ def report(run_dir: Path, final: Path, result: dict[str, dict[str, float]], stat
     logs.plot_loss(run_dir, run_dir / "loss.png")
     before, after = result["before"], result["after"]
     print()
-    for key, fmt in (("eval_loss", "{:.4f}"), ("exact_match", "{:.1%}")):
+    for key, label, fmt in (("eval_loss", "eval_loss", "{:.4f}"), ("eval_rewards/accuracy", "reward_acc", "{:.1%}"),
+                            ("exact_match", "exact_match", "{:.1%}")):
         if key in after:
-            print(f"{key:<12} {fmt.format(before[key])} -> {fmt.format(after[key])}")
+            print(f"{label:<12} {fmt.format(before[key])} -> {fmt.format(after[key])}")
     if (final / "adapter_config.json").is_file():
         print(f"adapter      {final}  (PEFT format; plain weights: python scripts/merge_adapter.py {final} MERGED_DIR)")
     else:

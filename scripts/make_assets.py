@@ -5,8 +5,10 @@ regenerate them (the output is deterministic and committed):
 
     python scripts/make_assets.py
 
-Writes finetune/assets/tokenizer/ (a Hugging Face fast tokenizer with a chat template) and
-finetune/assets/data/quickstart/{train,eval}.jsonl (alpaca-style rows).
+Writes finetune/assets/tokenizer/ (a Hugging Face fast tokenizer with a chat template),
+finetune/assets/data/quickstart/{train,eval}.jsonl (alpaca-style rows) and
+finetune/assets/data/quickstart_dpo/{train,eval}.jsonl (the same prompts as preference pairs:
+chosen = the right answer, rejected = a plausible wrong one).
 """
 
 from __future__ import annotations
@@ -75,16 +77,49 @@ def make_rows(rng: random.Random, n: int, seen: set[tuple[str, str]]) -> list[di
     return rows
 
 
+def near_miss(rng: random.Random, row: dict) -> str:
+    """A plausible wrong answer: the right one with one character edited, or another task's answer."""
+    right = row["output"]
+    while True:
+        kind = rng.choice(["substitute", "delete", "repeat", "swap", "other_task"])
+        chars = list(right)
+        i = rng.randrange(len(chars))
+        if kind == "substitute":
+            chars[i] = rng.choice(string.ascii_lowercase if chars[i].islower() else string.ascii_uppercase)
+        elif kind == "delete":
+            del chars[i]
+        elif kind == "repeat":
+            chars.insert(i, chars[i])
+        elif kind == "swap" and len(chars) > 1:
+            j = min(i + 1, len(chars) - 1) if i + 1 < len(chars) else i - 1
+            chars[i], chars[j] = chars[j], chars[i]
+        elif kind == "other_task":
+            chars = list(TASKS[rng.choice([t for t in TASKS if t != row["instruction"]])](row["input"]))
+        wrong = "".join(chars)
+        if wrong != right:
+            return wrong
+
+
+def make_preferences(rng: random.Random, rows: list[dict]) -> list[dict]:
+    """The SFT rows as (prompt, chosen, rejected); the prompt renders exactly as the SFT row does."""
+    return [{"prompt": f"{r['instruction']}\n{r['input']}", "chosen": r["output"], "rejected": near_miss(rng, r)} for r in rows]
+
+
 def main() -> None:
     make_tokenizer(ASSETS / "tokenizer")
     rng = random.Random(0)
     seen: set[tuple[str, str]] = set()
     data = ASSETS / "data" / "quickstart"
     data.mkdir(parents=True, exist_ok=True)
+    preference = ASSETS / "data" / "quickstart_dpo"
+    preference.mkdir(parents=True, exist_ok=True)
+    pair_rng = random.Random(1)
     for split, n in (("eval", 256), ("train", 4000)):  # eval first: train never repeats an eval row
-        with open(data / f"{split}.jsonl", "w") as f:
-            for row in make_rows(rng, n, seen):
-                f.write(json.dumps(row) + "\n")
+        rows = make_rows(rng, n, seen)
+        for folder, out in ((data, rows), (preference, make_preferences(pair_rng, rows))):
+            with open(folder / f"{split}.jsonl", "w") as f:
+                for row in out:
+                    f.write(json.dumps(row) + "\n")
     print(f"wrote {ASSETS}")
 
 

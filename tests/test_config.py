@@ -15,6 +15,8 @@ NEEDS = {
     ("data", "jsonl"): ["data.train=/some/train.jsonl"],
     ("zero", "stage3_nvme"): ["zero.nvme_path=/local/nvme"],
     ("launcher", "deepspeed"): ["zero=stage2"],
+    ("data", "quickstart_dpo"): ["method=dpo"],
+    ("method", "dpo"): ["data=quickstart_dpo"],
 }
 GROUPS = sorted(p.name for p in RECIPES.iterdir() if p.is_dir() and p.name != "recipe")
 

@@ -3,9 +3,11 @@
 - `TorchEngine`: a plain module, DDP for data parallel, torch autocast + GradScaler.
 - `DeepSpeedEngine`: ZeRO stages 0-3 with CPU/NVMe offload, DeepSpeed's precision and scaler.
 
-Both expose `train_step(micro_batches, objective, count) -> StepResult`, `eval_loss(batch,
-objective)`, `generation_model`, `lockstep` (every rank must run the same number of forwards),
-`save(root, step)`, `load(step_dir) -> step` and `export(path, tokenizer)`.
+Both expose `train_step(micro_batches, objective, count) -> StepResult`, `inference(fn, batch)`
+(no-grad forward in the compute precision: evaluation, DPO's reference pass), `frozen(model)` (a
+second, frozen model placed like the policy: DPO's live reference), `generation_model`,
+`lockstep` (every rank must run the same number of forwards), `save(root, step)`,
+`load(step_dir) -> step` and `export(path, tokenizer)`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,6 +22,14 @@ class StepResult:
     """fp16: the dynamic loss scale after this step."""
     skipped: int = 0
     """fp16: optimizer steps skipped so far because gradients overflowed."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """This rank's sums of the objective's own metrics (DPO rewards...), reduced like `loss_sum`."""
+
+
+def add_metrics(total: dict[str, float], sums: dict[str, Any]) -> None:
+    """Accumulate an objective's metric sums (tensors) into `total` (floats)."""
+    for k, v in sums.items():
+        total[k] = total.get(k, 0.0) + float(v)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int) -> Any:

@@ -15,10 +15,10 @@ import torch
 from finetune import checkpoint
 from finetune.config import Config, ConfigError, Precision
 from finetune.dist import Dist
-from finetune.engine.common import StepResult, build_scheduler, param_groups
+from finetune.engine.common import StepResult, add_metrics, build_scheduler, param_groups
 from finetune.launcher import deepspeed_config
 
-Objective = Callable[[Any, dict[str, torch.Tensor]], torch.Tensor]
+Objective = Callable[[Any, dict[str, torch.Tensor]], Any]
 
 
 class DeepSpeedEngine:
@@ -42,15 +42,16 @@ class DeepSpeedEngine:
             lr_scheduler=lambda opt: build_scheduler(opt, cfg.optim, cfg.train.max_steps),
         )
         self.module = self.engine.module
+        self.config = deepspeed_config(cfg)
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], objective: Objective, count: float) -> StepResult:
         """One optimizer step: DeepSpeed steps at the accumulation boundary (the last micro-batch)."""
         self.engine.train()
         lr = self.scheduler.get_last_lr()[0]
-        loss_sum, norm = 0.0, None
+        loss_sum, norm, metrics = 0.0, None, {}
         for i, batch in enumerate(micro_batches):
             batch = {k: v.to(self.engine.device) for k, v in batch.items()}
-            loss = objective(self.engine, batch)
+            loss, sums = objective(self.engine, batch)
             # DeepSpeed averages gradients over ranks (hence * world_size); we normalise by the
             # global token count ourselves, so no extra 1/accumulation scaling.
             self.engine.backward(loss * (self.dist.world_size / count), scale_wrt_gas=False)
@@ -58,15 +59,37 @@ class DeepSpeedEngine:
                 norm = torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in self.module.parameters() if p.grad is not None]))
             self.engine.step()
             loss_sum += loss.item()
+            add_metrics(metrics, sums)
         norm = self.engine.get_global_grad_norm() if norm is None else norm
         return StepResult(loss_sum=loss_sum, grad_norm=float(norm) if norm is not None else float("nan"), lr=lr,
                           loss_scale=float(self.engine.optimizer.loss_scale) if self.fp16 else None,
-                          skipped=int(self.engine.skipped_steps))
+                          skipped=int(self.engine.skipped_steps), metrics=metrics)
 
     @torch.no_grad()
-    def eval_loss(self, batch: dict[str, torch.Tensor], objective: Objective) -> float:
+    def inference(self, fn: Objective, batch: dict[str, torch.Tensor]) -> Any:
+        """fn(model, batch) in eval mode, without gradients (DeepSpeed's precision; ZeRO-3 gathers)."""
         self.engine.eval()
-        return float(objective(self.engine, {k: v.to(self.engine.device) for k, v in batch.items()}))
+        return fn(self.engine, {k: v.to(self.engine.device) for k, v in batch.items()})
+
+    def frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A frozen model beside the policy (DPO's live reference), in an optimizer-less DeepSpeed
+        engine: the same precision, and under ZeRO-3 sharded like the policy (built in zero.Init)."""
+        import copy
+
+        import deepspeed
+
+        config = copy.deepcopy(self.config)
+        for key in ("optimizer", "scheduler", "gradient_clipping"):
+            config.pop(key, None)
+        zero = config["zero_optimization"]
+        if zero["stage"] != 3:  # nothing to shard without gradients or optimizer states
+            config["zero_optimization"] = {"stage": 0}
+        else:
+            zero.pop("offload_optimizer", None)
+        model.requires_grad_(False)
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine.eval()
+        return engine
 
     @property
     def generation_model(self) -> torch.nn.Module:

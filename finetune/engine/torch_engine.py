@@ -14,9 +14,9 @@ from torch.nn.parallel import DistributedDataParallel
 from finetune import checkpoint
 from finetune.config import ConfigError, OptimConfig, Precision, PrecisionConfig, Strategy
 from finetune.dist import Dist
-from finetune.engine.common import StepResult, autocast_dtype, build_scheduler, param_groups
+from finetune.engine.common import StepResult, add_metrics, autocast_dtype, build_scheduler, param_groups
 
-Objective = Callable[[Any, dict[str, torch.Tensor]], torch.Tensor]
+Objective = Callable[[Any, dict[str, torch.Tensor]], Any]
 STATE_FILE = "state.pt"
 
 
@@ -51,23 +51,24 @@ class TorchEngine:
 
         Args:
             micro_batches: this rank's share of the global batch.
-            objective: returns the *summed* loss of a batch.
-            count: loss units (response tokens) in the whole global batch, over all ranks.
+            objective: returns the *summed* loss of a batch and sums of its metrics.
+            count: loss units (response tokens, pairs) in the whole global batch, over all ranks.
         """
         self.model.train()
         lr = self.scheduler.get_last_lr()[0]
-        loss_sum = 0.0
+        loss_sum, metrics = 0.0, {}
         for i, batch in enumerate(micro_batches):
             batch = {k: v.to(self.dist.device) for k, v in batch.items()}
             sync = i == len(micro_batches) - 1  # DDP all-reduces gradients on the last micro-batch only
             with contextlib.nullcontext() if sync or self.model is self.module else self.model.no_sync():
                 with self.autocast():
-                    loss = objective(self.model, batch)
+                    loss, sums = objective(self.model, batch)
                 # Gradients accumulate as sums; DDP then averages over ranks, hence * world_size:
                 # the step's gradient is d(sum of every rank's token losses)/dW / count.
                 scaled = loss * (self.dist.world_size / count)
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             loss_sum += loss.item()
+            add_metrics(metrics, sums)
         if self.scaler:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
         norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm or math.inf))
@@ -81,14 +82,18 @@ class TorchEngine:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(loss_sum=loss_sum, grad_norm=norm, lr=lr,
-                          loss_scale=self.scaler.get_scale() if self.scaler else None, skipped=self.skipped)
+                          loss_scale=self.scaler.get_scale() if self.scaler else None, skipped=self.skipped, metrics=metrics)
 
     @torch.no_grad()
-    def eval_loss(self, batch: dict[str, torch.Tensor], objective: Objective) -> float:
-        """Summed loss of one batch, no gradients."""
+    def inference(self, fn: Objective, batch: dict[str, torch.Tensor]) -> Any:
+        """fn(model, batch) in eval mode, without gradients, in the compute precision."""
         self.module.eval()
         with self.autocast():
-            return float(objective(self.module, {k: v.to(self.dist.device) for k, v in batch.items()}))
+            return fn(self.module, {k: v.to(self.dist.device) for k, v in batch.items()})
+
+    def frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A frozen model beside the policy (DPO's live reference): on the device, eval mode, no grads."""
+        return model.to(self.dist.device).eval().requires_grad_(False)
 
     @property
     def generation_model(self) -> torch.nn.Module:

@@ -1,0 +1,111 @@
+"""DPO's reference log-probs, three ways (`method.reference`):
+
+- precomputed (default): before the first step the initial policy scores every train and eval
+  pair once (no gradients, sharded over ranks, in the compute precision, through the engine, so
+  it works wherever training works). The values travel with the samples: no reference model is
+  in memory while training. They are saved to RUN_DIR/reference_logps.pt, which a resumed run
+  reads back (its initial policy is gone by then).
+- live: a frozen copy of the initial model, placed by the engine like the policy (under ZeRO-3
+  sharded like it); one extra no-grad forward per micro-batch.
+- adapter_disabled: the policy itself with its PEFT adapter switched off, which is exactly the
+  base model: no copy at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from finetune.config import Config, ConfigError, DpoLoss, Method, Reference
+from finetune.data import Pair, collate, shard
+from finetune.dist import Dist
+from finetune.evaluate import lockstep_extra
+from finetune.objectives import sequence_logps
+
+FILE = "reference_logps.pt"
+
+
+def setup(cfg: Config, *, engine: Any, dist: Dist, splits: dict[str, list[Pair]], run_dir: Path, resuming: bool,
+          load_model: Callable[[], torch.nn.Module], pad_id: int) -> Callable[[Any, dict[str, torch.Tensor]], torch.Tensor] | None:
+    """Prepare the reference for `cfg.method`; returns what the DPO objective calls for reference
+    log-probs during training (None: they are in the batches, or the loss needs none)."""
+    m = cfg.method
+    if m.name != Method.dpo or m.loss == DpoLoss.simpo:
+        return None
+    if m.reference == Reference.precomputed:
+        precompute(engine, splits, dist=dist, path=run_dir / FILE, resuming=resuming, batch_size=cfg.train.eval_batch_size,
+                   pad_id=pad_id)
+        return None
+    if m.reference == Reference.live:
+        reference = engine.frozen(load_model())
+        return lambda policy, batch: sequence_logps(reference, batch)[0]
+    return adapter_disabled
+
+
+def adapter_disabled(policy: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Log-probs of the policy's base model: its PEFT adapter switched off for this forward."""
+    model = policy
+    while not hasattr(model, "disable_adapter"):  # DDP / DeepSpeed wrap the PEFT model in `.module`
+        model = model.module
+    with model.disable_adapter():
+        return sequence_logps(model, batch)[0]
+
+
+def precompute(engine: Any, splits: dict[str, list[Pair]], *, dist: Dist, path: Path, resuming: bool, batch_size: int,
+               pad_id: int) -> None:
+    """Attach reference log-probs to every pair: computed now from the initial policy, or read
+    back from `path` when resuming (refused if the data changed)."""
+    fingerprint = {name: _fingerprint(pairs) for name, pairs in splits.items()}
+    tic = time.perf_counter()
+    if resuming:
+        if not path.is_file():
+            raise ConfigError(f"train.resume: {path} is missing: the precomputed reference log-probs came from the initial model, "
+                              "which a resumed run no longer has; start a fresh run")
+        saved = torch.load(path, weights_only=True)
+        changed = [name for name in splits if saved["fingerprint"].get(name) != fingerprint[name]]
+        if changed:
+            raise ConfigError(f"train.resume: the {' and '.join(changed)} pairs differ from those whose reference log-probs are in "
+                              f"{path} (data or tokenizer changed since the run started); resume with the same data")
+        values = saved["values"]
+    else:
+        values = {name: score(engine, pairs, dist=dist, batch_size=batch_size, pad_id=pad_id) for name, pairs in splits.items()}
+        if dist.is_main:
+            torch.save({"fingerprint": fingerprint, "values": values}, path)
+    for name, pairs in splits.items():
+        for pair, (chosen, rejected) in zip(pairs, values[name].tolist()):
+            pair.reference = (chosen, rejected)
+    if dist.is_main:
+        what = " + ".join(f"{len(p)} {name}" for name, p in splits.items() if p)
+        how = f"read from {path}" if resuming else f"computed in {time.perf_counter() - tic:.1f}s, saved to {path}"
+        print(f"reference: log-probs of {what} pairs {how}")
+
+
+@torch.no_grad()
+def score(engine: Any, pairs: list[Pair], *, dist: Dist, batch_size: int, pad_id: int) -> torch.Tensor:
+    """[N, 2] log-probs (chosen, rejected) of the model as it is now; each rank scores its share."""
+    out = torch.zeros(len(pairs), 2, dtype=torch.float64)
+    if not pairs:
+        return out
+    mine = shard(list(range(len(pairs))), dist.rank, dist.world_size)
+    for i in range(0, len(mine), batch_size):
+        idx = mine[i : i + batch_size]
+        logps = engine.inference(_logps, collate([pairs[j] for j in idx], pad_id))
+        out[idx] = logps.double().cpu().view(2, -1).T
+    for _ in range(lockstep_extra(engine, len(pairs), batch_size, dist)):  # ZeRO-3: as many forwards as the other ranks
+        engine.inference(_logps, collate(pairs[:1], pad_id))
+    return dist.sum_tensor(out)
+
+
+def _logps(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return sequence_logps(model, batch)[0]
+
+
+def _fingerprint(pairs: list[Pair]) -> str:
+    h = hashlib.sha256()
+    for p in pairs:
+        h.update(repr((p.chosen.input_ids, p.chosen.labels, p.rejected.input_ids, p.rejected.labels)).encode())
+    return h.hexdigest()
