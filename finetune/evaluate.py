@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from finetune.data import collate, eval_batches, for_generation, shard
+from finetune.data import Example, collate, eval_batches, for_generation, shard
 from finetune.dist import Dist
 from finetune.engine.common import add_metrics
 

@@ -3,8 +3,8 @@
 - precomputed (default): before the first step the initial policy scores every train and eval
   pair once (no gradients, sharded over ranks, in the compute precision, through the engine, so
   it works wherever training works). The values travel with the samples: no reference model is
-  in memory while training. They are saved to RUN_DIR/reference_logps.pt, which a resumed run
-  reads back (its initial policy is gone by then).
+  in memory while training. They are saved to RUN_DIR/reference_logps.pt, which a run resumed
+  from one of RUN_DIR's checkpoints reads back (its initial policy is gone by then).
 - live: a frozen copy of the initial model, placed by the engine like the policy (under ZeRO-3
   sharded like it); one extra no-grad forward per micro-batch.
 - adapter_disabled: the policy itself with its PEFT adapter switched off, which is exactly the
@@ -29,7 +29,7 @@ from finetune.objectives import sequence_logps
 FILE = "reference_logps.pt"
 
 
-def setup(cfg: Config, *, engine: Any, dist: Dist, splits: dict[str, list[Pair]], run_dir: Path, resuming: bool,
+def setup(cfg: Config, *, engine: Any, dist: Dist, splits: dict[str, list[Pair]], run_dir: Path, resume_from: Path | None,
           load_model: Callable[[], torch.nn.Module], pad_id: int) -> Callable[[Any, dict[str, torch.Tensor]], torch.Tensor] | None:
     """Prepare the reference for `cfg.method`; returns what the DPO objective calls for reference
     log-probs during training (None: they are in the batches, or the loss needs none)."""
@@ -37,11 +37,12 @@ def setup(cfg: Config, *, engine: Any, dist: Dist, splits: dict[str, list[Pair]]
     if m.name != Method.dpo or m.loss == DpoLoss.simpo:
         return None
     if m.reference == Reference.precomputed:
-        precompute(engine, splits, dist=dist, path=run_dir / FILE, resuming=resuming, batch_size=cfg.train.eval_batch_size,
-                   pad_id=pad_id)
+        saved = resume_from.parent.parent / FILE if resume_from is not None else None  # RUN_DIR/checkpoints/step_N
+        precompute(engine, splits, dist=dist, path=run_dir / FILE, saved=saved, batch_size=cfg.train.eval_batch_size, pad_id=pad_id)
         return None
     if m.reference == Reference.live:
-        reference = engine.frozen(load_model())
+        with torch.random.fork_rng(devices=[]):  # loading re-seeds; training's random stream (dropout) stays as it was
+            reference = engine.frozen(load_model())
         return lambda policy, batch: sequence_logps(reference, batch)[0]
     return adapter_disabled
 
@@ -55,32 +56,32 @@ def adapter_disabled(policy: Any, batch: dict[str, torch.Tensor]) -> torch.Tenso
         return sequence_logps(model, batch)[0]
 
 
-def precompute(engine: Any, splits: dict[str, list[Pair]], *, dist: Dist, path: Path, resuming: bool, batch_size: int,
+def precompute(engine: Any, splits: dict[str, list[Pair]], *, dist: Dist, path: Path, saved: Path | None, batch_size: int,
                pad_id: int) -> None:
-    """Attach reference log-probs to every pair: computed now from the initial policy, or read
-    back from `path` when resuming (refused if the data changed)."""
+    """Attach reference log-probs to every pair and write them to `path`: computed now from the
+    initial policy, or, when resuming, read from `saved` (refused if the data changed)."""
     fingerprint = {name: _fingerprint(pairs) for name, pairs in splits.items()}
     tic = time.perf_counter()
-    if resuming:
-        if not path.is_file():
-            raise ConfigError(f"train.resume: {path} is missing: the precomputed reference log-probs came from the initial model, "
-                              "which a resumed run no longer has; start a fresh run")
-        saved = torch.load(path, weights_only=True)
-        changed = [name for name in splits if saved["fingerprint"].get(name) != fingerprint[name]]
+    if saved is not None:
+        if not saved.is_file():
+            raise ConfigError(f"train.resume: {saved} is missing: the precomputed reference log-probs came from the initial model, "
+                              "which a resumed run no longer has; resume from a checkpoint of a DPO run, or start afresh")
+        state = torch.load(saved, weights_only=True)
+        changed = [name for name in splits if state["fingerprint"].get(name) != fingerprint[name]]
         if changed:
             raise ConfigError(f"train.resume: the {' and '.join(changed)} pairs differ from those whose reference log-probs are in "
-                              f"{path} (data or tokenizer changed since the run started); resume with the same data")
-        values = saved["values"]
+                              f"{saved} (data or tokenizer changed since that run started); resume with the same data")
+        values = state["values"]
     else:
         values = {name: score(engine, pairs, dist=dist, batch_size=batch_size, pad_id=pad_id) for name, pairs in splits.items()}
-        if dist.is_main:
-            torch.save({"fingerprint": fingerprint, "values": values}, path)
+    if dist.is_main and path != saved:
+        torch.save({"fingerprint": fingerprint, "values": values}, path)
     for name, pairs in splits.items():
         for pair, (chosen, rejected) in zip(pairs, values[name].tolist()):
             pair.reference = (chosen, rejected)
     if dist.is_main:
         what = " + ".join(f"{len(p)} {name}" for name, p in splits.items() if p)
-        how = f"read from {path}" if resuming else f"computed in {time.perf_counter() - tic:.1f}s, saved to {path}"
+        how = f"read from {saved}" if saved is not None else f"computed in {time.perf_counter() - tic:.1f}s, saved to {path}"
         print(f"reference: log-probs of {what} pairs {how}")
 
 

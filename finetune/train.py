@@ -55,6 +55,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
             print(s.line(name, cfg.data.max_length))
     zero3 = model.zero3_context(deepspeed_config(cfg) if uses_deepspeed(cfg) else None)  # noqa: F841 - kept alive
     attention = model.resolve_attention(cfg.model.attn_implementation, cfg.precision.name, d.device)
+
     def load(peft: PeftConfig) -> torch.nn.Module:
         return model.load_model(cfg.model, tokenizer, attention=attention, peft=peft,
                                 compute_dtype=autocast_dtype(cfg.precision.name) or torch.float32, zero3=cfg.zero.stage == 3,
@@ -71,7 +72,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
     # DPO's reference: the live one is the initial model again (a 4-bit base for QLoRA, no adapter).
     base_peft = cfg.peft if cfg.peft.name == PeftMethod.qlora else PeftConfig()
     ref = reference.setup(cfg, engine=eng, dist=d, splits={"train": train_examples, "eval": eval_examples}, run_dir=run_dir,
-                          resuming=resume_from is not None, load_model=lambda: load(base_peft), pad_id=tokenizer.pad_token_id)
+                          resume_from=resume_from, load_model=lambda: load(base_peft), pad_id=tokenizer.pad_token_id)
     objective = objectives.build(cfg.method, ref)
     batches = data.TrainBatches(train_examples, global_batch=cfg.train.global_batch_size, micro_batch=cfg.train.micro_batch_size,
                                 dp_rank=d.rank, dp_size=d.world_size, seed=cfg.train.seed, pad_id=tokenizer.pad_token_id)

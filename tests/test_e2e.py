@@ -52,7 +52,7 @@ def test_checkpoint_reloads_with_transformers_and_gives_the_same_eval(quickstart
     loss_sum = count = 0.0
     with torch.no_grad():
         for batch in data.eval_batches(evals, 32, tok.pad_token_id):
-            loss_sum += SFT()(model, batch).item()
+            loss_sum += SFT()(model, batch)[0].item()
             count += SFT().count(batch)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert loss_sum / count == pytest.approx(summary["after"]["eval_loss"], rel=1e-4)
@@ -88,3 +88,22 @@ def test_pretrained_model_from_a_local_directory(quickstart, tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert first_eval["step"] == 0
     assert first_eval["eval_loss"] == pytest.approx(summary["after"]["eval_loss"], rel=1e-4)
+
+
+def test_quickstart_dpo_from_the_quickstart_model_raises_reward_accuracy_and_exact_match(quickstart, tmp_path):
+    """+recipe=quickstart_dpo on 2 ranks, starting from the quickstart SFT checkpoint."""
+    run_dir, _ = quickstart
+    out = run_cli("+recipe=quickstart_dpo", f"model.path={run_dir / 'final'}", "train.progress_bar=false",
+                  f"hydra.run.dir={tmp_path / 'dpo'}", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "training it first" not in out.stdout and "--nproc_per_node=2" in out.stdout
+    assert "reference: log-probs of 4000 train + 256 eval pairs computed in" in out.stdout
+    summary = json.loads((tmp_path / "dpo/summary.json").read_text())
+    before, after = summary["before"], summary["after"]
+    sft_summary = json.loads((run_dir / "summary.json").read_text())
+    assert before["exact_match"] == sft_summary["after"]["exact_match"]  # it starts where SFT ended
+    assert before["eval_rewards/accuracy"] == 0.0 and after["eval_rewards/accuracy"] >= 0.9  # measured: 0 -> 1.0
+    assert after["exact_match"] >= before["exact_match"] + 0.05  # measured: 0.812 -> 0.973
+    assert f"reward_acc   0.0% -> {after['eval_rewards/accuracy']:.1%}" in out.stdout
+    train = [m for m in read_metrics(tmp_path / "dpo") if m["kind"] == "train"]
+    assert len(train) == 300 and train[-1]["rewards/margin"] > train[0]["rewards/margin"]

@@ -92,10 +92,10 @@ def test_packing_fills_rows_and_keeps_the_loss(tmp_path):
     net, _ = tiny_model()
     sft = SFT()
     with torch.no_grad():
-        plain = sum(sft(net, data.collate(subset[i : i + 8], tok.pad_token_id)).item() for i in range(0, 40, 8))
+        plain = sum(sft(net, data.collate(subset[i : i + 8], tok.pad_token_id))[0].item() for i in range(0, 40, 8))
         batch = data.collate(rows, tok.pad_token_id)
         assert "attention_mask" not in batch and batch["position_ids"][0, 0] == 0
-        packed_loss = sft(net, batch).item()
+        packed_loss = sft(net, batch)[0].item()
         assert sft.count(batch) == sum(sft.count(data.collate([e], tok.pad_token_id)) for e in subset)
     assert packed_loss == pytest.approx(plain, rel=1e-5)
 
