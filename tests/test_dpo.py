@@ -311,3 +311,23 @@ def test_a_missing_start_model_is_made_first_by_its_recipe(tmp_path):
     assert f"[finetune] model.path={target} does not exist: training it first with +recipe=tiny_sft" in out.stdout
     assert (target / "model.safetensors").is_file()
     assert f"path: {target}" in (tmp_path / "dpo/config.yaml").read_text()  # resolved: ranks need no working directory
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["peft=qlora", "method.reference=adapter_disabled"],
+        ["peft=qlora", "method.reference=live", "precision=bf16"],
+        ["peft=dora", "checkpointing=selective", "checkpointing.every=1"],
+        ["precision=fp16", "checkpointing=offload"],
+        ["precision=bf16", "checkpointing=full", "method.loss=ipo"],
+    ],
+    ids=lambda o: "+".join(x.split("=")[1] for x in o),
+)
+def test_dpo_combines_with_memory_strategies(overrides, tmp_path):
+    summary = train_here([*QUICK, "train.exact_match_samples=0", *overrides], tmp_path)
+    first = train_metrics(tmp_path)[0]
+    fresh = (0.5 / 0.1) ** 2 if "method.loss=ipo" in overrides else LOG2  # a policy equal to its reference
+    assert first["loss"] == pytest.approx(fresh, rel=2e-3)  # bf16/fp16/4-bit forwards: equal to their rounding
+    assert all(math.isfinite(m["loss"]) for m in train_metrics(tmp_path))
+    assert summary["memory"]["mem_peak_total_mib"] > 0

@@ -114,8 +114,8 @@ class _Overflow(SFT):
 
     def __call__(self, net, batch):
         self.calls += 1
-        loss = super().__call__(net, batch)
-        return loss * float("inf") if self.calls in self.bad else loss
+        loss, metrics = super().__call__(net, batch)
+        return (loss * float("inf") if self.calls in self.bad else loss), metrics
 
 
 def test_fp16_scaler_skips_an_overflowing_step_and_recovers():
