@@ -140,13 +140,17 @@ def final_eval(run_dir):
     return [m["eval_loss"] for m in read_metrics(run_dir) if m["kind"] == "eval"][-1]
 
 
-@pytest.fixture(scope="module")
-def torch_reference(start_model, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ref")
-    out = run_cli(*STEPS, "model=pretrained", f"model.path={start_model}", "parallelism=single", "launcher.nproc_per_node=1",
+def single_process_run(tmp, start_model, steps):
+    """The torch engine on one process, from `start_model`: what the 2-rank runs are compared with."""
+    out = run_cli(*steps, "model=pretrained", f"model.path={start_model}", "parallelism=single", "launcher.nproc_per_node=1",
                   f"hydra.run.dir={tmp / 'run'}", cwd=tmp)
     assert out.returncode == 0, out.stderr[-3000:]
     return tmp / "run"
+
+
+@pytest.fixture(scope="module")
+def torch_reference(start_model, tmp_path_factory):
+    return single_process_run(tmp_path_factory.mktemp("ref"), start_model, STEPS)
 
 
 @pytest.mark.slow
@@ -208,11 +212,7 @@ DPO_STEPS = ["method=dpo", "data=quickstart_dpo", "train.max_steps=4", "optim.wa
 
 @pytest.fixture(scope="module")
 def torch_dpo(start_model, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("dpo_ref")
-    out = run_cli(*DPO_STEPS, "model=pretrained", f"model.path={start_model}", "parallelism=single", "launcher.nproc_per_node=1",
-                  f"hydra.run.dir={tmp / 'run'}", cwd=tmp)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return tmp / "run"
+    return single_process_run(tmp_path_factory.mktemp("dpo_ref"), start_model, DPO_STEPS)
 
 
 @pytest.mark.slow
