@@ -112,6 +112,13 @@ class QuantType(str, Enum):
 class Strategy(str, Enum):
     single = "single"
     ddp = "ddp"
+    fsdp = "fsdp"
+
+
+class PipeSchedule(str, Enum):
+    gpipe = "gpipe"
+    one_f_one_b = "1f1b"
+    interleaved_1f1b = "interleaved_1f1b"
 
 
 class Optimizer(str, Enum):
@@ -291,7 +298,27 @@ class ZeroConfig:
 @dataclass
 class ParallelismConfig:
     strategy: Strategy = Strategy.single
-    """single: one process; ddp: data parallel over every launched rank."""
+    """How data-parallel ranks hold the model. single: one process; ddp: each holds a replica
+    (gradients all-reduced); fsdp: FSDP2 `fully_shard`, each holds a shard of parameters,
+    gradients and optimizer states (gathered per block for compute)."""
+    tp: int = 1
+    """Tensor-parallel degree: each block's linear layers split over `tp` ranks (DTensor plans);
+    must divide the attention heads and key/value heads. Ranks of one TP group are adjacent."""
+    pp: int = 1
+    """Pipeline-parallel degree: the blocks split into `pp` stages (torch.distributed.pipelining);
+    the data-parallel degree is world size / (tp x pp)."""
+    pp_schedule: PipeSchedule = PipeSchedule.one_f_one_b
+    """gpipe (all forwards, then all backwards), 1f1b (one forward one backward: less activation
+    memory), interleaved_1f1b (`pp_stages_per_rank` stages per rank: a smaller bubble)."""
+    pp_stages_per_rank: int = 1
+    """Virtual stages per rank (interleaved_1f1b needs 2 or more). The pipeline's micro-batches
+    are the step's micro-batches: train.micro_batch_size each, global batch / (micro batch x
+    data-parallel degree) of them; the bubble is (stages - 1) / (micro-batches x virtual stages + stages - 1)."""
+    fsdp_reshard_after_forward: bool = True
+    """fsdp: free gathered parameters after each block's forward (gather again for backward):
+    ZeRO-3-like memory; false keeps them until backward (ZeRO-2-like, less communication)."""
+    fsdp_offload: bool = False
+    """fsdp: keep parameters, gradients and optimizer states in CPU memory (FSDP2 CPUOffloadPolicy)."""
 
 
 @dataclass
@@ -337,10 +364,19 @@ class LauncherConfig:
     nproc_per_node: int = 1
     """Processes (ranks) per node: one per GPU, or per CPU process group member."""
     nnodes: int = 1
+    """Nodes in the job; every node runs the same command (see launch/README.md)."""
     node_rank: int = 0
+    """This node's rank in [0, nnodes) for the static rendezvous (not with rdzv_endpoint)."""
     master_addr: str = "127.0.0.1"
+    """Static rendezvous: address of node 0, reachable from every node."""
     master_port: int | None = None
-    """null on a single node: torchrun --standalone picks a free port."""
+    """Static rendezvous port on node 0; null on a single node: torchrun --standalone picks a free port."""
+    rdzv_endpoint: str | None = None
+    """torchrun: HOST:PORT of a c10d dynamic rendezvous (--rdzv_backend=c10d; port 29400 if omitted), the
+    same on every node, instead of the static node_rank/master_addr/master_port; the rendezvous assigns
+    node ranks. HOST is one of the job's nodes (it serves the rendezvous store)."""
+    rdzv_id: str = "finetune"
+    """torchrun with rdzv_endpoint: the job id (--rdzv_id) every node of one job shares."""
     omp_num_threads: int | None = None
     """Threads per rank; null: CPU cores / nproc_per_node."""
     env: dict[str, str] = field(default_factory=dict)
@@ -409,7 +445,7 @@ class Config:
 
     @property
     def data_parallel_size(self) -> int:
-        return self.world_size
+        return max(1, self.world_size // (self.parallelism.tp * self.parallelism.pp))
 
     @property
     def grad_accum_steps(self) -> int:
@@ -508,6 +544,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key}={value} must be at least 1")
     if not 0 <= launch.node_rank < launch.nnodes:
         raise ConfigError(f"launcher.node_rank={launch.node_rank} must be in [0, launcher.nnodes={launch.nnodes})")
+    _validate_launcher(cfg)
     if cfg.optim.lr <= 0:
         raise ConfigError(f"optim.lr={cfg.optim.lr} must be positive")
     if len(cfg.optim.betas) != 2:
@@ -522,6 +559,7 @@ def validate(cfg: Config) -> None:
 
     world = cfg.world_size
     _validate_zero(cfg)
+    _validate_layout(cfg)
     if cfg.parallelism.strategy == Strategy.single and world != 1:
         raise ConfigError(
             f"parallelism=single runs one process, but the launcher starts {world} "
@@ -540,6 +578,17 @@ def validate(cfg: Config) -> None:
             f"{t.micro_batch_size} x data-parallel size {cfg.data_parallel_size} = {per_step}: "
             f"use e.g. train.global_batch_size={max(per_step, t.global_batch_size // per_step * per_step)}"
         )
+    p = cfg.parallelism
+    stages = p.pp * p.pp_stages_per_rank
+    if p.pp > 1 and p.pp_schedule != PipeSchedule.gpipe and cfg.grad_accum_steps < stages:
+        raise ConfigError(
+            f"parallelism.pp_schedule={p.pp_schedule.value} needs at least as many micro-batches per step as pipeline stages "
+            f"({stages}), got {cfg.grad_accum_steps} (train.global_batch_size={t.global_batch_size} / (train.micro_batch_size="
+            f"{t.micro_batch_size} x data-parallel {cfg.data_parallel_size})): lower train.micro_batch_size"
+        )
+    if p.pp_schedule == PipeSchedule.interleaved_1f1b and p.pp > 1 and cfg.grad_accum_steps % p.pp:
+        raise ConfigError(f"parallelism.pp_schedule=interleaved_1f1b needs a micro-batch count per step ({cfg.grad_accum_steps}) "
+                          f"that is a multiple of parallelism.pp={p.pp}: change train.micro_batch_size or train.global_batch_size")
     _validate_strategies(cfg)
     _validate_method(cfg)
     if cfg.data.eval is None and cfg.data.eval_size < 0:
@@ -554,7 +603,8 @@ def _unused(section: Any, key: str, used: tuple[str, ...], why: str) -> None:
     for f in fields(section):
         if f.name not in used and getattr(section, f.name) != getattr(default, f.name):
             value = getattr(section, f.name)
-            raise ConfigError(f"{key}.{f.name}={getattr(value, 'value', value)} has no effect {why}: remove it or change the option")
+            shown = str(value).lower() if isinstance(value, bool) else getattr(value, "value", value)  # as typed on the command line
+            raise ConfigError(f"{key}.{f.name}={shown} has no effect {why}: remove it or change the option")
 
 
 def _validate_strategies(cfg: Config) -> None:
@@ -609,6 +659,110 @@ def _validate_method(cfg: Config) -> None:
         raise ConfigError(f"method=dpo trains on preference pairs: data.format={cfg.data.format.value} must be preference or auto")
 
 
+def model_shape(cfg: ModelConfig) -> dict[str, int] | None:
+    """Layers and heads from model.init or a local config.json (None: a hub id, checked on the ranks)."""
+    if cfg.init is not None:
+        return {k: getattr(cfg.init, k) for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads")}
+    path = Path(cfg.path or "").expanduser() / "config.json"
+    if not path.is_file():
+        return None
+    import json
+
+    arch = json.loads(path.read_text())
+    arch = arch.get("text_config", arch)
+    return {"num_hidden_layers": arch.get("num_hidden_layers", 0), "num_attention_heads": arch.get("num_attention_heads", 0),
+            "num_key_value_heads": arch.get("num_key_value_heads") or arch.get("num_attention_heads", 0)}
+
+
+def check_layout_fits_model(p: ParallelismConfig, shape: dict[str, int]) -> None:
+    """tp divides the heads, and there are at least as many blocks as pipeline stages."""
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        if p.tp > 1 and shape[key] % p.tp:
+            raise ConfigError(f"parallelism.tp={p.tp} must divide the model's {key}={shape[key]}: "
+                              f"use a tp that divides {shape[key]}")
+    stages = p.pp * p.pp_stages_per_rank
+    if p.pp > 1 and stages > shape["num_hidden_layers"]:
+        raise ConfigError(f"parallelism.pp={p.pp} x pp_stages_per_rank={p.pp_stages_per_rank} = {stages} pipeline stages, but the "
+                          f"model has {shape['num_hidden_layers']} blocks: use at most {shape['num_hidden_layers']} stages")
+
+
+def _validate_layout(cfg: Config) -> None:
+    p, launch, world = cfg.parallelism, cfg.launcher, cfg.world_size
+    for key, value in (("parallelism.tp", p.tp), ("parallelism.pp", p.pp), ("parallelism.pp_stages_per_rank", p.pp_stages_per_rank)):
+        if value < 1:
+            raise ConfigError(f"{key}={value} must be at least 1")
+    model_parallel = p.tp * p.pp
+    if model_parallel > 1 and world % model_parallel:
+        raise ConfigError(
+            f"parallelism.tp={p.tp} x parallelism.pp={p.pp} = {model_parallel} ranks per model replica does not divide the "
+            f"launch size {world} (launcher.nproc_per_node={launch.nproc_per_node} x launcher.nnodes={launch.nnodes}): "
+            f"launch a multiple of {model_parallel} ranks"
+        )
+    if model_parallel > 1 and p.strategy == Strategy.single:
+        raise ConfigError(f"parallelism.tp={p.tp}/pp={p.pp} need parallelism.strategy=ddp or fsdp (data parallel over "
+                          "world / (tp x pp) replicas), not single")
+    if p.pp == 1:
+        _unused(p, "parallelism", ("strategy", "tp", "pp", "fsdp_reshard_after_forward", "fsdp_offload"), "without pipeline parallel (pp=1)")
+    if p.strategy != Strategy.fsdp:
+        _unused(p, "parallelism", ("strategy", "tp", "pp", "pp_schedule", "pp_stages_per_rank"), f"with strategy={p.strategy.value} (only with fsdp)")
+    interleaved = p.pp_schedule == PipeSchedule.interleaved_1f1b
+    if p.pp > 1 and interleaved != (p.pp_stages_per_rank > 1):
+        raise ConfigError(f"parallelism.pp_schedule={p.pp_schedule.value} with pp_stages_per_rank={p.pp_stages_per_rank}: "
+                          "interleaved_1f1b needs 2 or more stages per rank, gpipe and 1f1b exactly 1")
+    shape = model_shape(cfg.model)
+    if shape is not None:
+        check_layout_fits_model(p, shape)
+    if not (model_parallel > 1 or p.strategy == Strategy.fsdp):
+        return
+    layout = f"parallelism.strategy={p.strategy.value} tp={p.tp} pp={p.pp}"
+    if cfg.precision.name == Precision.fp16:
+        raise ConfigError(f"precision=fp16 is not supported with {layout} (no sharded loss scaler here): use precision=bf16")
+    if cfg.peft.name == PeftMethod.qlora:
+        raise ConfigError(f"peft=qlora is not supported with {layout} (4-bit weights cannot be sharded): use peft=lora, or ddp")
+    if cfg.peft.name != PeftMethod.none and model_parallel > 1:
+        raise ConfigError(f"peft={cfg.peft.name.value} is supported with parallelism.strategy=fsdp and ddp, not with tp/pp > 1: "
+                          "use full fine-tuning (peft=none) with tp/pp")
+    if p.pp > 1:
+        if cfg.data.packing:
+            raise ConfigError("data.packing=true is not supported with pipeline parallel (stages attend causally over the whole row): "
+                              "set data.packing=false")
+        if cfg.train.exact_match_samples:
+            raise ConfigError("train.exact_match_samples needs generation on the whole model, which pipeline stages do not hold: "
+                              "set train.exact_match_samples=0 and evaluate RUN_DIR/final instead")
+        if cfg.method.name == Method.dpo and cfg.method.loss != DpoLoss.simpo and cfg.method.reference != Reference.precomputed:
+            raise ConfigError(f"method.reference={cfg.method.reference.value} is not supported with pipeline parallel: "
+                              "use method.reference=precomputed")
+        if cfg.checkpointing.name == Checkpointing.offload:
+            raise ConfigError("checkpointing=offload is not supported with pipeline parallel: use checkpointing=full or selective")
+
+
+def _validate_launcher(cfg: Config) -> None:
+    """The c10d rendezvous (launcher.rdzv_endpoint) against the static one and the deepspeed launcher."""
+    launch, default = cfg.launcher, LauncherConfig()
+    endpoint = launch.rdzv_endpoint
+    if endpoint is None:
+        if launch.rdzv_id != default.rdzv_id:
+            raise ConfigError(f"launcher.rdzv_id={launch.rdzv_id} has no effect without launcher.rdzv_endpoint (c10d rendezvous): "
+                              "set launcher.rdzv_endpoint=HOST:PORT or remove launcher.rdzv_id")
+        return
+    if launcher_for(cfg) == LauncherName.deepspeed:
+        raise ConfigError(f"launcher.rdzv_endpoint={endpoint} is a torchrun (c10d rendezvous) setting, but this run uses the deepspeed "
+                          "launcher: unset launcher.rdzv_endpoint and use launcher.hostfile or launcher.no_ssh=true launcher.node_rank=R, "
+                          "or add launcher=torchrun")
+    host, colon, port = endpoint.rpartition(":") if ":" in endpoint else (endpoint, "", "")
+    if not host or (colon and not (port.isdigit() and 0 < int(port) < 65536)):
+        raise ConfigError(f"launcher.rdzv_endpoint={endpoint!r} must be HOST:PORT, the same on every node "
+                          "(e.g. launcher.rdzv_endpoint=10.0.0.1:29400)")
+    if not launch.rdzv_id:
+        raise ConfigError("launcher.rdzv_id is empty: give every node of the job the same id (e.g. launcher.rdzv_id=job42)")
+    static = [f"launcher.{key}={getattr(launch, key)}" for key in ("node_rank", "master_addr", "master_port")
+              if getattr(launch, key) != getattr(default, key)]
+    if static:
+        raise ConfigError(f"{' and '.join(static)} {'conflicts' if len(static) == 1 else 'conflict'} with launcher.rdzv_endpoint="
+                          f"{endpoint} (the c10d rendezvous assigns node ranks): remove {'it' if len(static) == 1 else 'them'}, "
+                          "or unset launcher.rdzv_endpoint to use the static rendezvous")
+
+
 def _validate_zero(cfg: Config) -> None:
     z, launch = cfg.zero, cfg.launcher
     if launch.name == LauncherName.deepspeed and not z.enabled:
@@ -627,10 +781,11 @@ def _validate_zero(cfg: Config) -> None:
     else:  # offload_param below stage 3 gets its own message further down
         stage3_knobs = [f.name for f in fields(z) if f.name.startswith("stage3_") or f.name == "sub_group_size"]
         _unused(z, "zero", tuple(f.name for f in fields(z) if f.name not in stage3_knobs), f"with ZeRO stage {z.stage} (stage 3 only)")
-    if cfg.parallelism.strategy not in (Strategy.single, Strategy.ddp):
+    if cfg.parallelism.strategy not in (Strategy.single, Strategy.ddp) or cfg.parallelism.tp * cfg.parallelism.pp > 1:
+        p = cfg.parallelism
         raise ConfigError(
-            f"zero=stage{z.stage} shards over data-parallel ranks; parallelism={cfg.parallelism.strategy.value} is a "
-            "torch-engine layout: use parallelism=ddp with zero, or zero=none"
+            f"zero=stage{z.stage} shards over data-parallel ranks; parallelism strategy={p.strategy.value} tp={p.tp} pp={p.pp} is "
+            "a torch-engine layout (FSDP2 / DTensor / pipelining): use parallelism=ddp with zero, or zero=none"
         )
     if z.offload_optimizer != Offload.none and z.stage < 2:
         raise ConfigError(

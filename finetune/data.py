@@ -193,7 +193,7 @@ def load_split(cfg: DataConfig, tokenizer: Any, seed: int, method: Method = Meth
 # Batches
 
 
-def collate(examples: list[Any], pad_id: int) -> dict[str, torch.Tensor]:
+def collate(examples: list[Any], pad_id: int, width: int | None = None) -> dict[str, torch.Tensor]:
     """Right-pad to the longest example; padding carries no loss.
 
     Preference pairs become 2B rows: the B chosen, then the B rejected, and their precomputed
@@ -202,15 +202,16 @@ def collate(examples: list[Any], pad_id: int) -> dict[str, torch.Tensor]:
     Plain rows get an attention mask. Packed rows get position ids instead, restarting at 0 for
     every sample (and for the padding tail): transformers then attends only within each sample
     (a block-diagonal causal mask with sdpa/eager, varlen kernels with flash-attn).
-    `real_tokens` counts the non-pad tokens of each row.
+    `real_tokens` counts the non-pad tokens of each row. `width` pads to a fixed length
+    (pipeline parallel: every micro-batch has one shape).
     """
     if isinstance(examples[0], Pair):
-        batch = collate([p.chosen for p in examples] + [p.rejected for p in examples], pad_id)
+        batch = collate([p.chosen for p in examples] + [p.rejected for p in examples], pad_id, width)
         if examples[0].reference is not None:
             batch["reference_logps"] = torch.tensor([p.reference[0] for p in examples] + [p.reference[1] for p in examples],
                                                     dtype=torch.float64)
         return batch
-    width = max(len(e.input_ids) for e in examples)
+    width = width or max(len(e.input_ids) for e in examples)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
     real = torch.tensor([len(e.input_ids) for e in examples])
@@ -268,10 +269,11 @@ class TrainBatches:
     """
 
     def __init__(
-        self, examples: list[Example], *, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int, seed: int, pad_id: int
+        self, examples: list[Example], *, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int, seed: int, pad_id: int,
+        pad_to: int | None = None,
     ) -> None:
         self.examples, self.global_batch, self.micro_batch = examples, global_batch, micro_batch
-        self.dp_rank, self.dp_size, self.seed, self.pad_id = dp_rank, dp_size, seed, pad_id
+        self.dp_rank, self.dp_size, self.seed, self.pad_id, self.pad_to = dp_rank, dp_size, seed, pad_id, pad_to
         self._perm: dict[int, np.ndarray] = {}
 
     def indices(self, step: int) -> list[int]:
@@ -289,7 +291,7 @@ class TrainBatches:
     def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
         idx = self.indices(step)
         chunks = [idx[i : i + self.micro_batch] for i in range(0, len(idx), self.micro_batch)]
-        return [collate([self.examples[i] for i in chunk], self.pad_id) for chunk in chunks]
+        return [collate([self.examples[i] for i in chunk], self.pad_id, self.pad_to) for chunk in chunks]
 
     def epoch(self, step: int) -> float:
         return step * self.global_batch / len(self.examples)

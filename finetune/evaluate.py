@@ -15,35 +15,36 @@ def evaluate(engine: Any, objective: Any, examples: list[Any], *, dist: Dist, to
              exact_match_samples: int = 0, max_new_tokens: int = 64) -> dict[str, float]:
     """Eval loss (mean over every loss unit of the eval set, all ranks), the objective's own
     metrics (DPO: eval_rewards/accuracy...) and optionally exact match (DPO: of the chosen response)."""
-    mine = shard(examples, dist.rank, dist.world_size)
+    mine = shard(examples, engine.dp_rank, engine.dp_size)
+    owner = int(engine.owner)  # tp/pp: one rank per model replica counts
     loss_sum = count = 0.0
     metrics: dict[str, float] = {}
     for batch in eval_batches(mine, batch_size, tokenizer.pad_token_id):
         loss, sums = engine.inference(objective, batch)
-        loss_sum += float(loss)
-        add_metrics(metrics, sums)
-        count += objective.count(batch)
-    for _ in range(lockstep_extra(engine, len(examples), batch_size, dist)):
+        loss_sum += owner * float(loss)
+        add_metrics(metrics, {k: owner * v for k, v in sums.items()})
+        count += owner * objective.count(batch)
+    for _ in range(lockstep_extra(engine, len(examples), batch_size)):
         engine.inference(objective, collate(examples[:1], tokenizer.pad_token_id))  # ZeRO-3: match the other ranks' forwards
-    loss_sum, count, *values = dist.sum(loss_sum, count, *(metrics[k] for k in sorted(metrics)))
-    out = {"eval_loss": loss_sum / max(count, 1)} | {f"eval_{k}": v / max(count, 1) for k, v in zip(sorted(metrics), values)}
+    loss_sum, count, *values = dist.sum(loss_sum, count, *(metrics.get(k, 0.0) for k in objective.metrics))
+    out = {"eval_loss": loss_sum / max(count, 1)} | {f"eval_{k}": v / max(count, 1) for k, v in zip(objective.metrics, values)}
     if exact_match_samples:
         examples = for_generation(examples)
-        scored = shard(examples[:exact_match_samples], dist.rank, dist.world_size)
-        extra = lockstep_extra(engine, min(exact_match_samples, len(examples)), batch_size, dist)
+        scored = shard(examples[:exact_match_samples], engine.dp_rank, engine.dp_size)
+        extra = lockstep_extra(engine, min(exact_match_samples, len(examples)), batch_size)
         correct = exact_match(engine.generation_model, tokenizer, scored + examples[:1] * extra * batch_size, batch_size=batch_size,
                               max_new_tokens=max_new_tokens, device=dist.device, synced=engine.lockstep, count=len(scored))
-        correct, total = dist.sum(correct, len(scored))
+        correct, total = dist.sum(owner * correct, owner * len(scored))
         out["exact_match"] = correct / max(total, 1)
     return out
 
 
-def lockstep_extra(engine: Any, total: int, batch_size: int, dist: Dist) -> int:
+def lockstep_extra(engine: Any, total: int, batch_size: int) -> int:
     """Batches this rank must add so every rank runs as many forwards (engines with `lockstep`)."""
     if not engine.lockstep:
         return 0
-    most = -(-total // dist.world_size)  # the largest shard
-    return -(-most // batch_size) - -(-len(shard(range(total), dist.rank, dist.world_size)) // batch_size)
+    most = -(-total // engine.dp_size)  # the largest shard
+    return -(-most // batch_size) - -(-len(shard(range(total), engine.dp_rank, engine.dp_size)) // batch_size)
 
 
 @torch.no_grad()

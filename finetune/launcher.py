@@ -65,7 +65,9 @@ def build(cfg: Config, run_dir: str | Path, *, python: str, cpu_count: int, port
         files[DEEPSPEED_FILE] = json.dumps(deepspeed_config(cfg), indent=2) + "\n"
     else:
         argv = [python, "-m", "torch.distributed.run", f"--nnodes={launch.nnodes}", f"--nproc_per_node={launch.nproc_per_node}"]
-        if launch.nnodes == 1 and launch.master_port is None:
+        if launch.rdzv_endpoint:  # dynamic rendezvous: node ranks come from the c10d store at the endpoint
+            argv += ["--rdzv_backend=c10d", f"--rdzv_endpoint={launch.rdzv_endpoint}", f"--rdzv_id={launch.rdzv_id}"]
+        elif launch.nnodes == 1 and launch.master_port is None:
             argv.append("--standalone")  # local rendezvous on a free port: concurrent jobs never collide
         else:
             argv += [f"--node_rank={launch.node_rank}", f"--master_addr={launch.master_addr}", f"--master_port={master_port}"]

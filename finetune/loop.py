@@ -49,17 +49,18 @@ def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatche
     start = time.perf_counter()
     for step in range(first, cfg.max_steps + 1):
         micro_batches = batches.micro_batches(step - 1)
-        local_count = sum(objective.count(mb) for mb in micro_batches)
-        local_tokens = sum(int(mb["real_tokens"].sum()) for mb in micro_batches)
-        local_slots = sum(mb["input_ids"].numel() for mb in micro_batches)
+        owner = int(engine.owner)  # tp/pp: one rank per model replica counts its data
+        local_count = owner * sum(objective.count(mb) for mb in micro_batches)
+        local_tokens = owner * sum(int(mb["real_tokens"].sum()) for mb in micro_batches)
+        local_slots = owner * sum(mb["input_ids"].numel() for mb in micro_batches)
         (count,) = dist.sum(local_count)  # loss units of the whole global batch: the normaliser
 
         measured = probe is not None and step < first + MEMORY_STEPS
         tic = time.perf_counter()
         with probe.track() if measured else contextlib.nullcontext():
             out = engine.train_step(micro_batches, objective, count)
-        names = sorted(out.metrics)  # the objective's own (DPO rewards...), averaged like the loss
-        loss_sum, tokens, slots, *sums = dist.sum(out.loss_sum, local_tokens, local_slots, *(out.metrics[k] for k in names))
+        names = objective.metrics  # its own (DPO rewards...), averaged like the loss; pipeline stages without the loss add 0
+        loss_sum, tokens, slots, *sums = dist.sum(out.loss_sum, local_tokens, local_slots, *(out.metrics.get(k, 0.0) for k in names))
         seconds = time.perf_counter() - tic
         if measured and step == first + MEMORY_STEPS - 1:
             memory = probe.report()

@@ -24,13 +24,19 @@ Reference = Callable[[Any, dict[str, torch.Tensor]], torch.Tensor]  # (policy, b
 class SFT:
     """Cross-entropy of next-token prediction on response tokens (prompt and padding masked)."""
 
+    metrics: tuple[str, ...] = ()  # names of the metric sums it returns (the same on every rank)
+
     def count(self, batch: dict[str, torch.Tensor]) -> int:
         """Units the loss is averaged over: labelled tokens that some position predicts."""
         return int((batch["labels"][:, 1:] != IGNORE).sum())
 
     def __call__(self, model: Any, batch: dict[str, torch.Tensor]) -> Output:
         """Summed token loss of the batch (not averaged: the loop normalises)."""
-        return token_loss_sum(forward(model, batch), batch["labels"]), {}
+        return self.loss(forward(model, batch), batch)
+
+    def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> Output:
+        """The loss from logits (what a pipeline's last stage computes)."""
+        return token_loss_sum(logits, batch["labels"]), {}
 
 
 class DPO:
@@ -40,6 +46,8 @@ class DPO:
     come from the batch (`reference_logps`, precomputed before training), or from `reference`
     (a live frozen model, or the policy with its adapter disabled), or are not needed (simpo).
     """
+
+    metrics = ("logps/chosen", "logps/rejected", "rewards/accuracy", "rewards/chosen", "rewards/margin", "rewards/rejected")
 
     def __init__(self, cfg: MethodConfig, reference: Reference | None = None) -> None:
         self.cfg, self.reference = cfg, reference
@@ -57,7 +65,14 @@ class DPO:
                     reference = self.reference(model, batch).float()
             else:
                 raise RuntimeError("DPO needs reference log-probs: precompute them or give a reference model")
-        logps, lengths = sequence_logps(model, batch)
+        return self.loss(forward(model, batch), batch, reference)
+
+    def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor], reference: torch.Tensor | None = None) -> Output:
+        """The loss from logits (what a pipeline's last stage computes; reference log-probs from
+        `reference` or the batch)."""
+        if reference is None and self.cfg.loss != DpoLoss.simpo:
+            reference = batch["reference_logps"].float()
+        logps, lengths = logits_logps(logits, batch["labels"])
         chosen, rejected = logps.chunk(2)
         n_chosen, n_rejected = lengths.chunk(2)
         ref = reference.chunk(2) if reference is not None else (None, None)
@@ -107,8 +122,12 @@ def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Ten
 
 def sequence_logps(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row log-probability of the labelled tokens (summed, fp32) and how many there are."""
-    logits = forward(model, batch)[:, :-1].float()
-    targets = batch["labels"][:, 1:]
+    return logits_logps(forward(model, batch), batch["labels"])
+
+
+def logits_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = logits[:, :-1].float()
+    targets = labels[:, 1:]
     token_logps = -F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE,
                                    reduction="none").view_as(targets)  # 0 where ignored
     return token_logps.sum(-1), (targets != IGNORE).sum(-1)

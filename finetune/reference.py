@@ -24,7 +24,7 @@ from finetune.config import Config, ConfigError, DpoLoss, Method, Reference
 from finetune.data import Pair, collate, shard
 from finetune.dist import Dist
 from finetune.evaluate import lockstep_extra
-from finetune.objectives import sequence_logps
+from finetune.objectives import logits_logps, sequence_logps
 
 FILE = "reference_logps.pt"
 
@@ -91,18 +91,28 @@ def score(engine: Any, pairs: list[Pair], *, dist: Dist, batch_size: int, pad_id
     out = torch.zeros(len(pairs), 2, dtype=torch.float64)
     if not pairs:
         return out
-    mine = shard(list(range(len(pairs))), dist.rank, dist.world_size)
+    mine = shard(list(range(len(pairs))), engine.dp_rank, engine.dp_size)
     for i in range(0, len(mine), batch_size):
         idx = mine[i : i + batch_size]
-        logps = engine.inference(_logps, collate([pairs[j] for j in idx], pad_id))
-        out[idx] = logps.double().cpu().view(2, -1).T
-    for _ in range(lockstep_extra(engine, len(pairs), batch_size, dist)):  # ZeRO-3: as many forwards as the other ranks
-        engine.inference(_logps, collate(pairs[:1], pad_id))
+        logps = engine.inference(LOGPS, collate([pairs[j] for j in idx], pad_id))
+        if engine.owner:  # tp/pp: one rank per model replica contributes
+            out[idx] = logps.double().cpu().view(2, -1).T
+    for _ in range(lockstep_extra(engine, len(pairs), batch_size)):  # ZeRO-3/FSDP: as many forwards as the other ranks
+        engine.inference(LOGPS, collate(pairs[:1], pad_id))
     return dist.sum_tensor(out)
 
 
-def _logps(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return sequence_logps(model, batch)[0]
+class _Logps:
+    """Summed response log-probs per row: called with a model, or (pipeline) with its logits."""
+
+    def __call__(self, model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return sequence_logps(model, batch)[0]
+
+    def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return logits_logps(logits, batch["labels"])[0]
+
+
+LOGPS = _Logps()
 
 
 def _fingerprint(pairs: list[Pair]) -> str:

@@ -75,7 +75,8 @@ def run(cfg: Config, d: dist.Dist) -> None:
                           resume_from=resume_from, load_model=lambda: load(base_peft), pad_id=tokenizer.pad_token_id)
     objective = objectives.build(cfg.method, ref)
     batches = data.TrainBatches(train_examples, global_batch=cfg.train.global_batch_size, micro_batch=cfg.train.micro_batch_size,
-                                dp_rank=d.rank, dp_size=d.world_size, seed=cfg.train.seed, pad_id=tokenizer.pad_token_id)
+                                dp_rank=eng.dp_rank, dp_size=eng.dp_size, seed=cfg.train.seed, pad_id=tokenizer.pad_token_id,
+                                pad_to=cfg.data.max_length if cfg.parallelism.pp > 1 else None)  # a pipeline needs one shape
     log = logs.MetricsLog(run_dir, enabled=d.is_main, tensorboard=cfg.train.tensorboard)
     try:
         result = loop.train(cfg.train, engine=eng, objective=objective, batches=batches, evals=eval_examples,
@@ -96,7 +97,12 @@ def probe(cfg: Config, eng: Any, d: dist.Dist, run_dir: Path) -> MemoryProbe | N
                           "measures memory by category")
     if not (cfg.train.memory_report or cfg.train.memory_snapshot):
         return None
-    return MemoryProbe(*eng.memory_targets(), d.device, snapshot=run_dir / "memory_snapshot.pickle" if cfg.train.memory_snapshot else None)
+    targets = eng.memory_targets()
+    if targets is None:
+        if d.is_main:
+            print("memory: not measured by category under pipeline parallel (MemTracker cannot hook the schedule's backward)")
+        return None
+    return MemoryProbe(*targets, d.device, snapshot=run_dir / "memory_snapshot.pickle" if cfg.train.memory_snapshot else None)
 
 
 def mfu_inputs(cfg: Config, net: Any, d: dist.Dist) -> dict[str, float | None]:

@@ -68,3 +68,24 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if lines else ""
+
+
+def reload_and_evaluate(final: Path, run_dir: Path):
+    """Load RUN_DIR/final with plain transformers on one process; return (eval loss on the run's
+    eval set, model, tokenizer, eval examples)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune import config, data
+    from finetune.objectives import SFT
+
+    cfg = config.load(run_dir / "config.yaml")
+    tok = AutoTokenizer.from_pretrained(final)
+    model = AutoModelForCausalLM.from_pretrained(final).eval()
+    evals, _ = data.tokenize(data.load_rows(cfg.data.eval, "train", "data.eval"), tok, cfg.data, "data.eval")
+    loss_sum = count = 0.0
+    with torch.no_grad():
+        for batch in data.eval_batches(evals, 32, tok.pad_token_id):
+            loss_sum += SFT()(model, batch)[0].item()
+            count += SFT().count(batch)
+    return loss_sum / count, model, tok, evals

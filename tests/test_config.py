@@ -17,6 +17,15 @@ NEEDS = {
     ("launcher", "deepspeed"): ["zero=stage2"],
     ("data", "quickstart_dpo"): ["method=dpo"],
     ("method", "dpo"): ["data=quickstart_dpo"],
+    # layouts with more ranks than the default launch, on a model they fit
+    ("parallelism", "pp2_interleaved"): ["launcher.nproc_per_node=2", "model.init.num_hidden_layers=4", "train.global_batch_size=32",
+                                         "train.micro_batch_size=8"],
+    ("parallelism", "pp4"): ["launcher.nproc_per_node=4", "model.init.num_hidden_layers=4", "train.micro_batch_size=8"],
+    ("parallelism", "tp2_pp2"): ["launcher.nproc_per_node=4", "train.micro_batch_size=8"],
+    ("parallelism", "tp4"): ["launcher.nproc_per_node=4", "model.init.num_hidden_layers=16", "model.init.num_attention_heads=8", "model.init.num_key_value_heads=8"],
+    ("parallelism", "tp8"): ["launcher.nproc_per_node=8", "model.init.num_hidden_layers=16", "model.init.num_attention_heads=8", "model.init.num_key_value_heads=8"],
+    ("parallelism", "tp8_pp16"): ["launcher.nproc_per_node=8", "launcher.nnodes=16", "model.init.num_hidden_layers=16", "model.init.num_attention_heads=8", "model.init.num_key_value_heads=8", "train.micro_batch_size=2",
+                                  "launcher.master_port=29500"],
 }
 GROUPS = sorted(p.name for p in RECIPES.iterdir() if p.is_dir() and p.name != "recipe")
 
@@ -34,8 +43,8 @@ def test_every_group_has_options():
 @pytest.mark.parametrize("group,option", options())
 def test_every_group_option_composes_and_validates(compose, group, option):
     extra = NEEDS.get((group, option), [])
-    if group == "parallelism" and option != "single":
-        extra = extra + ["launcher.nproc_per_node=2", "train.global_batch_size=32"]
+    if group == "parallelism" and option != "single" and not extra:
+        extra = ["launcher.nproc_per_node=2", "train.global_batch_size=32"]
     cfg = compose([f"{group}={option}", *extra])
     assert cfg is not None
 

@@ -6,13 +6,10 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from finetune import config, data
 from finetune.evaluate import exact_match
-from finetune.objectives import SFT
 
-from conftest import read_metrics, run_cli
+from conftest import read_metrics, reload_and_evaluate, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -44,18 +41,9 @@ def test_quickstart_learns_and_reports(quickstart):
 
 def test_checkpoint_reloads_with_transformers_and_gives_the_same_eval(quickstart):
     run_dir, _ = quickstart
-    cfg = config.load(run_dir / "config.yaml")
-    final = run_dir / "final"
-    tok = AutoTokenizer.from_pretrained(final)
-    model = AutoModelForCausalLM.from_pretrained(final).eval()
-    evals, _ = data.tokenize(data.load_rows(cfg.data.eval, "train", "data.eval"), tok, cfg.data, "data.eval")
-    loss_sum = count = 0.0
-    with torch.no_grad():
-        for batch in data.eval_batches(evals, 32, tok.pad_token_id):
-            loss_sum += SFT()(model, batch)[0].item()
-            count += SFT().count(batch)
+    loss, model, tok, evals = reload_and_evaluate(run_dir / "final", run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert loss_sum / count == pytest.approx(summary["after"]["eval_loss"], rel=1e-4)
+    assert loss == pytest.approx(summary["after"]["eval_loss"], rel=1e-4)
     correct = exact_match(model, tok, evals, batch_size=32, max_new_tokens=16, device=torch.device("cpu"))
     assert correct / len(evals) == pytest.approx(summary["after"]["exact_match"], abs=1 / len(evals))
 

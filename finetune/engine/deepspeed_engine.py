@@ -22,6 +22,7 @@ Objective = Callable[[Any, dict[str, torch.Tensor]], Any]
 
 
 class DeepSpeedEngine:
+    owner = True  # every rank's data and loss count in global sums
     def __init__(self, model: torch.nn.Module, *, cfg: Config, dist: Dist) -> None:
         import deepspeed
         from deepspeed.accelerator import get_accelerator
@@ -31,6 +32,7 @@ class DeepSpeedEngine:
         if cfg.precision.name == Precision.bf16 and not get_accelerator().is_bf16_supported():
             raise ConfigError(f"precision=bf16 is not supported by DeepSpeed's {get_accelerator().device_name()} accelerator: use precision=fp16 or fp32")
         self.dist = dist
+        self.dp_rank, self.dp_size = dist.rank, dist.world_size
         self.stage = cfg.zero.stage
         self.lockstep = self.stage == 3 and dist.world_size > 1  # parameters are gathered collectively
         self.fp16 = cfg.precision.name == Precision.fp16

@@ -22,10 +22,12 @@ STATE_FILE = "state.pt"
 
 class TorchEngine:
     lockstep = False  # each rank holds the whole model: ranks may run different numbers of forwards
+    owner = True  # every rank's data and loss count in global sums (no model-parallel copies)
 
     def __init__(self, model: torch.nn.Module, *, optim: OptimConfig, precision: PrecisionConfig, max_steps: int,
                  strategy: Strategy, dist: Dist) -> None:
         self.dist = dist
+        self.dp_rank, self.dp_size = dist.rank, dist.world_size
         check_precision(precision.name, dist.device)
         self.module = model.to(dist.device)  # fp32 master weights whatever the compute precision
         ddp = strategy == Strategy.ddp and dist.world_size > 1

@@ -1,0 +1,149 @@
+"""FSDP2, tensor parallel and pipeline parallel on CPU (gloo): the same loss curve as one process,
+one Hugging Face checkpoint from any layout, resume from torch.distributed.checkpoint, and the
+layouts that cannot work refused before any rank starts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from finetune.config import ConfigError
+from finetune.parallel import bubble_fraction, split_blocks
+
+from conftest import last_line, read_metrics, reload_and_evaluate, run_cli
+
+# A 4-block tiny Llama (4 heads, 2 key/value heads), 4 steps, 2 micro-batches per rank and step.
+STEPS = ["+recipe=quickstart_sft", "model.init.num_hidden_layers=4", "train.max_steps=4", "optim.warmup_steps=1",
+         "train.micro_batch_size=8", "train.exact_match_samples=0", "train.progress_bar=false", "train.eval_every=0"]
+
+
+def losses(run_dir):
+    return [m["loss"] for m in read_metrics(run_dir) if m["kind"] == "train"]
+
+
+def grad_norms(run_dir):
+    return [m["grad_norm"] for m in read_metrics(run_dir) if m["kind"] == "train"]
+
+
+def summary(run_dir):
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_block_split_and_bubble():
+    assert [list(r) for r in split_blocks(5, 2)] == [[0, 1, 2], [3, 4]]
+    assert [len(r) for r in split_blocks(80, 16)] == [5] * 16
+    assert bubble_fraction(num_stages=2, microbatches=2, per_rank=1) == pytest.approx(1 / 3)
+    assert bubble_fraction(num_stages=4, microbatches=4, per_rank=2) == pytest.approx(1 / 9)  # interleaving halves it
+    assert bubble_fraction(num_stages=16, microbatches=64, per_rank=1) == pytest.approx(15 / 79)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["parallelism=tp4", "launcher.nproc_per_node=4"],
+         "parallelism.tp=4 must divide the model's num_key_value_heads=2: use a tp that divides 2"),
+        (["parallelism=pp4", "launcher.nproc_per_node=4"],
+         "parallelism.pp=4 x pp_stages_per_rank=1 = 4 pipeline stages, but the model has 2 blocks: use at most 2 stages"),
+        (["parallelism=tp2", "launcher.nproc_per_node=3", "train.global_batch_size=48"],
+         "parallelism.tp=2 x parallelism.pp=1 = 2 ranks per model replica does not divide the launch size 3 "
+         "(launcher.nproc_per_node=3 x launcher.nnodes=1): launch a multiple of 2 ranks"),
+        (["parallelism=tp2", "zero=stage2"],
+         "zero=stage2 shards over data-parallel ranks; parallelism strategy=ddp tp=2 pp=1 is a torch-engine layout "
+         "(FSDP2 / DTensor / pipelining): use parallelism=ddp with zero, or zero=none"),
+        (["parallelism=fsdp", "precision=fp16"],
+         "precision=fp16 is not supported with parallelism.strategy=fsdp tp=1 pp=1 (no sharded loss scaler here): use precision=bf16"),
+        (["parallelism=pp2", "data.packing=true"],
+         "data.packing=true is not supported with pipeline parallel (stages attend causally over the whole row): set data.packing=false"),
+        (["parallelism=pp2", "train.exact_match_samples=8"],
+         "train.exact_match_samples needs generation on the whole model, which pipeline stages do not hold: "
+         "set train.exact_match_samples=0 and evaluate RUN_DIR/final instead"),
+        (["parallelism=pp2", "parallelism.pp_schedule=interleaved_1f1b"],
+         "parallelism.pp_schedule=interleaved_1f1b with pp_stages_per_rank=1: interleaved_1f1b needs 2 or more stages per rank, "
+         "gpipe and 1f1b exactly 1"),
+        (["parallelism=pp2", "train.micro_batch_size=32", "train.global_batch_size=32"],
+         "parallelism.pp_schedule=1f1b needs at least as many micro-batches per step as pipeline stages (2), got 1 "
+         "(train.global_batch_size=32 / (train.micro_batch_size=32 x data-parallel 1)): lower train.micro_batch_size"),
+        (["parallelism=ddp", "parallelism.fsdp_offload=true"],
+         "parallelism.fsdp_offload=true has no effect with strategy=ddp (only with fsdp): remove it or change the option"),
+        (["parallelism=tp2", "peft=lora"],
+         "peft=lora is supported with parallelism.strategy=fsdp and ddp, not with tp/pp > 1: use full fine-tuning (peft=none) with tp/pp"),
+    ],
+)
+def test_layouts_that_cannot_work_are_refused(compose, overrides, message):
+    with pytest.raises(ConfigError) as e:
+        compose(["+recipe=quickstart_sft", "train.exact_match_samples=0", *overrides])
+    assert str(e.value) == message
+
+
+def test_refused_before_any_rank_starts(tmp_path):
+    out = run_cli("+recipe=quickstart_sft", "parallelism=pp4", "launcher.nproc_per_node=4", f"hydra.run.dir={tmp_path / 'run'}",
+                  cwd=tmp_path)
+    assert out.returncode == 2 and "torch.distributed.run" not in out.stdout
+    assert last_line(out.stderr).startswith("error: parallelism.pp=4 x pp_stages_per_rank=1 = 4 pipeline stages")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("single")
+    out = run_cli(*STEPS, "parallelism=single", "launcher.nproc_per_node=1", f"hydra.run.dir={tmp / 'run'}", cwd=tmp)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return tmp / "run"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout",
+    [["parallelism=fsdp"], ["parallelism=tp2"], ["parallelism=pp2"], ["parallelism=pp2_interleaved", "train.micro_batch_size=4"],
+     ["parallelism=tp2", "launcher.nproc_per_node=4"]],
+    ids=["fsdp", "tp2", "pp2-1f1b", "pp2-interleaved", "tp2xdp2"],
+)
+def test_layout_follows_the_single_process_run_and_exports_one_checkpoint(layout, one_process, tmp_path):
+    out = run_cli(*STEPS, *layout, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    # fp32 on both sides; only the order of float sums differs (measured: equal to 4 decimals).
+    assert losses(tmp_path / "run") == pytest.approx(losses(one_process), rel=1e-4)
+    assert grad_norms(tmp_path / "run") == pytest.approx(grad_norms(one_process), rel=1e-3)
+    after = summary(tmp_path / "run")["after"]["eval_loss"]
+    assert after == pytest.approx(summary(one_process)["after"]["eval_loss"], rel=1e-4)
+    # One Hugging Face checkpoint, gathered from shards / stages, gives the same eval loss on one process.
+    assert reload_and_evaluate(tmp_path / "run/final", tmp_path / "run")[0] == pytest.approx(after, rel=1e-4)
+    if "pp2" in layout[0]:
+        assert "pipeline: " in out.stdout and "bubble" in out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["fsdp", "pp2"])
+def test_resume_from_the_layouts_distributed_checkpoint(layout, tmp_path):
+    common = [*STEPS, f"parallelism={layout}", "train.save_every=2"]
+    full = run_cli(*common, f"hydra.run.dir={tmp_path / 'full'}", cwd=tmp_path)
+    assert full.returncode == 0, full.stderr[-3000:]
+    written = sorted(p.name for p in (tmp_path / "full/checkpoints/step_2").iterdir())
+    assert written == [".metadata", "__0_0.distcp", "__1_0.distcp", "trainer_state.pt"]  # one shard file per rank
+    resumed = run_cli(*common, f"train.resume={tmp_path / 'full/checkpoints/step_2'}", f"hydra.run.dir={tmp_path / 'resumed'}",
+                      cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    assert losses(tmp_path / "resumed") == pytest.approx(losses(tmp_path / "full")[2:], rel=1e-6)
+    assert summary(tmp_path / "resumed")["after"]["eval_loss"] == pytest.approx(summary(tmp_path / "full")["after"]["eval_loss"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_memory_strategies_combine_with_layouts(tmp_path):
+    """LoRA under FSDP2, bf16 + full checkpointing under TP, DPO under a pipeline: they run and match one process."""
+    runs = {
+        "fsdp_lora": ["parallelism=fsdp", "peft=lora", "peft.dropout=0.0"],  # dropout draws differ per rank layout
+        "single_lora": ["parallelism=single", "launcher.nproc_per_node=1", "peft=lora", "peft.dropout=0.0"],
+        "tp2_bf16_ckpt": ["parallelism=tp2", "precision=bf16", "checkpointing=full"],
+        "pp2_dpo": ["parallelism=pp2", "method=dpo", "data=quickstart_dpo", "checkpointing=selective"],
+        "single_dpo": ["parallelism=single", "launcher.nproc_per_node=1", "method=dpo", "data=quickstart_dpo"],
+    }
+    for name, extra in runs.items():
+        out = run_cli(*STEPS, "train.max_steps=3", *extra, f"hydra.run.dir={tmp_path / name}", cwd=tmp_path)
+        assert out.returncode == 0, name + out.stdout[-2000:] + out.stderr[-3000:]
+    assert losses(tmp_path / "fsdp_lora") == pytest.approx(losses(tmp_path / "single_lora"), rel=1e-4)
+    assert (tmp_path / "fsdp_lora/final/adapter_config.json").is_file()
+    assert losses(tmp_path / "pp2_dpo") == pytest.approx(losses(tmp_path / "single_dpo"), rel=1e-4)
+    assert losses(tmp_path / "pp2_dpo")[0] == pytest.approx(0.6931472, abs=1e-5)
+    assert all(3.0 < x < 5.0 for x in losses(tmp_path / "tp2_bf16_ckpt"))
