@@ -719,9 +719,12 @@ def _validate_layout(cfg: Config) -> None:
         raise ConfigError(f"precision=fp16 is not supported with {layout} (no sharded loss scaler here): use precision=bf16")
     if cfg.peft.name == PeftMethod.qlora:
         raise ConfigError(f"peft=qlora is not supported with {layout} (4-bit weights cannot be sharded): use peft=lora, or ddp")
-    if cfg.peft.name != PeftMethod.none and model_parallel > 1:
-        raise ConfigError(f"peft={cfg.peft.name.value} is supported with parallelism.strategy=fsdp and ddp, not with tp/pp > 1: "
-                          "use full fine-tuning (peft=none) with tp/pp")
+    if cfg.peft.name == PeftMethod.dora and p.tp > 1:
+        raise ConfigError("peft=dora is not supported with tensor parallel (its weight norm spans the sharded dimension): "
+                          "use peft=lora with tp, or dora with fsdp/ddp")
+    if cfg.peft.name != PeftMethod.none and p.pp > 1:
+        raise ConfigError(f"peft={cfg.peft.name.value} is not supported with pipeline parallel: use peft=lora with fsdp, ddp or tp, "
+                          "or full fine-tuning with pp")
     if p.pp > 1:
         if cfg.data.packing:
             raise ConfigError("data.packing=true is not supported with pipeline parallel (stages attend causally over the whole row): "

@@ -53,12 +53,27 @@ def check_model(model: nn.Module, p: ParallelismConfig) -> None:
 
 
 def tensor_parallel(model: nn.Module, tp_mesh: Any) -> None:
-    """Shard every (remaining) decoder block's linear layers over the TP mesh; the rest stays replicated."""
+    """Shard every (remaining) decoder block's linear layers over the TP mesh; the rest stays replicated.
+
+    A LoRA layer follows its base: under a column-wise base, lora_B is column-wise too (each rank
+    adds its slice of B A x); under a row-wise base, lora_A is row-wise (its output all-reduced,
+    like the base's) and lora_B stays replicated."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     for block in decoder(model).layers:
-        plan = {path: styles[style]() for path, style in TP_PLAN.items() if _has(block, path)}
+        plan = {}
+        for path, style in TP_PLAN.items():
+            if not _has(block, path):
+                continue
+            layer = block.get_submodule(path)
+            if not hasattr(layer, "base_layer"):
+                plan[path] = styles[style]()
+                continue
+            plan[f"{path}.base_layer"] = styles[style]()
+            for name in layer.lora_A:  # one entry per adapter
+                lora = f"{path}.lora_B.{name}" if style == "colwise" else f"{path}.lora_A.{name}"
+                plan[lora] = styles[style]()
         if plan:
             parallelize_module(block, tp_mesh, plan)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from finetune.config import ConfigError
 from finetune.parallel import bubble_fraction, split_blocks
@@ -66,8 +67,11 @@ def test_block_split_and_bubble():
          "(train.global_batch_size=32 / (train.micro_batch_size=32 x data-parallel 1)): lower train.micro_batch_size"),
         (["parallelism=ddp", "parallelism.fsdp_offload=true"],
          "parallelism.fsdp_offload=true has no effect with strategy=ddp (only with fsdp): remove it or change the option"),
-        (["parallelism=tp2", "peft=lora"],
-         "peft=lora is supported with parallelism.strategy=fsdp and ddp, not with tp/pp > 1: use full fine-tuning (peft=none) with tp/pp"),
+        (["parallelism=pp2", "peft=lora"],
+         "peft=lora is not supported with pipeline parallel: use peft=lora with fsdp, ddp or tp, or full fine-tuning with pp"),
+        (["parallelism=tp2", "peft=dora"],
+         "peft=dora is not supported with tensor parallel (its weight norm spans the sharded dimension): use peft=lora with tp, "
+         "or dora with fsdp/ddp"),
     ],
 )
 def test_layouts_that_cannot_work_are_refused(compose, overrides, message):
@@ -131,11 +135,12 @@ def test_resume_from_the_layouts_distributed_checkpoint(layout, tmp_path):
 
 @pytest.mark.slow
 def test_memory_strategies_combine_with_layouts(tmp_path):
-    """LoRA under FSDP2, bf16 + full checkpointing under TP, DPO under a pipeline: they run and match one process."""
+    """LoRA under FSDP2 and TP, bf16 + full checkpointing under TP, DPO under a pipeline: they run and match one process."""
     runs = {
         "fsdp_lora": ["parallelism=fsdp", "peft=lora", "peft.dropout=0.0"],  # dropout draws differ per rank layout
         "single_lora": ["parallelism=single", "launcher.nproc_per_node=1", "peft=lora", "peft.dropout=0.0"],
         "tp2_bf16_ckpt": ["parallelism=tp2", "precision=bf16", "checkpointing=full"],
+        "tp2_lora": ["parallelism=tp2", "peft=lora", "peft.dropout=0.0"],
         "pp2_dpo": ["parallelism=pp2", "method=dpo", "data=quickstart_dpo", "checkpointing=selective"],
         "single_dpo": ["parallelism=single", "launcher.nproc_per_node=1", "method=dpo", "data=quickstart_dpo"],
     }
@@ -144,6 +149,11 @@ def test_memory_strategies_combine_with_layouts(tmp_path):
         assert out.returncode == 0, name + out.stdout[-2000:] + out.stderr[-3000:]
     assert losses(tmp_path / "fsdp_lora") == pytest.approx(losses(tmp_path / "single_lora"), rel=1e-4)
     assert (tmp_path / "fsdp_lora/final/adapter_config.json").is_file()
+    assert losses(tmp_path / "tp2_lora") == pytest.approx(losses(tmp_path / "single_lora"), rel=1e-4)
+    from safetensors.torch import load_file
+
+    ours, ref = (load_file(tmp_path / f"{n}/final/adapter_model.safetensors") for n in ("tp2_lora", "single_lora"))
+    assert set(ours) == set(ref) and all(torch.allclose(ours[k], ref[k], atol=1e-5) for k in ref)  # gathered from TP shards
     assert losses(tmp_path / "pp2_dpo") == pytest.approx(losses(tmp_path / "single_dpo"), rel=1e-4)
     assert losses(tmp_path / "pp2_dpo")[0] == pytest.approx(0.6931472, abs=1e-5)
     assert all(3.0 < x < 5.0 for x in losses(tmp_path / "tp2_bf16_ckpt"))
