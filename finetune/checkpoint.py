@@ -1,41 +1,188 @@
-"""Where resumable checkpoints live and which one `train.resume` means.
+"""Where resumable checkpoints live, how they are written, and which one `train.resume` means.
 
-Layout: RUN_DIR/checkpoints/step_<N>/ (one per save, engine-specific content) and
-RUN_DIR/checkpoints/latest (the tag of the newest complete one, written last).
+Layout: RUN_DIR/checkpoints/step_<N>/ (engine-specific content, plus `meta.json` and each rank's
+RNG state) and RUN_DIR/checkpoints/latest (the tag of the newest complete one).
+
+A checkpoint is written into a temporary directory and renamed into place only when every rank
+has finished writing; `latest` is replaced atomically after that. So a kill, a crash or a full
+disk mid-save never leaves a step directory that resume would pick up: the previous checkpoint
+stays the newest complete one. `meta.json` records what the run was (the settings a resume must
+share, the world size and the layout), so an incompatible resume is refused naming the difference.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import os
+import random
+import shutil
 from pathlib import Path
+from typing import Any, Iterator
 
-from finetune.config import ConfigError
+import numpy as np
+import torch
+
+from finetune.config import Config, ConfigError, uses_deepspeed
 
 LATEST = "latest"
+META = "meta.json"
+TMP_PREFIX = ".tmp-"
+
+# Settings that define the trajectory: a resume must share them (the rest, like max_steps,
+# eval/save cadence, logging or the launcher, may change between the two runs).
+TRAJECTORY = {
+    "model": None, "data": None, "method": None, "precision": None, "peft": None, "optim": None, "checkpointing": None,
+    "train": ("seed", "global_batch_size", "micro_batch_size"),
+}
 
 
 def tag(step: int) -> str:
     return f"step_{step}"
 
 
+def layout(cfg: Config) -> dict[str, Any]:
+    p = cfg.parallelism
+    engine = "deepspeed" if uses_deepspeed(cfg) else "mesh" if (p.strategy.value == "fsdp" or p.tp * p.pp > 1) else "torch"
+    return {"engine": engine, "world_size": cfg.world_size, "zero_stage": cfg.zero.stage, "strategy": p.strategy.value,
+            "tp": p.tp, "pp": p.pp, "pp_stages_per_rank": p.pp_stages_per_rank}
+
+
+def trajectory(cfg: Config) -> dict[str, Any]:
+    """The flattened settings a resumed run must share with the checkpoint's run."""
+    from omegaconf import OmegaConf
+
+    plain = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    out: dict[str, Any] = {}
+    for group, keys in TRAJECTORY.items():
+        for key, value in _flatten(plain[group], group).items():
+            if keys is None or key.split(".", 1)[1] in keys:
+                out[key] = value
+    return out
+
+
+def _flatten(node: Any, prefix: str) -> dict[str, Any]:
+    if not isinstance(node, dict):
+        return {prefix: node}
+    return {k: v for key, sub in node.items() for k, v in _flatten(sub, f"{prefix}.{key}").items()}
+
+
+def config_hash(settings: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def writing(root: Path, step: int, cfg: Config, dist: Any, keep: int = 0) -> Iterator[Path]:
+    """Yield the temporary directory every rank writes step `step` into; on success rank 0
+    renames it to step_<N>, writes meta.json, points `latest` at it and keeps the newest `keep`
+    (0: all). On failure the temporary directory is removed and the error says what is intact."""
+    final, tmp = root / tag(step), root / f"{TMP_PREFIX}{tag(step)}"
+    if dist.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    try:
+        yield tmp
+        torch.save(rng_state(), tmp / f"rng_{dist.rank}.pt")
+        ok = 1
+    except OSError as e:  # disk full, quota, permissions: this rank could not write its part
+        ok, reason = 0, f"{e.strerror or e}"
+    (everyone_ok,) = dist.sum(ok)
+    if everyone_ok < dist.world_size:
+        if dist.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()
+        previous = resolve("auto", root.parent)
+        kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+        why = reason if not ok else "another rank could not write its part"
+        raise CheckpointError(f"saving checkpoint {tag(step)} in {root} failed ({why}): {kept}; free space or change the run directory")
+    if dist.is_main:
+        meta = {"step": step, "config_hash": config_hash(trajectory(cfg)), "settings": trajectory(cfg), "layout": layout(cfg)}
+        (tmp / META).write_text(json.dumps(meta, indent=2, default=str) + "\n")
+        shutil.rmtree(final, ignore_errors=True)  # an older save of the same step (a resumed run passing it again)
+        os.replace(tmp, final)
+        mark_latest(root, step)
+        if keep:
+            for old in complete(root)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+class CheckpointError(RuntimeError):
+    """Saving failed; the message says what is intact. Ends the run with one line."""
+
+
+def complete(root: Path) -> list[Path]:
+    """Complete checkpoints (renamed into place, with meta.json), oldest first."""
+    if not root.is_dir():
+        return []
+    steps = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and (p / META).is_file()]
+    return sorted(steps, key=lambda p: int(p.name.split("_")[1]))
+
+
 def resolve(resume: str | None, run_dir: Path) -> Path | None:
     """The step directory to resume from, or None to start fresh.
 
     Args:
-        resume: null, "auto" (newest in RUN_DIR/checkpoints if any), or a checkpoint path
-            (a step directory, or a checkpoints directory holding `latest`).
+        resume: null, "auto" (the newest complete checkpoint in RUN_DIR/checkpoints, if any), or a
+            checkpoint path (a step directory, or a checkpoints directory).
     """
     if resume is None:
         return None
     if resume == "auto":
-        root = run_dir / "checkpoints"
-        return root / (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
+        found = complete(run_dir / "checkpoints")
+        return found[-1] if found else None
     path = Path(resume).expanduser()
-    if (path / LATEST).is_file():
-        return path / (path / LATEST).read_text().strip()
+    if path.is_dir() and not path.name.startswith("step_") and complete(path):
+        return complete(path)[-1]
     if not path.is_dir():
         raise ConfigError(f"train.resume={resume!r}: no such checkpoint directory (use a step_N directory, its parent, or auto)")
+    if not (path / META).is_file():
+        raise ConfigError(f"train.resume={resume!r}: {path} is not a complete checkpoint (no {META}: it was never finished, "
+                          "or was written by an older version)")
     return path
 
 
+def check_compatible(step_dir: Path, cfg: Config) -> None:
+    """Refuse to resume a checkpoint of a different run, naming the first difference."""
+    meta = json.loads((step_dir / META).read_text())
+    ours = trajectory(cfg)
+    if meta["config_hash"] != config_hash(ours):
+        theirs = meta["settings"]
+        for key in sorted(set(theirs) | set(ours)):
+            if theirs.get(key) != ours.get(key):
+                raise ConfigError(f"train.resume: {step_dir} was trained with {key}={theirs.get(key)}, this run has {key}={ours.get(key)}: "
+                                  "resume with the same setting, or start a fresh run")
+    saved, now = meta["layout"], layout(cfg)
+    fixed = {"torch": (), "deepspeed": ("world_size", "zero_stage"), "mesh": ("pp", "pp_stages_per_rank")}
+    for key in ("engine", *fixed.get(saved["engine"], ())):
+        if saved[key] != now[key]:
+            raise ConfigError(f"train.resume: {step_dir} was saved with {key}={saved[key]} ({saved['engine']} engine), this run has "
+                              f"{key}={now[key]}: that checkpoint format cannot change it; resume with the same layout")
+
+
 def mark_latest(root: Path, step: int) -> None:
-    (root / LATEST).write_text(tag(step) + "\n")
+    tmp = root / f"{TMP_PREFIX}{LATEST}"
+    tmp.write_text(tag(step) + "\n")
+    os.replace(tmp, root / LATEST)
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng(step_dir: Path, rank: int) -> None:
+    """This rank's random streams as they were at the save (dropout continues identically)."""
+    path = step_dir / f"rng_{rank}.pt"
+    if not path.is_file():
+        return  # another world size: the streams start from the seed
+    state = torch.load(path, weights_only=False)
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

@@ -137,6 +137,11 @@ class LauncherName(str, Enum):
     deepspeed = "deepspeed"
 
 
+class NonFinite(str, Enum):
+    stop = "stop"
+    skip = "skip"
+
+
 class Device(str, Enum):
     auto = "auto"
     cpu = "cpu"
@@ -415,7 +420,14 @@ class TrainConfig:
     memory_snapshot: bool = False
     """CUDA only: write RUN_DIR/memory_snapshot.pickle of the first steps (open it at pytorch.org/memory_viz)."""
     save_every: int = 0
-    """Save a resumable checkpoint every N steps into RUN_DIR/checkpoints (0: never)."""
+    """Save a resumable checkpoint every N steps into RUN_DIR/checkpoints (0: never; SIGTERM/SIGINT
+    save one at the next step boundary in any case)."""
+    keep_checkpoints: int = 0
+    """Keep only the newest K complete checkpoints (0: keep all)."""
+    on_nonfinite: NonFinite = NonFinite.stop
+    """A step whose loss or gradient norm is inf/nan: stop (naming the step, weights untouched by
+    it) or skip it (no update; counted as `nonfinite_skipped`). fp16's loss scaler skips overflowing
+    gradients on its own either way."""
     resume: str | None = None
     """null: start fresh; auto: the newest checkpoint in RUN_DIR/checkpoints (same hydra.run.dir),
     or start fresh if there is none; a path: that checkpoint directory."""
@@ -554,6 +566,11 @@ def validate(cfg: Config) -> None:
             f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} applies to optim.scheduler=cosine only "
             f"(got {cfg.optim.scheduler.value}): set optim.min_lr_ratio=0 or optim.scheduler=cosine"
         )
+    if t.keep_checkpoints < 0:
+        raise ConfigError(f"train.keep_checkpoints={t.keep_checkpoints} must be 0 (keep all) or more")
+    if t.on_nonfinite == NonFinite.skip and cfg.zero.enabled:
+        raise ConfigError("train.on_nonfinite=skip needs the torch engine: DeepSpeed applies a step before its loss can be checked "
+                          "(use train.on_nonfinite=stop, or zero=none)")
     if cfg.optim.warmup_steps >= t.max_steps and cfg.optim.warmup_steps > 0:
         raise ConfigError(f"optim.warmup_steps={cfg.optim.warmup_steps} must be below train.max_steps={t.max_steps}")
 

@@ -9,21 +9,26 @@ Imports no torch: composing, validating and a dry run are instant and need no GP
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, Iterator, get_type_hints
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
-from omegaconf import DictConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import (
     ConfigAttributeError,
     ConfigKeyError,
@@ -32,9 +37,9 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from finetune import formats
+from finetune import formats, sweep
 from finetune.config import Config, ConfigError, did_you_mean, to_config, validate
-from finetune.launcher import ERROR_FILE, LaunchSpec, build
+from finetune.launcher import ERROR_FILE, RANKS_DIR, LaunchSpec, build
 
 
 def _recipes_dir() -> Path:
@@ -54,16 +59,41 @@ def main() -> None:
         except ConfigError as e:
             fail(e)
     _hydra_main()
+    if args.multirun and SWEEP["dir"] is not None:
+        end_sweep()
 
 
 @hydra.main(version_base="1.3", config_path=str(RECIPES), config_name="config")
-def _hydra_main(dcfg: DictConfig) -> None:
+def _hydra_main(dcfg: DictConfig) -> float | None:
+    """One launch, or under -m one trial of the sweep. Returns the final eval loss: what sweepers minimise."""
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        sweep_dir = Path(hydra_cfg.runtime.cwd, hydra_cfg.sweep.dir).resolve()  # relative to where the sweep started
+        return run_trial(dcfg, sweep_dir, Path(hydra_cfg.runtime.output_dir).resolve())
+    try:
+        return launch_once(dcfg)
+    except TrialFailed as e:
+        print(f"error: {e}{e.hint}", file=sys.stderr)
+        sys.exit(e.code)
+
+
+class TrialFailed(Exception):
+    """A launch that refused its config or whose training failed: the exit code and one-line reason."""
+
+    def __init__(self, code: int, reason: str, hint: str = "") -> None:
+        super().__init__(reason)
+        self.code, self.hint = code, hint
+
+
+def launch_once(dcfg: DictConfig) -> float | None:
+    """Validate, write the run directory, show the launch and run it. Returns the final eval loss
+    (None for a dry run); raises TrialFailed."""
     try:
         cfg = typed(dcfg)
         formats.check(cfg.data, cfg.method.name)  # missing file or malformed row: one line now, not N ranks later
         make_model_first(cfg)
     except ConfigError as e:
-        fail(e)
+        raise TrialFailed(2, str(e)) from None
     run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir).resolve()
     spec = build(cfg, run_dir, python=sys.executable, cpu_count=os.cpu_count() or 1, port=free_port())
     write_files(spec, run_dir)
@@ -75,16 +105,102 @@ def _hydra_main(dcfg: DictConfig) -> None:
                 print(f"# {run_dir / name}:\n" + "\n".join(f"#   {line}" for line in spec.files[name].splitlines()))
         print(f"# environment set: {' '.join(f'{k}={v}' for k, v in spec.env.items())}")
         print(spec.shell())
-        return
+        return None
     print(f"[finetune] run directory: {run_dir}", flush=True)
     print(f"[finetune] {spec.shell()}", flush=True)
     (run_dir / ERROR_FILE).unlink(missing_ok=True)
+    shutil.rmtree(run_dir / RANKS_DIR, ignore_errors=True)  # each rank records itself anew
     code = execute(spec)
     if code != 0:
         reason = run_dir / ERROR_FILE  # a rank's one-line reason for a user mistake, if it found one
-        why = reason.read_text().strip() if reason.is_file() else f"training exited with code {code}; see the output above"
-        print(f"error: {why}", file=sys.stderr)
-        sys.exit(code)
+        if reason.is_file():
+            raise TrialFailed(code, reason.read_text().strip())
+        died = silent_deaths(run_dir)
+        if died:
+            raise TrialFailed(code, f"{died}; the job stopped")
+        raise TrialFailed(code, f"training exited with code {code}", "; see the output above")
+    loss = sweep.eval_loss(run_dir)
+    return loss if loss is not None else float("inf")
+
+
+@contextlib.contextmanager
+def signals_received() -> Iterator[set[int]]:
+    """The signals this process receives meanwhile, whichever handler runs (execute() forwards them)."""
+    received: set[int] = set()
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may watch signals
+        yield received
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(read_fd, False)
+    os.set_blocking(write_fd, False)
+    previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)  # Python writes each signal's number here
+    try:
+        yield received
+    finally:
+        signal.set_wakeup_fd(previous)
+        try:
+            received.update(os.read(read_fd, 4096))
+        except BlockingIOError:  # none
+            pass
+        os.close(read_fd)
+        os.close(write_fd)
+
+
+SWEEP: dict[str, Any] = {"dir": None, "trials": [], "failed": [], "summary": False}
+"""The sweep this process runs (Hydra's basic launcher runs every trial here): for the last word."""
+
+
+def run_trial(dcfg: DictConfig, sweep_dir: Path, trial_dir: Path) -> float:
+    """One trial of a sweep. A failure is recorded (TRIAL_DIR/status.json) and the sweep goes on to the
+    next trial; SWEEP_DIR's summary is rewritten before and after. Returns the final eval loss, inf for
+    a failed trial (or a dry run). Ctrl-C ends the sweep."""
+    SWEEP["dir"] = sweep_dir
+    SWEEP["trials"].append(trial_dir.name)
+    sweep.clear_status(trial_dir)
+    dry_run = OmegaConf.select(dcfg, "launcher.dry_run", default=False) is True
+    SWEEP["summary"] |= not dry_run
+    if not dry_run:
+        update_summary(sweep_dir)
+    failure, loss = None, None
+    with signals_received() as received:
+        try:
+            loss = launch_once(dcfg)
+        except TrialFailed as e:
+            failure = e
+    stop = sorted(received & {signal.SIGINT, signal.SIGTERM})  # Ctrl-C ends the sweep, not just this trial
+    if stop:
+        code = failure.code if failure else 128 + stop[0]
+        failure = TrialFailed(code, f"interrupted by {signal.Signals(stop[0]).name}" + (f": {failure}" if failure else ""))
+    if failure is not None:
+        print(f"error: trial {trial_dir.name}: {failure}{failure.hint}", file=sys.stderr)
+        sweep.record_failure(trial_dir, failure.code, str(failure))
+        SWEEP["failed"].append(trial_dir.name)
+        loss = float("inf")
+    if not dry_run:
+        update_summary(sweep_dir)
+    if stop:
+        sys.exit(failure.code)  # SystemExit is no Exception: Hydra's launcher lets it end the sweep
+    return float("inf") if loss is None else loss  # a dry run: no loss, but a value a sweeper accepts
+
+
+def update_summary(sweep_dir: Path) -> None:
+    """Rewrite the sweep's summary files; a failure to do so must not end a long sweep."""
+    try:
+        sweep.write(sweep_dir)
+    except Exception as e:  # noqa: BLE001 - reported, and the next trial rewrites it anyway
+        print(f"[finetune] warning: could not update the sweep summary in {sweep_dir}: {_first_line(str(e))}", file=sys.stderr)
+
+
+def end_sweep() -> None:
+    """After the last trial: the table, where the summary is, and exit code 1 when a trial failed."""
+    sweep_dir, failed = SWEEP["dir"], SWEEP["failed"]
+    if SWEEP["summary"]:  # not after a dry run
+        print("\n" + sweep.report(sweep_dir, sweep.collect(sweep_dir)), end="")
+    if failed:
+        where = sweep_dir / (sweep.MARKDOWN if SWEEP["summary"] else f"N/{sweep.STATUS}")
+        print(f"error: {len(failed)} of {len(SWEEP['trials'])} trials failed (trial {', '.join(failed)}); reasons in {where}",
+              file=sys.stderr)
+        sys.exit(1)
 
 
 def make_model_first(cfg: Config) -> None:
@@ -197,6 +313,19 @@ def _first_line(text: str) -> str:
 def fail(e: Exception) -> None:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
+
+
+def silent_deaths(run_dir: Path) -> str | None:
+    """Ranks that never recorded an end (RUN_DIR/ranks/R.json still 'running'): killed without a word."""
+    dead = []
+    for path in sorted((run_dir / RANKS_DIR).glob("*.json"), key=lambda p: int(p.stem)):
+        with contextlib.suppress(ValueError, OSError):
+            info = json.loads(path.read_text())
+            if info.get("status") == "running":
+                dead.append(f"rank {info['rank']} (pid {info['pid']} on {info['host']})")
+    if not dead:
+        return None
+    return f"{', '.join(dead)} died without an error (killed: SIGKILL, or the out-of-memory killer?)"
 
 
 def free_port() -> int:

@@ -19,6 +19,7 @@ from finetune.config import Config, LauncherName, Offload, Precision, launcher_f
 CONFIG_FILE = "config.yaml"
 DEEPSPEED_FILE = "deepspeed.json"
 ERROR_FILE = "error.txt"  # a rank writes the one-line reason for a user mistake here
+RANKS_DIR = "ranks"  # each rank's pid, host and how it ended (finetune.train.RankStatus)
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,17 @@
 """The one training loop, shared by every method and engine. Reads top to bottom:
-(resume) -> evaluate -> for each step: count, step, log, (evaluate), (save) -> evaluate."""
+(resume) -> evaluate -> for each step: count, step, check, log, (evaluate), (save), (stop) -> evaluate."""
 
 from __future__ import annotations
 
 import contextlib
+import math
+import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from finetune.config import TrainConfig
+from finetune import checkpoint
+from finetune.config import NonFinite, TrainConfig
 from finetune.data import Example, TrainBatches
 from finetune.dist import Dist
 from finetune.evaluate import evaluate
@@ -19,13 +22,33 @@ from finetune.memory import line as mem_line
 MEMORY_STEPS = 2  # the second step has optimizer states and gradients: the steady-state peak
 
 
+class Stopped(Exception):
+    """The run stopped early, cleanly (a signal, or a non-finite step); the message says why and what to do."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+STOP = {"signal": 0}  # set by the SIGTERM/SIGINT handler: finish this step, save, stop
+
+
+def handle_signals() -> None:
+    """SIGTERM (Slurm, kill) and SIGINT (Ctrl-C): note it; the loop saves at the next step boundary."""
+    def note(signum: int, _frame: Any) -> None:
+        STOP["signal"] = signum
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, note)
+
+
 def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatches, evals: list[Example],
-          tokenizer: Any, dist: Dist, log: MetricsLog, checkpoints: Path, resume_from: Path | None,
+          tokenizer: Any, dist: Dist, log: MetricsLog, save: Callable[[int], Path], resume_from: Path | None,
           probe: MemoryProbe | None, flops_per_token: float | None = None, peak_flops: float | None = None) -> dict[str, dict[str, float]]:
     """Run optimizer steps up to `cfg.max_steps`. Returns the eval metrics before and after training.
 
     Args:
-        checkpoints: where `save_every` writes resumable checkpoints.
+        save: writes a resumable checkpoint of a step (every `save_every` steps, and on SIGTERM/SIGINT).
         resume_from: a step directory to continue from (same data order: batches are a function of the step).
         probe: measures memory by category over the first MEMORY_STEPS steps (None: not measured).
         flops_per_token, peak_flops: for model FLOPs utilisation (GPU; None: not reported).
@@ -42,8 +65,10 @@ def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatche
     first = 1
     if resume_from is not None:
         first = engine.load(resume_from) + 1
+        checkpoint.restore_rng(resume_from, dist.rank)  # dropout continues as if never interrupted
         say(dist, None, f"resumed from {resume_from} at step {first - 1}")
     memory: dict[str, float] = {}
+    skipped_nonfinite = 0
     bar = progress(cfg, dist, initial=first - 1)
     before = run_eval(first - 1, final=True)
     start = time.perf_counter()
@@ -60,7 +85,8 @@ def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatche
         with probe.track() if measured else contextlib.nullcontext():
             out = engine.train_step(micro_batches, objective, count)
         names = objective.metrics  # its own (DPO rewards...), averaged like the loss; pipeline stages without the loss add 0
-        loss_sum, tokens, slots, *sums = dist.sum(out.loss_sum, local_tokens, local_slots, *(out.metrics.get(k, 0.0) for k in names))
+        loss_sum, tokens, slots, signalled, *sums = dist.sum(out.loss_sum, local_tokens, local_slots, STOP["signal"],
+                                                             *(out.metrics.get(k, 0.0) for k in names))
         seconds = time.perf_counter() - tic
         if measured and step == first + MEMORY_STEPS - 1:
             memory = probe.report()
@@ -76,6 +102,19 @@ def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatche
             metrics["mfu"] = tokens * flops_per_token / seconds / (peak_flops * dist.world_size)
         if out.loss_scale is not None:  # fp16: the dynamic scale and how many steps overflowed
             metrics |= {"loss_scale": out.loss_scale, "skipped_steps": out.skipped}
+        # Never train on NaNs: fp16's scaler already skipped overflowing gradients, the rest is ours.
+        finite = math.isfinite(metrics["loss"]) and (out.loss_scale is not None or math.isfinite(out.grad_norm))
+        if not finite:
+            what = f"step {step}: the loss is {metrics['loss']:.4g} and the gradient norm {out.grad_norm:.4g}"
+            if cfg.on_nonfinite == NonFinite.stop:
+                log.write("train", step, metrics)
+                kept = f"the weights are those after step {step - 1}" if not out.applied else \
+                    "the engine had already applied it: resume from the last checkpoint"
+                raise Stopped(f"{what}: stopped before training on them ({kept}); lower optim.lr, use precision=bf16 rather "
+                              "than fp16, check the data, or set train.on_nonfinite=skip", code=3)
+            skipped_nonfinite += 1
+            say(dist, bar, f"{what}: step skipped (train.on_nonfinite=skip; {skipped_nonfinite} so far)")
+        metrics["nonfinite_skipped"] = skipped_nonfinite
         log.write("train", step, metrics)
         if bar is not None:
             bar.update()
@@ -86,8 +125,13 @@ def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatche
                             + "".join(f"  {k} {metrics[k]:.3f}" for k in names))
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps:
             run_eval(step, final=False)
+        if signalled and step < cfg.max_steps:  # SIGTERM/SIGINT on some rank: save here and stop cleanly
+            signum = signal.Signals(STOP["signal"] or signal.SIGTERM)  # this rank's, or the one another rank got
+            where = save(step)
+            raise Stopped(f"stopped by {signum.name} after step {step}: resumable checkpoint {where}; continue with "
+                          "train.resume=auto (the same hydra.run.dir)", code=128 + int(signum))
         if cfg.save_every and step % cfg.save_every == 0:
-            engine.save(checkpoints, step)
+            save(step)
     after = run_eval(cfg.max_steps, final=True)
     if bar is not None:
         bar.close()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,7 @@ import torch
 from finetune import checkpoint, config, data, dist, engine, flops, logs, loop, model, objectives, reference
 from finetune.config import Config, ConfigError, PeftConfig, PeftMethod, uses_deepspeed
 from finetune.engine.common import autocast_dtype
-from finetune.launcher import ERROR_FILE, deepspeed_config
+from finetune.launcher import ERROR_FILE, RANKS_DIR, deepspeed_config
 from finetune.memory import MemoryProbe
 
 
@@ -27,17 +29,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher (LOCAL_RANK is used)")
     args = parser.parse_args(argv)
     cfg = config.load(args.config)
+    loop.handle_signals()  # SIGTERM/SIGINT: checkpoint at the next step boundary, then stop
     d = dist.init(cfg.train.device, deepspeed=uses_deepspeed(cfg))
+    status = RankStatus(Path(cfg.run_dir), d.rank)
+    code = 0
     try:
         run(cfg, d)
-    except ConfigError as e:  # a user mistake found on the rank (data vs. tokenizer): one line, no traceback
+    except (ConfigError, loop.Stopped, checkpoint.CheckpointError) as e:  # one line, no traceback
+        code = e.code if isinstance(e, loop.Stopped) else 2
         if d.is_main:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {e}" if code == 2 else str(e), file=sys.stderr)
             (Path(cfg.run_dir) / ERROR_FILE).write_text(f"{e}\n")
-        return 2
+    except BaseException as e:
+        status.write(f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        raise
     finally:
         dist.shutdown()
-    return 0
+    status.write("done" if code == 0 else f"exited {code}")
+    return code
+
+
+class RankStatus:
+    """RUN_DIR/ranks/<rank>.json: pid, host and how the rank ended. A rank still 'running' after
+    the job failed died without a word (SIGKILL, the out-of-memory killer): the launcher names it."""
+
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        self.path = run_dir / RANKS_DIR / f"{rank}.json"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.info = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname()}
+        self.write("running")
+
+    def write(self, status: str) -> None:
+        self.path.write_text(json.dumps({**self.info, "status": status}) + "\n")
 
 
 def run(cfg: Config, d: dist.Dist) -> None:
@@ -67,7 +90,9 @@ def run(cfg: Config, d: dist.Dist) -> None:
         print(f"model: {total:,} parameters, {trainable:,} trainable ({trainable / total:.2%}), attention {attention}")
     eng = engine.build(cfg, net, d)
     resume_from = checkpoint.resolve(cfg.train.resume, run_dir)
-    if cfg.train.resume == "auto" and resume_from is None and d.is_main:
+    if resume_from is not None:
+        checkpoint.check_compatible(resume_from, cfg)
+    elif cfg.train.resume == "auto" and d.is_main:
         print(f"train.resume=auto: no checkpoint in {run_dir / 'checkpoints'}, starting from step 0")
     # DPO's reference: the live one is the initial model again (a 4-bit base for QLoRA, no adapter).
     base_peft = cfg.peft if cfg.peft.name == PeftMethod.qlora else PeftConfig()
@@ -80,7 +105,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
     log = logs.MetricsLog(run_dir, enabled=d.is_main, tensorboard=cfg.train.tensorboard)
     try:
         result = loop.train(cfg.train, engine=eng, objective=objective, batches=batches, evals=eval_examples,
-                            tokenizer=tokenizer, dist=d, log=log, checkpoints=run_dir / "checkpoints",
+                            tokenizer=tokenizer, dist=d, log=log, save=saver(cfg, eng, d, run_dir / "checkpoints"),
                             resume_from=resume_from, probe=probe(cfg, eng, d, run_dir),
                             **mfu_inputs(cfg, net, d))
     finally:
@@ -89,6 +114,16 @@ def run(cfg: Config, d: dist.Dist) -> None:
     eng.export(final, tokenizer)
     if d.is_main:
         report(run_dir, final, result, {k: vars(s) for k, s in stats.items()})
+
+
+def saver(cfg: Config, eng: Any, d: dist.Dist, root: Path) -> Any:
+    """step -> the complete checkpoint directory written for it (atomically; keep-K applied)."""
+    def save(step: int) -> Path:
+        with checkpoint.writing(root, step, cfg, d, keep=cfg.train.keep_checkpoints) as directory:
+            eng.save(directory, step)
+        return root / checkpoint.tag(step)
+
+    return save
 
 
 def probe(cfg: Config, eng: Any, d: dist.Dist, run_dir: Path) -> MemoryProbe | None:

@@ -266,7 +266,7 @@ def test_references_agree_and_a_fresh_policy_costs_log2(peft, references, tmp_pa
 
 
 def test_resume_reads_the_precomputed_reference_back(tmp_path):
-    common = [*QUICK, "train.max_steps=4", "train.save_every=2"]
+    common = [*QUICK, "train.max_steps=4", "train.save_every=2", "data.eval=null"]
     train_here(common, tmp_path / "full")
     train_here([*common, f"train.resume={tmp_path / 'full/checkpoints/step_2'}"], tmp_path / "resumed")
     assert [m["loss"] for m in train_metrics(tmp_path / "resumed")] == pytest.approx(

@@ -24,6 +24,8 @@ class StepResult:
     """fp16: optimizer steps skipped so far because gradients overflowed."""
     metrics: dict[str, float] = field(default_factory=dict)
     """This rank's sums of the objective's own metrics (DPO rewards...), reduced like `loss_sum`."""
+    applied: bool = True
+    """Whether the optimizer step was applied (False: skipped because the gradient norm was not finite)."""
 
 
 def add_metrics(total: dict[str, float], sums: dict[str, Any]) -> None:

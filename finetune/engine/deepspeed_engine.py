@@ -12,7 +12,6 @@ from typing import Any, Callable
 
 import torch
 
-from finetune import checkpoint
 from finetune.config import Config, ConfigError, Precision
 from finetune.dist import Dist
 from finetune.engine.common import StepResult, add_metrics, build_scheduler, param_groups
@@ -102,13 +101,9 @@ class DeepSpeedEngine:
         """The module and the torch optimizer inside DeepSpeed's ZeRO wrapper (it holds the states)."""
         return self.module, getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
 
-    def save(self, root: Path, step: int) -> None:
-        """DeepSpeed's sharded checkpoint (every rank writes its shard), then `latest`."""
-        self.engine.save_checkpoint(str(root), tag=checkpoint.tag(step), client_state={"step": step}, save_latest=False)
-        self.dist.barrier()
-        if self.dist.is_main:
-            checkpoint.mark_latest(root, step)
-        self.dist.barrier()
+    def save(self, directory: Path, step: int) -> None:
+        """DeepSpeed's sharded checkpoint into `directory` (every rank writes its shard)."""
+        self.engine.save_checkpoint(str(directory.parent), tag=directory.name, client_state={"step": step}, save_latest=False)
 
     def load(self, step_dir: Path) -> int:
         path, client = self.engine.load_checkpoint(str(step_dir.parent), tag=step_dir.name)

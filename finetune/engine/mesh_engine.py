@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from finetune import checkpoint, parallel
+from finetune import parallel
 from finetune.config import Config, ConfigError, PipeSchedule, Strategy
 from finetune.dist import Dist
 from finetune.engine.common import StepResult, add_metrics, autocast_dtype, build_scheduler, param_groups
@@ -107,11 +108,12 @@ class MeshEngine:
         if not self.fsdp and self.dp > 1:
             self._sum_over_dp()
         norm = self._clip()
-        self.optimizer.step()
+        if math.isfinite(norm):  # never step on inf/nan gradients (the loop stops or skips)
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(loss_sum=loss_sum if self.owner else 0.0, grad_norm=norm, lr=lr,
-                          metrics=metrics if self.owner else {k: 0.0 for k in metrics})
+                          metrics=metrics if self.owner else {k: 0.0 for k in metrics}, applied=math.isfinite(norm))
 
     def _pipeline_step(self, batches: list[dict[str, torch.Tensor]], objective: Any, scale: float) -> tuple[float, dict]:
         records: dict[int, tuple[torch.Tensor, dict]] = {}  # by micro-batch: the first step may call twice
@@ -236,18 +238,15 @@ class MeshEngine:
 
     # -- checkpoints ------------------------------------------------------------------------------
 
-    def save(self, root: Path, step: int) -> None:
-        """torch.distributed.checkpoint: every rank writes its own shards (DTensor-aware)."""
+    def save(self, directory: Path, step: int) -> None:
+        """torch.distributed.checkpoint into `directory`: every rank writes its own shards (DTensor-aware)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        target = root / checkpoint.tag(step)
         model_state, optim_state = get_state_dict(self.container, self.optimizer, options=FLAT)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(target))
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory))
         if self.dist.is_main:
-            torch.save({"step": step, "scheduler": self.scheduler.state_dict()}, target / STATE_FILE)
-            checkpoint.mark_latest(root, step)
-        self.dist.barrier()
+            torch.save({"step": step, "scheduler": self.scheduler.state_dict()}, directory / STATE_FILE)
 
     def load(self, step_dir: Path) -> int:
         import torch.distributed.checkpoint as dcp

@@ -11,7 +11,6 @@ from typing import Any, Callable
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from finetune import checkpoint
 from finetune.config import ConfigError, OptimConfig, Precision, PrecisionConfig, Strategy
 from finetune.dist import Dist
 from finetune.engine.common import StepResult, add_metrics, autocast_dtype, build_scheduler, param_groups
@@ -74,17 +73,22 @@ class TorchEngine:
         if self.scaler:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
         norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm or math.inf))
+        applied = True
         if self.scaler:
             scale = self.scaler.get_scale()
             self.scaler.step(self.optimizer)  # skipped when gradients hold inf/nan
             self.scaler.update()
-            self.skipped += int(self.scaler.get_scale() < scale)  # the scale backs off only on overflow
-        else:
+            applied = self.scaler.get_scale() >= scale  # the scale backs off only on overflow
+            self.skipped += int(not applied)
+        elif math.isfinite(norm):
             self.optimizer.step()
+        else:
+            applied = False  # never step on inf/nan gradients (the loop stops or skips)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(loss_sum=loss_sum, grad_norm=norm, lr=lr,
-                          loss_scale=self.scaler.get_scale() if self.scaler else None, skipped=self.skipped, metrics=metrics)
+                          loss_scale=self.scaler.get_scale() if self.scaler else None, skipped=self.skipped, metrics=metrics,
+                          applied=applied)
 
     @torch.no_grad()
     def inference(self, fn: Objective, batch: dict[str, torch.Tensor]) -> Any:
@@ -105,17 +109,13 @@ class TorchEngine:
     def memory_targets(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         return self.module, self.optimizer
 
-    def save(self, root: Path, step: int) -> None:
-        """A resumable checkpoint: model, optimizer, scheduler and scaler (ranks hold the same state)."""
+    def save(self, directory: Path, step: int) -> None:
+        """Model, optimizer, scheduler and scaler into `directory` (ranks hold the same state: rank 0 writes)."""
         if self.dist.is_main:
-            target = root / checkpoint.tag(step)
-            target.mkdir(parents=True, exist_ok=True)
             state = {"step": step, "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                      "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else None,
                      "skipped": self.skipped}
-            torch.save(state, target / STATE_FILE)
-            checkpoint.mark_latest(root, step)
-        self.dist.barrier()
+            torch.save(state, directory / STATE_FILE)
 
     def load(self, step_dir: Path) -> int:
         if not (step_dir / STATE_FILE).is_file():

@@ -1,0 +1,241 @@
+"""Staying alive: atomic checkpoints that keep the last K and know their run, refused incompatible
+resumes, a full disk that leaves the previous checkpoint intact, NaN steps stopped or skipped,
+SIGTERM saving a resumable checkpoint, kill -9 of the whole job or of one rank."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from finetune import checkpoint
+from finetune.config import ConfigError
+
+from conftest import REPO, last_line, read_metrics, train_here
+
+QUICK = ["train.max_steps=6", "train.micro_batch_size=8", "train.global_batch_size=8", "optim.warmup_steps=1", "train.eval_every=0",
+         "data.eval_size=0", "data.eval=null", "train.exact_match_samples=0", "train.memory_report=false"]
+
+
+def train_rows(run_dir):
+    return [m for m in read_metrics(run_dir) if m["kind"] == "train"]
+
+
+def test_checkpoints_are_complete_keep_the_last_k_and_record_their_run(tmp_path):
+    train_here([*QUICK, "train.save_every=2", "train.keep_checkpoints=2"], tmp_path)
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_4", "step_6"]  # step_2 pruned, no temporaries
+    assert (root / "latest").read_text() == "step_6\n"
+    meta = json.loads((root / "step_6/meta.json").read_text())
+    assert meta["step"] == 6 and len(meta["config_hash"]) == 16
+    assert meta["layout"] == {"engine": "torch", "world_size": 1, "zero_stage": None, "strategy": "single", "tp": 1, "pp": 1,
+                              "pp_stages_per_rank": 1}
+    assert meta["settings"]["optim.lr"] == 1e-4 and meta["settings"]["train.seed"] == 42
+    assert (root / "step_6/rng_0.pt").is_file()
+    # An unfinished save (a temporary directory, or a step without meta.json) is never what auto resumes.
+    (root / ".tmp-step_8").mkdir()
+    (root / "step_9").mkdir()
+    assert checkpoint.resolve("auto", tmp_path) == root / "step_6"
+
+
+def test_an_incompatible_resume_is_refused_naming_the_difference(tmp_path):
+    train_here([*QUICK, "train.max_steps=2", "train.save_every=2"], tmp_path / "a")
+    step = tmp_path / "a/checkpoints/step_2"
+    with pytest.raises(ConfigError) as e:
+        train_here([*QUICK, "optim.lr=3e-4", f"train.resume={step}"], tmp_path / "b")
+    assert str(e.value) == (f"train.resume: {step} was trained with optim.lr=0.0001, this run has optim.lr=0.0003: "
+                            "resume with the same setting, or start a fresh run")
+    with pytest.raises(ConfigError) as e:
+        train_here([*QUICK, "model.init.hidden_size=64", f"train.resume={step}"], tmp_path / "c")
+    assert "was trained with model.init.hidden_size=128, this run has model.init.hidden_size=64" in str(e.value)
+    # What does not change the trajectory may change: more steps, another save cadence.
+    train_here([*QUICK, "train.max_steps=4", "train.save_every=1", f"train.resume={step}"], tmp_path / "d")
+    assert [m["step"] for m in train_rows(tmp_path / "d")] == [3, 4]
+
+
+def test_a_layout_the_format_cannot_change_is_refused(compose, tmp_path):
+    saved = compose(["zero=stage2", "parallelism=ddp", "launcher.nproc_per_node=2", "train.global_batch_size=32"])
+    step = tmp_path / "step_2"
+    step.mkdir()
+    meta = {"step": 2, "config_hash": checkpoint.config_hash(checkpoint.trajectory(saved)), "settings": checkpoint.trajectory(saved),
+            "layout": checkpoint.layout(saved)}
+    (step / "meta.json").write_text(json.dumps(meta))
+    now = compose(["zero=stage2", "parallelism=ddp", "launcher.nproc_per_node=4", "train.global_batch_size=32"])
+    with pytest.raises(ConfigError) as e:
+        checkpoint.check_compatible(step, now)
+    assert str(e.value) == (f"train.resume: {step} was saved with world_size=2 (deepspeed engine), this run has world_size=4: "
+                            "that checkpoint format cannot change it; resume with the same layout")
+    torch_saved = compose(["parallelism=ddp", "launcher.nproc_per_node=2", "train.global_batch_size=32"])
+    meta["layout"] = checkpoint.layout(torch_saved)
+    meta["config_hash"] = checkpoint.config_hash(checkpoint.trajectory(torch_saved))
+    meta["settings"] = checkpoint.trajectory(torch_saved)
+    (step / "meta.json").write_text(json.dumps(meta))
+    checkpoint.check_compatible(step, compose(["parallelism=ddp", "launcher.nproc_per_node=4", "train.global_batch_size=32"]))
+
+
+def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    from finetune.engine import torch_engine
+
+    real_save, calls = torch_engine.torch.save, []
+
+    def full_disk(obj, path, *args, **kwargs):
+        calls.append(path)
+        if len([c for c in calls if str(c).endswith("state.pt")]) == 2:  # the second checkpoint's model state
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch_engine.torch, "save", full_disk)
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        train_here([*QUICK, "train.save_every=2"], tmp_path)
+    root = tmp_path / "checkpoints"
+    assert str(e.value) == (f"saving checkpoint step_4 in {root} failed (No space left on device): the previous checkpoint "
+                            f"{root / 'step_2'} is intact; free space or change the run directory")
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_2"]
+    assert checkpoint.resolve("auto", tmp_path) == root / "step_2"
+
+
+class NanAt:
+    """Wraps an objective: the loss of the given step (1-based, one micro-batch per step) is NaN."""
+
+    def __init__(self, objective, step):
+        self.objective, self.step, self.calls = objective, step, 0
+        self.metrics = objective.metrics
+
+    def count(self, batch):
+        return self.objective.count(batch)
+
+    def __call__(self, model, batch):
+        loss, sums = self.objective(model, batch)
+        if model.training:
+            self.calls += 1
+            if self.calls == self.step:
+                loss = loss * float("nan")
+        return loss, sums
+
+
+@pytest.mark.parametrize("mode", ["stop", "skip"])
+def test_a_nan_step_stops_naming_the_step_or_is_skipped(mode, tmp_path, monkeypatch):
+    from finetune import loop, objectives
+
+    build = objectives.build
+    monkeypatch.setattr(objectives, "build", lambda *a, **k: NanAt(build(*a, **k), step=3))
+    weights = {}
+    export = "finetune.engine.torch_engine.TorchEngine.export"
+    if mode == "stop":
+        with pytest.raises(loop.Stopped) as e:
+            train_here([*QUICK, "train.on_nonfinite=stop"], tmp_path)
+        assert str(e.value) == ("step 3: the loss is nan and the gradient norm nan: stopped before training on them (the weights are "
+                                "those after step 2); lower optim.lr, use precision=bf16 rather than fp16, check the data, or set "
+                                "train.on_nonfinite=skip")
+        assert [m["step"] for m in train_rows(tmp_path)] == [1, 2, 3]
+        return
+    monkeypatch.setattr(export, lambda self, path, tok: weights.update(after=[p.detach().clone() for p in self.module.parameters()]))
+    train_here([*QUICK, "train.on_nonfinite=skip"], tmp_path)
+    rows = train_rows(tmp_path)
+    assert [m["nonfinite_skipped"] for m in rows] == [0, 0, 1, 1, 1, 1]
+    assert all(torch.isfinite(p).all() for p in weights["after"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Signals and kills, through the real CLI (2 CPU ranks)
+
+RUN = [sys.executable, "-m", "finetune.launch", "+recipe=quickstart_sft", "train.progress_bar=false", "train.eval_every=0",
+       "train.exact_match_samples=0", "train.log_every=1000", "train.memory_report=false", "optim.warmup_steps=1"]
+
+
+def start(args, tmp_path, name):
+    return subprocess.Popen([*RUN, *args, f"hydra.run.dir={tmp_path / name}"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def wait_for(predicate, timeout=240):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def steps_done(run_dir):
+    try:
+        return len(train_rows(run_dir))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return 0
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_resumable_checkpoint_and_stops_cleanly(tmp_path):
+    proc = start(["train.max_steps=2000"], tmp_path, "run")
+    assert wait_for(lambda: steps_done(tmp_path / "run") >= 5)
+    os.kill(proc.pid, signal.SIGTERM)  # what Slurm sends (to the launcher, which forwards it)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    line = last_line(err)
+    assert line.startswith("error: stopped by SIGTERM after step ") and "train.resume=auto" in line, err[-2000:]
+    step = int(line.split("after step ")[1].split(":")[0])
+    assert checkpoint.resolve("auto", tmp_path / "run") == tmp_path / f"run/checkpoints/step_{step}"
+    resumed = subprocess.run([*RUN, f"train.max_steps={step + 2}", "train.resume=auto", f"hydra.run.dir={tmp_path / 'run'}"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resumed from {tmp_path / 'run/checkpoints'}/step_{step} at step {step}" in resumed.stdout
+
+
+@pytest.mark.slow
+def test_killing_one_rank_ends_the_job_in_bounded_time_naming_the_rank(tmp_path):
+    proc = start(["train.max_steps=2000"], tmp_path, "run")
+    assert wait_for(lambda: steps_done(tmp_path / "run") >= 3)
+    victim = json.loads((tmp_path / "run/ranks/1.json").read_text())
+    tic = time.time()
+    os.kill(victim["pid"], signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    elapsed = time.time() - tic
+    print(f"job ended {elapsed:.1f}s after rank 1 was killed")
+    assert proc.returncode != 0 and elapsed < 90
+    assert last_line(err) == (f"error: rank 1 (pid {victim['pid']} on {victim['host']}) died without an error "
+                              "(killed: SIGKILL, or the out-of-memory killer?); the job stopped")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", [["peft=lora"], ["zero=stage2"]], ids=["torch-lora-dropout", "deepspeed-zero2"])
+def test_kill_9_then_resume_gives_the_uninterrupted_weights(engine, tmp_path):
+    common = ["train.max_steps=60", "train.save_every=5", "train.micro_batch_size=8", *engine]
+    full = subprocess.run([*RUN, *common, f"hydra.run.dir={tmp_path / 'full'}"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+    assert full.returncode == 0, full.stderr[-2000:]
+    proc = start(common, tmp_path, "killed")
+    assert wait_for(lambda: (tmp_path / "killed/checkpoints/latest").is_file())  # mid-run: after its first checkpoint
+    # The whole job at once, as a node failure or Slurm's cgroup kill does: the launcher and its
+    # launcher child, and every rank (torchrun starts each rank in a session of its own).
+    ranks = [json.loads(f.read_text())["pid"] for f in (tmp_path / "killed/ranks").glob("*.json")]
+    os.killpg(proc.pid, signal.SIGKILL)
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert not (tmp_path / "killed/final").exists()
+    resumed = subprocess.run([*RUN, *common, "train.resume=auto", f"hydra.run.dir={tmp_path / 'killed'}"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout
+    name = "adapter_model.safetensors" if "peft=lora" in engine else "model.safetensors"
+    ours, ref = load_file(tmp_path / f"killed/final/{name}"), load_file(tmp_path / f"full/final/{name}")
+    assert set(ours) == set(ref)
+    assert all(torch.allclose(ours[k], ref[k], rtol=0, atol=1e-6) for k in ref)  # CPU: the same arithmetic, measured equal
+
+
+def test_resume_path_of_an_unfinished_checkpoint_is_refused(tmp_path):
+    (tmp_path / "step_3").mkdir()
+    with pytest.raises(ConfigError) as e:
+        checkpoint.resolve(str(tmp_path / "step_3"), REPO)
+    assert str(e.value) == (f"train.resume={str(tmp_path / 'step_3')!r}: {tmp_path / 'step_3'} is not a complete checkpoint "
+                            "(no meta.json: it was never finished, or was written by an older version)")

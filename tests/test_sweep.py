@@ -1,0 +1,244 @@
+"""Sweeps: the summary of a sweep directory (synthetic trials), and real sweeps through the CLI."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from finetune import sweep
+from finetune.config import ASSETS
+
+from conftest import REPO, run_cli
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def make_trial(sweep_dir: Path, n: int | str, overrides: list[str], *, train: list[tuple[int, float, float]] = (),
+               evals: list[tuple[int, float]] = (), memory: dict | None = None, summary: dict | None = None) -> Path:
+    """A trial directory as a sweep leaves it: .hydra/overrides.yaml, metrics.jsonl, summary.json.
+    `train`: (step, loss, tokens/s) rows."""
+    trial = sweep_dir / str(n)
+    (trial / ".hydra").mkdir(parents=True)
+    (trial / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    rows = [{"kind": "eval", "step": s, "eval_loss": v} for s, v in evals if s == 0]
+    rows += [{"kind": "train", "step": s, "loss": loss, "lr": 1e-3, "tokens_per_s": tps} for s, loss, tps in train]
+    rows += [{"kind": "memory", "step": 2, **memory}] if memory is not None else []
+    rows += [{"kind": "eval", "step": s, "eval_loss": v} for s, v in evals if s > 0]
+    if rows:
+        (trial / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if summary is not None:
+        (trial / "summary.json").write_text(json.dumps(summary))
+    return trial
+
+
+def small_sweep(tmp_path: Path) -> Path:
+    """Three trials: one finished, one failed (by a rank's reason), one still running."""
+    d = tmp_path / "sweep"
+    common = ["+recipe=quickstart_sft", "train.max_steps=5"]
+    make_trial(d, 0, [*common, "optim.lr=0.001", "checkpointing=none"],
+               train=[(1, 4.5, 100.0), (2, 4.0, 200.0), (3, 3.5, 1000.0), (4, 3.0, 1200.0), (5, 2.5, 1100.0)],
+               evals=[(0, 4.75), (5, 2.25)], memory={"mem_peak_total_mib": 12.25},
+               summary={"before": {"eval_loss": 4.75}, "after": {"eval_loss": 2.25}, "memory": {"mem_peak_total_mib": 12.25}})
+    failed = make_trial(d, 1, [*common, "optim.lr=0.003", "checkpointing=none"], train=[(1, 4.5, 300.0), (2, 5.5, 500.0)])
+    sweep.record_failure(failed, 2, "data.train: bad | row")
+    make_trial(d, 2, [*common, "optim.lr=0.001", "checkpointing=full"], train=[(1, 4.5, 90.0)],
+               memory={"mem_peak_total_mib": 9.5, "mem_cuda_max_allocated_mib": 30.5})
+    return d
+
+
+def test_summary_of_a_small_sweep_csv_and_markdown_exactly(tmp_path):
+    d = small_sweep(tmp_path)
+    trials = sweep.write(d)
+    assert [t.status for t in trials] == ["ok", "failed", "running"]
+    assert (d / "summary.csv").read_text() == (
+        "trial,overrides,status,train_loss,eval_loss,tokens_per_s,peak_mib,exit_code,reason\n"
+        "0,optim.lr=0.001 checkpointing=none,ok,2.5,2.25,1100.0,12.25,0,\n"
+        "1,optim.lr=0.003 checkpointing=none,failed,5.5,,400.0,,2,data.train: bad | row\n"
+        "2,optim.lr=0.001 checkpointing=full,running,4.5,,90.0,30.5,,\n"
+    )
+    assert (d / "summary.md").read_text() == (
+        "| trial | overrides | status | train loss | eval loss | tokens/s | peak MiB | reason |\n"
+        "|---:|---|---|---:|---:|---:|---:|---|\n"
+        "| 0 | optim.lr=0.001 checkpointing=none | ok | 2.5000 | 2.2500 | 1,100 | 12.2 |  |\n"
+        "| 1 | optim.lr=0.003 checkpointing=none | failed | 5.5000 |  | 400 |  | data.train: bad \\| row |\n"
+        "| 2 | optim.lr=0.001 checkpointing=full | running | 4.5000 |  | 90 | 30.5 |  |\n"
+    )
+    png = (d / "loss_curves.png").read_bytes()
+    assert png.startswith(PNG) and len(png) > 10_000
+    assert not list(d.glob(".*.tmp"))  # written whole, then renamed
+    assert sweep.best(trials).trial == "0"
+    assert json.loads((d / "1" / sweep.STATUS).read_text()) == {"status": "failed", "exit_code": 2, "reason": "data.train: bad | row"}
+
+
+def test_csv_reads_back_with_the_csv_module(tmp_path):
+    d = small_sweep(tmp_path)
+    sweep.write(d)
+    rows = list(csv.DictReader((d / "summary.csv").open()))
+    assert [r["status"] for r in rows] == ["ok", "failed", "running"]
+    assert float(rows[0]["eval_loss"]) == 2.25 and rows[1]["reason"] == "data.train: bad | row"
+
+
+def test_a_trial_that_starts_again_is_no_longer_failed(tmp_path):
+    d = small_sweep(tmp_path)
+    sweep.clear_status(d / "1")
+    assert [t.status for t in sweep.collect(d)] == ["ok", "running", "running"]
+
+
+def test_varying_overrides_label_the_trials_and_trials_sort_by_number(tmp_path):
+    d = tmp_path / "sweep"
+    for n, extra in ((10, ["zero=stage2"]), (2, ["zero=none"]), (1, ["zero=none", "+data.packing=true"])):
+        make_trial(d, n, ["+recipe=quickstart_sft", "train.max_steps=3", *extra])
+    (d / "not_a_trial").mkdir()
+    trials = sweep.collect(d)
+    assert [t.trial for t in trials] == ["1", "2", "10"]
+    assert [t.varying for t in trials] == [["zero=none", "+data.packing=true"], ["zero=none"], ["zero=stage2"]]
+    assert [t.status for t in trials] == ["running"] * 3
+    assert trials[1].label == "zero=none"
+
+
+def test_the_first_trial_is_labelled_by_what_the_sweep_varies(tmp_path):
+    """While only trial 0 exists nothing differs yet: the sweep's own record says what it varies."""
+    d = tmp_path / "sweep"
+    make_trial(d, 0, ["+recipe=quickstart_sft", "optim.lr=0.001", "zero=none"])
+    assert sweep.collect(d)[0].label == "trial 0"
+    (d / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {"mode": "MULTIRUN", "overrides": {
+        "task": ["+recipe=quickstart_sft", "optim.lr=1e-3,3e-3", "zero=none"]}, "sweeper": {"params": None}}}))
+    assert sweep.collect(d)[0].label == "optim.lr=0.001"
+
+
+def test_a_search_space_labels_the_trials_too(tmp_path):
+    """Optuna's sweeper writes no multirun.yaml; its search space is in each trial's .hydra/hydra.yaml."""
+    d = tmp_path / "sweep"
+    for n in (0, 1):
+        trial = make_trial(d, n, ["optim.lr=0.002", f"peft.r={4 * (n + 1)}", "train.micro_batch_size=8", "+recipe=optuna_quickstart"])
+        (trial / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump({"hydra": {"mode": "MULTIRUN", "sweeper": {"params": {
+            "optim.lr": "tag(log, interval(1e-4, 1e-2))", "peft.r": "choice(4, 8, 16)", "train.micro_batch_size": "choice(4, 8, 16)"}}}}))
+    assert [t.label for t in sweep.collect(d)] == ["optim.lr=0.002 peft.r=4 train.micro_batch_size=8",
+                                                  "optim.lr=0.002 peft.r=8 train.micro_batch_size=8"]
+
+
+def test_a_metrics_line_cut_short_is_skipped(tmp_path):
+    d = tmp_path / "sweep"
+    trial = make_trial(d, 0, ["optim.lr=0.001"], train=[(1, 4.0, 10.0), (2, 3.0, 20.0)])
+    with (trial / "metrics.jsonl").open("a") as f:
+        f.write('{"kind": "train", "step": 3, "lo')
+    (row,) = sweep.collect(d)
+    assert row.train_loss == 3.0 and row.tokens_per_s == 15.0 and row.status == "running"
+
+
+def test_rebuild_script_prints_the_table(tmp_path):
+    d = small_sweep(tmp_path)
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "sweep_summary.py"), str(d)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    table = (d / "summary.md").read_text()
+    assert out.stdout.startswith(table)
+    assert f"best         trial 0: eval_loss 2.2500  optim.lr=0.001 checkpointing=none\nsummary      {d / 'summary.md'}" in out.stdout
+    assert (d / "summary.csv").is_file() and (d / "loss_curves.png").is_file()
+    bad = subprocess.run([sys.executable, str(REPO / "scripts" / "sweep_summary.py"), str(tmp_path / "nowhere")],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1
+
+
+def test_sweep_module_imports_no_torch():
+    code = "import sys, finetune.sweep, finetune.launch; assert 'torch' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Real sweeps through the CLI: one CPU rank, 3 steps, 64 training rows.
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory) -> list[str]:
+    d = tmp_path_factory.mktemp("data")
+    for split, rows in (("train", 64), ("eval", 16)):
+        lines = (ASSETS / "data" / "quickstart" / f"{split}.jsonl").read_text().splitlines()[:rows]
+        (d / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    return ["data=jsonl", f"data.train={d / 'train.jsonl'}", f"data.eval={d / 'eval.jsonl'}"]
+
+
+TINY = ["train.max_steps=3", "optim.warmup_steps=1", "train.exact_match_samples=0", "train.eval_every=0", "train.progress_bar=false",
+        "train.tensorboard=false", "launcher.nproc_per_node=1", "parallelism=single", "train.global_batch_size=16"]
+
+
+def read_csv(sweep_dir: Path) -> list[dict]:
+    return list(csv.DictReader((sweep_dir / "summary.csv").open()))
+
+
+@pytest.mark.slow
+def test_sweep_over_memory_strategies_summarises_every_trial(tmp_path, small_data):
+    """2 x 2: ZeRO (torch engine / DeepSpeed stage 2) x activation checkpointing, one launch each."""
+    d = tmp_path / "sweep"
+    out = run_cli("-m", "+recipe=quickstart_sft", "zero=none,stage2", "checkpointing=none,full", *TINY, *small_data,
+                  "data.max_length=64", f"hydra.sweep.dir={d}", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert sorted(p.name for p in d.iterdir() if p.is_dir()) == ["0", "1", "2", "3"]
+    rows = read_csv(d)
+    assert [r["overrides"] for r in rows] == ["zero=none checkpointing=none", "zero=none checkpointing=full",
+                                             "zero=stage2 checkpointing=none", "zero=stage2 checkpointing=full"]
+    assert [r["status"] for r in rows] == ["ok"] * 4
+    for r in rows:
+        assert r["exit_code"] == "0" and r["reason"] == ""
+        assert float(r["eval_loss"]) == pytest.approx(json.loads((d / r["trial"] / "summary.json").read_text())["after"]["eval_loss"])
+        assert float(r["tokens_per_s"]) > 0 and float(r["peak_mib"]) > 0
+    # the same math whatever the memory strategy; full checkpointing keeps fewer activations
+    assert [float(r["train_loss"]) for r in rows] == pytest.approx([float(rows[0]["train_loss"])] * 4, rel=1e-4)
+    assert float(rows[1]["peak_mib"]) < float(rows[0]["peak_mib"])
+    table = (d / "summary.md").read_text()
+    assert table.count("| ok |") == 4 and table in out.stdout
+    assert "best         trial " in out.stdout
+    assert (d / "loss_curves.png").read_bytes().startswith(PNG)
+    rebuilt = subprocess.run([sys.executable, str(REPO / "scripts" / "sweep_summary.py"), str(d)], capture_output=True, text=True, timeout=60)
+    assert rebuilt.returncode == 0 and rebuilt.stdout.startswith(table) and (d / "summary.md").read_text() == table
+
+
+@pytest.mark.slow
+def test_failed_trials_are_recorded_and_the_sweep_goes_on(tmp_path, small_data):
+    """max_steps=0 is refused by validation; max_length=8 leaves the prompts no room, which a rank finds
+    (data.long_prompt=error): both are recorded with their reason, the other trial trains, the exit code is 1."""
+    d = tmp_path / "sweep"
+    out = run_cli("-m", "+recipe=quickstart_sft", "train.max_steps=3,0", "data.max_length=64,8", "data.long_prompt=error",
+                  *TINY[1:], *small_data, f"hydra.sweep.dir={d}", cwd=tmp_path)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = read_csv(d)
+    assert [(r["overrides"], r["status"], r["exit_code"]) for r in rows] == [
+        ("train.max_steps=3 data.max_length=64", "ok", "0"),
+        ("train.max_steps=3 data.max_length=8", "failed", "1"),  # torchrun's code when a rank fails
+        ("train.max_steps=0 data.max_length=64", "failed", "2"),
+        ("train.max_steps=0 data.max_length=8", "failed", "2"),
+    ]
+    assert math.isfinite(float(rows[0]["eval_loss"]))
+    assert "the prompt is" in rows[1]["reason"] and "leaves no room for the response" in rows[1]["reason"]
+    assert rows[2]["reason"] == rows[3]["reason"] == "train.max_steps=0 must be at least 1"
+    assert json.loads((d / "2" / "status.json").read_text()) == {"status": "failed", "exit_code": 2, "reason": "train.max_steps=0 must be at least 1"}
+    assert "error: trial 2: train.max_steps=0 must be at least 1" in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("error: 3 of 4 trials failed (trial 1, 2, 3)")
+    table = (d / "summary.md").read_text()
+    assert table.count("| failed |") == 3 and table in out.stdout
+    rebuilt = subprocess.run([sys.executable, str(REPO / "scripts" / "sweep_summary.py"), str(d)], capture_output=True, text=True, timeout=60)
+    assert rebuilt.returncode == 0 and rebuilt.stdout.startswith(table) and (d / "summary.md").read_text() == table
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is None,
+                    reason="hydra-optuna-sweeper is not installed (pip install -e '.[sweep]')")
+def test_optuna_recipe_searches_and_gets_the_eval_loss(tmp_path, small_data):
+    d = tmp_path / "sweep"
+    out = run_cli("-m", "+recipe=optuna_quickstart", "hydra.sweeper.n_trials=2", *TINY, *small_data, "data.max_length=64",
+                  f"hydra.sweep.dir={d}", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = read_csv(d)
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+    assert all(r["overrides"].split()[0].startswith("optim.lr=") and "peft.r=" in r["overrides"] for r in rows)
+    results = yaml.safe_load((d / "optimization_results.yaml").read_text())
+    assert results["best_value"] == pytest.approx(min(float(r["eval_loss"]) for r in rows))  # what Optuna saw: our eval loss
+    assert set(results["best_params"]) == {"optim.lr", "peft.r", "train.micro_batch_size"}
+    assert "name: lora" in (d / "0" / "config.yaml").read_text()
