@@ -395,6 +395,27 @@ class LauncherConfig:
 
 
 @dataclass
+class HardwareConfig:
+    """The machine a plan is checked against (read only by `python -m finetune.plan` for now)."""
+
+    name: str = "cpu"
+    """A label for the hardware, printed by the planner."""
+    gpu_memory_gib: float = 0.0
+    """Memory of one accelerator in GiB (2^30 bytes); 0: no GPU, the ranks run on CPU and share
+    cpu_memory_gib."""
+    gpus_per_node: int = 1
+    """Accelerators per node (for information: the launch size is launcher.nproc_per_node x nnodes)."""
+    nodes: int = 1
+    """Nodes available (for information, like gpus_per_node)."""
+    cpu_memory_gib: float = 64.0
+    """CPU RAM per node in GiB: holds offloaded optimizer states/parameters/activations."""
+    nvme_gib: float = 0.0
+    """Local NVMe space per node in GiB for zero.offload_*=nvme (0: none)."""
+    peak_bf16_tflops: float = 0.0
+    """Dense bf16 peak of one accelerator in TFLOP/s (0: unknown); for time estimates later."""
+
+
+@dataclass
 class TrainConfig:
     max_steps: int = 100
     """Optimizer steps."""
@@ -448,6 +469,8 @@ class Config:
     optim: OptimConfig = MISSING
     launcher: LauncherConfig = MISSING
     train: TrainConfig = MISSING
+    hardware: HardwareConfig = MISSING
+    """The machine `python -m finetune.plan` checks the memory plan against; training ignores it."""
     run_dir: str | None = None
     """Where the run writes; null: Hydra's run directory (`hydra.run.dir`)."""
 
@@ -476,6 +499,7 @@ GROUPS: dict[str, type] = {
     "optim": OptimConfig,
     "launcher": LauncherConfig,
     "train": TrainConfig,
+    "hardware": HardwareConfig,
 }
 
 

@@ -124,7 +124,7 @@ def test_resume_from_the_layouts_distributed_checkpoint(layout, tmp_path):
     full = run_cli(*common, f"hydra.run.dir={tmp_path / 'full'}", cwd=tmp_path)
     assert full.returncode == 0, full.stderr[-3000:]
     written = sorted(p.name for p in (tmp_path / "full/checkpoints/step_2").iterdir())
-    assert written == [".metadata", "__0_0.distcp", "__1_0.distcp", "trainer_state.pt"]  # one shard file per rank
+    assert written == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json", "rng_0.pt", "rng_1.pt", "trainer_state.pt"]  # a shard per rank
     resumed = run_cli(*common, f"train.resume={tmp_path / 'full/checkpoints/step_2'}", f"hydra.run.dir={tmp_path / 'resumed'}",
                       cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
