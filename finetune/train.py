@@ -76,7 +76,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
     if d.is_main:
         for name, s in stats.items():
             print(s.line(name, cfg.data.max_length))
-    zero3 = model.zero3_context(deepspeed_config(cfg) if uses_deepspeed(cfg) else None)  # noqa: F841 - kept alive
+    zero3 = model.zero3_context(deepspeed_config(cfg) if uses_deepspeed(cfg) else None)
     attention = model.resolve_attention(cfg.model.attn_implementation, cfg.precision.name, d.device)
 
     def load(peft: PeftConfig) -> torch.nn.Module:
@@ -114,6 +114,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
     eng.export(final, tokenizer)
     if d.is_main:
         report(run_dir, final, result, {k: vars(s) for k, s in stats.items()})
+    del zero3  # alive until here: transformers consults it while loading, generating and saving
 
 
 def saver(cfg: Config, eng: Any, d: dist.Dist, root: Path) -> Any:

@@ -118,15 +118,17 @@ def test_layout_follows_the_single_process_run_and_exports_one_checkpoint(layout
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["fsdp", "pp2"])
-def test_resume_from_the_layouts_distributed_checkpoint(layout, tmp_path):
+@pytest.mark.parametrize("layout,resume_with", [("fsdp", ["launcher.nproc_per_node=1"]), ("pp2", [])],
+                         ids=["fsdp-2-ranks-resumed-on-1", "pp2"])
+def test_resume_from_the_layouts_distributed_checkpoint(layout, resume_with, tmp_path):
+    """FSDP's DCP shards reshard on load: saved on 2 ranks, resumed on 1, the same trajectory."""
     common = [*STEPS, f"parallelism={layout}", "train.save_every=2"]
     full = run_cli(*common, f"hydra.run.dir={tmp_path / 'full'}", cwd=tmp_path)
     assert full.returncode == 0, full.stderr[-3000:]
     written = sorted(p.name for p in (tmp_path / "full/checkpoints/step_2").iterdir())
     assert written == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json", "rng_0.pt", "rng_1.pt", "trainer_state.pt"]  # a shard per rank
-    resumed = run_cli(*common, f"train.resume={tmp_path / 'full/checkpoints/step_2'}", f"hydra.run.dir={tmp_path / 'resumed'}",
-                      cwd=tmp_path)
+    resumed = run_cli(*common, *resume_with, f"train.resume={tmp_path / 'full/checkpoints/step_2'}",
+                      f"hydra.run.dir={tmp_path / 'resumed'}", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
     assert losses(tmp_path / "resumed") == pytest.approx(losses(tmp_path / "full")[2:], rel=1e-6)
