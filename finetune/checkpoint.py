@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from finetune.config import Config, ConfigError, uses_deepspeed
+from finetune.config import Config, ConfigError, engine_kind
 
 LATEST = "latest"
 META = "meta.json"
@@ -44,8 +44,7 @@ def tag(step: int) -> str:
 
 def layout(cfg: Config) -> dict[str, Any]:
     p = cfg.parallelism
-    engine = "deepspeed" if uses_deepspeed(cfg) else "mesh" if (p.strategy.value == "fsdp" or p.tp * p.pp > 1) else "torch"
-    return {"engine": engine, "world_size": cfg.world_size, "zero_stage": cfg.zero.stage, "strategy": p.strategy.value,
+    return {"engine": engine_kind(cfg), "world_size": cfg.world_size, "zero_stage": cfg.zero.stage, "strategy": p.strategy.value,
             "tp": p.tp, "pp": p.pp, "pp_stages_per_rank": p.pp_stages_per_rank}
 
 
@@ -98,7 +97,8 @@ def writing(root: Path, step: int, cfg: Config, dist: Any, keep: int = 0) -> Ite
         why = reason if not ok else "another rank could not write its part"
         raise CheckpointError(f"saving checkpoint {tag(step)} in {root} failed ({why}): {kept}; free space or change the run directory")
     if dist.is_main:
-        meta = {"step": step, "config_hash": config_hash(trajectory(cfg)), "settings": trajectory(cfg), "layout": layout(cfg)}
+        settings = trajectory(cfg)
+        meta = {"step": step, "config_hash": config_hash(settings), "settings": settings, "layout": layout(cfg)}
         (tmp / META).write_text(json.dumps(meta, indent=2, default=str) + "\n")
         shutil.rmtree(final, ignore_errors=True)  # an older save of the same step (a resumed run passing it again)
         os.replace(tmp, final)

@@ -508,6 +508,14 @@ def uses_deepspeed(cfg: Config) -> bool:
     return cfg.zero.enabled
 
 
+def engine_kind(cfg: Config) -> str:
+    """deepspeed (a ZeRO stage), mesh (FSDP2 / tensor / pipeline parallel) or torch (single, DDP)."""
+    p = cfg.parallelism
+    if uses_deepspeed(cfg):
+        return "deepspeed"
+    return "mesh" if p.strategy == Strategy.fsdp or p.tp * p.pp > 1 else "torch"
+
+
 def register() -> None:
     """Store the schemas: `base_config` for the root, `base_<group>` in each group."""
     cs = ConfigStore.instance()
@@ -700,17 +708,24 @@ def _validate_method(cfg: Config) -> None:
         raise ConfigError(f"method=dpo trains on preference pairs: data.format={cfg.data.format.value} must be preference or auto")
 
 
-def model_shape(cfg: ModelConfig) -> dict[str, int] | None:
-    """Layers and heads from model.init or a local config.json (None: a hub id, checked on the ranks)."""
-    if cfg.init is not None:
-        return {k: getattr(cfg.init, k) for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads")}
+def local_config(cfg: ModelConfig) -> dict[str, Any] | None:
+    """The (text) config.json of a local model.path, read without transformers; None if there is none."""
     path = Path(cfg.path or "").expanduser() / "config.json"
     if not path.is_file():
         return None
     import json
 
     arch = json.loads(path.read_text())
-    arch = arch.get("text_config", arch)
+    return arch.get("text_config", arch)
+
+
+def model_shape(cfg: ModelConfig) -> dict[str, int] | None:
+    """Layers and heads from model.init or a local config.json (None: a hub id, checked on the ranks)."""
+    if cfg.init is not None:
+        return {k: getattr(cfg.init, k) for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads")}
+    arch = local_config(cfg)
+    if arch is None:
+        return None
     return {"num_hidden_layers": arch.get("num_hidden_layers", 0), "num_attention_heads": arch.get("num_attention_heads", 0),
             "num_key_value_heads": arch.get("num_key_value_heads") or arch.get("num_attention_heads", 0)}
 

@@ -56,15 +56,12 @@ class DPO:
         return batch["input_ids"].shape[0] // 2
 
     def __call__(self, model: Any, batch: dict[str, torch.Tensor]) -> Output:
-        reference = None
-        if self.cfg.loss != DpoLoss.simpo:
-            if "reference_logps" in batch:
-                reference = batch["reference_logps"].float()
-            elif self.reference is not None:  # before the policy's forward: nothing of it is kept for backward
-                with torch.no_grad():
-                    reference = self.reference(model, batch).float()
-            else:
+        reference = None  # precomputed ones travel in the batch: `loss` reads them there
+        if self.cfg.loss != DpoLoss.simpo and "reference_logps" not in batch:
+            if self.reference is None:
                 raise RuntimeError("DPO needs reference log-probs: precompute them or give a reference model")
+            with torch.no_grad():  # before the policy's forward: nothing of it is kept for backward
+                reference = self.reference(model, batch).float()
         return self.loss(forward(model, batch), batch, reference)
 
     def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor], reference: torch.Tensor | None = None) -> Output:

@@ -40,6 +40,7 @@ from finetune.config import (
     Precision,
     Reference,
     Strategy,
+    local_config,
 )
 
 GIB = 2**30
@@ -135,11 +136,10 @@ def architecture(m: ModelConfig) -> Arch:
         return Arch(init.hidden_size, init.intermediate_size, init.num_hidden_layers, init.num_attention_heads,
                     init.num_key_value_heads, vocab, init.tie_word_embeddings)
     path = Path(m.path or "").expanduser() / "config.json"
-    if not path.is_file():
+    arch = local_config(m)
+    if arch is None:
         raise ConfigError(f"the planner reads the architecture from model.init or a local config.json: {path} does not "
                           "exist (download the model's config.json into a directory and set model.path to it)")
-    arch = json.loads(path.read_text())
-    arch = arch.get("text_config", arch)
     try:
         heads = arch["num_attention_heads"]
         return Arch(arch["hidden_size"], arch["intermediate_size"], arch["num_hidden_layers"], heads,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from finetune.config import Config, Strategy, uses_deepspeed
+from finetune.config import Config, engine_kind
 from finetune.dist import Dist
 from finetune.engine.common import StepResult, build_scheduler
 
@@ -25,12 +25,12 @@ __all__ = ["StepResult", "build", "build_scheduler"]
 
 
 def build(cfg: Config, model: Any, dist: Dist) -> Any:
-    p = cfg.parallelism
-    if p.strategy == Strategy.fsdp or p.tp * p.pp > 1:
+    kind = engine_kind(cfg)
+    if kind == "mesh":
         from finetune.engine.mesh_engine import MeshEngine
 
         return MeshEngine(model, cfg=cfg, dist=dist)
-    if uses_deepspeed(cfg):
+    if kind == "deepspeed":
         from finetune.engine.deepspeed_engine import DeepSpeedEngine
 
         return DeepSpeedEngine(model, cfg=cfg, dist=dist)
