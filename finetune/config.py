@@ -123,6 +123,8 @@ class PipeSchedule(str, Enum):
 
 class Optimizer(str, Enum):
     adamw = "adamw"
+    adam = "adam"
+    sgd = "sgd"
 
 
 class Scheduler(str, Enum):
@@ -348,11 +350,19 @@ class PeftConfig:
 @dataclass
 class OptimConfig:
     name: Optimizer = Optimizer.adamw
+    """adamw (decoupled weight decay), adam (weight decay added to the gradient: L2) or sgd
+    (optim.momentum 0: no optimizer state; > 0: one momentum buffer per parameter)."""
     lr: float = 1e-4
     """Peak learning rate (after warmup)."""
     weight_decay: float = 0.0
+    """Not applied to biases and norm scales. adamw decays the weights directly; adam and sgd add
+    weight_decay * w to the gradient (L2), so Adam rescales it like the gradient."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """adam/adamw: decay rates of the gradient mean and of its square; unused by sgd."""
     eps: float = 1e-8
+    """adam/adamw: added to the denominator; unused by sgd."""
+    momentum: float = 0.0
+    """sgd only, in [0, 1): 0 plain SGD, 0.9 the usual heavy-ball momentum (adam/adamw use betas)."""
     scheduler: Scheduler = Scheduler.cosine
     """cosine or linear decay after warmup, or constant."""
     warmup_steps: int = 0
@@ -395,8 +405,21 @@ class LauncherConfig:
 
 
 @dataclass
+class PlanConfig:
+    """The memory planner (`python -m finetune.plan`; the launcher runs it before every launch)."""
+
+    suggest: bool = False
+    """When the config does not fit: print the cheapest override sets that do (the launcher always does)."""
+    suggestions: int = 3
+    """How many fitting override sets to print."""
+    force: bool = False
+    """Launch even if the plan says the config does not fit the hardware (the plan is still printed)."""
+
+
+@dataclass
 class HardwareConfig:
-    """The machine a plan is checked against (read only by `python -m finetune.plan` for now)."""
+    """The machine the memory plan is checked against: `python -m finetune.plan`, and the launcher
+    before it starts anything (hardware=cpu by default: CPU ranks sharing the node's RAM)."""
 
     name: str = "cpu"
     """A label for the hardware, printed by the planner."""
@@ -470,7 +493,9 @@ class Config:
     launcher: LauncherConfig = MISSING
     train: TrainConfig = MISSING
     hardware: HardwareConfig = MISSING
-    """The machine `python -m finetune.plan` checks the memory plan against; training ignores it."""
+    """The machine the memory plan is checked against; the ranks themselves ignore it."""
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    """The memory planner's switches (plan.suggest, plan.force)."""
     run_dir: str | None = None
     """Where the run writes; null: Hydra's run directory (`hydra.run.dir`)."""
 
@@ -593,6 +618,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"optim.lr={cfg.optim.lr} must be positive")
     if len(cfg.optim.betas) != 2:
         raise ConfigError(f"optim.betas={cfg.optim.betas} must be two numbers, e.g. [0.9,0.999]")
+    if not 0 <= cfg.optim.momentum < 1:
+        raise ConfigError(f"optim.momentum={cfg.optim.momentum} must be in [0, 1): 0 for plain SGD, e.g. 0.9 with momentum")
+    if cfg.optim.momentum and cfg.optim.name != Optimizer.sgd:
+        raise ConfigError(f"optim.momentum={cfg.optim.momentum} applies to optim.name=sgd only ({cfg.optim.name.value} uses "
+                          f"optim.betas): remove it, or use optim=momentum")
     if cfg.optim.min_lr_ratio and cfg.optim.scheduler != Scheduler.cosine:
         raise ConfigError(
             f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} applies to optim.scheduler=cosine only "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -69,3 +70,9 @@ def init(device: Device, *, deepspeed: bool = False) -> Dist:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    # DeepSpeed's CPU accelerator creates a shared-memory all-reduce buffer per rank (~66 MB in /dev/shm,
+    # named by uid, master address, port and rank) and never removes it: a node running many jobs
+    # fills its RAM-backed /dev/shm. Unlinking is safe now: a peer's mapping stays valid until it exits.
+    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_{os.environ.get('MASTER_PORT')}_{os.environ.get('RANK', 0)}"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(f"/dev/shm/{name}")

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Iterator, get_type_hints
 
 import hydra
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from hydra.types import RunMode
@@ -37,7 +38,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from finetune import formats, sweep
+from finetune import formats, plan, sweep
 from finetune.config import Config, ConfigError, did_you_mean, to_config, validate
 from finetune.launcher import ERROR_FILE, RANKS_DIR, LaunchSpec, build
 
@@ -94,6 +95,7 @@ def launch_once(dcfg: DictConfig) -> float | None:
         make_model_first(cfg)
     except ConfigError as e:
         raise TrialFailed(2, str(e)) from None
+    check_memory(cfg, list(HydraConfig.get().overrides.task))
     run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir).resolve()
     spec = build(cfg, run_dir, python=sys.executable, cpu_count=os.cpu_count() or 1, port=free_port())
     write_files(spec, run_dir)
@@ -121,6 +123,31 @@ def launch_once(dcfg: DictConfig) -> float | None:
         raise TrialFailed(code, f"training exited with code {code}", "; see the output above")
     loss = sweep.eval_loss(run_dir)
     return loss if loss is not None else float("inf")
+
+
+def check_memory(cfg: Config, overrides: list[str]) -> None:
+    """The memory plan before anything starts: one line when it fits; the whole plan and the
+    suggestions, then a refusal, when it does not (plan.force=true launches anyway)."""
+    marker = "#" if cfg.launcher.dry_run else "[finetune]"
+    try:
+        pl = plan.plan(cfg)
+    except ConfigError as e:
+        print(f"{marker} memory plan skipped: {e}", flush=True)
+        return
+    where = f"hardware={cfg.hardware.name}"
+    if pl.fits:
+        print(f"{marker} memory plan: {pl.total / plan.GIB:.2f} GiB per rank of {pl.budget / plan.GIB:.2f} on {where}: FITS "
+              "(python -m finetune.plan ... for the breakdown)", flush=True)
+        return
+    print(plan.render(cfg, pl), flush=True)
+    print(plan.render_suggestions(plan.suggest(cfg, overrides, cfg.plan.suggestions)), flush=True)
+    short = f"short by {max(pl.total - pl.budget, pl.cpu_bytes - pl.cpu_budget, pl.nvme_bytes - pl.nvme_budget) / plan.GIB:.2f} GiB"
+    if cfg.plan.force or cfg.launcher.dry_run:
+        print(f"{marker} memory plan: does not fit {where} ({short}); "
+              f"{'plan.force=true: launching anyway' if cfg.plan.force else 'a real launch would be refused'}", flush=True)
+        return
+    raise TrialFailed(2, f"the memory plan says this config does not fit {where} ({short}): pick one of the suggestions above, "
+                         "declare the real machine with hardware=<option>, or launch anyway with plan.force=true")
 
 
 @contextlib.contextmanager
@@ -244,8 +271,11 @@ def preflight(overrides: list[str], *, config_dir: str | None = None, config_nam
     if config_dir:  # --config-dir: the user's recipes come first, ours after
         overrides = [*overrides, f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"]
     try:
-        with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
+        if GlobalHydra.instance().is_initialized():  # inside the launcher's Hydra app: its search path holds already
             dcfg = compose(config_name, overrides=overrides)
+        else:
+            with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
+                dcfg = compose(config_name, overrides=overrides)
     except (ConfigCompositionException, MissingConfigException, OverrideParseException, OmegaConfBaseException) as e:
         raise ConfigError(explain(e)) from None
     return typed(dcfg)

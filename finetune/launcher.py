@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from finetune.config import Config, LauncherName, Offload, Precision, launcher_for, to_yaml
+from finetune.config import Config, LauncherName, Offload, OptimConfig, Optimizer, Precision, launcher_for, to_yaml
 
 CONFIG_FILE = "config.yaml"
 DEEPSPEED_FILE = "deepspeed.json"
@@ -97,10 +97,7 @@ def deepspeed_config(cfg: Config) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": cfg.grad_accum_steps,
         "gradient_clipping": o.max_grad_norm or 0.0,  # 0: no clipping
-        "optimizer": {
-            "type": "AdamW",
-            "params": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay},
-        },
+        "optimizer": deepspeed_optimizer(o),
         "steps_per_print": t.max_steps + 1,  # we log; keep DeepSpeed's own step lines quiet
         "wall_clock_breakdown": False,
     }
@@ -138,4 +135,21 @@ def deepspeed_config(cfg: Config) -> dict[str, Any]:
             if where == Offload.nvme:
                 zero[key]["nvme_path"] = z.nvme_path
     ds["zero_optimization"] = zero
+    if o.name == Optimizer.sgd:
+        ds["zero_allow_untested_optimizer"] = True  # ZeRO's list of tested optimizers has Adam(W), not SGD
     return ds
+
+
+def deepspeed_optimizer(o: OptimConfig) -> dict[str, Any]:
+    """The JSON "optimizer" section: what DeepSpeed builds is what the torch engine builds.
+
+    "AdamW" and "Adam" become DeepSpeed's FusedAdam (DeepSpeedCPUAdam with zero.offload_optimizer);
+    DeepSpeed's "Adam" is AdamW too unless "adam_w_mode" is false. Any other type is looked up in
+    torch.optim: "SGD" is torch.optim.SGD.
+    """
+    if o.name == Optimizer.sgd:
+        return {"type": "SGD", "params": {"lr": o.lr, "momentum": o.momentum, "weight_decay": o.weight_decay}}
+    params: dict[str, Any] = {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
+    if o.name == Optimizer.adam:
+        params["adam_w_mode"] = False  # L2 weight decay, like torch.optim.Adam
+    return {"type": {Optimizer.adamw: "AdamW", Optimizer.adam: "Adam"}[o.name], "params": params}

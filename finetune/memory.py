@@ -50,6 +50,8 @@ class MemoryProbe:
     """Track a few steps; `report()` gives MiB per category.
 
     - activations, temp, total: at the moment of the peak total;
+    - backward_activations: activations + temporaries at the start or at the peak of the model's
+      backward, whichever holds more (what the planner's activations + logits predict);
     - grads: the most seen (just before an optimizer step, when every gradient exists);
     - optimizer: the most seen (just after a step, when every state exists);
     - params, buffers: as tracked.
@@ -63,6 +65,7 @@ class MemoryProbe:
             torch.cuda.memory._record_memory_history(max_entries=200_000)
         self.tracker = _tracker_class()()
         self.tracker.track_external(model, optimizer)
+        self.model = model
         self.peak: dict[str, int] = {}
         self.most: dict[str, int] = {}
         self.active = False
@@ -95,6 +98,15 @@ class MemoryProbe:
             return
         for key, value in self._snapshot("current").items():
             self.most[key] = max(self.most.get(key, 0), value)
+        # activations (forward's and backward's temporaries) at the start and at the peak of the model's backward
+        from torch.distributed._tools.mem_tracker import _ModState
+
+        stats = self.tracker.memory_tracking.get(self.model)
+        snaps = [snap for state in (_ModState.PRE_BW, _ModState.PEAK_BW) for snap in (stats.snapshots.get(state, []) if stats else [])]
+        for snap in snaps:
+            per_device = snap.get(self.device) or next(iter(snap.values()), {})
+            by_name = {str(k).split(".")[-1]: int(v) for k, v in per_device.items()}
+            self.most["backward_activations"] = max(self.most.get("backward_activations", 0), by_name.get("ACT", 0) + by_name.get("TEMP", 0))
 
     def report(self) -> dict[str, float]:
         """MiB per category (see the class doc), and the peak total."""
@@ -107,6 +119,7 @@ class MemoryProbe:
             "optimizer": self.most.get("OPT", 0),
             "activations": self.peak.get("ACT", 0),
             "temp": self.peak.get("TEMP", 0),
+            "backward_activations": self.most.get("backward_activations", 0),
             "peak_total": self.peak.get("Total", 0),
         }
         if "cuda_max_allocated" in self.most:

@@ -20,11 +20,13 @@ Imports only the config and the standard library: no torch, instant for any mode
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 from finetune.config import (
     AttnImpl,
@@ -156,23 +158,26 @@ def model_state_bytes_per_param(optimizer: str, precision: str) -> tuple[int, in
     """(weights, gradients, optimizer states) bytes per parameter, MEMORY.md's table.
 
     fp32: SGD 4+4+0, momentum SGD 4+4+4, Adam/AdamW 4+4+8 (exp_avg + exp_avg_sq).
-    Mixed precision (bf16/fp16) Adam: 2+2+12 (16-bit weights and gradients; fp32 master + 2 moments).
-    This is the textbook (DeepSpeed) layout; the torch engine keeps fp32 in every precision.
+    Mixed precision (bf16/fp16): 16-bit weights and gradients, and the optimizer holds an fp32
+    master copy (4) besides its states: Adam 2+2+12 (the ZeRO paper's K = 12), momentum 2+2+8,
+    SGD 2+2+4. This is the textbook (DeepSpeed) layout; the torch engine keeps fp32 in every precision.
     """
-    opt = {"sgd": 0, "momentum": 4, "adam": 8, "adamw": 8}[optimizer]
+    states = {"sgd": 0, "momentum": 4, "adam": 8, "adamw": 8}[optimizer]
     if precision == "fp32":
-        return 4, 4, opt
-    if optimizer not in ("adam", "adamw"):
-        raise ValueError(f"mixed-precision {optimizer}: only Adam/AdamW are tabulated")
-    return 2, 2, 12
+        return 4, 4, states
+    return 2, 2, 4 + states
+
+
+def optimizer_kind(cfg: Config) -> str:
+    """sgd, momentum (sgd with optim.momentum > 0), adam or adamw."""
+    name = cfg.optim.name.value
+    return "momentum" if name == "sgd" and cfg.optim.momentum > 0 else name
 
 
 def engine_state_bytes(cfg: Config) -> tuple[int, int, int]:
-    """What our engines hold per trainable parameter (AdamW): DeepSpeed follows the table for its
-    precision; the torch engine keeps fp32 weights and autocasts, so 4+4+8 in every precision."""
-    if cfg.zero.enabled:
-        return model_state_bytes_per_param(cfg.optim.name.value, cfg.precision.name.value)
-    return model_state_bytes_per_param(cfg.optim.name.value, "fp32")
+    """What our engines hold per trainable parameter: DeepSpeed follows the table for its
+    precision; the torch engine keeps fp32 weights and autocasts, so fp32's row in every precision."""
+    return model_state_bytes_per_param(optimizer_kind(cfg), cfg.precision.name.value if cfg.zero.enabled else "fp32")
 
 
 def zero_states(stage: int, params: float, ranks: int, w: int = 2, g: int = 2, k: int = 12) -> tuple[float, float, float]:
@@ -212,6 +217,16 @@ def count_params(arch: Arch, cfg: Config) -> Counts:
     return Counts(total + adapter, adapter + saved, frozen, frozen_weight_bytes(arch, cfg, frozen))
 
 
+def trainable_split(arch: Arch, cfg: Config, counts: Counts) -> tuple[float, float]:
+    """(trainable parameters per block, trainable parameters of the head: lm_head or tied embeddings
+    and the final norm, whose gradients arrive first in backward)."""
+    if cfg.peft.name == PeftMethod.none:
+        return arch.block_params, (arch.head_params or arch.embedding_params) + arch.hidden_size
+    saved = 0 if "lm_head" not in cfg.peft.modules_to_save else (arch.head_params or arch.embedding_params)
+    embed = arch.embedding_params if "embed_tokens" in cfg.peft.modules_to_save else 0
+    return (counts.trainable - saved - embed) / arch.num_hidden_layers, saved
+
+
 def frozen_weight_bytes(arch: Arch, cfg: Config, frozen: int) -> float:
     """Bytes per frozen base parameter: 4 (torch engine, fp32) or 2 (DeepSpeed bf16/fp16); QLoRA stores
     the block linears in 4 bits (0.5 byte) plus absmax constants (fp32 per 64 weights = 0.0625 byte, or with
@@ -228,60 +243,130 @@ def frozen_weight_bytes(arch: Arch, cfg: Config, frozen: int) -> float:
 # Activations
 
 
-def block_activation_bytes(arch: Arch, seq: int, batch: int, tp: int, flash: bool, act_bytes: int) -> float:
-    """Saved activations of one Llama block for backward (Korthikanti et al. 2022's method, Llama constants).
+@dataclass(frozen=True)
+class Dtypes:
+    """How a block's tensors are stored.
 
-    Korthikanti's GPT block (16-bit): s*b*h*(34 + 5*a*s/h); with tensor parallel t:
-    s*b*h*(10 + 24/t + 5*a*s/(h*t)). Our block (RMSNorm, GQA, SwiGLU, no dropout) saves, in
-    units of s*b*h*2 bytes: both norm inputs and both normed outputs (4, replicated under TP),
-    q, o_proj input (2/t), k and v (2*kv/a /t), gate, up, silu(gate) and down's input (4*i/h /t);
-    and without FlashAttention the score and softmax matrices, 2*a*s/h /t (the s^2 term:
-    Korthikanti's 5 counts a dropout mask too). In bytes with 16-bit activations:
-    s*b*h*(8 + (4 + 4*kv/a + 8*i/h + (0 if flash else 4*a*s/h)) / t); fp32 doubles it.
-    """
-    h, a = arch.hidden_size, arch.num_attention_heads
-    split = 4 + 4 * arch.num_key_value_heads / a + 8 * arch.intermediate_size / h + (0 if flash else 4 * a * seq / h)
-    return seq * batch * h * (8 + split / tp) * act_bytes / 2
+    module: bytes of the weights and of the residual stream (4: the torch engine keeps the module
+    fp32 in every precision; 2: DeepSpeed's bf16/fp16 module); compute: bytes of matmul outputs
+    (2 under bf16/fp16, 4 in fp32); autocast: torch.autocast casts each matmul's inputs (and keeps
+    a 16-bit copy of every weight it used for backward)."""
+
+    module: int
+    compute: int
+
+    @property
+    def autocast(self) -> bool:
+        return self.module != self.compute
 
 
-def activation_bytes(arch: Arch, cfg: Config, layers: int, in_flight: int, seq: int, batch: int) -> tuple[float, float]:
-    """(GPU, CPU) bytes of saved activations for `layers` blocks and `in_flight` micro-batches.
+def dtypes(cfg: Config) -> Dtypes:
+    compute = 4 if cfg.precision.name == Precision.fp32 else 2
+    return Dtypes(module=compute if cfg.zero.enabled else 4, compute=compute)
 
-    none: layers x block; full recompute: each block keeps its input (2*s*b*h per layer in 16-bit,
-    MEMORY.md) and one block's worth is live while it is recomputed; selective (blocks 0, k, 2k...
-    recomputed): those keep their input, the rest everything; offload: everything goes to CPU RAM
-    and one block's worth stays on the GPU. Under pipeline parallel the earlier micro-batches in
-    flight hold their stored activations while the current one peaks."""
-    tp = cfg.parallelism.tp
-    # FlashAttention-2 and PyTorch's sdpa (its flash / memory-efficient kernels) save only the output
-    # and the log-sum-exp; eager attention saves the scores and probabilities (the s^2 term)
-    flash = cfg.model.attn_implementation != AttnImpl.eager
-    act = 4 if cfg.precision.name == Precision.fp32 else 2
-    block = block_activation_bytes(arch, seq, batch, tp, flash, act)
-    layer_input = seq * batch * arch.hidden_size * act
+
+def linear_input_bytes(cfg: Config, d: Dtypes, width: int, names: tuple[str, ...], stored: int, saved: bool) -> float:
+    """Bytes per token that the linears `names`, all reading one input of `width` elements stored in
+    `stored` bytes each, save for backward (`saved`: the input is saved by another op anyway).
+
+    A trainable linear saves its input for the weight gradient: under autocast an input that is not
+    already 16-bit is cast once per linear, and each cast is saved; otherwise the linears share it.
+    A frozen base (LoRA/QLoRA) saves nothing. An adapter (a targeted linear) saves its r-wide lora_A
+    output, and its input: with lora dropout a dropped-out copy in the compute dtype and the mask
+    each, else as a trainable linear does."""
+    cast = d.autocast and stored != d.compute
+    shared = 0 if saved else width * stored
+    if cfg.peft.name == PeftMethod.none:
+        return len(names) * width * d.compute if cast else shared
+    adapted = len(names) if "all-linear" in cfg.peft.target_modules else len(set(names) & set(cfg.peft.target_modules))
+    if adapted == 0:
+        return 0.0
+    per_adapter = cfg.peft.r * d.compute
+    if cfg.peft.dropout > 0:  # CUDA's fused dropout keeps a bool mask; elsewhere the mask is in the input's dtype
+        mask = 1 if cfg.hardware.gpu_memory_gib > 0 else stored
+        return adapted * (per_adapter + width * (mask + d.compute))
+    return adapted * (per_adapter + (width * d.compute if cast else 0)) + (0 if cast else shared)
+
+
+def block_activation_bytes(arch: Arch, cfg: Config, seq: int, tokens: int) -> float:
+    """Bytes one Llama block saves for backward, for `tokens` tokens in sequences of `seq`.
+
+    Counted tensor by tensor from transformers' LlamaDecoderLayer (RMSNorm, GQA, RoPE, SwiGLU, no
+    dropout) as torch.autograd.graph.saved_tensors_hooks lists them. Per token, with h hidden, kv
+    the k/v width, i intermediate, a heads, m the module dtype's bytes and c the compute dtype's:
+    - each RMSNorm: its fp32 input (4h) and its normalised output (m h);
+    - the inputs of q/k/v, o, gate/up and down: linear_input_bytes;
+    - sdpa / FlashAttention: q, k, v and the output, c (2h + 2kv); eager attention: q and the
+      repeated k and v (3 c h), the fp32 softmax (4 a s) and its 16-bit cast under autocast (c a s);
+    - the MLP: gate (for silu), silu(gate) and up (for their product): 3 c i.
+    fp32 full fine-tuning: 32h + 8kv + 16i; autocast bf16 30h + 4kv + 8i; a bf16 module (DeepSpeed)
+    20h + 4kv + 8i -- Korthikanti et al. (2022) count 34h for GPT's block in 16-bit.
+    Tensor parallel divides everything but the norms and the replicated inputs of the
+    column-parallel linears (q/k/v, gate/up) by tp. Under autocast each weight the block used is
+    also kept as a 16-bit copy for the input gradient: 2 bytes/param (not for QLoRA's 4-bit base,
+    which is dequantized again in backward)."""
+    h, a, i, kv, tp = arch.hidden_size, arch.num_attention_heads, arch.intermediate_size, arch.kv_dim, cfg.parallelism.tp
+    d = dtypes(cfg)
+    eager = cfg.model.attn_implementation == AttnImpl.eager
+    replicated = 2 * (4 + d.module) * h + linear_input_bytes(cfg, d, h, ("q_proj", "k_proj", "v_proj"), d.module, False) \
+        + linear_input_bytes(cfg, d, h, ("gate_proj", "up_proj"), d.module, False)
+    if eager:
+        attention = 3 * d.compute * h + 4 * a * seq + (d.compute * a * seq if d.autocast else 0)
+    else:
+        attention = d.compute * (2 * h + 2 * kv)
+    # o_proj reads the attention output: the tensor sdpa saved, or eager's transposed copy
+    attention += linear_input_bytes(cfg, d, h, ("o_proj",), d.compute, not eager)
+    mlp = 3 * d.compute * i + linear_input_bytes(cfg, d, i, ("down_proj",), d.compute, False)
+    copies = 2 * arch.block_linear_params / tp if d.autocast and cfg.peft.name != PeftMethod.qlora else 0
+    return tokens * (replicated + (attention + mlp) / tp) + copies
+
+
+def activation_bytes(arch: Arch, cfg: Config, layers: int, in_flight: int, seq: int, tokens: int,
+                     block_grads: float = 0.0, moves: bool = True) -> tuple[float, float, float]:
+    """(device, CPU, backward peak) bytes of saved activations for `layers` blocks and `in_flight`
+    micro-batches; the backward peak adds the gradients that fill in as backward goes down the
+    blocks (`block_grads` per block, the blocks above the one being differentiated).
+
+    none: every block's; full recompute (non-reentrant checkpoint): each block keeps its input
+    (m s b h: MEMORY.md's 2sbh per layer in 16-bit) and the block being recomputed is whole again
+    in backward; selective (blocks 0, k, 2k... recomputed): those keep their input, the rest
+    everything; offload: everything saved goes to CPU RAM (one block's worth in flight on the
+    device). Under pipeline parallel the earlier micro-batches in flight hold their stored
+    activations while the current one peaks. `moves`: False when the ranks run on CPU, where
+    offloading to CPU RAM moves nothing (counted as none)."""
+    block = block_activation_bytes(arch, cfg, seq, tokens)
+    # differentiating a block needs gradients of its intermediates while its saved tensors are freed
+    # one by one: measured (MemTracker), the net is about one intermediate-sized gradient
+    working = tokens * dtypes(cfg).compute * arch.intermediate_size / cfg.parallelism.tp
+    layer_input = tokens * arch.hidden_size * dtypes(cfg).module
     ck = cfg.checkpointing
-    if ck.name == Checkpointing.none:
-        return layers * block * in_flight, 0.0
-    if ck.name == Checkpointing.offload:
-        return block, layers * block * in_flight
-    every = 1 if ck.name == Checkpointing.full else ck.every
-    # blocks 0, k, 2k... keep their input; recomputing block j in backward re-creates its activations
-    # while the blocks below j still hold theirs (the blocks above are freed by then): peak over j
-    kept = [layer_input if j % every == 0 else block for j in range(layers)]
-    stored = sum(kept)
-    below, peak = 0.0, stored
+    if ck.name == Checkpointing.offload and moves:
+        kept, every = [0.0] * layers, 1
+        offloaded = layers * block * in_flight
+    else:
+        every = {Checkpointing.none: 0, Checkpointing.offload: 0, Checkpointing.full: 1}.get(ck.name, ck.every)
+        kept = [layer_input if every and j % every == 0 else block for j in range(layers)]
+        offloaded = 0.0
+    earlier = sum(kept) * (in_flight - 1)  # pipeline micro-batches waiting for their backward
+    # backward of block j: the blocks below still hold theirs, block j is whole (recomputed or kept),
+    # the blocks above are freed and their gradients exist
+    below, stored, act_peak, peak = 0.0, sum(kept), 0.0, 0.0
     for j in range(layers):
-        if j % every == 0:
-            peak = max(peak, below + block)
+        act_peak = max(act_peak, below + block + working)
+        peak = max(peak, below + block + working + (layers - 1 - j) * block_grads)
         below += kept[j]
-    return stored * (in_flight - 1) + peak, 0.0
+    return earlier + max(stored, act_peak), offloaded, earlier + peak
 
 
-def logits_bytes(arch: Arch, cfg: Config, seq: int, batch: int) -> float:
-    """The logits, b*s*vocab in the compute dtype, plus the fp32 upcast for the loss (MEMORY.md:
-    "fp32 upcast doubles it"): b*s*V*(2 + 4) with bf16/fp16, b*s*V*(4 + 4) in fp32."""
-    act = 4 if cfg.precision.name == Precision.fp32 else 2
-    return batch * seq * arch.vocab_size * (act + 4)
+def logits_bytes(arch: Arch, cfg: Config, tokens: int) -> float:
+    """The loss's buffers at the start of backward, per token: log_softmax's saved fp32 output (4V),
+    the gradient arriving at it (4V) and the one it returns (4V) -- 12V, the logits' fp32 upcast
+    being freed by then (MEMORY.md: "fp32 upcast doubles it"); plus the final norm and lm_head's
+    input (4h + m h + c h) and, under autocast, lm_head's 16-bit weight copy."""
+    d = dtypes(cfg)
+    v, h = arch.vocab_size / cfg.parallelism.tp, arch.hidden_size
+    copy = 2 * arch.vocab_size * h / cfg.parallelism.tp if d.autocast else 0
+    return tokens * (12 * v + (4 + d.module + d.compute) * h) + copy
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,6 +385,11 @@ class Plan:
     activations: float
     logits: float
     overhead: float
+    backward: float = 0.0
+    """Activations, loss buffers and gradients held together at the worst moment of backward
+    (gradients fill in block by block as the activations are freed)."""
+    step_temp: float = 0.0
+    """The optimizer step's temporaries (torch's foreach AdamW: one fp32 tensor per parameter)."""
     cpu_bytes: float = 0.0
     """CPU RAM per node for offloaded states/activations."""
     nvme_bytes: float = 0.0
@@ -311,8 +401,19 @@ class Plan:
     notes: list[str] = field(default_factory=list)
 
     @property
+    def backward_peak(self) -> float:
+        """Weights, optimizer states and the worst moment of backward."""
+        return self.weights + self.optimizer + self.backward + self.overhead
+
+    @property
+    def step_peak(self) -> float:
+        """Weights, gradients and optimizer states (and its temporaries) at the optimizer step."""
+        return self.weights + self.gradients + self.optimizer + self.step_temp + self.overhead
+
+    @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.logits + self.overhead
+        """The peak: the categories do not peak together (gradients fill in while activations are freed)."""
+        return max(self.backward_peak, self.step_peak)
 
     @property
     def fits(self) -> bool:
@@ -332,18 +433,19 @@ def plan(cfg: Config) -> Plan:
     w, g, k = engine_state_bytes(cfg)
     mp = p.tp * p.pp  # weights/grads/optimizer split over tensor x pipeline ranks
     dp = cfg.data_parallel_size
+    on_gpu = hw.gpu_memory_gib > 0  # without a GPU, offloading to CPU RAM moves nothing: it stays counted per rank
     notes: list[str] = []
 
     # model states of the trainable parameters, then the frozen base (weights only)
     trainable, frozen = counts.trainable / mp, counts.frozen / mp
     cpu = nvme = 0.0
-    gathered = 0.0
+    gathered = buckets = 0.0
     if z.enabled:
         weights, grads, opt = zero_states(z.stage, trainable, dp, w, g, k)
         frozen_w = frozen * counts.frozen_bytes_per_param / (dp if z.stage == 3 else 1)
         if z.stage == 3:
             gathered = (w + g) * arch.largest_layer_params  # one module's 16-bit weights + gradients at a time
-        if z.offload_optimizer != Offload.none:
+        if z.offload_optimizer == Offload.nvme or (z.offload_optimizer == Offload.cpu and on_gpu):
             # the reduced gradient partition goes straight into an fp32 buffer next to the offloaded states
             # (MEMORY.md: "moves the 12P and the fp32 gradient copy"); the GPU keeps only reduce buckets
             moved = opt + 4 * trainable / dp
@@ -352,7 +454,7 @@ def plan(cfg: Config) -> Plan:
                 cpu += moved
             else:
                 nvme += moved
-        if z.offload_param != Offload.none:
+        if z.offload_param == Offload.nvme or (z.offload_param == Offload.cpu and on_gpu):
             moved = weights + frozen_w
             weights = frozen_w = 0.0
             if z.offload_param == Offload.cpu:
@@ -367,15 +469,16 @@ def plan(cfg: Config) -> Plan:
         if p.strategy == Strategy.fsdp:  # FSDP2: like ZeRO-3 over dp, fp32 states, one block gathered at a time
             weights, grads, opt, frozen_w = weights / dp, grads / dp, opt / dp, frozen_w / dp
             gathered = (w + g) * max(arch.block_params / p.tp, arch.largest_layer_params / p.tp)
-            if p.fsdp_offload:
+            if p.fsdp_offload and on_gpu:
                 cpu += weights + grads + opt + frozen_w
                 weights = grads = opt = frozen_w = 0.0
             elif not p.fsdp_reshard_after_forward:  # gathered blocks kept from forward to backward
                 gathered += w * arch.params / mp
         elif p.strategy == Strategy.ddp and dp > 1 and mp == 1:
-            grads *= 2  # DDP's flat all-reduce buckets duplicate the gradients (no gradient_as_bucket_view)
+            buckets = grads  # DDP's flat all-reduce buckets: a second copy of the gradients, held throughout
             notes.append("DDP: gradient buckets counted as a second copy of the gradients")
-        notes.append("torch engine: fp32 weights and AdamW states in every precision (bf16/fp16 autocast the compute only)")
+        notes.append(f"torch engine: fp32 weights and {optimizer_kind(cfg)} states in every precision "
+                     "(bf16/fp16 autocast the compute only)")
     weights += frozen_w + gathered
 
     # DPO: a live reference model adds its weights (frozen, no gradients, sharded like the policy's frozen part)
@@ -388,17 +491,32 @@ def plan(cfg: Config) -> Plan:
 
     # activations: micro batch (x2 for DPO pairs), sequence length, pipeline stages in flight
     seq = cfg.data.max_length
-    batch = cfg.train.micro_batch_size * (2 if cfg.method.name == Method.dpo else 1)
+    tokens = seq * cfg.train.micro_batch_size * (2 if cfg.method.name == Method.dpo else 1)
     layers = math.ceil(arch.num_hidden_layers / p.pp)
     micro_batches = max(1, cfg.grad_accum_steps)
     in_flight = 1 if p.pp == 1 else (micro_batches if p.pp_schedule == PipeSchedule.gpipe else min(p.pp, micro_batches))
-    act_gpu, act_cpu = activation_bytes(arch, cfg, layers, in_flight, seq, batch)
-    logits = logits_bytes(arch, cfg, seq, batch)
+    # gradients held throughout backward: those of earlier micro-batches (accumulation, or a pipeline's
+    # schedule), and buffers allocated up front (DDP buckets; DeepSpeed's gradient partitions / buckets);
+    # otherwise they fill in block by block, the head's first
+    per_param = grads / max(trainable, 1)  # gradient bytes per trainable parameter held here
+    block_trainable, head_trainable = trainable_split(arch, cfg, counts)
+    resident = grads if (z.enabled or micro_batches > 1 or p.pp > 1) else 0.0
+    block_grads = 0.0 if resident else per_param * block_trainable / p.tp
+    head_grads = 0.0 if resident else per_param * head_trainable / p.tp
+    act_gpu, act_cpu, timeline = activation_bytes(arch, cfg, layers, in_flight, seq, tokens, block_grads, moves=on_gpu)
+    logits = logits_bytes(arch, cfg, tokens)
+    backward = buckets + resident + head_grads + max(act_gpu + logits, timeline)
+    grads += buckets
     if p.pp > 1:
         notes.append(f"pipeline: {layers} blocks per stage, {in_flight} micro-batches in flight on the first stage; "
                      "the logits (last stage) are added too: a conservative worst rank")
+    # Adam/AdamW's step: on GPU torch's foreach implementation makes torch._foreach_sqrt(exp_avg_sq), one fp32
+    # tensor per trainable parameter held here; on CPU it runs tensor by tensor (the largest one's worth)
+    step_temp = 0.0
+    if optimizer_kind(cfg) in ("adam", "adamw") and not (z.enabled and z.offload_optimizer != Offload.none):
+        step_temp = 4 * (trainable / (dp if (z.enabled or p.strategy == Strategy.fsdp) else 1) if on_gpu
+                         else min(counts.trainable, arch.largest_layer_params))
 
-    on_gpu = hw.gpu_memory_gib > 0
     ranks_per_node = cfg.launcher.nproc_per_node
     cpu = (cpu + act_cpu) * ranks_per_node  # per rank -> per node
     nvme *= ranks_per_node
@@ -407,8 +525,189 @@ def plan(cfg: Config) -> Plan:
     budget = hw.gpu_memory_gib * GIB if on_gpu else hw.cpu_memory_gib * GIB / ranks_per_node
     return Plan(params=counts.total, trainable=counts.trainable, weights=weights, gradients=grads, optimizer=opt,
                 activations=act_gpu, logits=logits, overhead=GPU_OVERHEAD_BYTES if on_gpu else CPU_OVERHEAD_BYTES,
+                backward=backward, step_temp=step_temp,
                 cpu_bytes=cpu, nvme_bytes=nvme, budget=budget,
                 cpu_budget=hw.cpu_memory_gib * GIB if on_gpu else math.inf, nvme_budget=hw.nvme_gib * GIB, notes=notes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Predicted beside measured
+
+MIB = 2**20
+COMPARED = (("weights", "params"), ("gradients", "grads"), ("optimizer", "optimizer"),
+            ("activations", "backward_activations"), ("peak", "peak_total"))
+"""(planner category, the memory probe's) pairs: activations are the planner's activations + logits,
+the probe's activations + temporaries at the backward peak; peak excludes the fixed overhead,
+which MemTracker does not see (the CUDA context, the Python process)."""
+
+
+def record(cfg: Config) -> dict[str, float] | str:
+    """What a run writes to metrics.jsonl as {"kind": "plan"}: MiB per category for rank 0's share
+    (the reason, when the planner cannot read the architecture)."""
+    try:
+        pl = plan(cfg)
+    except ConfigError as e:
+        return str(e)
+    values = {"weights": pl.weights, "gradients": pl.gradients, "optimizer": pl.optimizer,
+              "activations": pl.activations + pl.logits, "peak": pl.total - pl.overhead, "overhead": pl.overhead}
+    return {f"plan_{k}_mib": v / MIB for k, v in values.items()}
+
+
+def compare(run_dir: Path) -> list[tuple[str, float, float]] | None:
+    """[(category, predicted MiB, measured MiB)] from a run's metrics.jsonl; None without both records."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    predicted = next((r for r in rows if r.get("kind") == "plan"), None)
+    measured = next((r for r in rows if r.get("kind") == "memory"), None)
+    if predicted is None or measured is None:
+        return None
+    return [(ours, predicted[f"plan_{ours}_mib"], measured.get(f"mem_{theirs}_mib", 0.0)) for ours, theirs in COMPARED]
+
+
+# ---------------------------------------------------------------------------------------------
+# Suggestions
+
+
+@dataclass(frozen=True)
+class Move:
+    """One strategy change: the override(s) that make it, its place in MEMORY.md's order of what to
+    try first, and a rough step-time factor (relative, for ranking; not a measurement)."""
+
+    overrides: tuple[str, ...]
+    level: int
+    cost: float
+    apply: Callable[[Config], None]
+
+
+def _set(path: str, value: Any) -> Callable[[Config], None]:
+    def apply(cfg: Config) -> None:
+        *parents, leaf = path.split(".")
+        target: Any = cfg
+        for name in parents:
+            target = getattr(target, name)
+        setattr(target, leaf, value)
+    return apply
+
+
+def _all(*fns: Callable[[Config], None]) -> Callable[[Config], None]:
+    return lambda cfg: [fn(cfg) for fn in fns] and None
+
+
+def moves(cfg: Config) -> list[list[Move]]:
+    """The axes a suggestion may change, each a list of alternatives (an empty choice is implied),
+    in MEMORY.md's order: 16-bit precision and fused attention; a smaller micro batch with more
+    accumulation; ZeRO-1/2 (+offload); ZeRO-3 (+offload) or FSDP; activation checkpointing; LoRA,
+    then QLoRA; tensor parallel. Costs are rough step-time factors: one extra forward for full
+    recompute (~4/3), PCIe-bound offload, ~0.8 for LoRA (no weight gradients)."""
+    from finetune.config import Strategy as S
+
+    axes: list[list[Move]] = []
+    if cfg.precision.name == Precision.fp32:
+        axes.append([Move(("precision=bf16",), 0, 1.0, _set("precision.name", Precision.bf16))])
+    if cfg.model.attn_implementation == AttnImpl.eager:
+        axes.append([Move(("model.attn_implementation=sdpa",), 0, 1.0, _set("model.attn_implementation", AttnImpl.sdpa))])
+    micro, dp, batch = cfg.train.micro_batch_size, cfg.data_parallel_size, cfg.train.global_batch_size
+    smaller = [m for m in (micro // 2, micro // 4, micro // 8, micro // 16, 1) if 0 < m < micro and batch % (m * dp) == 0]
+    axes.append([Move((f"train.micro_batch_size={m}",), 1, 1.08 ** math.log2(micro / m), _set("train.micro_batch_size", m))
+                 for m in dict.fromkeys(smaller)])
+    p, z = cfg.parallelism, cfg.zero
+    if p.tp == p.pp == 1 and p.strategy != S.fsdp:
+        zero = lambda stage, opt=Offload.none, par=Offload.none: _all(  # noqa: E731
+            _set("zero.stage", stage), _set("zero.offload_optimizer", opt), _set("zero.offload_param", par))
+        options = [Move(("zero=stage1",), 2, 1.02, zero(1)), Move(("zero=stage2",), 2, 1.05, zero(2)),
+                   Move(("zero=stage2_offload",), 2, 1.6, zero(2, Offload.cpu)), Move(("zero=stage3",), 3, 1.2, zero(3)),
+                   Move(("zero=stage3_offload",), 3, 2.5, zero(3, Offload.cpu, Offload.cpu))]
+        if not z.enabled and cfg.world_size > 1:
+            options.append(Move(("parallelism=fsdp",), 3, 1.15, _set("parallelism.strategy", S.fsdp)))
+        rank = {(s, o, q): i for i, (s, o, q) in enumerate([(1, "none", "none"), (2, "none", "none"), (2, "cpu", "none"),
+                                                             (3, "none", "none"), (3, "cpu", "cpu")])}
+        now = rank.get((z.stage, z.offload_optimizer.value, z.offload_param.value), -1) if z.enabled else -1
+        axes.append([m for i, m in enumerate(options) if i > now])
+    if cfg.checkpointing.name in (Checkpointing.none, Checkpointing.selective):
+        ck = [Move(("checkpointing=full",), 4, 4 / 3, _set("checkpointing.name", Checkpointing.full))]
+        if cfg.checkpointing.name == Checkpointing.none:
+            ck.insert(0, Move(("checkpointing=selective",), 4, 1.17, _all(_set("checkpointing.name", Checkpointing.selective),
+                                                                           _set("checkpointing.every", 2))))
+        axes.append(ck)
+    if cfg.peft.name in (PeftMethod.none, PeftMethod.lora):
+        peft = [Move(("peft=qlora",), 6, 1.0, _set("peft.name", PeftMethod.qlora))]
+        if cfg.peft.name == PeftMethod.none:
+            peft.insert(0, Move(("peft=lora",), 5, 0.8, _set("peft.name", PeftMethod.lora)))
+        axes.append(peft)
+    if p.tp == 1 and p.pp == 1 and not z.enabled:
+        axes.append([Move((f"parallelism=tp{t}",), 7, 1 + 0.1 * math.log2(t), _all(_set("parallelism.tp", t), _set("parallelism.strategy", S.ddp)))
+                     for t in (2, 4, 8) if cfg.world_size % t == 0])
+    return [axis for axis in axes if axis]
+
+
+@dataclass
+class Suggestion:
+    overrides: list[str]
+    plan: Plan
+    cost: float
+    moves: tuple[Move, ...] = ()
+
+
+def _sibling(a: tuple[Move, ...], b: tuple[Move, ...], axis_of: dict[Move, int]) -> bool:
+    """Whether a and b make the same moves but one, on the same axis."""
+    only_a, only_b = set(a) - set(b), set(b) - set(a)
+    return len(only_a) == len(only_b) == 1 and axis_of[next(iter(only_a))] == axis_of[next(iter(only_b))]
+
+
+def suggest(cfg: Config, base: list[str] | None = None, count: int = 3, budget_evals: int = 4000) -> list[Suggestion]:
+    """The first `count` override sets that fit, walking MEMORY.md's order (the latest strategy a set
+    needs, then its rough step-time cost); a set that adds to one already printed is skipped. With
+    `base` (the command line), each one is composed again through the launcher's path and re-planned,
+    so what is printed is what that command line would do."""
+    from finetune.config import validate
+
+    axes = moves(cfg)
+    axis_of = {m: i for i, axis in enumerate(axes) for m in axis}
+    combos = [()]  # type: list[tuple[Move, ...]]
+    for axis in axes:
+        combos = [c + (m,) for c in combos for m in [None, *axis]]  # type: ignore[list-item]
+    ranked = sorted(((tuple(m for m in c if m is not None)) for c in combos if any(c)),
+                    key=lambda c: (max(m.level for m in c), math.prod(m.cost for m in c), len(c)))
+    found: list[Suggestion] = []
+    for combo in ranked[:budget_evals]:
+        if len(found) == count:
+            break
+        overrides = [o for m in combo for o in m.overrides]
+        if any(set(f.moves) <= set(combo) or _sibling(f.moves, combo, axis_of) for f in found):
+            continue  # adds to a printed set, or is a printed set with one choice made costlier
+        trial = copy.deepcopy(cfg)
+        for m in combo:
+            m.apply(trial)
+        try:
+            validate(trial)
+            pl = plan(trial)
+        except ConfigError:
+            continue
+        if not pl.fits:
+            continue
+        if base is not None:  # what the printed command line really composes to
+            from finetune.launch import preflight
+
+            keys = {o.split("=", 1)[0] for o in overrides}
+            try:
+                pl = plan(preflight([b for b in base if b.lstrip("+~").split("=", 1)[0] not in keys] + overrides))
+            except ConfigError:
+                continue
+            if not pl.fits:
+                continue
+        found.append(Suggestion(overrides, pl, math.prod(m.cost for m in combo), combo))
+    return found
+
+
+def render_suggestions(found: list[Suggestion]) -> str:
+    if not found:
+        return "no suggestion fits: a smaller model, a shorter data.max_length, more GPUs, or more GPU memory"
+    lines = ["fits with (MEMORY.md's order, cheapest first; step time relative to this config, rough):"]
+    for s in found:
+        lines.append(f"  {' '.join(s.overrides):<60} {s.plan.total / GIB:8.2f} GiB  step x{s.cost:.2f}")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,7 +726,9 @@ def render(cfg: Config, pl: Plan) -> str:
     for name, value in (("weights", pl.weights), ("gradients", pl.gradients), ("optimizer", pl.optimizer),
                         ("activations", pl.activations), ("logits/loss", pl.logits), ("overhead", pl.overhead)):
         lines.append(f"  {name:<12}{gib(value)}")
-    lines.append(f"  {'total':<12}{gib(pl.total)}   of {pl.budget / GIB:.2f}")
+    when = "backward" if pl.backward_peak >= pl.step_peak else "the optimizer step"
+    lines.append(f"  {'total':<12}{gib(pl.total)}   of {pl.budget / GIB:.2f}  (the peak, at {when}: gradients fill in as "
+                 "activations are freed, so the categories do not all peak together)")
     if pl.cpu_bytes:
         lines.append(f"cpu RAM per node (offload) {pl.cpu_bytes / GIB:.2f} GiB of {hw.cpu_memory_gib:g}")
     if pl.nvme_bytes:
@@ -445,12 +746,15 @@ def main(argv: list[str] | None = None) -> int:
     from finetune.launch import preflight  # composes and validates like the launcher; imports no torch
 
     try:
-        cfg = preflight(list(sys.argv[1:] if argv is None else argv))
+        args = list(sys.argv[1:] if argv is None else argv)
+        cfg = preflight(args)
         pl = plan(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(render(cfg, pl))
+    if cfg.plan.suggest and not pl.fits:
+        print(render_suggestions(suggest(cfg, args, cfg.plan.suggestions)))
     return 0 if pl.fits else 1
 
 

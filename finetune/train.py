@@ -20,6 +20,7 @@ from finetune import checkpoint, config, data, dist, engine, flops, logs, loop, 
 from finetune.config import Config, ConfigError, PeftConfig, PeftMethod, uses_deepspeed
 from finetune.engine.common import autocast_dtype
 from finetune.launcher import ERROR_FILE, RANKS_DIR, deepspeed_config
+from finetune import plan
 from finetune.memory import MemoryProbe
 
 
@@ -103,6 +104,12 @@ def run(cfg: Config, d: dist.Dist) -> None:
                                 dp_rank=eng.dp_rank, dp_size=eng.dp_size, seed=cfg.train.seed, pad_id=tokenizer.pad_token_id,
                                 pad_to=cfg.data.max_length if cfg.parallelism.pp > 1 else None)  # a pipeline needs one shape
     log = logs.MetricsLog(run_dir, enabled=d.is_main, tensorboard=cfg.train.tensorboard)
+    if d.is_main:  # the planner's prediction for this config, beside what the probe measures (python -m finetune.plan)
+        predicted = plan.record(cfg)
+        if isinstance(predicted, str):
+            print(f"memory plan: not recorded ({predicted})")
+        else:
+            log.write("plan", 0, predicted)
     try:
         result = loop.train(cfg.train, engine=eng, objective=objective, batches=batches, evals=eval_examples,
                             tokenizer=tokenizer, dist=d, log=log, save=saver(cfg, eng, d, run_dir / "checkpoints"),

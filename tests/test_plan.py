@@ -41,6 +41,8 @@ def states(pl) -> float:
     ("adamw", "fp32", (4, 4, 8)),
     ("adam", "bf16", (2, 2, 12)),
     ("adamw", "fp16", (2, 2, 12)),
+    ("momentum", "bf16", (2, 2, 8)),  # fp32 master + momentum
+    ("sgd", "bf16", (2, 2, 4)),  # fp32 master only
 ])
 def test_model_state_bytes_match_memory_table(optimizer, precision, expected):
     assert model_state_bytes_per_param(optimizer, precision) == expected
@@ -103,9 +105,13 @@ def test_70b_tp8_pp16_is_fast_and_sane(compose, llama70b):
     """The Llama-2 70B layout on 1024 GPUs. tp/pp run on our torch (mesh) engine, which keeps fp32
     weights (ZeRO's 16-bit weights are DeepSpeed-only and refused with tp/pp), so a rank holds
     4 * P / (8 x 16) bytes of weights: ~2.0 GiB, not the 70e9 * 2 / 128 of a 16-bit layout."""
-    cfg = compose(["model=pretrained", f"model.path={llama70b}", "parallelism=tp8_pp16", "precision=bf16",
-                   "launcher.nproc_per_node=8", "launcher.nnodes=128", "train.micro_batch_size=1",
-                   "train.global_batch_size=1024", "data.max_length=4096", "hardware=h100_80g"])
+    layout = ["model=pretrained", f"model.path={llama70b}", "parallelism=tp8_pp16", "precision=bf16",
+              "launcher.nproc_per_node=8", "launcher.nnodes=128", "train.micro_batch_size=1",
+              "train.global_batch_size=1024", "data.max_length=4096", "hardware=h100_80g"]
+    # 1F1B keeps 16 micro-batches in flight on the first stage, and our TP has no sequence parallel
+    # (norm inputs replicated): without recompute the activations alone are ~90 GiB
+    assert not plan(compose(layout)).fits
+    cfg = compose([*layout, "checkpointing=full"])
     start = time.perf_counter()
     pl = plan(cfg)
     took = time.perf_counter() - start
@@ -125,11 +131,17 @@ def test_activation_levers(compose):
     assert act("model.attn_implementation=flash_attention_2") == act()  # sdpa's fused kernels do not keep it either
     assert act("checkpointing=full") < act("checkpointing=selective") < act()
     assert act("checkpointing=offload") < act()
-    assert act("train.micro_batch_size=2", "train.global_batch_size=32") == pytest.approx(act() / 2)
-    fp32 = plan(compose([b for b in base if b != "precision=bf16"]))
+    # tokens-proportional in fp32; under autocast each micro-batch also keeps 16-bit copies of the block weights
+    assert act("precision=fp32", "train.micro_batch_size=2", "train.global_batch_size=32") == pytest.approx(act("precision=fp32") / 2)
+    copies = 8 * 2 * architecture(compose(base).model).block_linear_params
+    assert act("train.micro_batch_size=2", "train.global_batch_size=32") - copies == pytest.approx((act() - copies) / 2)
+    fp32 = plan(compose([*base, "precision=fp32"]))
     bf16 = plan(compose(base))
-    assert fp32.activations == pytest.approx(2 * bf16.activations)
+    # autocast keeps the residual stream and the norms in fp32 (the module is fp32): 30h+4kv+8i vs 32h+8kv+16i bytes/token
+    assert 0.5 * fp32.activations < bf16.activations - copies < 0.75 * fp32.activations
     assert states(fp32) == states(bf16)  # torch engine: fp32 states in every precision
+    ds16 = plan(compose([*base, "zero=stage0"]))  # DeepSpeed's bf16 module: 20h+4kv+8i, no weight copies
+    assert ds16.activations < bf16.activations
 
 
 def test_peft_and_dpo(compose, llama70b):
@@ -169,3 +181,171 @@ def test_cli_fits_and_does_not_fit(tmp_path, llama70b):
     assert last_line(bad.stderr).startswith("error: unknown key 'hardware.gpu_memory_gb'")
     missing = run_cli("model=pretrained", f"model.path={tmp_path / 'nowhere'}", cwd=REPO, module="finetune.plan", timeout=60)
     assert missing.returncode == 2 and "config.json" in last_line(missing.stderr)
+
+
+# ---------------------------------------------------------------------------------------------
+# Predicted beside measured (MemTracker) on tiny models
+
+
+def long_rows(tmp_path: Path) -> Path:
+    """Responses long enough that every row fills data.max_length: activations are what the config says."""
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps({"instruction": "repeat", "output": "abcdefghij" * 60 + str(i)}) + "\n" for i in range(32)))
+    return path
+
+
+def measured_run(tmp_path: Path, *overrides: str, micro: int = 8, seq: int = 256) -> list[tuple[str, float, float]]:
+    """Two steps of a 3.2M-parameter Llama (h 256, i 768, 4 blocks) in this process; the run's own
+    metrics.jsonl holds the plan and the measurement."""
+    from conftest import train_here
+    from finetune.plan import compare
+
+    run = tmp_path / "run"
+    train_here(["data=jsonl", f"data.train={long_rows(tmp_path)}", f"data.max_length={seq}", f"train.micro_batch_size={micro}",
+                f"train.global_batch_size={micro}", "model.init.hidden_size=256", "model.init.intermediate_size=768",
+                "model.init.num_hidden_layers=4", "train.max_steps=2", "data.eval=null", "data.eval_size=0",
+                "train.exact_match_samples=0", *overrides], run)
+    rows = compare(run)
+    assert rows is not None
+    print(" | ".join(f"{name} {p:.1f}/{m:.1f} MiB" for name, p, m in rows))
+    return rows
+
+
+# autocast + LoRA (dropout) + recompute: the recomputed block holds ~8 KB/token more than the
+# tensors its forward saves (measured: it scales with the intermediate size, not with the blocks;
+# fp32, no recompute, or no MLP adapters do not show it). Not explained yet: see the planner's doc.
+RECOMPUTE_GAP = pytest.mark.xfail(strict=True, reason="bf16 autocast + LoRA dropout + full recompute: ~17% above the plan")
+
+
+@pytest.mark.parametrize("shape", ["micro8_seq256", "micro2_seq128"])
+@pytest.mark.parametrize("peft", ["none", "lora"])
+@pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_predicted_within_15_percent_of_measured(tmp_path, request, precision, checkpointing, peft, shape):
+    if (precision, checkpointing, peft, shape) == ("bf16", "full", "lora", "micro8_seq256"):
+        request.applymarker(RECOMPUTE_GAP)
+    micro, seq = (8, 256) if shape == "micro8_seq256" else (2, 128)
+    rows = measured_run(tmp_path, f"precision={precision}", f"checkpointing={checkpointing}", f"peft={peft}", micro=micro, seq=seq)
+    for name, predicted, measured in rows:
+        if name == "peak":
+            assert predicted == pytest.approx(measured, rel=0.15), name
+        elif measured > 1.0:  # a few hundred KiB of LoRA states are exact anyway; don't divide noise
+            assert predicted == pytest.approx(measured, rel=0.25), name
+
+
+# ---------------------------------------------------------------------------------------------
+# Suggestions, the launcher's refusal, the records
+
+
+LLAMA3_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+             "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False}
+
+
+@pytest.fixture
+def llama8b(tmp_path: Path) -> Path:
+    (tmp_path / "l8b").mkdir()
+    (tmp_path / "l8b" / "config.json").write_text(json.dumps(LLAMA3_8B))
+    return tmp_path / "l8b"
+
+
+def test_suggestions_fit_when_replanned_and_follow_memory_order(compose, llama8b):
+    from finetune.plan import suggest
+
+    base = ["model=pretrained", f"model.path={llama8b}", "hardware=a100_80g", "parallelism=ddp", "launcher.nproc_per_node=8",
+            "train.micro_batch_size=8", "train.global_batch_size=64", "data.max_length=4096"]
+    cfg = compose(base)
+    assert not plan(cfg).fits
+    start = time.perf_counter()
+    found = suggest(cfg, base, count=4)
+    print(f"suggest() for Llama-3-8B on 8 x A100 80GB: {time.perf_counter() - start:.2f} s")
+    for s in found:
+        print(" ".join(s.overrides), f"{s.plan.total / 2**30:.1f} GiB x{s.cost:.2f}")
+    assert len(found) == 4
+    for s in found:  # what the printed command line composes to fits
+        again = plan(compose([*base, *s.overrides]))
+        assert again.fits and again.total == pytest.approx(s.plan.total)
+    levels = [max(m.level for m in s.moves) for s in found]
+    assert levels == sorted(levels)  # MEMORY.md's order: the latest strategy a set needs never goes back
+    assert all("precision=bf16" in s.overrides for s in found[:2])  # the cheapest lever comes first
+    sets = [set(s.overrides) for s in found]
+    assert not any(a < b for a in sets for b in sets)  # nothing printed just adds to another printed set
+
+
+def test_plan_cli_suggests_on_cpu(tmp_path):
+    """A 0.1B model does not fit 2 GiB of RAM per rank in full fine-tuning; LoRA (or ZeRO-2 offload) does."""
+    args = ["+recipe=quickstart_sft", "model.init.hidden_size=1024", "model.init.intermediate_size=2816",
+            "model.init.num_hidden_layers=8", "model.init.num_attention_heads=8", "model.init.num_key_value_heads=8",
+            "hardware.cpu_memory_gib=4", "plan.suggest=true"]
+    out = run_cli(*args, cwd=REPO, module="finetune.plan", timeout=120)
+    assert out.returncode == 1, out.stderr
+    lines = out.stdout.splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("fits with (MEMORY.md's order")))
+    assert lines[start - 1].startswith("DOES NOT FIT (short by ")
+    suggestions = [line.split()[:-4] for line in lines[start + 1:]]
+    assert suggestions and all(s for s in suggestions)
+    for overrides in suggestions:
+        again = run_cli(*args[:-1], *overrides, cwd=REPO, module="finetune.plan", timeout=120)
+        assert again.returncode == 0 and last_line(again.stdout).startswith("FITS"), (overrides, again.stdout[-300:])
+
+
+def test_launcher_refuses_what_does_not_fit_and_force_launches(tmp_path):
+    """0.9 GiB of RAM for 2 CPU ranks leaves 0.45 GiB per rank, less than a rank's own overhead."""
+    common = ["+recipe=quickstart_sft", "hardware.cpu_memory_gib=0.9", "train.max_steps=2", "optim.warmup_steps=0", "train.eval_every=0",
+              "train.exact_match_samples=0", "train.progress_bar=false", "train.tensorboard=false"]
+    refused = run_cli(*common, f"run_dir={tmp_path / 'refused'}", cwd=tmp_path, timeout=120)
+    assert refused.returncode == 2
+    assert last_line(refused.stderr) == ("error: the memory plan says this config does not fit hardware=cpu (short by 0.08 GiB): "
+                                         "pick one of the suggestions above, declare the real machine with hardware=<option>, "
+                                         "or launch anyway with plan.force=true")
+    assert "DOES NOT FIT (short by 0.08 GiB)" in refused.stdout and "no suggestion fits" in refused.stdout
+    assert not (tmp_path / "refused").exists()  # nothing was started or written
+    forced = run_cli(*common, "plan.force=true", f"run_dir={tmp_path / 'forced'}", cwd=tmp_path, timeout=300)
+    assert forced.returncode == 0, forced.stderr[-2000:]
+    assert "[finetune] memory plan: does not fit hardware=cpu (short by 0.08 GiB); plan.force=true: launching anyway" in forced.stdout
+    assert (tmp_path / "forced" / "final" / "config.json").is_file()
+    fits = run_cli("+recipe=quickstart_sft", "launcher.dry_run=true", cwd=tmp_path, timeout=120)
+    assert fits.returncode == 0
+    assert "# memory plan: 0.53 GiB per rank of 8.00 on hardware=cpu: FITS" in fits.stdout
+
+
+def test_runs_record_the_plan_and_the_report_script_compares(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import read_metrics, train_here
+
+    for name in ("a", "b"):
+        train_here(["train.max_steps=2", "train.eval_every=0", "train.exact_match_samples=0", "data.eval=null", "data.eval_size=0", f"train.micro_batch_size={4 if name == 'a' else 8}"],
+                   tmp_path / "sweep" / name)
+    rows = read_metrics(tmp_path / "sweep" / "a")
+    planned = next(r for r in rows if r["kind"] == "plan")
+    assert set(planned) == {"kind", "step", "plan_weights_mib", "plan_gradients_mib", "plan_optimizer_mib",
+                            "plan_activations_mib", "plan_peak_mib", "plan_overhead_mib"}
+    measured = next(r for r in rows if r["kind"] == "memory")
+    assert planned["plan_weights_mib"] == pytest.approx(measured["mem_params_mib"], rel=0.01)
+    script = [sys.executable, str(REPO / "scripts" / "memory_report.py")]
+    one = subprocess.run([*script, str(tmp_path / "sweep" / "a")], capture_output=True, text=True, cwd=REPO)
+    assert one.returncode == 0, one.stderr
+    assert one.stdout.splitlines()[3].split()[0] == "weights" and len(one.stdout.splitlines()) == 8
+    both = subprocess.run([*script, str(tmp_path / "sweep")], capture_output=True, text=True, cwd=REPO)
+    assert both.returncode == 0 and str(tmp_path / "sweep" / "a") in both.stdout and str(tmp_path / "sweep" / "b") in both.stdout
+    empty = subprocess.run([*script, str(tmp_path / "nothing")], capture_output=True, text=True, cwd=REPO)
+    assert empty.returncode == 1 and last_line(empty.stderr).startswith("error: no run under ")
+
+
+def test_offload_moves_activations_only_off_a_gpu(compose):
+    base = ["train.micro_batch_size=8", "train.global_batch_size=8", "model.init.num_hidden_layers=4"]
+    none, off = plan(compose(base)), plan(compose([*base, "checkpointing=offload"]))
+    assert off.activations == none.activations and off.cpu_bytes == 0  # CPU ranks: CPU RAM is where it was
+    gpu_none, gpu_off = plan(compose([*base, "hardware=l4_24g"])), plan(compose([*base, "hardware=l4_24g", "checkpointing=offload"]))
+    assert gpu_off.activations < gpu_none.activations / 3 and gpu_off.cpu_bytes > 0
+
+
+@pytest.mark.parametrize("optim,states_per_param", [("sgd", 0), ("momentum", 4), ("adam", 8)])
+def test_optimizer_states_predicted_and_measured(tmp_path, optim, states_per_param):
+    rows = dict((name, (p, m)) for name, p, m in measured_run(tmp_path, f"optim={optim}", micro=2, seq=128))
+    predicted, measured = rows["optimizer"]
+    weights = rows["weights"][0]
+    assert predicted == pytest.approx(weights * states_per_param / 4)  # fp32 weights: 4 bytes/param
+    assert predicted == pytest.approx(measured, rel=0.01, abs=0.01)
+    assert rows["peak"][0] == pytest.approx(rows["peak"][1], rel=0.15)

@@ -1,4 +1,4 @@
-"""What both engines share: the step result and the learning-rate schedule."""
+"""What the engines share: the step result, the optimizer and the learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from finetune.config import OptimConfig, Scheduler
+from finetune.config import Optimizer, OptimConfig, Scheduler
 
 
 @dataclass
@@ -32,6 +32,21 @@ def add_metrics(total: dict[str, float], sums: dict[str, Any]) -> None:
     """Accumulate an objective's metric sums (tensors) into `total` (floats)."""
     for k, v in sums.items():
         total[k] = total.get(k, 0.0) + float(v)
+
+
+def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """The torch optimizer `optim.name` names, over `param_groups` (no decay on 1-D tensors).
+
+    adamw: decoupled weight decay. adam: torch's Adam adds weight_decay * w to the gradient (L2
+    regularisation, scaled by Adam's normalisation), a different regulariser at the same number.
+    sgd: optim.momentum 0 keeps no state, > 0 one momentum buffer per parameter; betas/eps unused.
+    (The DeepSpeed engine builds the same optimizers from `launcher.deepspeed_config`.)
+    """
+    groups = param_groups(params, cfg.weight_decay)
+    if cfg.name == Optimizer.sgd:
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+    adam = {Optimizer.adamw: torch.optim.AdamW, Optimizer.adam: torch.optim.Adam}[cfg.name]
+    return adam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int) -> Any:

@@ -25,7 +25,7 @@ from torch import nn
 from finetune import parallel
 from finetune.config import Config, ConfigError, PipeSchedule, Strategy
 from finetune.dist import Dist
-from finetune.engine.common import StepResult, add_metrics, autocast_dtype, build_scheduler, param_groups
+from finetune.engine.common import StepResult, add_metrics, autocast_dtype, build_optimizer, build_scheduler
 
 STATE_FILE = "trainer_state.pt"  # scheduler and step, beside the DCP shards
 
@@ -72,8 +72,7 @@ class MeshEngine:
         self.lockstep = self.fsdp and self.dp > 1  # FSDP gathers parameters collectively over dp
         self.params = [q for m in modules for q in m.parameters() if q.requires_grad]
         self.max_grad_norm = cfg.optim.max_grad_norm
-        self.optimizer = torch.optim.AdamW(param_groups(self.params, cfg.optim.weight_decay), lr=cfg.optim.lr,
-                                           betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
+        self.optimizer = build_optimizer(self.params, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
         self._schedule: Any = None
         if p.pp > 1 and dist.is_main:

@@ -1,4 +1,4 @@
-"""The torch engine: one module (DDP-wrapped for data parallel), AdamW, warmup + decay,
+"""The torch engine: one module (DDP-wrapped for data parallel), AdamW/Adam/SGD, warmup + decay,
 clipping, and autocast with a GradScaler for fp16."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from finetune.config import ConfigError, OptimConfig, Precision, PrecisionConfig, Strategy
 from finetune.dist import Dist
-from finetune.engine.common import StepResult, add_metrics, autocast_dtype, build_scheduler, param_groups
+from finetune.engine.common import StepResult, add_metrics, autocast_dtype, build_optimizer, build_scheduler
 
 Objective = Callable[[Any, dict[str, torch.Tensor]], Any]
 STATE_FILE = "state.pt"
@@ -141,7 +141,3 @@ def check_precision(name: Precision, device: torch.device) -> None:
     """Refuse a precision this device cannot compute in, naming what it can."""
     if device.type == "cuda" and name == Precision.bf16 and not torch.cuda.is_bf16_supported():
         raise ConfigError(f"precision=bf16 needs an Ampere or newer GPU ({torch.cuda.get_device_name(device)} has no bf16): use precision=fp16")
-
-
-def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(param_groups(params, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)

@@ -1,0 +1,46 @@
+"""Predicted beside measured memory, per category, for a run directory or every run of a sweep.
+
+    python scripts/memory_report.py outputs/2026-11-22/10-00-00
+    python scripts/memory_report.py outputs/multirun/2026-11-22/10-00-00
+
+Reads the {"kind": "plan"} record (the planner's prediction for the run's own config, written by
+rank 0 at the start) and the {"kind": "memory"} record (rank 0's MemTracker measurement of the
+first steps, train.memory_report=true) from each metrics.jsonl. MiB; error = predicted/measured - 1.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from finetune.plan import compare
+
+
+def table(run_dir: Path) -> str | None:
+    rows = compare(run_dir)
+    if rows is None:
+        return None
+    lines = [f"{run_dir}", f"  {'category':<12}{'predicted':>12}{'measured':>12}{'error':>9}"]
+    for name, predicted, measured in rows:
+        error = f"{predicted / measured - 1:+8.1%}" if measured else f"{'-':>8}"
+        lines.append(f"  {name:<12}{predicted:12.1f}{measured:12.1f} {error}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python scripts/memory_report.py RUN_DIR|SWEEP_DIR", file=sys.stderr)
+        return 2
+    root = Path(argv[0])
+    runs = [root] if (root / "metrics.jsonl").is_file() else sorted(p.parent for p in root.glob("*/metrics.jsonl"))
+    tables = [t for t in (table(r) for r in runs) if t is not None]
+    if not tables:
+        print(f"error: no run under {root} has both a plan and a memory record in metrics.jsonl "
+              "(runs record them with train.memory_report=true, the default)", file=sys.stderr)
+        return 1
+    print("memory per rank (rank 0), MiB: planner vs MemTracker\n" + "\n".join(tables))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,176 @@
+"""The optimizer axis (optim=adamw|adam|sgd|momentum): the torch optimizer every engine builds,
+the DeepSpeed JSON, real runs whose loss falls and whose measured optimizer memory is the
+optimizer's state (none, one momentum buffer, two Adam moments), and the refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from finetune import engine
+from finetune.config import ConfigError
+from finetune.dist import Dist
+from finetune.launcher import deepspeed_config
+
+from conftest import REPO, read_metrics, run_cli, tiny_model, train_here
+
+# option -> (torch optimizer class, its momentum, the state it keeps per parameter)
+OPTIONS = {
+    "adamw": (torch.optim.AdamW, None, {"exp_avg", "exp_avg_sq", "step"}),
+    "adam": (torch.optim.Adam, None, {"exp_avg", "exp_avg_sq", "step"}),
+    "sgd": (torch.optim.SGD, 0.0, set()),
+    "momentum": (torch.optim.SGD, 0.9, {"momentum_buffer"}),
+}
+# Six steps at a learning rate that moves the tiny model (the yaml's own lr for sgd/momentum).
+LR = {"adamw": "3e-3", "adam": "3e-3", "sgd": "3e-1", "momentum": "3e-2"}
+FEW = ["train.max_steps=6", "train.global_batch_size=16", "train.eval_every=0"]
+CPU = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_torch_engine_builds_the_chosen_optimizer(compose, option):
+    cls, momentum, state = OPTIONS[option]
+    cfg = compose([f"optim={option}", "optim.weight_decay=0.1"])
+    net, _ = tiny_model()
+    opt = engine.build(cfg, net, CPU).optimizer
+    assert type(opt) is cls
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]  # no decay on biases and norm scales
+    if momentum is None:
+        assert opt.defaults["betas"] == (0.9, 0.999) and "momentum" not in opt.defaults
+    else:
+        assert opt.defaults["momentum"] == momentum
+    for p in net.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert {k for s in opt.state.values() for k in s} == state
+
+
+# One process, a gloo group of one: the mesh engine (FSDP2) and DeepSpeed (with and without
+# ZeRO-Offload) build their optimizers; prints one JSON line per (engine, option).
+ENGINES = """
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from conftest import tiny_model
+from finetune.config import Device
+from finetune.dist import init
+from finetune.engine.deepspeed_engine import DeepSpeedEngine
+from finetune.engine.mesh_engine import MeshEngine
+from finetune.launch import preflight
+
+d = init(Device.cpu, deepspeed=True)
+for layout in ("parallelism=fsdp", "zero=stage2", "zero=stage2_offload"):
+    for option in ("adamw", "adam", "sgd", "momentum"):
+        cfg = preflight([layout, f"optim={option}"])
+        net, _ = tiny_model()
+        if layout.startswith("zero"):
+            opt = DeepSpeedEngine(net, cfg=cfg, dist=d).memory_targets()[1]
+        else:
+            opt = MeshEngine(net, cfg=cfg, dist=d).optimizer
+        mode = getattr(opt, "adam_w_mode", getattr(opt, "adamw_mode", None))
+        print(json.dumps({"layout": layout, "option": option, "class": type(opt).__name__,
+                          "adamw_mode": None if mode is None else bool(mode), "momentum": opt.defaults.get("momentum")}))
+"""
+
+
+def test_mesh_and_deepspeed_engines_build_the_chosen_optimizer(tmp_path):
+    from finetune.launch import free_port
+
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    out = subprocess.run([sys.executable, "-c", ENGINES, str(REPO / "tests")], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    built = {(r["layout"], r["option"]): (r["class"], r["adamw_mode"], r["momentum"])
+             for r in map(json.loads, (line for line in out.stdout.splitlines() if line.startswith("{")))}
+    for option, (cls, momentum, _) in OPTIONS.items():
+        assert built["parallelism=fsdp", option] == (cls.__name__, None, momentum)
+    # DeepSpeed builds its own Adam (FusedAdam; DeepSpeedCPUAdam under offload) in AdamW or Adam
+    # mode, and torch.optim.SGD from the "SGD" type, offloaded or not.
+    for layout, adam in (("zero=stage2", "FusedAdam"), ("zero=stage2_offload", "DeepSpeedCPUAdam")):
+        assert built[layout, "adamw"] == (adam, True, None)
+        assert built[layout, "adam"] == (adam, False, None)
+        assert built[layout, "sgd"] == ("SGD", None, 0.0)
+        assert built[layout, "momentum"] == ("SGD", None, 0.9)
+
+
+def test_deepspeed_json_follows_the_optimizer(compose):
+    adam_params = {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+    ds = deepspeed_config(compose(["zero=stage2", "optim=adamw"]))
+    assert ds["optimizer"] == {"type": "AdamW", "params": adam_params}
+    assert "zero_allow_untested_optimizer" not in ds
+    ds = deepspeed_config(compose(["zero=stage2", "optim=adam"]))
+    assert ds["optimizer"] == {"type": "Adam", "params": {**adam_params, "adam_w_mode": False}}
+    ds = deepspeed_config(compose(["zero=stage2", "optim=sgd", "optim.weight_decay=0.01"]))
+    assert ds["optimizer"] == {"type": "SGD", "params": {"lr": 0.3, "momentum": 0.0, "weight_decay": 0.01}}
+    assert ds["zero_allow_untested_optimizer"] is True
+    ds = deepspeed_config(compose(["zero=stage3_offload", "optim=momentum"]))
+    assert ds["optimizer"] == {"type": "SGD", "params": {"lr": 0.03, "momentum": 0.9, "weight_decay": 0.0}}
+    assert ds["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Six steps of each optimizer on one CPU rank, from the same random init."""
+    root = tmp_path_factory.mktemp("optim")
+    for option in OPTIONS:
+        train_here([f"optim={option}", f"optim.lr={LR[option]}", *FEW], root / option)
+    return root
+
+
+def train_losses(run_dir):
+    return [m["loss"] for m in read_metrics(run_dir) if m["kind"] == "train"]
+
+
+def memory(run_dir):
+    return next(m for m in read_metrics(run_dir) if m["kind"] == "memory")
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_each_optimizer_trains(runs, option):
+    losses = train_losses(runs / option)
+    assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
+    assert losses[-1] < losses[0] - 0.1, losses
+
+
+def test_optimizer_memory_is_the_optimizer_state(runs):
+    mib = {o: memory(runs / o)["mem_optimizer_mib"] for o in OPTIONS}
+    params = memory(runs / "adamw")["mem_params_mib"]
+    print("optimizer MiB:", {o: round(v, 3) for o, v in mib.items()}, f"params MiB: {params:.3f}")
+    assert mib["sgd"] == 0  # plain SGD keeps no state
+    assert mib["momentum"] == pytest.approx(params, rel=0.01)  # one fp32 buffer per parameter
+    assert mib["adamw"] == pytest.approx(2 * params, rel=0.01)  # exp_avg + exp_avg_sq
+    assert mib["adam"] == pytest.approx(mib["adamw"])
+    assert mib["momentum"] == pytest.approx(mib["adamw"] / 2, rel=0.01)
+
+
+def test_zero2_offload_momentum_on_two_ranks_matches_one_process(runs, tmp_path):
+    """DeepSpeed runs torch.optim.SGD on the offloaded fp32 partitions: the same curve as the torch engine."""
+    out = run_cli("optim=momentum", f"optim.lr={LR['momentum']}", *FEW, "zero=stage2_offload", "parallelism=ddp",
+                  "launcher.nproc_per_node=2", "train.progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    port = re.findall(r"--master_port=(\d+)", out.stdout)[0]  # DeepSpeed's CPU all-reduce buffers: the ranks removed theirs
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+    assert "deepspeed.launcher.runner --num_nodes=1 --num_gpus=2" in out.stdout
+    assert json.loads((tmp_path / "run/deepspeed.json").read_text())["optimizer"]["type"] == "SGD"
+    assert train_losses(tmp_path / "run") == pytest.approx(train_losses(runs / "momentum"), rel=1e-4)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["optim=momentum", "optim.momentum=1.0"], "optim.momentum=1.0 must be in [0, 1): 0 for plain SGD, e.g. 0.9 with momentum"),
+    (["optim=sgd", "optim.momentum=-0.5"], "optim.momentum=-0.5 must be in [0, 1): 0 for plain SGD, e.g. 0.9 with momentum"),
+    (["optim.momentum=0.9"], "optim.momentum=0.9 applies to optim.name=sgd only (adamw uses optim.betas): remove it, or use optim=momentum"),
+    (["optim=adam", "optim.momentum=0.5"], "optim.momentum=0.5 applies to optim.name=sgd only (adam uses optim.betas): remove it, or use optim=momentum"),
+])
+def test_momentum_refusals(compose, overrides, message):
+    with pytest.raises(ConfigError) as e:
+        compose(overrides)
+    assert str(e.value) == message
