@@ -1,21 +1,25 @@
-"""Memory planner (first slice): per-rank bytes of a composed config, before anything starts.
+"""Memory planner: per-rank bytes of a composed config, before anything starts.
 
-    python -m finetune.plan +recipe=quickstart_sft [group=option ...] hardware=h100_80g
+    python -m finetune.plan +recipe=quickstart_sft [group=option ...] hardware=h100_80g [plan.suggest=true]
 
-Composes exactly as `finetune.launch` does (its `preflight`), then `plan(cfg)` adds up, for the
+Composes exactly as `finetune.launch` does (its `preflight`), then `plan(cfg)` counts, for the
 rank that needs the most: weights, gradients, optimizer states, activations, logits/loss buffers
-and a fixed framework overhead; plus what offload puts in CPU RAM / on NVMe. The formulas are
-those of /work/shared/MEMORY.md (ZeRO paper, Korthikanti et al. 2022), each cited where used.
-Exit code 0: fits; 1: does not fit; 2: a config mistake (one line, like the launcher).
+and a fixed framework overhead, and what offload puts in CPU RAM / on NVMe. The total is the
+peak: the larger of the backward peak and the optimizer step (the categories do not all peak
+together). The formulas are those of /work/shared/MEMORY.md (ZeRO paper, Korthikanti et al.
+2022), with activations counted tensor by tensor for the block transformers runs, checked
+against MemTracker (tests/test_plan.py). `suggest` walks MEMORY.md's order of strategies for
+override sets that fit. Exit code 0: fits; 1: does not fit; 2: a config mistake (one line).
 
 Bytes per parameter follow what our engines do, which differs from the textbook table:
 - torch engine (zero=none; single/ddp/fsdp/tp/pp): the module stays fp32 and bf16/fp16 only
   autocast the compute (finetune/engine/torch_engine.py, mesh_engine.py), so model states are
-  4 + 4 + 8 bytes/param in every precision; only activations and logits shrink.
+  fp32's row in every precision (AdamW 4 + 4 + 8); activations shrink, but autocast keeps the
+  residual stream and the norms in fp32 and a 16-bit copy of each weight for backward.
 - DeepSpeed engine (zero=stage0..3): bf16/fp16 sections make the module 16-bit with an fp32 master
-  copy in the optimizer: 2 + 2 + 12 bytes/param (ZeRO paper's K = 12); fp32 is 4 + 4 + 8.
+  copy in the optimizer: 2 + 2 + 12 bytes/param for Adam (ZeRO paper's K = 12); fp32 is 4 + 4 + 8.
 
-Imports only the config and the standard library: no torch, instant for any model size.
+Imports only the config and the standard library: no torch, well under a second for any model size.
 """
 
 from __future__ import annotations
@@ -204,10 +208,7 @@ def count_params(arch: Arch, cfg: Config) -> Counts:
     peft = cfg.peft
     if peft.name == PeftMethod.none:
         return Counts(total, total, 0, 0.0)
-    targets = set(LINEARS) if "all-linear" in peft.target_modules else set(peft.target_modules) & set(LINEARS)
-    shapes = arch.linear_shapes()
-    adapter = sum(peft.r * (shapes[n][0] + shapes[n][1]) + (shapes[n][1] if peft.name == PeftMethod.dora else 0)
-                  for n in targets) * arch.num_hidden_layers
+    adapter = adapter_params_per_block(arch, cfg) * arch.num_hidden_layers
     saved = 0
     if "lm_head" in peft.modules_to_save:
         saved += arch.head_params or arch.embedding_params
@@ -225,6 +226,16 @@ def trainable_split(arch: Arch, cfg: Config, counts: Counts) -> tuple[float, flo
     saved = 0 if "lm_head" not in cfg.peft.modules_to_save else (arch.head_params or arch.embedding_params)
     embed = arch.embedding_params if "embed_tokens" in cfg.peft.modules_to_save else 0
     return (counts.trainable - saved - embed) / arch.num_hidden_layers, saved
+
+
+def adapter_params_per_block(arch: Arch, cfg: Config) -> int:
+    """LoRA/DoRA parameters of one block: r * (in + out) per targeted linear (+ out for DoRA's magnitude)."""
+    peft = cfg.peft
+    if peft.name == PeftMethod.none:
+        return 0
+    targets = set(LINEARS) if "all-linear" in peft.target_modules else set(peft.target_modules) & set(LINEARS)
+    shapes = arch.linear_shapes()
+    return sum(peft.r * (shapes[n][0] + shapes[n][1]) + (shapes[n][1] if peft.name == PeftMethod.dora else 0) for n in targets)
 
 
 def frozen_weight_bytes(arch: Arch, cfg: Config, frozen: int) -> float:
@@ -272,8 +283,10 @@ def linear_input_bytes(cfg: Config, d: Dtypes, width: int, names: tuple[str, ...
     A trainable linear saves its input for the weight gradient: under autocast an input that is not
     already 16-bit is cast once per linear, and each cast is saved; otherwise the linears share it.
     A frozen base (LoRA/QLoRA) saves nothing. An adapter (a targeted linear) saves its r-wide lora_A
-    output, and its input: with lora dropout a dropped-out copy in the compute dtype and the mask
-    each, else as a trainable linear does."""
+    output and its input. PEFT first casts the input to the adapter weights' dtype (the module's),
+    so under autocast lora_A casts it back: a 16-bit copy per adapter. With lora dropout each
+    adapter also keeps the dropout mask (CUDA's fused kernel: 1 byte; elsewhere a tensor in the
+    input's, i.e. the module's, dtype) and its input is the dropped-out copy."""
     cast = d.autocast and stored != d.compute
     shared = 0 if saved else width * stored
     if cfg.peft.name == PeftMethod.none:
@@ -282,10 +295,12 @@ def linear_input_bytes(cfg: Config, d: Dtypes, width: int, names: tuple[str, ...
     if adapted == 0:
         return 0.0
     per_adapter = cfg.peft.r * d.compute
-    if cfg.peft.dropout > 0:  # CUDA's fused dropout keeps a bool mask; elsewhere the mask is in the input's dtype
-        mask = 1 if cfg.hardware.gpu_memory_gib > 0 else stored
+    if cfg.peft.dropout > 0:
+        mask = 1 if cfg.hardware.gpu_memory_gib > 0 else d.module
         return adapted * (per_adapter + width * (mask + d.compute))
-    return adapted * (per_adapter + (width * d.compute if cast else 0)) + (0 if cast else shared)
+    if d.autocast:  # the input in the module's dtype (PEFT's cast), then lora_A's own 16-bit cast of it
+        return adapted * (per_adapter + width * d.compute)
+    return adapted * per_adapter + (0 if saved else width * d.module)
 
 
 def block_activation_bytes(arch: Arch, cfg: Config, seq: int, tokens: int) -> float:
@@ -294,7 +309,8 @@ def block_activation_bytes(arch: Arch, cfg: Config, seq: int, tokens: int) -> fl
     Counted tensor by tensor from transformers' LlamaDecoderLayer (RMSNorm, GQA, RoPE, SwiGLU, no
     dropout) as torch.autograd.graph.saved_tensors_hooks lists them. Per token, with h hidden, kv
     the k/v width, i intermediate, a heads, m the module dtype's bytes and c the compute dtype's:
-    - each RMSNorm: its fp32 input (4h) and its normalised output (m h);
+    - each RMSNorm: its fp32 input (4h) and, when its weight trains (not under PEFT), its
+      normalised output (m h);
     - the inputs of q/k/v, o, gate/up and down: linear_input_bytes;
     - sdpa / FlashAttention: q, k, v and the output, c (2h + 2kv); eager attention: q and the
       repeated k and v (3 c h), the fp32 softmax (4 a s) and its 16-bit cast under autocast (c a s);
@@ -308,16 +324,19 @@ def block_activation_bytes(arch: Arch, cfg: Config, seq: int, tokens: int) -> fl
     h, a, i, kv, tp = arch.hidden_size, arch.num_attention_heads, arch.intermediate_size, arch.kv_dim, cfg.parallelism.tp
     d = dtypes(cfg)
     eager = cfg.model.attn_implementation == AttnImpl.eager
-    replicated = 2 * (4 + d.module) * h + linear_input_bytes(cfg, d, h, ("q_proj", "k_proj", "v_proj"), d.module, False) \
+    norm_out = d.module if cfg.peft.name == PeftMethod.none else 0  # a frozen norm weight needs no normalised output
+    replicated = 2 * ((4 + norm_out) * h + 4) + linear_input_bytes(cfg, d, h, ("q_proj", "k_proj", "v_proj"), d.module, False) \
         + linear_input_bytes(cfg, d, h, ("gate_proj", "up_proj"), d.module, False)
     if eager:
         attention = 3 * d.compute * h + 4 * a * seq + (d.compute * a * seq if d.autocast else 0)
-    else:
-        attention = d.compute * (2 * h + 2 * kv)
+    else:  # + the fp32 log-sum-exp per head
+        attention = d.compute * (2 * h + 2 * kv) + 4 * a
     # o_proj reads the attention output: the tensor sdpa saved, or eager's transposed copy
     attention += linear_input_bytes(cfg, d, h, ("o_proj",), d.compute, not eager)
     mlp = 3 * d.compute * i + linear_input_bytes(cfg, d, i, ("down_proj",), d.compute, False)
-    copies = 2 * arch.block_linear_params / tp if d.autocast and cfg.peft.name != PeftMethod.qlora else 0
+    copies = 0.0
+    if d.autocast:  # the 16-bit weights autocast made, kept for the input gradient (adapters' too)
+        copies = 2 * ((arch.block_linear_params if cfg.peft.name != PeftMethod.qlora else 0) + adapter_params_per_block(arch, cfg)) / tp
     return tokens * (replicated + (attention + mlp) / tp) + copies
 
 
@@ -480,6 +499,10 @@ def plan(cfg: Config) -> Plan:
         notes.append(f"torch engine: fp32 weights and {optimizer_kind(cfg)} states in every precision "
                      "(bf16/fp16 autocast the compute only)")
     weights += frozen_w + gathered
+
+    if cfg.peft.name == PeftMethod.dora:
+        notes.append("DoRA: its magnitude path keeps more per forward than LoRA (base and adapter outputs per token, "
+                     "weight-sized norms); counted as LoRA, so activations are low (~1.5-2x at h=256 measured)")
 
     # DPO: a live reference model adds its weights (frozen, no gradients, sharded like the policy's frozen part)
     if cfg.method.name == Method.dpo and cfg.method.loss != DpoLoss.simpo and cfg.method.reference == Reference.live:

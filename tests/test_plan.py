@@ -211,26 +211,36 @@ def measured_run(tmp_path: Path, *overrides: str, micro: int = 8, seq: int = 256
     return rows
 
 
-# autocast + LoRA (dropout) + recompute: the recomputed block holds ~8 KB/token more than the
-# tensors its forward saves (measured: it scales with the intermediate size, not with the blocks;
-# fp32, no recompute, or no MLP adapters do not show it). Not explained yet: see the planner's doc.
-RECOMPUTE_GAP = pytest.mark.xfail(strict=True, reason="bf16 autocast + LoRA dropout + full recompute: ~17% above the plan")
+def covering_design() -> list[tuple[str, str, str, int, int]]:
+    """precision x checkpointing x LoRA, every cell once, with micro batch {2, 8} and length {128, 256}
+    assigned so that every pair of levels of any two of the five factors occurs (12 runs, not 48):
+    micro follows (p + l) mod 2 and length (p + c + l) mod 2."""
+    cells = []
+    for p, precision in enumerate(("fp32", "bf16")):
+        for c, checkpointing in enumerate(("none", "full", "selective")):
+            for lo, peft in enumerate(("none", "lora")):
+                cells.append((precision, checkpointing, peft, (2, 8)[(p + lo) % 2], (256, 128)[(p + c + lo) % 2]))
+    return cells
 
 
-@pytest.mark.parametrize("shape", ["micro8_seq256", "micro2_seq128"])
-@pytest.mark.parametrize("peft", ["none", "lora"])
-@pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_predicted_within_15_percent_of_measured(tmp_path, request, precision, checkpointing, peft, shape):
-    if (precision, checkpointing, peft, shape) == ("bf16", "full", "lora", "micro8_seq256"):
-        request.applymarker(RECOMPUTE_GAP)
-    micro, seq = (8, 256) if shape == "micro8_seq256" else (2, 128)
+@pytest.mark.parametrize("precision,checkpointing,peft,micro,seq", covering_design())
+def test_predicted_within_15_percent_of_measured(tmp_path, precision, checkpointing, peft, micro, seq):
     rows = measured_run(tmp_path, f"precision={precision}", f"checkpointing={checkpointing}", f"peft={peft}", micro=micro, seq=seq)
     for name, predicted, measured in rows:
         if name == "peak":
             assert predicted == pytest.approx(measured, rel=0.15), name
         elif measured > 1.0:  # a few hundred KiB of LoRA states are exact anyway; don't divide noise
             assert predicted == pytest.approx(measured, rel=0.25), name
+
+
+@pytest.mark.xfail(strict=True, reason="bf16 autocast + LoRA dropout + full recompute: ~17% above the plan at 2048 tokens")
+def test_known_gap_autocast_lora_recompute(tmp_path):
+    """The recomputed block holds ~8 KB/token more than its forward saves (it grows with the MLP width,
+    not with the number of blocks; fp32, no recompute, no dropout or no MLP adapters shrink or remove it).
+    Not explained yet; at 256 tokens (the design above) it stays within 15%."""
+    rows = measured_run(tmp_path, "precision=bf16", "checkpointing=full", "peft=lora", micro=8, seq=256)
+    peak = next((p, m) for name, p, m in rows if name == "peak")
+    assert peak[0] == pytest.approx(peak[1], rel=0.15)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,3 +359,40 @@ def test_optimizer_states_predicted_and_measured(tmp_path, optim, states_per_par
     assert predicted == pytest.approx(weights * states_per_param / 4)  # fp32 weights: 4 bytes/param
     assert predicted == pytest.approx(measured, rel=0.01, abs=0.01)
     assert rows["peak"][0] == pytest.approx(rows["peak"][1], rel=0.15)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("peft", [[], ["peft=lora"], ["peft=lora", "peft.dropout=0"], ["peft=lora", "peft.target_modules=[q_proj,v_proj]"]])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_block_activations_are_the_tensors_autograd_saves(compose, precision, peft, attention):
+    """block_activation_bytes against the tensors autograd saves for one middle Llama block (its input
+    requires grad), counted by storage through torch.autograd.graph.saved_tensors_hooks: byte-exact."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from finetune.plan import block_activation_bytes
+
+    cfg = compose(["model.init.hidden_size=256", "model.init.intermediate_size=768", f"precision={precision}",
+                   f"model.attn_implementation={attention}", *peft])
+    arch = architecture(cfg.model)
+    batch, seq = 2, 96  # seq differs from the head dim (64): shapes tell tokens from weights
+    net = LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, vocab_size=arch.vocab_size, attn_implementation=attention))
+    if peft:
+        from peft import LoraConfig, get_peft_model
+
+        targets = cfg.peft.target_modules[0] if cfg.peft.target_modules == ["all-linear"] else list(cfg.peft.target_modules)
+        net = get_peft_model(net, LoraConfig(r=cfg.peft.r, lora_alpha=cfg.peft.alpha, lora_dropout=cfg.peft.dropout,
+                                             target_modules=targets, task_type="CAUSAL_LM")).base_model.model
+    net.train()
+    x = net.model.embed_tokens(torch.randint(0, arch.vocab_size, (batch, seq))).detach().requires_grad_(True)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    with autocast:
+        rope = net.model.rotary_emb(x, torch.arange(seq)[None])
+    saved: dict[int, int] = {}
+    shared = {p.untyped_storage().data_ptr() for p in net.parameters()} | {t.untyped_storage().data_ptr() for t in rope}
+    keep = lambda t: saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) and t  # noqa: E731
+    with autocast, torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        net.model.layers[1](x, position_embeddings=rope, attention_mask=None)
+    counted = sum(n for ptr, n in saved.items() if ptr not in shared)  # cos/sin are the model's, not the block's
+    assert counted == block_activation_bytes(arch, cfg, seq, batch * seq)
