@@ -49,10 +49,12 @@ def run(name: str, overrides: list[str], steps: int, extra: list[str], root: Pat
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["kind"] == "train"]
     mem = next((r for r in rows if r["kind"] == "memory"), {})
+    planned = next((r for r in rows if r["kind"] == "plan"), {})
     steady = train[2:] or train  # the first 2 steps are measured (slow) and warm-up
     return {
         "name": name,
         "peak": mem.get("mem_peak_total_mib", float("nan")),
+        "planned": planned.get("plan_peak_mib", float("nan")),
         "params": mem.get("mem_params_mib", float("nan")),
         "grads": mem.get("mem_grads_mib", float("nan")),
         "optimizer": mem.get("mem_optimizer_mib", float("nan")),
@@ -64,14 +66,14 @@ def run(name: str, overrides: list[str], steps: int, extra: list[str], root: Pat
 
 
 def table(results: list[dict], steps: int) -> str:
-    head = ("| strategy | peak MiB | params | grads | optimizer | activations | tokens/s | step ms | loss after "
-            f"{steps} steps |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    head = ("| strategy | peak MiB | planned peak | params | grads | optimizer | activations | tokens/s | step ms | loss after "
+            f"{steps} steps |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     lines = [head]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['name']} | failed: {r['error']} |||||||")
+            lines.append(f"| {r['name']} | failed: {r['error']} ||||||||")
             continue
-        lines.append(f"| {r['name']} | {r['peak']:.1f} | {r['params']:.2f} | {r['grads']:.2f} | {r['optimizer']:.2f} | "
+        lines.append(f"| {r['name']} | {r['peak']:.1f} | {r['planned']:.1f} | {r['params']:.2f} | {r['grads']:.2f} | {r['optimizer']:.2f} | "
                      f"{r['activations']:.2f} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.1f} | {r['loss']:.3f} |")
     return "\n".join(lines) + "\n"
 
@@ -95,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(run(name, STRATEGIES[name], args.steps, args.extra, Path(tmp)))
     machine = f"{os.cpu_count()} CPU cores" if "cuda" not in " ".join(args.extra) else "GPU"
     text = (f"Tiny Llama (quickstart recipe), micro batch 16, {args.steps} steps, {machine}; memory: rank 0, MemTracker, "
-            "first 2 steps, MiB; tokens/s: median non-pad tokens/s over all ranks after step 2. Under DeepSpeed, gradients "
+            "first 2 steps, MiB; planned peak: the memory planner's prediction for the same config (python -m finetune.plan, "
+            "without its fixed overhead); tokens/s: median non-pad tokens/s over all ranks after step 2. Under DeepSpeed, gradients "
             "live in DeepSpeed's flat buffers (counted under peak, not grads), and ZeRO-3 random-inits inside zero.Init "
             "(other initial weights, so another loss).\n\n" + table(results, args.steps))
     args.out.write_text(text)
