@@ -615,7 +615,10 @@ def _set(path: str, value: Any) -> Callable[[Config], None]:
 
 
 def _all(*fns: Callable[[Config], None]) -> Callable[[Config], None]:
-    return lambda cfg: [fn(cfg) for fn in fns] and None
+    def apply(cfg: Config) -> None:
+        for fn in fns:
+            fn(cfg)
+    return apply
 
 
 def moves(cfg: Config) -> list[list[Move]]:
