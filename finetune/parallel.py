@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from finetune.config import ConfigError, ParallelismConfig, check_layout_fits_model
+from finetune.config import ConfigError, ParallelismConfig
+from finetune.rules import check_layout_fits_model
 
 TP_PLAN = {  # module path inside a decoder block -> style
     "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise", "self_attn.o_proj": "rowwise",

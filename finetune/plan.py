@@ -46,8 +46,8 @@ from finetune.config import (
     Precision,
     Reference,
     Strategy,
-    local_config,
 )
+from finetune.rules import local_config
 
 GIB = 2**30
 
@@ -687,7 +687,7 @@ def suggest(cfg: Config, base: list[str] | None = None, count: int = 3, budget_e
     needs, then its rough step-time cost); a set that adds to one already printed is skipped. With
     `base` (the command line), each one is composed again through the launcher's path and re-planned,
     so what is printed is what that command line would do."""
-    from finetune.config import validate
+    from finetune.rules import validate
 
     axes = moves(cfg)
     axis_of = {m: i for i, axis in enumerate(axes) for m in axis}
@@ -714,7 +714,7 @@ def suggest(cfg: Config, base: list[str] | None = None, count: int = 3, budget_e
         if not pl.fits:
             continue
         if base is not None:  # what the printed command line really composes to
-            from finetune.launch import preflight
+            from finetune.compose import preflight
 
             keys = {o.split("=", 1)[0] for o in overrides}
             try:
@@ -769,7 +769,7 @@ def render(cfg: Config, pl: Plan) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from finetune.launch import preflight  # composes and validates like the launcher; imports no torch
+    from finetune.compose import preflight  # composes and validates like the launcher; imports no torch
 
     try:
         args = list(sys.argv[1:] if argv is None else argv)

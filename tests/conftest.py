@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture
 def compose():
     """compose(overrides) -> validated Config, through the same path as `finetune.launch`."""
-    from finetune.launch import preflight
+    from finetune.compose import preflight
 
     return lambda overrides=(): preflight(list(overrides))
 
@@ -38,7 +38,7 @@ def train_here(overrides: list[str], run_dir: Path) -> dict:
 
     from finetune import train
     from finetune.dist import Dist
-    from finetune.launch import preflight
+    from finetune.compose import preflight
 
     cfg = preflight([*overrides, "train.progress_bar=false", "train.tensorboard=false"])
     cfg.run_dir = str(run_dir)

@@ -64,7 +64,7 @@ from finetune.config import Device
 from finetune.dist import init
 from finetune.engine.deepspeed_engine import DeepSpeedEngine
 from finetune.engine.mesh_engine import MeshEngine
-from finetune.launch import preflight
+from finetune.compose import preflight
 
 d = init(Device.cpu, deepspeed=True)
 for layout in ("parallelism=fsdp", "zero=stage2", "zero=stage2_offload"):

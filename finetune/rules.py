@@ -1,0 +1,347 @@
+"""The cross-group rules: what no single field's constraint can check (batch sizes against the
+launch size, options that need or exclude each other, the model's shape against the layout).
+
+Each rule raises `ConfigError` with one line naming the keys that conflict and what to do
+instead. Per-field constraints are declared beside the fields in `finetune.config` and checked
+when the config is composed, before these rules run. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from finetune.config import (
+    AttnImpl,
+    Checkpointing,
+    Config,
+    ConfigError,
+    DataFormat,
+    DpoLoss,
+    LauncherConfig,
+    LauncherName,
+    Method,
+    ModelConfig,
+    NonFinite,
+    Offload,
+    Optimizer,
+    ParallelismConfig,
+    PeftMethod,
+    PipeSchedule,
+    Precision,
+    Reference,
+    Scheduler,
+    Strategy,
+    launcher_for,
+)
+
+
+def validate(cfg: Config) -> None:
+    """Check the rules that span groups. Raises ConfigError naming the keys to change."""
+    m, t, launch = cfg.model, cfg.train, cfg.launcher
+    if m.path is None and m.init is None:
+        raise ConfigError("model: set model.path (hub id or local directory) or model.init (random-init architecture)")
+    if m.path is not None and m.init is not None:
+        raise ConfigError(f"model.path={m.path!r} and model.init are both set: choose one (model.init=null to load weights)")
+    if m.recipe_if_missing is not None and (m.path is None or Path(m.path).name != "final"):
+        raise ConfigError(
+            f"model.recipe_if_missing={m.recipe_if_missing} makes model.path by running that recipe, so model.path must be "
+            f"its RUN_DIR/final (e.g. outputs/{m.recipe_if_missing}/final), got {m.path!r}"
+        )
+    if m.path is None and m.tokenizer is None:
+        raise ConfigError("model.tokenizer: a random-init model needs a tokenizer path or hub id")
+    if m.init is not None and cfg.data.max_length > m.init.max_position_embeddings:
+        raise ConfigError(
+            f"data.max_length={cfg.data.max_length} exceeds model.init.max_position_embeddings="
+            f"{m.init.max_position_embeddings}: lower one or raise the other"
+        )
+    for key, value in (
+        ("train.max_steps", t.max_steps),
+        ("train.micro_batch_size", t.micro_batch_size),
+        ("train.global_batch_size", t.global_batch_size),
+        ("train.eval_batch_size", t.eval_batch_size),
+        ("data.max_length", cfg.data.max_length),
+        ("launcher.nproc_per_node", launch.nproc_per_node),
+        ("launcher.nnodes", launch.nnodes),
+    ):
+        if value < 1:
+            raise ConfigError(f"{key}={value} must be at least 1")
+    if not 0 <= launch.node_rank < launch.nnodes:
+        raise ConfigError(f"launcher.node_rank={launch.node_rank} must be in [0, launcher.nnodes={launch.nnodes})")
+    _validate_launcher(cfg)
+    if cfg.optim.lr <= 0:
+        raise ConfigError(f"optim.lr={cfg.optim.lr} must be positive")
+    if len(cfg.optim.betas) != 2:
+        raise ConfigError(f"optim.betas={cfg.optim.betas} must be two numbers, e.g. [0.9,0.999]")
+    if not 0 <= cfg.optim.momentum < 1:
+        raise ConfigError(f"optim.momentum={cfg.optim.momentum} must be in [0, 1): 0 for plain SGD, e.g. 0.9 with momentum")
+    if cfg.optim.momentum and cfg.optim.name != Optimizer.sgd:
+        raise ConfigError(f"optim.momentum={cfg.optim.momentum} applies to optim.name=sgd only ({cfg.optim.name.value} uses "
+                          f"optim.betas): remove it, or use optim=momentum")
+    if cfg.optim.min_lr_ratio and cfg.optim.scheduler != Scheduler.cosine:
+        raise ConfigError(
+            f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} applies to optim.scheduler=cosine only "
+            f"(got {cfg.optim.scheduler.value}): set optim.min_lr_ratio=0 or optim.scheduler=cosine"
+        )
+    if t.keep_checkpoints < 0:
+        raise ConfigError(f"train.keep_checkpoints={t.keep_checkpoints} must be 0 (keep all) or more")
+    if t.on_nonfinite == NonFinite.skip and cfg.zero.enabled:
+        raise ConfigError("train.on_nonfinite=skip needs the torch engine: DeepSpeed applies a step before its loss can be checked "
+                          "(use train.on_nonfinite=stop, or zero=none)")
+    if cfg.optim.warmup_steps >= t.max_steps and cfg.optim.warmup_steps > 0:
+        raise ConfigError(f"optim.warmup_steps={cfg.optim.warmup_steps} must be below train.max_steps={t.max_steps}")
+
+    world = cfg.world_size
+    _validate_zero(cfg)
+    _validate_layout(cfg)
+    if cfg.parallelism.strategy == Strategy.single and world != 1:
+        raise ConfigError(
+            f"parallelism=single runs one process, but the launcher starts {world} "
+            f"(launcher.nproc_per_node={launch.nproc_per_node} x launcher.nnodes={launch.nnodes}): "
+            "use parallelism=ddp or launcher.nproc_per_node=1"
+        )
+    per_step = t.micro_batch_size * cfg.data_parallel_size
+    if t.global_batch_size < cfg.data_parallel_size:
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is smaller than the data-parallel size "
+            f"{cfg.data_parallel_size}: every rank needs at least one sample per step"
+        )
+    if t.global_batch_size % per_step:
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size="
+            f"{t.micro_batch_size} x data-parallel size {cfg.data_parallel_size} = {per_step}: "
+            f"use e.g. train.global_batch_size={max(per_step, t.global_batch_size // per_step * per_step)}"
+        )
+    p = cfg.parallelism
+    stages = p.pp * p.pp_stages_per_rank
+    if p.pp > 1 and p.pp_schedule != PipeSchedule.gpipe and cfg.grad_accum_steps < stages:
+        raise ConfigError(
+            f"parallelism.pp_schedule={p.pp_schedule.value} needs at least as many micro-batches per step as pipeline stages "
+            f"({stages}), got {cfg.grad_accum_steps} (train.global_batch_size={t.global_batch_size} / (train.micro_batch_size="
+            f"{t.micro_batch_size} x data-parallel {cfg.data_parallel_size})): lower train.micro_batch_size"
+        )
+    if p.pp_schedule == PipeSchedule.interleaved_1f1b and p.pp > 1 and cfg.grad_accum_steps % p.pp:
+        raise ConfigError(f"parallelism.pp_schedule=interleaved_1f1b needs a micro-batch count per step ({cfg.grad_accum_steps}) "
+                          f"that is a multiple of parallelism.pp={p.pp}: change train.micro_batch_size or train.global_batch_size")
+    _validate_strategies(cfg)
+    _validate_method(cfg)
+    if cfg.data.eval is None and cfg.data.eval_size < 0:
+        raise ConfigError(f"data.eval_size={cfg.data.eval_size} must be 0 or more")
+    if t.exact_match_samples and cfg.data.eval is None and cfg.data.eval_size == 0:
+        raise ConfigError("train.exact_match_samples needs an eval set: set data.eval or data.eval_size")
+
+
+def _unused(section: Any, key: str, used: tuple[str, ...], why: str) -> None:
+    """Refuse fields set away from their defaults where the chosen option ignores them."""
+    default = type(section)()
+    for f in fields(section):
+        if f.name not in used and getattr(section, f.name) != getattr(default, f.name):
+            value = getattr(section, f.name)
+            shown = str(value).lower() if isinstance(value, bool) else getattr(value, "value", value)  # as typed on the command line
+            raise ConfigError(f"{key}.{f.name}={shown} has no effect {why}: remove it or change the option")
+
+
+def _validate_strategies(cfg: Config) -> None:
+    ck, peft = cfg.checkpointing, cfg.peft
+    if ck.name != Checkpointing.selective:
+        _unused(ck, "checkpointing", ("name",), f"with checkpointing={ck.name.value} (only with selective)")
+    if peft.name == PeftMethod.none:
+        _unused(peft, "peft", ("name",), "with peft=none")
+    elif peft.name != PeftMethod.qlora:
+        _unused(peft, "peft", ("name", "r", "alpha", "dropout", "target_modules", "modules_to_save"), f"with peft={peft.name.value} (only with qlora)")
+    if cfg.precision.name != Precision.fp16:
+        _unused(cfg.precision, "precision", ("name",), f"with precision={cfg.precision.name.value} (only with fp16)")
+    if ck.name == Checkpointing.selective and ck.every < 1:
+        raise ConfigError(f"checkpointing.every={ck.every} must be at least 1 (1 = every block, like checkpointing=full)")
+    if cfg.model.attn_implementation == AttnImpl.flash_attention_2 and cfg.precision.name == Precision.fp32:
+        raise ConfigError("model.attn_implementation=flash_attention_2 runs in fp16/bf16 only: add precision=bf16 (or use sdpa)")
+    if peft.name != PeftMethod.none and peft.r < 1:
+        raise ConfigError(f"peft.r={peft.r} must be at least 1")
+    if peft.name == PeftMethod.qlora and cfg.zero.stage == 3 and cfg.precision.name == Precision.fp32:
+        raise ConfigError(
+            "peft=qlora under zero=stage3 stores the 4-bit weights in the compute dtype so DeepSpeed can shard them: "
+            "use precision=bf16 or fp16"
+        )
+
+
+def _validate_method(cfg: Config) -> None:
+    m = cfg.method
+    if m.name == Method.sft:
+        _unused(m, "method", ("name",), "with method=sft (DPO settings)")
+        if cfg.data.format == DataFormat.preference:
+            raise ConfigError("data.format=preference holds (prompt, chosen, rejected) pairs for method=dpo; method=sft needs alpaca or chat rows")
+        return
+    if m.loss == DpoLoss.simpo:
+        _unused(m, "method", ("name", "loss", "beta", "gamma", "label_smoothing", "sft_weight"), "with method.loss=simpo (reference-free)")
+    else:
+        _unused(m, "method", tuple(f.name for f in fields(m) if f.name != "gamma"), f"with method.loss={m.loss.value} (only with simpo)")
+    if m.loss in (DpoLoss.ipo, DpoLoss.hinge) and m.label_smoothing:
+        raise ConfigError(f"method.label_smoothing={m.label_smoothing} applies to method.loss=sigmoid or simpo, not {m.loss.value}")
+    if m.beta_value <= 0:
+        raise ConfigError(f"method.beta={m.beta} must be positive")
+    if not 0 <= m.label_smoothing < 0.5:
+        raise ConfigError(f"method.label_smoothing={m.label_smoothing} must be in [0, 0.5)")
+    if m.sft_weight < 0:
+        raise ConfigError(f"method.sft_weight={m.sft_weight} must be 0 or more")
+    if m.reference == Reference.adapter_disabled and cfg.peft.name == PeftMethod.none:
+        raise ConfigError("method.reference=adapter_disabled uses the base model under a PEFT adapter: add peft=lora (or qlora/dora), "
+                          "or use method.reference=precomputed")
+    if cfg.data.packing:
+        raise ConfigError("data.packing=true is not supported with method=dpo (chosen and rejected are scored as separate rows): "
+                          "set data.packing=false")
+    if cfg.data.format not in (DataFormat.auto, DataFormat.preference):
+        raise ConfigError(f"method=dpo trains on preference pairs: data.format={cfg.data.format.value} must be preference or auto")
+
+
+def local_config(cfg: ModelConfig) -> dict[str, Any] | None:
+    """The (text) config.json of a local model.path, read without transformers; None if there is none."""
+    path = Path(cfg.path or "").expanduser() / "config.json"
+    if not path.is_file():
+        return None
+    arch = json.loads(path.read_text())
+    return arch.get("text_config", arch)
+
+
+def model_shape(cfg: ModelConfig) -> dict[str, int] | None:
+    """Layers and heads from model.init or a local config.json (None: a hub id, checked on the ranks)."""
+    if cfg.init is not None:
+        return {k: getattr(cfg.init, k) for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads")}
+    arch = local_config(cfg)
+    if arch is None:
+        return None
+    return {"num_hidden_layers": arch.get("num_hidden_layers", 0), "num_attention_heads": arch.get("num_attention_heads", 0),
+            "num_key_value_heads": arch.get("num_key_value_heads") or arch.get("num_attention_heads", 0)}
+
+
+def check_layout_fits_model(p: ParallelismConfig, shape: dict[str, int]) -> None:
+    """tp divides the heads, and there are at least as many blocks as pipeline stages."""
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        if p.tp > 1 and shape[key] % p.tp:
+            raise ConfigError(f"parallelism.tp={p.tp} must divide the model's {key}={shape[key]}: "
+                              f"use a tp that divides {shape[key]}")
+    stages = p.pp * p.pp_stages_per_rank
+    if p.pp > 1 and stages > shape["num_hidden_layers"]:
+        raise ConfigError(f"parallelism.pp={p.pp} x pp_stages_per_rank={p.pp_stages_per_rank} = {stages} pipeline stages, but the "
+                          f"model has {shape['num_hidden_layers']} blocks: use at most {shape['num_hidden_layers']} stages")
+
+
+def _validate_layout(cfg: Config) -> None:
+    p, launch, world = cfg.parallelism, cfg.launcher, cfg.world_size
+    for key, value in (("parallelism.tp", p.tp), ("parallelism.pp", p.pp), ("parallelism.pp_stages_per_rank", p.pp_stages_per_rank)):
+        if value < 1:
+            raise ConfigError(f"{key}={value} must be at least 1")
+    model_parallel = p.tp * p.pp
+    if model_parallel > 1 and world % model_parallel:
+        raise ConfigError(
+            f"parallelism.tp={p.tp} x parallelism.pp={p.pp} = {model_parallel} ranks per model replica does not divide the "
+            f"launch size {world} (launcher.nproc_per_node={launch.nproc_per_node} x launcher.nnodes={launch.nnodes}): "
+            f"launch a multiple of {model_parallel} ranks"
+        )
+    if model_parallel > 1 and p.strategy == Strategy.single:
+        raise ConfigError(f"parallelism.tp={p.tp}/pp={p.pp} need parallelism.strategy=ddp or fsdp (data parallel over "
+                          "world / (tp x pp) replicas), not single")
+    if p.pp == 1:
+        _unused(p, "parallelism", ("strategy", "tp", "pp", "fsdp_reshard_after_forward", "fsdp_offload"), "without pipeline parallel (pp=1)")
+    if p.strategy != Strategy.fsdp:
+        _unused(p, "parallelism", ("strategy", "tp", "pp", "pp_schedule", "pp_stages_per_rank"), f"with strategy={p.strategy.value} (only with fsdp)")
+    interleaved = p.pp_schedule == PipeSchedule.interleaved_1f1b
+    if p.pp > 1 and interleaved != (p.pp_stages_per_rank > 1):
+        raise ConfigError(f"parallelism.pp_schedule={p.pp_schedule.value} with pp_stages_per_rank={p.pp_stages_per_rank}: "
+                          "interleaved_1f1b needs 2 or more stages per rank, gpipe and 1f1b exactly 1")
+    shape = model_shape(cfg.model)
+    if shape is not None:
+        check_layout_fits_model(p, shape)
+    if not (model_parallel > 1 or p.strategy == Strategy.fsdp):
+        return
+    layout = f"parallelism.strategy={p.strategy.value} tp={p.tp} pp={p.pp}"
+    if cfg.precision.name == Precision.fp16:
+        raise ConfigError(f"precision=fp16 is not supported with {layout} (no sharded loss scaler here): use precision=bf16")
+    if cfg.peft.name == PeftMethod.qlora:
+        raise ConfigError(f"peft=qlora is not supported with {layout} (4-bit weights cannot be sharded): use peft=lora, or ddp")
+    if cfg.peft.name == PeftMethod.dora and p.tp > 1:
+        raise ConfigError("peft=dora is not supported with tensor parallel (its weight norm spans the sharded dimension): "
+                          "use peft=lora with tp, or dora with fsdp/ddp")
+    if cfg.peft.name != PeftMethod.none and p.pp > 1:
+        raise ConfigError(f"peft={cfg.peft.name.value} is not supported with pipeline parallel: use peft=lora with fsdp, ddp or tp, "
+                          "or full fine-tuning with pp")
+    if p.pp > 1:
+        if cfg.data.packing:
+            raise ConfigError("data.packing=true is not supported with pipeline parallel (stages attend causally over the whole row): "
+                              "set data.packing=false")
+        if cfg.train.exact_match_samples:
+            raise ConfigError("train.exact_match_samples needs generation on the whole model, which pipeline stages do not hold: "
+                              "set train.exact_match_samples=0 and evaluate RUN_DIR/final instead")
+        if cfg.method.name == Method.dpo and cfg.method.loss != DpoLoss.simpo and cfg.method.reference != Reference.precomputed:
+            raise ConfigError(f"method.reference={cfg.method.reference.value} is not supported with pipeline parallel: "
+                              "use method.reference=precomputed")
+        if cfg.checkpointing.name == Checkpointing.offload:
+            raise ConfigError("checkpointing=offload is not supported with pipeline parallel: use checkpointing=full or selective")
+
+
+def _validate_launcher(cfg: Config) -> None:
+    """The c10d rendezvous (launcher.rdzv_endpoint) against the static one and the deepspeed launcher."""
+    launch, default = cfg.launcher, LauncherConfig()
+    endpoint = launch.rdzv_endpoint
+    if endpoint is None:
+        if launch.rdzv_id != default.rdzv_id:
+            raise ConfigError(f"launcher.rdzv_id={launch.rdzv_id} has no effect without launcher.rdzv_endpoint (c10d rendezvous): "
+                              "set launcher.rdzv_endpoint=HOST:PORT or remove launcher.rdzv_id")
+        return
+    if launcher_for(cfg) == LauncherName.deepspeed:
+        raise ConfigError(f"launcher.rdzv_endpoint={endpoint} is a torchrun (c10d rendezvous) setting, but this run uses the deepspeed "
+                          "launcher: unset launcher.rdzv_endpoint and use launcher.hostfile or launcher.no_ssh=true launcher.node_rank=R, "
+                          "or add launcher=torchrun")
+    host, colon, port = endpoint.rpartition(":") if ":" in endpoint else (endpoint, "", "")
+    if not host or (colon and not (port.isdigit() and 0 < int(port) < 65536)):
+        raise ConfigError(f"launcher.rdzv_endpoint={endpoint!r} must be HOST:PORT, the same on every node "
+                          "(e.g. launcher.rdzv_endpoint=10.0.0.1:29400)")
+    if not launch.rdzv_id:
+        raise ConfigError("launcher.rdzv_id is empty: give every node of the job the same id (e.g. launcher.rdzv_id=job42)")
+    static = [f"launcher.{key}={getattr(launch, key)}" for key in ("node_rank", "master_addr", "master_port")
+              if getattr(launch, key) != getattr(default, key)]
+    if static:
+        raise ConfigError(f"{' and '.join(static)} {'conflicts' if len(static) == 1 else 'conflict'} with launcher.rdzv_endpoint="
+                          f"{endpoint} (the c10d rendezvous assigns node ranks): remove {'it' if len(static) == 1 else 'them'}, "
+                          "or unset launcher.rdzv_endpoint to use the static rendezvous")
+
+
+def _validate_zero(cfg: Config) -> None:
+    z, launch = cfg.zero, cfg.launcher
+    if launch.name == LauncherName.deepspeed and not z.enabled:
+        raise ConfigError("launcher=deepspeed starts the DeepSpeed engine, which needs a zero option: use zero=stage0..stage3 or launcher=torchrun")
+    if (launch.hostfile or launch.no_ssh) and launch.name == LauncherName.torchrun:
+        raise ConfigError("launcher.hostfile and launcher.no_ssh are deepspeed launcher settings: use launcher=deepspeed (or unset them)")
+    if not z.enabled:
+        if z.offload_optimizer != Offload.none or z.offload_param != Offload.none:
+            raise ConfigError("zero.offload_* needs DeepSpeed: choose a zero option (e.g. zero=stage2_offload), not zero=none")
+        _unused(z, "zero", ("stage",), "with zero=none (no DeepSpeed)")
+        return
+    if z.stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero.stage={z.stage} must be 0, 1, 2 or 3 (or null for no DeepSpeed)")
+    if z.stage == 3:
+        _unused(z, "zero", tuple(f.name for f in fields(z) if f.name != "allgather_bucket_size"), "with ZeRO stage 3 (stages 1-2 only)")
+    else:  # offload_param below stage 3 gets its own message further down
+        stage3_knobs = [f.name for f in fields(z) if f.name.startswith("stage3_") or f.name == "sub_group_size"]
+        _unused(z, "zero", tuple(f.name for f in fields(z) if f.name not in stage3_knobs), f"with ZeRO stage {z.stage} (stage 3 only)")
+    if cfg.parallelism.strategy not in (Strategy.single, Strategy.ddp) or cfg.parallelism.tp * cfg.parallelism.pp > 1:
+        p = cfg.parallelism
+        raise ConfigError(
+            f"zero=stage{z.stage} shards over data-parallel ranks; parallelism strategy={p.strategy.value} tp={p.tp} pp={p.pp} is "
+            "a torch-engine layout (FSDP2 / DTensor / pipelining): use parallelism=ddp with zero, or zero=none"
+        )
+    if z.offload_optimizer != Offload.none and z.stage < 2:
+        raise ConfigError(
+            f"zero.offload_optimizer={z.offload_optimizer.value} needs ZeRO stage 2 or 3 (got stage {z.stage}): "
+            "use zero=stage2_offload or zero=stage3_offload"
+        )
+    if z.offload_param != Offload.none and z.stage != 3:
+        raise ConfigError(f"zero.offload_param={z.offload_param.value} needs ZeRO stage 3 (got stage {z.stage}): use zero=stage3_offload")
+    if Offload.nvme in (z.offload_optimizer, z.offload_param) and not z.nvme_path:
+        raise ConfigError("NVMe offload needs a directory on a fast local disk: set zero.nvme_path=/local/nvme")
+    if launch.nnodes > 1 and launcher_for(cfg) == LauncherName.deepspeed and not launch.hostfile:
+        raise ConfigError(
+            f"launcher.nnodes={launch.nnodes} with the deepspeed launcher needs launcher.hostfile "
+            "(one 'host slots=N' line per node; see launch/hostfile.example)"
+        )
