@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 import sys
+import types
+from enum import Enum
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -24,7 +26,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from finetune.config import Config, ConfigError, did_you_mean, to_config
+from finetune.config import Config, ConfigError, check_fields, did_you_mean, spelling, to_config
 from finetune.rules import validate
 
 
@@ -36,18 +38,21 @@ def _recipes_dir() -> Path:
 RECIPES = _recipes_dir()
 
 
-def typed(dcfg: DictConfig) -> Config:
-    """Composed DictConfig -> validated typed Config, or ConfigError with one line."""
+def typed(dcfg: DictConfig, *, rules: bool = True) -> Config:
+    """Composed DictConfig -> validated typed Config, or ConfigError with one line. With
+    rules=False only each field is checked, not the rules across fields (`finetune.rules`)."""
     try:
         cfg = to_config(dcfg)
     except OmegaConfBaseException as e:
         raise ConfigError(explain(e)) from None
-    validate(cfg)
+    check_fields(cfg)  # each field against what it accepts (declared beside it in finetune.config)
+    if rules:
+        validate(cfg)  # then the rules across fields and groups (finetune.rules)
     return cfg
 
 
-def preflight(overrides: list[str], *, config_dir: str | None = None, config_name: str = "config") -> Config:
-    """Compose and validate as the real run will, turning Hydra's errors into one line."""
+def preflight(overrides: list[str], *, config_dir: str | None = None, config_name: str = "config", rules: bool = True) -> Config:
+    """Compose and validate as the real run will, turning Hydra's errors into one line (rules: as in `typed`)."""
     from hydra import compose, initialize_config_dir
 
     if config_dir:  # --config-dir: the user's recipes come first, ours after
@@ -60,20 +65,28 @@ def preflight(overrides: list[str], *, config_dir: str | None = None, config_nam
                 dcfg = compose(config_name, overrides=overrides)
     except (ConfigCompositionException, MissingConfigException, OverrideParseException, OmegaConfBaseException) as e:
         raise ConfigError(explain(e)) from None
-    return typed(dcfg)
+    return typed(dcfg, rules=rules)
 
 
 def explain(e: BaseException) -> str:
-    """One line for a Hydra/OmegaConf error: what is wrong, and what would be right."""
+    """One line for a Hydra/OmegaConf error: what is wrong, and what to type instead."""
     if isinstance(e, MissingConfigException):
         return _explain_missing(str(e))
     if isinstance(e, OverrideParseException):
-        return f"cannot parse the command line: {_first_line(str(e))} (see Hydra's override grammar)"
+        return _explain_grammar(e.override, e.message)
+    text = str(e)
+    for pattern, say in HYDRA_MISTAKES:
+        found = re.search(pattern, text)
+        if found:
+            return say(*found.groups())
     cause: BaseException | None = e
     while cause is not None and not isinstance(cause, OmegaConfBaseException):
         cause = cause.__cause__
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
         key = getattr(cause, "full_key", None) or getattr(cause, "key", "?")
+        if str(key).startswith("hydra."):
+            hint = did_you_mean(str(key), HYDRA_KEYS)
+            return f"unknown key '{key}' in Hydra's settings{hint}; the usual ones: {', '.join(HYDRA_KEYS)}"
         parent, _, leaf = str(key).rpartition(".")
         known = _fields_at(parent)
         where = f"'{parent}'" if parent else "the config"
@@ -84,11 +97,62 @@ def explain(e: BaseException) -> str:
         return f"'{key}' has no value and needs one: set it in the recipe or on the command line ({key}=...)"
     if isinstance(cause, ValidationError):
         key = getattr(cause, "full_key", "?")
-        return f"invalid value for '{key}': {_first_line(str(cause))}"
+        words = _kind_words(key, _given(cause))
+        return f"{key}={_given(cause)} must be {words}" if words else f"invalid value for '{key}': {_first_line(str(cause))}"
     if isinstance(cause, OmegaConfBaseException):
         key = getattr(cause, "full_key", None)
         return f"{key + ': ' if key else ''}{_first_line(str(cause))}"
     return _first_line(str(e))
+
+
+HYDRA_KEYS = ["hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir", "hydra.job.chdir", "hydra.job.name", "hydra.verbose",
+              "hydra.searchpath", "hydra.sweeper", "hydra.output_subdir"]
+
+
+def sweep_trials(overrides: list[str]) -> list[list[str]]:
+    """For `-m`: the first trial (each swept key at its first value), then for each swept key each
+    other value with the rest at their first: every value of the sweep is composed once, so a
+    mistake in any of them (composition, a field's constraint) is refused before the first trial
+    runs. Rules across fields are left to each trial: a value may be right with some of the
+    others. A sweep that cannot be listed (an optuna interval) is left to the sweeper."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    first, values = [], {}
+    for i, (text, override) in enumerate(zip(overrides, OverridesParser.create().parse_overrides(overrides))):
+        if not override.is_sweep_override():
+            first.append(text)
+            continue
+        try:
+            listed = [f"{override.get_key_element()}={v}" for v in override.sweep_string_iterator()]
+        except Exception:  # noqa: BLE001 - not listable: the sweeper reports on it
+            continue
+        values[len(first)] = listed[1:]
+        first.append(listed[0])
+    return [first] + [first[:at] + [value] + first[at + 1:] for at, rest in values.items() for value in rest]
+
+
+HYDRA_MISTAKES: list[tuple[str, Any]] = [
+    (r"Could not override '([^']+)'\.\nTo append to your config use \+(\S+)",
+     lambda key, add: f"{add}: '{key}' is a mapping that takes new entries with a '+': type +{add}"),
+    (r"Could not override '([^']+)'\. No match in the defaults list\.\nTo append to your default list use \+(\S+)",
+     lambda group, choice: f"{choice}: '{group}' is not chosen by default, so it is added with a '+': type +{choice}"),
+    (r"Could not append to config\. An item is already at '([^']+)'\.\nEither remove \+ prefix: '([^']*)'",
+     lambda key, plain: f"+{plain}: '{key}' exists already, and '+' adds a new key: type {plain} (or ++{plain} to set it either way)"),
+    (r"Multiple values for (\S+)\. To override a value use 'override \S+: (\S+)'",
+     lambda group, choice: f"+{group}={choice}: the group '{group}' is chosen already, and '+' adds a new one: type {group}={choice}"),
+    (r"Could not delete from config\. (?:The value of )?'([^']+)'",
+     lambda key: f"~{key}: there is no '{key}' to delete: check the key (python -m finetune.launch --cfg job shows the config)"),
+]
+"""Hydra's composition mistakes (its message pattern, our one line). Each says what to type instead."""
+
+
+def _explain_grammar(override: str, message: str) -> str:
+    problem = message.removeprefix(f"Error parsing override '{override}'\n").splitlines()[0]
+    if "=" not in override:
+        return (f"'{override}' is not an override: write KEY=VALUE (e.g. {override}=...), +KEY=VALUE to add a key, "
+                f"or ~KEY to delete one")
+    return (f"cannot read the override '{override}' ({problem}): quote a value with spaces or special characters "
+            f"as KEY='VALUE' (and the whole argument for the shell: \"KEY='a=b'\")")
 
 
 def _explain_missing(message: str) -> str:
@@ -106,16 +170,45 @@ def _explain_missing(message: str) -> str:
     return f"unknown {kind} '{option}'{source}{did_you_mean(option, options)}; available: {', '.join(options) or '(none)'}"
 
 
-def _fields_at(path: str) -> list[str]:
-    """Field names of the config dataclass at a dotted path ('' = the root)."""
+def _given(cause: BaseException) -> str:
+    """The value the user typed, as typed."""
+    value = getattr(cause, "value", "?")
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _kind_words(key: str, value: Any) -> str | None:
+    """What a field of the schema accepts by its type: the words after "KEY=VALUE must be"."""
+    parent, _, leaf = key.rpartition(".")
+    node = _schema_at(parent)
+    kind = get_type_hints(node).get(leaf) if node is not None else None
+    if isinstance(kind, types.UnionType):  # X | None
+        kind = next(a for a in kind.__args__ if a is not type(None))
+    if isinstance(kind, type) and issubclass(kind, Enum):
+        values = [m.value for m in kind]
+        return f"one of {', '.join(values)}{did_you_mean(spelling(str(value)), values)}"
+    words = {int: "an integer", float: "a number", bool: "true or false", str: "text"}
+    if kind in words:
+        return words[kind]
+    origin = getattr(kind, "__origin__", None)
+    return {list: f"a list, e.g. [{value}]", dict: "a mapping, e.g. {NAME:value}"}.get(origin)
+
+
+def _schema_at(path: str) -> Any:
+    """The config dataclass at a dotted path ('' = the root), or None."""
     node: Any = Config
     for part in filter(None, path.split(".")):
-        hints = get_type_hints(node)
-        node = hints.get(part)
-        node = next((a for a in getattr(node, "__args__", ()) if is_dataclass(a)), node)  # X | None
+        node = get_type_hints(node).get(part)
+        if isinstance(node, types.UnionType):  # X | None
+            node = next(a for a in node.__args__ if a is not type(None))
         if not is_dataclass(node):
-            return []
-    return [f.name for f in fields(node)]
+            return None
+    return node
+
+
+def _fields_at(path: str) -> list[str]:
+    """Field names of the config dataclass at a dotted path ('' = the root)."""
+    node = _schema_at(path)
+    return [f.name for f in fields(node)] if node is not None else []
 
 
 def _first_line(text: str) -> str:

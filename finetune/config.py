@@ -12,10 +12,12 @@ This module imports no torch: the launcher and a dry run stay instant.
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field, fields
-from enum import Enum
+import os
+import re
+from dataclasses import dataclass, field, fields, is_dataclass
+from enum import Enum, EnumMeta
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -27,124 +29,226 @@ class ConfigError(ValueError):
     """A user mistake in the config: the message is one line that says what to change."""
 
 
+# ---------------------------------------------------------------------------------------------
+# What each field accepts: declared beside the field, checked when the config is composed
+
+
+@dataclass(frozen=True)
+class Accepts:
+    """A field's constraint: `ok(value)`, and the words that complete "KEY=VALUE must be ...".
+
+    `outside` holds values just outside what is accepted, as typed on the command line: the
+    schema test composes each one and expects the refusal to name the key."""
+
+    words: str
+    ok: Callable[[Any], bool]
+    outside: tuple[str, ...] = ()
+
+
+def at_least(n: int) -> Accepts:
+    return Accepts(f"at least {n}" if n else "0 or more", lambda v: v >= n, (str(n - 1),))
+
+
+def in_range(lo: float, hi: float, *, hi_open: bool = False, step: float = 0.01) -> Accepts:
+    """A number in [lo, hi] (or [lo, hi) with hi_open); `step`: how far outside the test goes."""
+    close = ")" if hi_open else "]"
+    return Accepts(f"in [{lo:g}, {hi:g}{close}", lambda v: lo <= v < hi if hi_open else lo <= v <= hi,
+                   (f"{lo - step:g}", f"{hi:g}" if hi_open else f"{hi + step:g}"))
+
+
+def one_of(*values: int) -> Accepts:
+    return Accepts(f"one of {', '.join(map(str, values))}", lambda v: v in values, (str(max(values) + 1),))
+
+
+POSITIVE = Accepts("positive", lambda v: v > 0, ("0",))
+PROBABILITY = in_range(0, 1, hi_open=True)
+PORT = Accepts("a port in [1, 65535]", lambda v: 0 < v < 65536, ("0", "65536"))
+TEXT = Accepts("non-empty text", lambda v: bool(str(v).strip()), ("''",))
+ANY_TEXT = Accepts("any text", lambda v: True)
+NAMES = Accepts("a list of names", lambda v: all(str(x).strip() for x in v), ("['']",))
+SOME_NAMES = Accepts("a non-empty list of names", lambda v: len(v) > 0 and NAMES.ok(v), ("[]",))
+ENV = Accepts("NAME: value pairs, each NAME a variable name ([A-Za-z_][A-Za-z0-9_]*)",
+              lambda v: all(re.fullmatch(r"[A-Za-z_]\w*", str(k)) for k in v), ("{A-B:x}",))
+BETAS = Accepts("two numbers, each in [0, 1)", lambda v: len(v) == 2 and all(PROBABILITY.ok(b) for b in v), ("[0.9]", "[0.9,1.0]"))
+EXISTING_FILE = Accepts("an existing file", lambda v: Path(v).expanduser().is_file(), ("/nonexistent/file",))
+EXISTING_DIR = Accepts("an existing directory", lambda v: Path(v).expanduser().is_dir(), ("/nonexistent/dir",))
+
+
+def _host_port(value: str) -> bool:
+    host, colon, port = value.rpartition(":") if ":" in value else (value, "", "")
+    return bool(host) and (not colon or (port.isdigit() and 0 < int(port) < 65536))
+
+
+HOST_PORT = Accepts("HOST or HOST:PORT (port in [1, 65535])", _host_port, ("host:0", ":29400"))
+
+
+def checked(accepts: Accepts, default: Any = MISSING, *, factory: Callable[[], Any] | None = None) -> Any:
+    """A dataclass field with its constraint (null is always allowed where the type allows it)."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"accepts": accepts})
+    return field(default=default, metadata={"accepts": accepts})
+
+
+def check_fields(node: Any, prefix: str = "") -> None:
+    """Refuse the first field value its constraint rejects: `KEY=VALUE must be WORDS`."""
+    for f in fields(node):
+        value, key = getattr(node, f.name), f"{prefix}{f.name}"
+        if is_dataclass(value):
+            check_fields(value, f"{key}.")
+        elif value is not None and "accepts" in f.metadata and not f.metadata["accepts"].ok(value):
+            shown = "''" if value == "" else value
+            raise ConfigError(f"{key}={shown} must be {f.metadata['accepts'].words}")
+
+
+def machine_ram_gib() -> float:
+    """This machine's physical RAM in GiB (for hardware=cpu: plan against what is really there)."""
+    return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+
+
+OmegaConf.register_new_resolver("machine_ram_gib", machine_ram_gib, replace=True)
 # `${asset:tokenizer}` in a YAML file is the absolute path of a file the package ships.
 OmegaConf.register_new_resolver("asset", lambda rel: str(ASSETS / rel), replace=True)
 
 
 # ---------------------------------------------------------------------------------------------
-# Enumerations (member name == value, so YAML and the command line use the plain word)
+# Enumerations. OmegaConf looks members up by name (`Enum[name]`); `Spelled` lets that lookup take
+# the spellings users type: any case, '-' for '_', the value (`1f1b`) or a common alias (`bfloat16`).
 
 
-class AttnImpl(str, Enum):
+ENUM_ALIASES: dict[str, dict[str, str]] = {
+    "Precision": {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"},
+    "AttnImpl": {"flash": "flash_attention_2", "flash_attn": "flash_attention_2", "fa2": "flash_attention_2"},
+    "PipeSchedule": {"interleaved": "interleaved_1f1b"},
+}
+"""Other words users type for an enum's value, by enum class name."""
+
+
+def spelling(word: str) -> str:
+    return word.strip().lower().replace("-", "_")
+
+
+class Spelled(EnumMeta):
+    def __getitem__(cls, name: str) -> Any:
+        members = cls.__members__
+        if name in members:
+            return members[name]
+        spelled = {spelling(n): m for n, m in members.items()} | {spelling(m.value): m for m in members.values()}
+        spelled |= {spelling(a): cls(v) for a, v in ENUM_ALIASES.get(cls.__name__, {}).items()}
+        if isinstance(name, str) and spelling(name) in spelled:
+            return spelled[spelling(name)]
+        raise KeyError(name)
+
+
+class AttnImpl(str, Enum, metaclass=Spelled):
     auto = "auto"
     flash_attention_2 = "flash_attention_2"
     sdpa = "sdpa"
     eager = "eager"
 
 
-class DataFormat(str, Enum):
+class DataFormat(str, Enum, metaclass=Spelled):
     auto = "auto"
     alpaca = "alpaca"
     chat = "chat"
     preference = "preference"
 
 
-class Template(str, Enum):
+class Template(str, Enum, metaclass=Spelled):
     auto = "auto"
     tokenizer = "tokenizer"
     builtin = "builtin"
 
 
-class LongPrompt(str, Enum):
+class LongPrompt(str, Enum, metaclass=Spelled):
     drop = "drop"
     error = "error"
 
 
-class Method(str, Enum):
+class Method(str, Enum, metaclass=Spelled):
     sft = "sft"
     dpo = "dpo"
 
 
-class DpoLoss(str, Enum):
+class DpoLoss(str, Enum, metaclass=Spelled):
     sigmoid = "sigmoid"
     ipo = "ipo"
     hinge = "hinge"
     simpo = "simpo"
 
 
-class Reference(str, Enum):
+class Reference(str, Enum, metaclass=Spelled):
     precomputed = "precomputed"
     live = "live"
     adapter_disabled = "adapter_disabled"
 
 
-class Precision(str, Enum):
+class Precision(str, Enum, metaclass=Spelled):
     fp32 = "fp32"
     bf16 = "bf16"
     fp16 = "fp16"
 
 
-class Offload(str, Enum):
+class Offload(str, Enum, metaclass=Spelled):
     none = "none"
     cpu = "cpu"
     nvme = "nvme"
 
 
-class Checkpointing(str, Enum):
+class Checkpointing(str, Enum, metaclass=Spelled):
     none = "none"
     full = "full"
     selective = "selective"
     offload = "offload"
 
 
-class PeftMethod(str, Enum):
+class PeftMethod(str, Enum, metaclass=Spelled):
     none = "none"
     lora = "lora"
     qlora = "qlora"
     dora = "dora"
 
 
-class QuantType(str, Enum):
+class QuantType(str, Enum, metaclass=Spelled):
     nf4 = "nf4"
     fp4 = "fp4"
 
 
-class Strategy(str, Enum):
+class Strategy(str, Enum, metaclass=Spelled):
     single = "single"
     ddp = "ddp"
     fsdp = "fsdp"
 
 
-class PipeSchedule(str, Enum):
+class PipeSchedule(str, Enum, metaclass=Spelled):
     gpipe = "gpipe"
     one_f_one_b = "1f1b"
     interleaved_1f1b = "interleaved_1f1b"
 
 
-class Optimizer(str, Enum):
+class Optimizer(str, Enum, metaclass=Spelled):
     adamw = "adamw"
     adam = "adam"
     sgd = "sgd"
 
 
-class Scheduler(str, Enum):
+class Scheduler(str, Enum, metaclass=Spelled):
     cosine = "cosine"
     linear = "linear"
     constant = "constant"
 
 
-class LauncherName(str, Enum):
+class LauncherName(str, Enum, metaclass=Spelled):
     auto = "auto"
     torchrun = "torchrun"
     deepspeed = "deepspeed"
 
 
-class NonFinite(str, Enum):
+class NonFinite(str, Enum, metaclass=Spelled):
     stop = "stop"
     skip = "skip"
 
 
-class Device(str, Enum):
+class Device(str, Enum, metaclass=Spelled):
     auto = "auto"
     cpu = "cpu"
     cuda = "cuda"
@@ -158,57 +262,57 @@ class Device(str, Enum):
 class ModelInit:
     """Architecture of a randomly initialised model (no download); a transformers config."""
 
-    model_type: str = "llama"
+    model_type: str = checked(TEXT, "llama")
     """Any `transformers` model type that `AutoConfig.for_model` knows (llama, qwen2, mistral...)."""
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    max_position_embeddings: int = 512
+    hidden_size: int = checked(at_least(1), 128)
+    intermediate_size: int = checked(at_least(1), 384)
+    num_hidden_layers: int = checked(at_least(1), 2)
+    num_attention_heads: int = checked(at_least(1), 4)
+    num_key_value_heads: int = checked(at_least(1), 2)
+    max_position_embeddings: int = checked(at_least(1), 512)
     tie_word_embeddings: bool = False
-    seed: int = 0
+    seed: int = checked(at_least(0), 0)
     """Seed of the random initialisation (the same on every rank)."""
 
 
 @dataclass
 class ModelConfig:
-    path: str | None = None
+    path: str | None = checked(TEXT, None)
     """Hub id or local directory of pretrained weights; null: random init from `init`."""
     init: ModelInit | None = None
     """Architecture for a random-init model; only when `path` is null."""
-    tokenizer: str | None = None
+    tokenizer: str | None = checked(TEXT, None)
     """Hub id or local directory of the tokenizer; null: the same as `path`."""
     attn_implementation: AttnImpl = AttnImpl.sdpa
     """flash_attention_2 (CUDA, fp16/bf16, the `gpu` extra), sdpa (PyTorch's fused attention),
     eager (plain matmuls), or auto: flash_attention_2 where it can run, else sdpa."""
-    revision: str | None = None
+    revision: str | None = checked(TEXT, None)
     """Hub revision (branch, tag or commit) for `path` and `tokenizer`."""
     trust_remote_code: bool = False
-    recipe_if_missing: str | None = None
+    recipe_if_missing: str | None = checked(TEXT, None)
     """When `path` is a local directory that does not exist yet: the recipe whose run makes it
     (run first, in `path`'s parent directory, which must be RUN_DIR/final of that run)."""
 
 
 @dataclass
 class DataConfig:
-    train: str = MISSING
+    train: str = checked(TEXT, MISSING)
     """A local .jsonl/.json file, a local dataset directory, or a hub dataset id."""
-    eval: str | None = None
+    eval: str | None = checked(TEXT, None)
     """The same forms as `train`; null: hold out `eval_size` rows of `train` instead."""
-    eval_size: int = 0
+    eval_size: int = checked(at_least(0), 0)
     """Rows of `train` held out for evaluation when `eval` is null (0: no evaluation)."""
-    train_split: str = "train"
+    train_split: str = checked(TEXT, "train")
     """Split to read from a dataset directory or hub id (ignored for .jsonl files)."""
-    eval_split: str = "train"
+    eval_split: str = checked(TEXT, "train")
     format: DataFormat = DataFormat.auto
     """alpaca (instruction/input/output), chat (messages), preference (prompt/chosen/rejected, for
     method=dpo), or auto: decided per row by its keys."""
     template: Template = Template.auto
     """tokenizer: its chat template; builtin: ours; auto: the tokenizer's if it has one."""
-    system_prompt: str | None = None
+    system_prompt: str | None = checked(ANY_TEXT, None)
     """Prepended as a system message to rows that have none."""
-    max_length: int = 512
+    max_length: int = checked(at_least(1), 512)
     """Tokens per sample (per prompt+response for preference pairs); longer responses are cut at
     the end (and counted), the prompt is kept whole."""
     long_prompt: LongPrompt = LongPrompt.drop
@@ -225,13 +329,13 @@ class MethodConfig:
     loss: DpoLoss = DpoLoss.sigmoid
     """dpo: sigmoid (DPO), ipo (squared loss on length-averaged log-ratios), hinge (SLiC),
     simpo (reference-free, length-averaged log-probs, target margin `gamma`)."""
-    beta: float | None = None
+    beta: float | None = checked(POSITIVE, None)
     """dpo: inverse temperature of the implicit reward; null: 0.1, or 2.0 for simpo (the papers' values)."""
-    gamma: float = 1.0
+    gamma: float = checked(at_least(0), 1.0)
     """simpo: the target reward margin between chosen and rejected."""
-    label_smoothing: float = 0.0
+    label_smoothing: float = checked(in_range(0, 0.5, hi_open=True), 0.0)
     """sigmoid/simpo: probability that a preference label is flipped (conservative DPO), in [0, 0.5)."""
-    sft_weight: float = 0.0
+    sft_weight: float = checked(at_least(0), 0.0)
     """dpo: weight of an added SFT loss on the chosen response (per-token mean; RPO-style)."""
     reference: Reference = Reference.precomputed
     """dpo: where the reference log-probs come from. precomputed: one no-grad pass of the initial
@@ -250,9 +354,9 @@ class MethodConfig:
 class PrecisionConfig:
     name: Precision = Precision.fp32
     """fp32; bf16 (autocast, fp32 master weights); fp16 (autocast + dynamic loss scaling)."""
-    initial_scale_power: int = 16
+    initial_scale_power: int = checked(in_range(0, 32, step=1), 16)
     """fp16: the loss scale starts at 2**initial_scale_power."""
-    loss_scale_window: int = 1000
+    loss_scale_window: int = checked(at_least(1), 1000)
     """fp16: steps without overflow before the scale doubles (it halves on every overflow)."""
 
 
@@ -261,20 +365,20 @@ class CheckpointingConfig:
     name: Checkpointing = Checkpointing.none
     """none; full (recompute every block in backward); selective (every k-th block);
     offload (keep saved activations in CPU memory instead of recomputing)."""
-    every: int = 2
+    every: int = checked(at_least(1), 2)
     """selective: recompute blocks 0, k, 2k, ... (k = every)."""
 
 
 @dataclass
 class ZeroConfig:
-    stage: int | None = None
+    stage: int | None = checked(one_of(0, 1, 2, 3), None)
     """null: no DeepSpeed (the torch engine). 0-3: the DeepSpeed engine with this ZeRO stage
     (0 plain data parallel, 1 optimizer states sharded, 2 + gradients, 3 + parameters)."""
     offload_optimizer: Offload = Offload.none
     """Optimizer states (and the fp32 gradient copy) to cpu or nvme: stage 2 or 3."""
     offload_param: Offload = Offload.none
     """Parameters to cpu or nvme: stage 3 only."""
-    nvme_path: str | None = None
+    nvme_path: str | None = checked(EXISTING_DIR, None)
     """Directory on a fast local disk for nvme offload."""
     pin_memory: bool = True
     """Page-locked CPU buffers for offload: faster copies, more locked RAM."""
@@ -282,19 +386,19 @@ class ZeroConfig:
     """Overlap gradient reduction with the backward pass (costs bucket memory)."""
     contiguous_gradients: bool = True
     """Copy gradients into one buffer as they are produced: less fragmentation."""
-    reduce_bucket_size: int = 500_000_000
+    reduce_bucket_size: int = checked(at_least(1), 500_000_000)
     """Elements reduced at a time."""
-    allgather_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = checked(at_least(1), 500_000_000)
     """Stages 1-2: elements all-gathered at a time after the step."""
-    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_prefetch_bucket_size: int = checked(at_least(0), 50_000_000)
     """Stage 3: elements of upcoming parameters fetched ahead."""
-    stage3_param_persistence_threshold: int = 100_000
+    stage3_param_persistence_threshold: int = checked(at_least(0), 100_000)
     """Stage 3: parameters smaller than this stay unpartitioned (saves communication)."""
-    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_live_parameters: int = checked(at_least(0), 1_000_000_000)
     """Stage 3: gathered parameters kept before releasing."""
-    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_max_reuse_distance: int = checked(at_least(0), 1_000_000_000)
     """Stage 3: keep a parameter gathered if it is reused within this many parameters."""
-    sub_group_size: int = 1_000_000_000
+    sub_group_size: int = checked(at_least(1), 1_000_000_000)
     """Stage 3: optimizer step granularity (lower it if the offloaded step runs out of memory)."""
 
     @property
@@ -308,16 +412,16 @@ class ParallelismConfig:
     """How data-parallel ranks hold the model. single: one process; ddp: each holds a replica
     (gradients all-reduced); fsdp: FSDP2 `fully_shard`, each holds a shard of parameters,
     gradients and optimizer states (gathered per block for compute)."""
-    tp: int = 1
+    tp: int = checked(at_least(1), 1)
     """Tensor-parallel degree: each block's linear layers split over `tp` ranks (DTensor plans);
     must divide the attention heads and key/value heads. Ranks of one TP group are adjacent."""
-    pp: int = 1
+    pp: int = checked(at_least(1), 1)
     """Pipeline-parallel degree: the blocks split into `pp` stages (torch.distributed.pipelining);
     the data-parallel degree is world size / (tp x pp)."""
     pp_schedule: PipeSchedule = PipeSchedule.one_f_one_b
     """gpipe (all forwards, then all backwards), 1f1b (one forward one backward: less activation
     memory), interleaved_1f1b (`pp_stages_per_rank` stages per rank: a smaller bubble)."""
-    pp_stages_per_rank: int = 1
+    pp_stages_per_rank: int = checked(at_least(1), 1)
     """Virtual stages per rank (interleaved_1f1b needs 2 or more). The pipeline's micro-batches
     are the step's micro-batches: train.micro_batch_size each, global batch / (micro batch x
     data-parallel degree) of them; the bubble is (stages - 1) / (micro-batches x virtual stages + stages - 1)."""
@@ -332,14 +436,14 @@ class ParallelismConfig:
 class PeftConfig:
     name: PeftMethod = PeftMethod.none
     """none (full fine-tuning), lora, dora (weight-decomposed LoRA), or qlora (LoRA on a 4-bit base)."""
-    r: int = 16
+    r: int = checked(at_least(1), 16)
     """Adapter rank."""
-    alpha: int = 32
+    alpha: int = checked(at_least(1), 32)
     """Scaling: the adapter's update is multiplied by alpha / r."""
-    dropout: float = 0.05
-    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    dropout: float = checked(PROBABILITY, 0.05)
+    target_modules: list[str] = checked(SOME_NAMES, factory=lambda: ["all-linear"])
     """Module names to adapt (e.g. [q_proj,v_proj]); [all-linear]: every linear layer but the output head."""
-    modules_to_save: list[str] = field(default_factory=list)
+    modules_to_save: list[str] = checked(NAMES, factory=list)
     """Modules trained fully and saved with the adapter (e.g. [lm_head,embed_tokens])."""
     quant_type: QuantType = QuantType.nf4
     """qlora: 4-bit data type of the frozen base."""
@@ -352,23 +456,23 @@ class OptimConfig:
     name: Optimizer = Optimizer.adamw
     """adamw (decoupled weight decay), adam (weight decay added to the gradient: L2) or sgd
     (optim.momentum 0: no optimizer state; > 0: one momentum buffer per parameter)."""
-    lr: float = 1e-4
+    lr: float = checked(POSITIVE, 1e-4)
     """Peak learning rate (after warmup)."""
-    weight_decay: float = 0.0
+    weight_decay: float = checked(at_least(0), 0.0)
     """Not applied to biases and norm scales. adamw decays the weights directly; adam and sgd add
     weight_decay * w to the gradient (L2), so Adam rescales it like the gradient."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    betas: list[float] = checked(BETAS, factory=lambda: [0.9, 0.999])
     """adam/adamw: decay rates of the gradient mean and of its square; unused by sgd."""
-    eps: float = 1e-8
+    eps: float = checked(POSITIVE, 1e-8)
     """adam/adamw: added to the denominator; unused by sgd."""
-    momentum: float = 0.0
+    momentum: float = checked(PROBABILITY, 0.0)
     """sgd only, in [0, 1): 0 plain SGD, 0.9 the usual heavy-ball momentum (adam/adamw use betas)."""
     scheduler: Scheduler = Scheduler.cosine
     """cosine or linear decay after warmup, or constant."""
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0
+    warmup_steps: int = checked(at_least(0), 0)
+    min_lr_ratio: float = checked(in_range(0, 1), 0.0)
     """Cosine decays to lr * min_lr_ratio."""
-    max_grad_norm: float | None = 1.0
+    max_grad_norm: float | None = checked(POSITIVE, 1.0)
     """Clip the global gradient norm to this; null: no clipping."""
 
 
@@ -376,27 +480,27 @@ class OptimConfig:
 class LauncherConfig:
     name: LauncherName = LauncherName.auto
     """torchrun, or auto (torchrun until a backend needs another launcher)."""
-    nproc_per_node: int = 1
+    nproc_per_node: int = checked(at_least(1), 1)
     """Processes (ranks) per node: one per GPU, or per CPU process group member."""
-    nnodes: int = 1
+    nnodes: int = checked(at_least(1), 1)
     """Nodes in the job; every node runs the same command (see launch/README.md)."""
-    node_rank: int = 0
+    node_rank: int = checked(at_least(0), 0)
     """This node's rank in [0, nnodes) for the static rendezvous (not with rdzv_endpoint)."""
-    master_addr: str = "127.0.0.1"
+    master_addr: str = checked(TEXT, "127.0.0.1")
     """Static rendezvous: address of node 0, reachable from every node."""
-    master_port: int | None = None
+    master_port: int | None = checked(PORT, None)
     """Static rendezvous port on node 0; null on a single node: torchrun --standalone picks a free port."""
-    rdzv_endpoint: str | None = None
+    rdzv_endpoint: str | None = checked(HOST_PORT, None)
     """torchrun: HOST:PORT of a c10d dynamic rendezvous (--rdzv_backend=c10d; port 29400 if omitted), the
     same on every node, instead of the static node_rank/master_addr/master_port; the rendezvous assigns
     node ranks. HOST is one of the job's nodes (it serves the rendezvous store)."""
-    rdzv_id: str = "finetune"
+    rdzv_id: str = checked(TEXT, "finetune")
     """torchrun with rdzv_endpoint: the job id (--rdzv_id) every node of one job shares."""
-    omp_num_threads: int | None = None
+    omp_num_threads: int | None = checked(at_least(1), None)
     """Threads per rank; null: CPU cores / nproc_per_node."""
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = checked(ENV, factory=dict)
     """Extra environment variables for every rank."""
-    hostfile: str | None = None
+    hostfile: str | None = checked(EXISTING_FILE, None)
     """deepspeed: hostfile ('host slots=N' lines) for multi-node jobs."""
     no_ssh: bool = False
     """deepspeed: start this node's ranks only (run once per node with launcher.node_rank), no ssh."""
@@ -410,7 +514,7 @@ class PlanConfig:
 
     suggest: bool = False
     """When the config does not fit: print the cheapest override sets that do (the launcher always does)."""
-    suggestions: int = 3
+    suggestions: int = checked(at_least(1), 3)
     """How many fitting override sets to print."""
     force: bool = False
     """Launch even if the plan says the config does not fit the hardware (the plan is still printed)."""
@@ -421,41 +525,40 @@ class HardwareConfig:
     """The machine the memory plan is checked against: `python -m finetune.plan`, and the launcher
     before it starts anything (hardware=cpu by default: CPU ranks sharing the node's RAM)."""
 
-    name: str = "cpu"
+    name: str = checked(TEXT, "cpu")
     """A label for the hardware, printed by the planner."""
-    gpu_memory_gib: float = 0.0
+    gpu_memory_gib: float = checked(at_least(0), 0.0)
     """Memory of one accelerator in GiB (2^30 bytes); 0: no GPU, the ranks run on CPU and share
     cpu_memory_gib."""
-    gpus_per_node: int = 1
-    """Accelerators per node (for information: the launch size is launcher.nproc_per_node x nnodes)."""
-    nodes: int = 1
-    """Nodes available (for information, like gpus_per_node)."""
-    cpu_memory_gib: float = 64.0
-    """CPU RAM per node in GiB: holds offloaded optimizer states/parameters/activations."""
-    nvme_gib: float = 0.0
+    gpus_per_node: int = checked(at_least(1), 1)
+    """Accelerators per node: with gpu_memory_gib > 0, launcher.nproc_per_node may not exceed it."""
+    nodes: int = checked(at_least(1), 1)
+    """Nodes available: with gpu_memory_gib > 0, launcher.nnodes may not exceed it."""
+    cpu_memory_gib: float = checked(POSITIVE, 64.0)
+    """CPU RAM per node in GiB: holds offloaded optimizer states/parameters/activations
+    (hardware=cpu reads this machine's RAM: `${machine_ram_gib:}`)."""
+    nvme_gib: float = checked(at_least(0), 0.0)
     """Local NVMe space per node in GiB for zero.offload_*=nvme (0: none)."""
-    peak_bf16_tflops: float = 0.0
-    """Dense bf16 peak of one accelerator in TFLOP/s (0: unknown); for time estimates later."""
 
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 100
+    max_steps: int = checked(at_least(1), 100)
     """Optimizer steps."""
-    micro_batch_size: int = 8
+    micro_batch_size: int = checked(at_least(1), 8)
     """Samples per rank per forward/backward."""
-    global_batch_size: int = 32
+    global_batch_size: int = checked(at_least(1), 32)
     """Samples per optimizer step over all ranks; accumulation = global / (micro x data-parallel)."""
-    seed: int = 42
+    seed: int = checked(at_least(0), 42)
     """Data order; the same seed gives the same samples per step on any number of ranks."""
-    eval_every: int = 0
+    eval_every: int = checked(at_least(0), 0)
     """Evaluate every N steps (0: only before and after training)."""
-    eval_batch_size: int = 32
-    exact_match_samples: int = 0
+    eval_batch_size: int = checked(at_least(1), 32)
+    exact_match_samples: int = checked(at_least(0), 0)
     """Eval rows scored by greedy generation (response == reference) before and after training."""
-    max_new_tokens: int = 64
+    max_new_tokens: int = checked(at_least(1), 64)
     """Generation length limit for exact match."""
-    log_every: int = 10
+    log_every: int = checked(at_least(1), 10)
     """Print a metrics line every N steps when there is no progress bar."""
     progress_bar: bool = True
     tensorboard: bool = True
@@ -463,16 +566,16 @@ class TrainConfig:
     """Measure memory by category (parameters, gradients, optimizer, activations) over the first 2 steps."""
     memory_snapshot: bool = False
     """CUDA only: write RUN_DIR/memory_snapshot.pickle of the first steps (open it at pytorch.org/memory_viz)."""
-    save_every: int = 0
+    save_every: int = checked(at_least(0), 0)
     """Save a resumable checkpoint every N steps into RUN_DIR/checkpoints (0: never; SIGTERM/SIGINT
     save one at the next step boundary in any case)."""
-    keep_checkpoints: int = 0
+    keep_checkpoints: int = checked(at_least(0), 0)
     """Keep only the newest K complete checkpoints (0: keep all)."""
     on_nonfinite: NonFinite = NonFinite.stop
     """A step whose loss or gradient norm is inf/nan: stop (naming the step, weights untouched by
     it) or skip it (no update; counted as `nonfinite_skipped`). fp16's loss scaler skips overflowing
     gradients on its own either way."""
-    resume: str | None = None
+    resume: str | None = checked(TEXT, None)
     """null: start fresh; auto: the newest checkpoint in RUN_DIR/checkpoints (same hydra.run.dir),
     or start fresh if there is none; a path: that checkpoint directory."""
     device: Device = Device.auto
@@ -496,7 +599,7 @@ class Config:
     """The machine the memory plan is checked against; the ranks themselves ignore it."""
     plan: PlanConfig = field(default_factory=PlanConfig)
     """The memory planner's switches (plan.suggest, plan.force)."""
-    run_dir: str | None = None
+    run_dir: str | None = checked(TEXT, None)
     """Where the run writes; null: Hydra's run directory (`hydra.run.dir`)."""
 
     @property

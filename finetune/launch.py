@@ -28,7 +28,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from finetune import formats, plan, sweep
-from finetune.compose import RECIPES, _first_line, fail, preflight, typed
+from finetune.compose import RECIPES, _first_line, fail, preflight, sweep_trials, typed
 from finetune.config import Config, ConfigError
 from finetune.launcher import ERROR_FILE, RANKS_DIR, LaunchSpec, build
 
@@ -37,10 +37,16 @@ from finetune.launcher import ERROR_FILE, RANKS_DIR, LaunchSpec, build
 
 def main() -> None:
     """Check the composition first so a user mistake is one line, then hand over to Hydra."""
-    args = hydra._internal.utils.get_args_parser().parse_args()  # Hydra's own flags, unchanged
-    if not (args.multirun or args.help or args.hydra_help or args.info or args.shell_completion):
+    parser = hydra._internal.utils.get_args_parser()  # Hydra's own flags, unchanged
+    parser.error = lambda message: fail(ConfigError(f"{message} (python -m finetune.launch --help lists the flags)"))
+    args = parser.parse_intermixed_args()  # overrides before and after --config-dir DIR alike
+    sys.argv = [sys.argv[0], *(a for a in sys.argv[1:] if a not in args.overrides), *args.overrides]  # as Hydra parses it
+    if args.config_dir and not Path(args.config_dir).expanduser().is_dir():
+        fail(ConfigError(f"--config-dir {args.config_dir}: no such directory (it holds your own recipe/NAME.yaml and group options)"))
+    if not (args.help or args.hydra_help or args.info or args.shell_completion):
         try:
-            preflight(args.overrides, config_dir=args.config_dir, config_name=args.config_name or "config")
+            for overrides in sweep_trials(args.overrides) if args.multirun else [args.overrides]:
+                preflight(overrides, config_dir=args.config_dir, config_name=args.config_name or "config", rules=not args.multirun)
         except ConfigError as e:
             fail(e)
     _hydra_main()

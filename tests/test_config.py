@@ -14,7 +14,7 @@ from finetune.compose import RECIPES
 NEEDS = {
     ("model", "pretrained"): ["model.path=/some/local/model"],
     ("data", "jsonl"): ["data.train=/some/train.jsonl"],
-    ("zero", "stage3_nvme"): ["zero.nvme_path=/local/nvme"],
+    ("zero", "stage3_nvme"): ["zero.nvme_path=/tmp"],
     ("launcher", "deepspeed"): ["zero=stage2"],
     ("data", "quickstart_dpo"): ["method=dpo"],
     ("method", "dpo"): ["data=quickstart_dpo"],

@@ -63,7 +63,7 @@ def test_json_follows_every_yaml_number(compose):
         "stage": 2, "overlap_comm": False, "contiguous_gradients": False, "reduce_bucket_size": 1234,
         "allgather_bucket_size": 5678, "offload_optimizer": {"device": "cpu", "pin_memory": False},
     }
-    cfg = compose(["zero=stage3_nvme", "zero.nvme_path=/nvme", "optim.max_grad_norm=null", "precision=fp16",
+    cfg = compose(["zero=stage3_nvme", "zero.nvme_path=/tmp", "optim.max_grad_norm=null", "precision=fp16",
                    "precision.initial_scale_power=12", "precision.loss_scale_window=50"])
     ds = deepspeed_config(cfg)
     assert ds["gradient_clipping"] == 0.0

@@ -200,26 +200,38 @@ def test_sweep_over_memory_strategies_summarises_every_trial(tmp_path, small_dat
     assert rebuilt.returncode == 0 and rebuilt.stdout.startswith(table) and (d / "summary.md").read_text() == table
 
 
+def test_a_swept_value_that_no_trial_accepts_is_refused_before_any_trial(tmp_path):
+    d = tmp_path / "sweep"
+    out = run_cli("-m", "+recipe=quickstart_sft", "train.max_steps=3,0", "optim=adamw,adamm", f"hydra.sweep.dir={d}", cwd=tmp_path, timeout=60)
+    assert (out.returncode, out.stderr.strip()) == (2, "error: train.max_steps=0 must be at least 1")
+    assert not d.exists()
+    out = run_cli("-m", "+recipe=quickstart_sft", "optim=adamw,adamm", f"hydra.sweep.dir={d}", cwd=tmp_path, timeout=60)
+    assert (out.returncode, out.stderr.strip()) == (2, "error: unknown optim option 'adamm' (did you mean 'adam'?); available: adam, adamw, momentum, sgd")
+    assert not d.exists()
+
+
 @pytest.mark.slow
 def test_failed_trials_are_recorded_and_the_sweep_goes_on(tmp_path, small_data):
-    """max_steps=0 is refused by validation; max_length=8 leaves the prompts no room, which a rank finds
-    (data.long_prompt=error): both are recorded with their reason, the other trial trains, the exit code is 1."""
+    """warmup_steps=5 with max_steps=3 breaks a rule across fields (refused by the trial's validation);
+    max_length=8 leaves the prompts no room, which a rank finds (data.long_prompt=error): both are
+    recorded with their reason, the other trial trains, the exit code is 1."""
     d = tmp_path / "sweep"
-    out = run_cli("-m", "+recipe=quickstart_sft", "train.max_steps=3,0", "data.max_length=64,8", "data.long_prompt=error",
-                  *TINY[1:], *small_data, f"hydra.sweep.dir={d}", cwd=tmp_path)
+    out = run_cli("-m", "+recipe=quickstart_sft", "train.max_steps=3", "optim.warmup_steps=0,5", "data.max_length=64,8",
+                  "data.long_prompt=error", *TINY[1:], *small_data, f"hydra.sweep.dir={d}", cwd=tmp_path)
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     rows = read_csv(d)
     assert [(r["overrides"], r["status"], r["exit_code"]) for r in rows] == [
-        ("train.max_steps=3 data.max_length=64", "ok", "0"),
-        ("train.max_steps=3 data.max_length=8", "failed", "1"),  # torchrun's code when a rank fails
-        ("train.max_steps=0 data.max_length=64", "failed", "2"),
-        ("train.max_steps=0 data.max_length=8", "failed", "2"),
+        ("train.max_steps=3 optim.warmup_steps=0 data.max_length=64", "ok", "0"),
+        ("train.max_steps=3 optim.warmup_steps=0 data.max_length=8", "failed", "1"),  # torchrun's code when a rank fails
+        ("train.max_steps=3 optim.warmup_steps=5 data.max_length=64", "failed", "2"),
+        ("train.max_steps=3 optim.warmup_steps=5 data.max_length=8", "failed", "2"),
     ]
     assert math.isfinite(float(rows[0]["eval_loss"]))
     assert "the prompt is" in rows[1]["reason"] and "leaves no room for the response" in rows[1]["reason"]
-    assert rows[2]["reason"] == rows[3]["reason"] == "train.max_steps=0 must be at least 1"
-    assert json.loads((d / "2" / "status.json").read_text()) == {"status": "failed", "exit_code": 2, "reason": "train.max_steps=0 must be at least 1"}
-    assert "error: trial 2: train.max_steps=0 must be at least 1" in out.stderr
+    refused = "optim.warmup_steps=5 must be below train.max_steps=3"
+    assert rows[2]["reason"] == rows[3]["reason"] == refused
+    assert json.loads((d / "2" / "status.json").read_text()) == {"status": "failed", "exit_code": 2, "reason": refused}
+    assert f"error: trial 2: {refused}" in out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith("error: 3 of 4 trials failed (trial 1, 2, 3)")
     table = (d / "summary.md").read_text()
     assert table.count("| failed |") == 3 and table in out.stdout
