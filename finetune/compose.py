@@ -77,7 +77,7 @@ def explain(e: BaseException) -> str:
     text = str(e)
     for pattern, say in HYDRA_MISTAKES:
         found = re.search(pattern, text)
-        if found:
+        if found and say(*found.groups()):
             return say(*found.groups())
     cause: BaseException | None = e
     while cause is not None and not isinstance(cause, OmegaConfBaseException):
@@ -133,7 +133,7 @@ def sweep_trials(overrides: list[str]) -> list[list[str]]:
 
 HYDRA_MISTAKES: list[tuple[str, Any]] = [
     (r"Could not override '([^']+)'\.\nTo append to your config use \+(\S+)",
-     lambda key, add: f"{add}: '{key}' is a mapping that takes new entries with a '+': type +{add}"),
+     lambda key, add: f"{add}: '{key}' is a mapping that takes new entries with a '+': type +{add}" if _is_mapping(key) else None),
     (r"Could not override '([^']+)'\. No match in the defaults list\.\nTo append to your default list use \+(\S+)",
      lambda group, choice: f"{choice}: '{group}' is not chosen by default, so it is added with a '+': type +{choice}"),
     (r"Could not append to config\. An item is already at '([^']+)'\.\nEither remove \+ prefix: '([^']*)'",
@@ -191,6 +191,12 @@ def _kind_words(key: str, value: Any) -> str | None:
         return words[kind]
     origin = getattr(kind, "__origin__", None)
     return {list: f"a list, e.g. [{value}]", dict: "a mapping, e.g. {NAME:value}"}.get(origin)
+
+
+def _is_mapping(key: str) -> bool:
+    parent, _, leaf = key.rpartition(".")
+    node = _schema_at(parent)
+    return node is not None and getattr(get_type_hints(node).get(leaf), "__origin__", None) is dict
 
 
 def _schema_at(path: str) -> Any:
