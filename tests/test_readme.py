@@ -113,3 +113,23 @@ def test_readme_command_composes(doc, line, command, shown, tmp_path, monkeypatc
                 assert str(e) == expected, f"{doc}:{line}: shows {shown!r}, the code says {e}"
         else:
             assert shown is None, f"{doc}:{line}: shows {shown!r}, but `{command}` composes"
+
+
+@pytest.mark.parametrize("index", [None, "https://download.pytorch.org/whl/cpu"])
+def test_install_takes_a_torch_index_when_named(tmp_path, index):
+    """scripts/install.sh without torch and without nvidia-smi: FINETUNE_TORCH_INDEX_URL (README's
+    install section) becomes that pip call's --index-url; without it, pip's own index as before."""
+    import shutil
+    import subprocess
+
+    log, bin_dir = tmp_path / "calls.txt", tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "dirname").symlink_to(shutil.which("dirname"))  # PATH holds no nvidia-smi
+    fake = tmp_path / "python"  # records each call; `-c "import torch"` fails: no torch here
+    fake.write_text(f'#!/bin/sh\necho "$*" >> {log}\n[ "$1" != "-c" ]\n')
+    fake.chmod(0o755)
+    env = {"PATH": str(bin_dir), "PYTHON": str(fake), **({"FINETUNE_TORCH_INDEX_URL": index} if index else {})}
+    out = subprocess.run([shutil.which("bash"), str(REPO / "scripts/install.sh")], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    torch_call = f"-m pip install -q torch==2.13.0{f' --index-url {index}' if index else ''}"
+    assert log.read_text().splitlines() == ["-c import torch", torch_call, "-m pip install -q -e .[test]"]
