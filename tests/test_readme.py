@@ -89,7 +89,7 @@ CASES = [(doc, *c) for doc in DOCS for c in fenced_commands(doc)]
 
 
 def test_the_docs_have_the_commands_this_test_checks():
-    assert len(CASES) >= 28, CASES
+    assert len(CASES) >= 29, CASES  # 25 in README.md, 4 in launch/README.md
     assert any(" -m " in c[2] for c in CASES) and any("\\" in (REPO / c[0]).read_text().splitlines()[c[1] - 1] for c in CASES)
     assert any(c[3] for c in CASES)  # the examples of a mistake
 
@@ -133,3 +133,22 @@ def test_install_takes_a_torch_index_when_named(tmp_path, index):
     assert out.returncode == 0, out.stderr
     torch_call = f"-m pip install -q torch==2.13.0{f' --index-url {index}' if index else ''}"
     assert log.read_text().splitlines() == ["-c import torch", torch_call, "-m pip install -q -e .[test]"]
+
+
+def test_own_recipe_through_the_real_cli(tmp_path):
+    """README's --config-dir example, as written, through `python -m finetune.launch` (a dry run):
+    Hydra's own --config-dir finds DIR/recipe/NAME.yaml; a name it cannot find says where it goes."""
+    from conftest import last_line, run_cli
+
+    (command,) = [c for _, c, _ in fenced_commands("README.md") if "--config-dir" in c]
+    for path, content in heredocs("README.md").items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(content + "\n")
+    out = run_cli(*shlex.split(command)[3:], f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "  max_steps: 200\n" in out.stdout and "torch.distributed.run" in out.stdout  # the recipe's value, the command
+    missing = run_cli("--config-dir", "my_recipes", "+recipe=minee", cwd=tmp_path)
+    assert missing.returncode == 2
+    assert last_line(missing.stderr) == ("error: unknown recipe 'minee' (did you mean 'mine'?); available: mine, optuna_quickstart, "
+                                         "quickstart_dpo, quickstart_sft, zero3_offload_fp16 (a recipe of your own: --config-dir DIR "
+                                         "with DIR/recipe/minee.yaml)")
