@@ -167,7 +167,8 @@ def _explain_missing(message: str) -> str:
     if not group:
         return f"config '{missing}' not found{source}"
     kind = "recipe" if group == "recipe" else f"{group} option"
-    return f"unknown {kind} '{option}'{source}{did_you_mean(option, options)}; available: {', '.join(options) or '(none)'}"
+    own = f" (a recipe of your own: --config-dir DIR with DIR/recipe/{option}.yaml)" if group == "recipe" else ""
+    return f"unknown {kind} '{option}'{source}{did_you_mean(option, options)}; available: {', '.join(options) or '(none)'}{own}"
 
 
 def _given(cause: BaseException) -> str:

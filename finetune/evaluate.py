@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from finetune.config import TrainConfig
 from finetune.data import Example, collate, eval_batches, for_generation, shard
 from finetune.dist import Dist
 from finetune.engine.common import add_metrics
@@ -28,7 +30,7 @@ def evaluate(engine: Any, objective: Any, examples: list[Any], *, dist: Dist, to
         engine.inference(objective, collate(examples[:1], tokenizer.pad_token_id))  # ZeRO-3: match the other ranks' forwards
     loss_sum, count, *values = dist.sum(loss_sum, count, *(metrics.get(k, 0.0) for k in objective.metrics))
     out = {"eval_loss": loss_sum / max(count, 1)} | {f"eval_{k}": v / max(count, 1) for k, v in zip(objective.metrics, values)}
-    if exact_match_samples:
+    if exact_match_samples and engine.generation_model is not None:  # pipeline stages: exact_match_of_export, after training
         examples = for_generation(examples)
         scored = shard(examples[:exact_match_samples], engine.dp_rank, engine.dp_size)
         extra = lockstep_extra(engine, min(exact_match_samples, len(examples)), batch_size)
@@ -45,6 +47,19 @@ def lockstep_extra(engine: Any, total: int, batch_size: int) -> int:
         return 0
     most = -(-total // engine.dp_size)  # the largest shard
     return -(-most // batch_size) - -(-len(shard(range(total), engine.dp_rank, engine.dp_size)) // batch_size)
+
+
+def exact_match_of_export(path: Path, examples: list[Any], cfg: TrainConfig, device: torch.device) -> float:
+    """Exact match of the exported Hugging Face model at `path`, loaded whole on this one process:
+    how pipeline parallel runs measure it after training, since no rank holds a model that can generate."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"exact match: pipeline stages cannot generate, so this rank evaluates {path} on one process", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).to(device)
+    scored = for_generation(examples)[: cfg.exact_match_samples]
+    correct = exact_match(model, tokenizer, scored, batch_size=cfg.eval_batch_size, max_new_tokens=cfg.max_new_tokens, device=device)
+    return correct / max(len(scored), 1)
 
 
 @torch.no_grad()

@@ -6,9 +6,9 @@ Composes exactly as `finetune.launch` does (its `preflight`), then `plan(cfg)` c
 rank that needs the most: weights, gradients, optimizer states, activations, logits/loss buffers
 and a fixed framework overhead, and what offload puts in CPU RAM / on NVMe. The total is the
 peak: the larger of the backward peak and the optimizer step (the categories do not all peak
-together). The formulas are those of /work/shared/MEMORY.md (ZeRO paper, Korthikanti et al.
-2022), with activations counted tensor by tensor for the block transformers runs, checked
-against MemTracker (tests/test_plan.py). `suggest` walks MEMORY.md's order of strategies for
+together). The formulas are those of docs/memory.md (ZeRO paper, Korthikanti et al. 2022),
+with activations counted tensor by tensor for the block transformers runs, checked against
+MemTracker (tests/test_plan.py). `suggest` walks docs/memory.md's order of strategies for
 override sets that fit. Exit code 0: fits; 1: does not fit; 2: a config mistake (one line).
 
 Bytes per parameter follow what our engines do, which differs from the textbook table:
@@ -159,7 +159,7 @@ def architecture(m: ModelConfig) -> Arch:
 
 
 def model_state_bytes_per_param(optimizer: str, precision: str) -> tuple[int, int, int]:
-    """(weights, gradients, optimizer states) bytes per parameter, MEMORY.md's table.
+    """(weights, gradients, optimizer states) bytes per parameter, docs/memory.md's table.
 
     fp32: SGD 4+4+0, momentum SGD 4+4+4, Adam/AdamW 4+4+8 (exp_avg + exp_avg_sq).
     Mixed precision (bf16/fp16): 16-bit weights and gradients, and the optimizer holds an fp32
@@ -347,8 +347,8 @@ def activation_bytes(arch: Arch, cfg: Config, layers: int, in_flight: int, seq: 
     blocks (`block_grads` per block, the blocks above the one being differentiated).
 
     none: every block's; full recompute (non-reentrant checkpoint): each block keeps its input
-    (m s b h: MEMORY.md's 2sbh per layer in 16-bit) and the block being recomputed is whole again
-    in backward; selective (blocks 0, k, 2k... recomputed): those keep their input, the rest
+    (m s b h; the literature's 2sbh per layer in 16-bit, docs/memory.md) and the block being
+    recomputed is whole again in backward; selective (blocks 0, k, 2k... recomputed): those keep their input, the rest
     everything; offload: everything saved goes to CPU RAM (one block's worth in flight on the
     device). Under pipeline parallel the earlier micro-batches in flight hold their stored
     activations while the current one peaks. `moves`: False when the ranks run on CPU, where
@@ -380,7 +380,7 @@ def activation_bytes(arch: Arch, cfg: Config, layers: int, in_flight: int, seq: 
 def logits_bytes(arch: Arch, cfg: Config, tokens: int) -> float:
     """The loss's buffers at the start of backward, per token: log_softmax's saved fp32 output (4V),
     the gradient arriving at it (4V) and the one it returns (4V) -- 12V, the logits' fp32 upcast
-    being freed by then (MEMORY.md: "fp32 upcast doubles it"); plus the final norm and lm_head's
+    being freed by then (docs/memory.md, "Logits and the loss"); plus the final norm and lm_head's
     input (4h + m h + c h) and, under autocast, lm_head's 16-bit weight copy."""
     d = dtypes(cfg)
     v, h = arch.vocab_size / cfg.parallelism.tp, arch.hidden_size
@@ -466,7 +466,7 @@ def plan(cfg: Config) -> Plan:
             gathered = (w + g) * arch.largest_layer_params  # one module's 16-bit weights + gradients at a time
         if z.offload_optimizer == Offload.nvme or (z.offload_optimizer == Offload.cpu and on_gpu):
             # the reduced gradient partition goes straight into an fp32 buffer next to the offloaded states
-            # (MEMORY.md: "moves the 12P and the fp32 gradient copy"); the GPU keeps only reduce buckets
+            # (docs/memory.md: offload moves the 12P and the fp32 gradient copy); the GPU keeps only reduce buckets
             moved = opt + 4 * trainable / dp
             opt = grads = 0.0
             if z.offload_optimizer == Offload.cpu:
@@ -595,7 +595,7 @@ def compare(run_dir: Path) -> list[tuple[str, float, float]] | None:
 
 @dataclass(frozen=True)
 class Move:
-    """One strategy change: the override(s) that make it, its place in MEMORY.md's order of what to
+    """One strategy change: the override(s) that make it, its place in docs/memory.md's order of what to
     try first, and a rough step-time factor (relative, for ranking; not a measurement)."""
 
     overrides: tuple[str, ...]
@@ -623,7 +623,7 @@ def _all(*fns: Callable[[Config], None]) -> Callable[[Config], None]:
 
 def moves(cfg: Config) -> list[list[Move]]:
     """The axes a suggestion may change, each a list of alternatives (an empty choice is implied),
-    in MEMORY.md's order: 16-bit precision and fused attention; a smaller micro batch with more
+    in docs/memory.md's order: 16-bit precision and fused attention; a smaller micro batch with more
     accumulation; ZeRO-1/2 (+offload); ZeRO-3 (+offload) or FSDP; activation checkpointing; LoRA,
     then QLoRA; tensor parallel. Costs are rough step-time factors: one extra forward for full
     recompute (~4/3), PCIe-bound offload, ~0.8 for LoRA (no weight gradients)."""
@@ -683,7 +683,7 @@ def _sibling(a: tuple[Move, ...], b: tuple[Move, ...], axis_of: dict[Move, int])
 
 
 def suggest(cfg: Config, base: list[str] | None = None, count: int = 3, budget_evals: int = 4000) -> list[Suggestion]:
-    """The first `count` override sets that fit, walking MEMORY.md's order (the latest strategy a set
+    """The first `count` override sets that fit, walking docs/memory.md's order (the latest strategy a set
     needs, then its rough step-time cost); a set that adds to one already printed is skipped. With
     `base` (the command line), each one is composed again through the launcher's path and re-planned,
     so what is printed is what that command line would do."""
@@ -730,7 +730,7 @@ def suggest(cfg: Config, base: list[str] | None = None, count: int = 3, budget_e
 def render_suggestions(found: list[Suggestion]) -> str:
     if not found:
         return "no suggestion fits: a smaller model, a shorter data.max_length, more GPUs, or more GPU memory"
-    lines = ["fits with (MEMORY.md's order, cheapest first; step time relative to this config, rough):"]
+    lines = ["fits with (docs/memory.md's order, cheapest first; step time relative to this config, rough):"]
     for s in found:
         lines.append(f"  {' '.join(s.overrides):<60} {s.plan.total / GIB:8.2f} GiB  step x{s.cost:.2f}")
     return "\n".join(lines)

@@ -237,9 +237,6 @@ def _validate_layout(cfg: Config) -> None:
         if cfg.data.packing:
             raise ConfigError("data.packing=true is not supported with pipeline parallel (stages attend causally over the whole row): "
                               "set data.packing=false")
-        if cfg.train.exact_match_samples:
-            raise ConfigError("train.exact_match_samples needs generation on the whole model, which pipeline stages do not hold: "
-                              "set train.exact_match_samples=0 and evaluate RUN_DIR/final instead")
         if cfg.method.name == Method.dpo and cfg.method.loss != DpoLoss.simpo and cfg.method.reference != Reference.precomputed:
             raise ConfigError(f"method.reference={cfg.method.reference.value} is not supported with pipeline parallel: "
                               "use method.reference=precomputed")

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from finetune import checkpoint, config, data, dist, engine, flops, logs, loop, model, objectives, reference
+from finetune import checkpoint, config, data, dist, engine, evaluate, flops, logs, loop, model, objectives, reference
 from finetune.config import Config, ConfigError, PeftConfig, PeftMethod, uses_deepspeed
 from finetune.engine.common import autocast_dtype
 from finetune.launcher import ERROR_FILE, RANKS_DIR, deepspeed_config
@@ -119,6 +119,8 @@ def run(cfg: Config, d: dist.Dist) -> None:
         log.close()
     final = run_dir / "final"
     eng.export(final, tokenizer)
+    if d.is_main and cfg.parallelism.pp > 1 and cfg.train.exact_match_samples:  # stages cannot generate: rank 0 scores final/
+        result["after"]["exact_match"] = evaluate.exact_match_of_export(final, eval_examples, cfg.train, d.device)
     if d.is_main:
         report(run_dir, final, result, {k: vars(s) for k, s in stats.items()})
     del zero3  # alive until here: transformers consults it while loading, generating and saving
@@ -165,8 +167,9 @@ def report(run_dir: Path, final: Path, result: dict[str, dict[str, float]], stat
     print()
     for key, label, fmt in (("eval_loss", "eval_loss", "{:.4f}"), ("eval_rewards/accuracy", "reward_acc", "{:.1%}"),
                             ("exact_match", "exact_match", "{:.1%}")):
-        if key in after:
-            print(f"{label:<12} {fmt.format(before[key])} -> {fmt.format(after[key])}")
+        if key in after:  # pipeline parallel: exact match after training only
+            was = fmt.format(before[key]) if key in before else "(not measured)"
+            print(f"{label:<12} {was} -> {fmt.format(after[key])}")
     if (final / "adapter_config.json").is_file():
         print(f"adapter      {final}  (PEFT format; plain weights: python scripts/merge_adapter.py {final} MERGED_DIR)")
     else:

@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # Install finetune (editable) with its test extra into the current Python.
-# On a machine without an NVIDIA GPU, torch's CPU build is installed first: a plain `torch`
-# requirement would otherwise pull multi-GB CUDA wheels. On GPU machines pip picks CUDA torch.
+# Without torch and without an NVIDIA GPU, torch is installed first, from pip's configured index
+# (on Linux, PyPI's torch wheel is the CUDA build). For the CPU build, name PyTorch's CPU index:
+#   FINETUNE_TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu bash scripts/install.sh
+# On GPU machines pip picks CUDA torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null && ! command -v nvidia-smi >/dev/null 2>&1; then
-  "$PY" -m pip install -q "torch==2.13.0"
+  if [ -n "${FINETUNE_TORCH_INDEX_URL:-}" ]; then
+    "$PY" -m pip install -q "torch==2.13.0" --index-url "$FINETUNE_TORCH_INDEX_URL"
+  else
+    "$PY" -m pip install -q "torch==2.13.0"
+  fi
 fi
 "$PY" -m pip install -q -e ".[test]"

@@ -29,7 +29,8 @@ def cli_error(tmp_path, *args: str) -> str:
         (["data.format=xml"], "error: data.format=xml must be one of auto, alpaca, chat, preference"),
         (["model=tinyy"], "error: unknown model option 'tinyy' (did you mean 'tiny'?); available: pretrained, tiny"),
         (["parallelism=dp"], "error: unknown parallelism option 'dp' (did you mean 'ddp'?); available: ddp, fsdp, fsdp_offload, pp2, pp2_interleaved, pp4, single, tp2, tp2_pp2, tp4, tp8, tp8_pp16"),
-        (["+recipe=quickstart"], "error: unknown recipe 'quickstart' (did you mean 'quickstart_sft'?); available: optuna_quickstart, quickstart_dpo, quickstart_sft, zero3_offload_fp16"),
+        (["+recipe=quickstart"], "error: unknown recipe 'quickstart' (did you mean 'quickstart_sft'?); available: optuna_quickstart, quickstart_dpo, quickstart_sft, zero3_offload_fp16 "
+                                   "(a recipe of your own: --config-dir DIR with DIR/recipe/quickstart.yaml)"),
         (["data=jsonl"], "error: 'data.train' has no value and needs one: set it in the recipe or on the command line (data.train=...)"),
         (["data.train=/nowhere/train.jsonl"], "error: data.train: no such file or directory: /nowhere/train.jsonl"),
     ],

@@ -56,9 +56,6 @@ def test_block_split_and_bubble():
          "precision=fp16 is not supported with parallelism.strategy=fsdp tp=1 pp=1 (no sharded loss scaler here): use precision=bf16"),
         (["parallelism=pp2", "data.packing=true"],
          "data.packing=true is not supported with pipeline parallel (stages attend causally over the whole row): set data.packing=false"),
-        (["parallelism=pp2", "train.exact_match_samples=8"],
-         "train.exact_match_samples needs generation on the whole model, which pipeline stages do not hold: "
-         "set train.exact_match_samples=0 and evaluate RUN_DIR/final instead"),
         (["parallelism=pp2", "parallelism.pp_schedule=interleaved_1f1b"],
          "parallelism.pp_schedule=interleaved_1f1b with pp_stages_per_rank=1: interleaved_1f1b needs 2 or more stages per rank, "
          "gpipe and 1f1b exactly 1"),
@@ -159,3 +156,33 @@ def test_memory_strategies_combine_with_layouts(tmp_path):
     assert losses(tmp_path / "pp2_dpo") == pytest.approx(losses(tmp_path / "single_dpo"), rel=1e-4)
     assert losses(tmp_path / "pp2_dpo")[0] == pytest.approx(0.6931472, abs=1e-5)
     assert all(3.0 < x < 5.0 for x in losses(tmp_path / "tp2_bf16_ckpt"))
+
+
+def test_pipeline_scores_exact_match_on_the_exported_model(tmp_path):
+    """No pipeline stage can generate: after training, rank 0 scores exact match on final/, on one process."""
+    from dataclasses import replace
+
+    from finetune import config
+    from finetune.evaluate import exact_match_of_export
+
+    run = tmp_path / "run"
+    out = run_cli("+recipe=quickstart_sft", "parallelism=pp2", "train.max_steps=2", "optim.warmup_steps=0", "train.micro_batch_size=8",
+                  "train.eval_every=0",
+                  "train.exact_match_samples=6", "train.progress_bar=false", f"hydra.run.dir={run}", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"exact match: pipeline stages cannot generate, so this rank evaluates {run / 'final'} on one process" in out.stdout
+    assert "exact_match  (not measured) -> " in out.stdout  # the initial model is not scored: its stages cannot generate
+    before, after = summary(run)["before"], summary(run)["after"]
+    assert "exact_match" not in before
+    cfg = config.load(run / "config.yaml")
+    _, model, tok, evals = reload_and_evaluate(run / "final", run)
+    assert after["exact_match"] == exact_match_of_export(run / "final", evals, cfg.train, torch.device("cpu"))
+    # Make 2 of the 6 scored references what the exported model generates (one prompt at a time, greedy):
+    # exactly those count, and the 7th (beyond train.exact_match_samples) does not.
+    for e in evals[:2] + evals[6:7]:
+        ids = torch.tensor([e.input_ids[: e.prompt_len]])
+        made = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=cfg.train.max_new_tokens,
+                              do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        e.reference = tok.decode(made[0, ids.shape[1]:], skip_special_tokens=True)
+    one_at_a_time = replace(cfg.train, eval_batch_size=1)
+    assert exact_match_of_export(run / "final", evals, one_at_a_time, torch.device("cpu")) == pytest.approx(2 / 6)

@@ -1,4 +1,4 @@
-"""The memory planner (finetune/plan.py): MEMORY.md's formulas, DeepSpeed's estimators, speed, the CLI."""
+"""The memory planner (finetune/plan.py): docs/memory.md's formulas, DeepSpeed's estimators, speed, the CLI."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def test_planner_zero_stages_follow_the_paper_and_order(compose, llama70b):
     assert got["stage2_offload"].cpu_bytes == pytest.approx(16 * P)  # per node: N ranks x 16P/N
     assert states(got["stage3_offload"]) == pytest.approx(4 * largest)
     assert got["stage3_offload"].cpu_bytes == pytest.approx(18 * P)  # + the 16-bit weights
-    # MEMORY.md's order, most to least per GPU, needs 16P/N < 2P (stage3 below stage2+offload): N > 8
+    # docs/memory.md's order, most to least per GPU, needs 16P/N < 2P (stage3 below stage2+offload): N > 8
     order = [states(plan(compose(ds(llama70b, f"zero={z}", ranks=16))))
              for z in ("stage1", "stage2", "stage2_offload", "stage3", "stage3_offload")]
     assert order == sorted(order, reverse=True)
@@ -275,7 +275,7 @@ def test_suggestions_fit_when_replanned_and_follow_memory_order(compose, llama8b
         again = plan(compose([*base, *s.overrides]))
         assert again.fits and again.total == pytest.approx(s.plan.total)
     levels = [max(m.level for m in s.moves) for s in found]
-    assert levels == sorted(levels)  # MEMORY.md's order: the latest strategy a set needs never goes back
+    assert levels == sorted(levels)  # docs/memory.md's order: the latest strategy a set needs never goes back
     assert all("precision=bf16" in s.overrides for s in found[:2])  # the cheapest lever comes first
     sets = [set(s.overrides) for s in found]
     assert not any(a < b for a in sets for b in sets)  # nothing printed just adds to another printed set
@@ -289,7 +289,7 @@ def test_plan_cli_suggests_on_cpu(tmp_path):
     out = run_cli(*args, cwd=REPO, module="finetune.plan", timeout=120)
     assert out.returncode == 1, out.stderr
     lines = out.stdout.splitlines()
-    start = lines.index(next(line for line in lines if line.startswith("fits with (MEMORY.md's order")))
+    start = lines.index(next(line for line in lines if line.startswith("fits with (docs/memory.md's order")))
     assert lines[start - 1].startswith("DOES NOT FIT (short by ")
     suggestions = [line.split()[:-4] for line in lines[start + 1:]]
     assert suggestions and all(s for s in suggestions)

@@ -6,8 +6,9 @@
 
 Both expose `train_step(micro_batches, objective, count) -> StepResult`, `inference(fn, batch)`
 (no-grad forward in the compute precision: evaluation, DPO's reference pass), `frozen(model)` (a
-second, frozen model placed like the policy: DPO's live reference), `generation_model`,
-`lockstep` (every rank must run the same number of forwards), `save(root, step)`,
+second, frozen model placed like the policy: DPO's live reference), `generation_model` (None
+under pipeline parallel: no rank holds a whole model), `lockstep` (every rank must run the same
+number of forwards), `save(root, step)`,
 `load(step_dir) -> step` and `export(path, tokenizer)`, and the data layout: `dp_rank`,
 `dp_size` (which share of each batch this rank trains on) and `owner` (whether this rank's
 data and loss count in global sums: one rank per model replica under tp/pp).
