@@ -96,7 +96,8 @@ def test_the_docs_have_the_commands_this_test_checks():
 
 @pytest.mark.parametrize("doc,line,command,shown", CASES, ids=[f"{c[0]}:{c[1]}" for c in CASES])
 def test_readme_command_composes(doc, line, command, shown, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)  # a checkout's copy: the commands run from the repository's root
+    (tmp_path / "launch").symlink_to(REPO / "launch")
     for path, content in heredocs(doc).items():
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text(content + "\n")
