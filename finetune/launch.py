@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -102,7 +103,8 @@ def launch_once(dcfg: DictConfig) -> float | None:
     print(f"[finetune] {spec.shell()}", flush=True)
     (run_dir / ERROR_FILE).unlink(missing_ok=True)
     shutil.rmtree(run_dir / RANKS_DIR, ignore_errors=True)  # each rank records itself anew
-    code = execute(spec)
+    (run_dir / RANKS_DIR).mkdir()
+    code = execute(spec, log=run_dir / RANKS_DIR / "launcher.log")
     if code != 0:
         reason = run_dir / ERROR_FILE  # a rank's one-line reason for a user mistake, if it found one
         if reason.is_file():
@@ -270,16 +272,77 @@ def write_files(spec: LaunchSpec, run_dir: Path) -> None:
         (run_dir / name).write_text(content)
 
 
-def execute(spec: LaunchSpec) -> int:
-    """Run the launch as a child process sharing our stdout/stderr; return its exit code."""
-    proc = subprocess.Popen(spec.argv, env={**os.environ, **spec.env})
+def execute(spec: LaunchSpec, log: Path | None = None) -> int:
+    """Run the launch as a child process sharing our stdout; its stderr passes through `Relay`
+    (which keeps the launcher's own failure report out of sight: the ranks' one line says it).
+    Returns the exit code."""
+    proc = subprocess.Popen(spec.argv, env={**os.environ, **spec.env}, stderr=subprocess.PIPE)
+    relay = threading.Thread(target=Relay(log).run, args=(proc.stderr,), daemon=True)
+    relay.start()
     forward = lambda signum, _frame: proc.send_signal(signum)  # noqa: E731 - Ctrl-C/SIGTERM reach the job
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    main_thread = threading.current_thread() is threading.main_thread()
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
     try:
-        return proc.wait()
+        code = proc.wait()
+        relay.join(timeout=10)
+        return code
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
+
+
+class Relay:
+    """Copy the job's stderr to ours as it comes (progress bars included), except torchrun's
+    report of a failed child: a Python traceback ending in ChildFailedError and its ==== block,
+    and elastic's `failed (exitcode ...)` log line. Everything, dropped lines too, goes to `log`."""
+
+    def __init__(self, log: Path | None) -> None:
+        self.log = open(log, "ab") if log is not None else None  # noqa: SIM115 - closed in run()
+        self.held: list[bytes] = []  # a traceback, until its last line says whose it is
+        self.rules_left = 0  # '====' lines left in a ChildFailedError report being dropped
+
+    def run(self, stream: Any) -> None:
+        pending = b""
+        try:
+            while chunk := os.read(stream.fileno(), 65536):
+                if self.log:
+                    self.log.write(chunk)
+                    self.log.flush()
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    self.line(line + b"\n")
+                if b"\r" in pending and not self.held and not self.rules_left:  # a progress bar: show it now
+                    cut = pending.rindex(b"\r") + 1
+                    self.out(pending[:cut])
+                    pending = pending[cut:]
+            if pending:
+                self.line(pending)
+            self.out(b"".join(self.held))
+        finally:
+            if self.log:
+                self.log.close()
+
+    def line(self, line: bytes) -> None:
+        if self.rules_left:
+            self.rules_left -= line.startswith(b"=====")
+        elif line.startswith(b"Traceback (most recent call last):"):
+            self.out(b"".join(self.held))
+            self.held = [line]
+        elif self.held and line[:1] in (b" ", b"\t", b"^"):
+            self.held.append(line)
+        elif self.held and b"ChildFailedError" in line:
+            self.held, self.rules_left = [], 2
+        elif re.match(rb"E\d{4} .*elastic/multiprocessing/api.py:\d+\] failed \(exitcode", line):
+            return
+        else:
+            self.out(b"".join(self.held) + line)
+            self.held = []
+
+    @staticmethod
+    def out(data: bytes) -> None:
+        if data:
+            sys.stderr.buffer.write(data)
+            sys.stderr.buffer.flush()
 
 
 if __name__ == "__main__":

@@ -112,6 +112,11 @@ def load_model(cfg: ModelConfig, tokenizer: Any, *, attention: str, peft: PeftCo
                                                     trust_remote_code=cfg.trust_remote_code, **kwargs)
     except OSError as e:
         raise ConfigError(f"model.path={path!r}: could not load weights: {str(e).splitlines()[0]}") from None
+    except Exception as e:
+        if type(e).__name__ != "SafetensorError":
+            raise
+        raise ConfigError(f"model.path={path!r}: a weight file is damaged or incomplete ({str(e).splitlines()[0]}): "
+                          "copy or download the model again") from None
 
 
 def _gathered(model: torch.nn.Module, zero3: bool) -> Any:
@@ -130,6 +135,7 @@ def apply_strategies(model: torch.nn.Module, *, checkpointing: CheckpointingConf
         if peft.name == PeftMethod.qlora:  # norms and head in fp32, frozen 4-bit base
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         target = peft.target_modules[0] if peft.target_modules == ["all-linear"] else list(peft.target_modules)
+        check_targets(model, peft)
         model = get_peft_model(model, LoraConfig(
             r=peft.r, lora_alpha=peft.alpha, lora_dropout=peft.dropout, target_modules=target,
             modules_to_save=list(peft.modules_to_save) or None, use_dora=peft.name == PeftMethod.dora, task_type="CAUSAL_LM",
@@ -145,6 +151,24 @@ def apply_strategies(model: torch.nn.Module, *, checkpointing: CheckpointingConf
     elif checkpointing.name == Checkpointing.offload:
         model.forward = functools.partial(_offloaded_forward, model.forward)
     return model
+
+
+def check_targets(model: torch.nn.Module, peft: PeftConfig) -> None:
+    """Each name in peft.target_modules must name a linear layer of this model, and each in
+    peft.modules_to_save a module of it (PEFT matches a name or the end of a dotted path);
+    refuse naming those that exist."""
+    names = {name: module for name, module in model.named_modules() if name}
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in names.items()
+                     if isinstance(m, torch.nn.Linear) or type(m).__name__ in ("Linear4bit", "Linear8bitLt", "Conv1D")})
+    leaves = {n.rsplit(".", 1)[-1] for n in names}
+    targets = [] if peft.target_modules == ["all-linear"] else list(peft.target_modules)
+    for key, wanted, have in (("peft.target_modules", targets, set(linear)), ("peft.modules_to_save", list(peft.modules_to_save), leaves)):
+        missing = [w for w in wanted if w not in have and w not in names]
+        if missing:
+            what = (f"its linear layers are {', '.join(linear)} (or use [all-linear])" if key == "peft.target_modules" else
+                    f"its module names are {', '.join(sorted(n for n in leaves if not n.isdigit()))}")
+            raise ConfigError(f"{key}: {', '.join(missing)} {'matches' if len(missing) == 1 else 'match'} no module of this "
+                              f"{model.config.model_type} model: {what}")
 
 
 def _offloaded_forward(forward: Any, *args: Any, **kwargs: Any) -> Any:

@@ -11,6 +11,7 @@ import json
 import os
 import socket
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -24,28 +25,52 @@ from finetune import plan
 from finetune.memory import MemoryProbe
 
 
+PHASE = {"name": "start"}
+"""What this rank is doing now (tokenizer, data, model, peft, engine, resume, reference, training,
+export): the error funnel names it."""
+
+
+def phase(name: str) -> None:
+    PHASE["name"] = name
+
+
+KNOWN = (ConfigError, checkpoint.CheckpointError)
+"""Exceptions that are user mistakes (or a failed save), their message one line saying what to do."""
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run this rank under the error funnel: whatever ends it, the user reads one line naming the
+    phase (`RUN_DIR/error.txt`, which the launcher repeats last) and never a traceback; an
+    unexpected exception's traceback goes to RUN_DIR/ranks/RANK.log."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("config", help="RUN_DIR/config.yaml written by finetune.launch")
     parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher (LOCAL_RANK is used)")
     args = parser.parse_args(argv)
-    cfg = config.load(args.config)
-    loop.handle_signals()  # SIGTERM/SIGINT: checkpoint at the next step boundary, then stop
-    d = dist.init(cfg.train.device, deepspeed=uses_deepspeed(cfg))
-    status = RankStatus(Path(cfg.run_dir), d.rank)
-    code = 0
+    run_dir, rank = Path(args.config).resolve().parent, int(os.environ.get("RANK", 0))
+    status = RankStatus(run_dir, rank)
+    code, d = 0, None
     try:
+        phase("config")
+        cfg = config.load(args.config)
+        loop.handle_signals()  # SIGTERM/SIGINT: checkpoint at the next step boundary, then stop
+        phase("start")
+        d = dist.init(cfg.train.device, deepspeed=uses_deepspeed(cfg))
         run(cfg, d)
-    except (ConfigError, loop.Stopped, checkpoint.CheckpointError) as e:  # one line, no traceback
-        code = e.code if isinstance(e, loop.Stopped) else 2
-        if d.is_main:
-            print(f"error: {e}" if code == 2 else str(e), file=sys.stderr)
-            (Path(cfg.run_dir) / ERROR_FILE).write_text(f"{e}\n")
-    except BaseException as e:
-        status.write(f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        raise
+    except loop.Stopped as e:  # stopped cleanly: its own message and exit code
+        code = e.code
+        status.report(str(e), show=d is None or d.is_main, prefix="")
+    except KNOWN as e:  # a user mistake this rank found
+        code = 2
+        status.report(f"{PHASE['name']}: {e}")
+    except Exception as e:  # noqa: BLE001 - unexpected: one line here, the traceback in the rank's log
+        code = 1
+        log = status.path.with_suffix(".log")
+        log.write_text(traceback.format_exc())
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        status.report(f"{PHASE['name']}: rank {rank}: {type(e).__name__}: {first} (traceback in {log})")
     finally:
-        dist.shutdown()
+        if d is not None:
+            dist.shutdown()
     status.write("done" if code == 0 else f"exited {code}")
     return code
 
@@ -55,6 +80,7 @@ class RankStatus:
     the job failed died without a word (SIGKILL, the out-of-memory killer): the launcher names it."""
 
     def __init__(self, run_dir: Path, rank: int) -> None:
+        self.run_dir, self.rank = run_dir, rank
         self.path = run_dir / RANKS_DIR / f"{rank}.json"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.info = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname()}
@@ -63,11 +89,25 @@ class RankStatus:
     def write(self, status: str) -> None:
         self.path.write_text(json.dumps({**self.info, "status": status}) + "\n")
 
+    def report(self, line: str, *, show: bool = True, prefix: str = "error: ") -> None:
+        """Record why this rank ends. The first rank to report writes RUN_DIR/error.txt (the root cause:
+        the others usually fail because it left) and prints the line; the others only log it."""
+        self.write(f"failed: {line}")
+        try:
+            with open(self.run_dir / ERROR_FILE, "x") as f:
+                f.write(f"{line}\n")
+        except FileExistsError:
+            return
+        if show:
+            print(f"{prefix}{line}", file=sys.stderr, flush=True)
+
 
 def run(cfg: Config, d: dist.Dist) -> None:
     run_dir = Path(cfg.run_dir)
     torch.manual_seed(cfg.train.seed)
+    phase("tokenizer")
     tokenizer = model.load_tokenizer(cfg.model)
+    phase("data")
     train_examples, eval_examples, stats = data.load_split(cfg.data, tokenizer, cfg.train.seed, cfg.method.name)
     if cfg.data.packing:
         samples = len(train_examples)
@@ -77,6 +117,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
     if d.is_main:
         for name, s in stats.items():
             print(s.line(name, cfg.data.max_length))
+    phase("model")
     zero3 = model.zero3_context(deepspeed_config(cfg) if uses_deepspeed(cfg) else None)
     attention = model.resolve_attention(cfg.model.attn_implementation, cfg.precision.name, d.device)
 
@@ -85,17 +126,22 @@ def run(cfg: Config, d: dist.Dist) -> None:
                                 compute_dtype=autocast_dtype(cfg.precision.name) or torch.float32, zero3=cfg.zero.stage == 3,
                                 run_dir=run_dir, is_main=d.is_main, barrier=d.barrier)
 
-    net = model.apply_strategies(load(cfg.peft), checkpointing=cfg.checkpointing, peft=cfg.peft)
+    loaded = load(cfg.peft)
+    phase("peft" if cfg.peft.name != PeftMethod.none else "model")
+    net = model.apply_strategies(loaded, checkpointing=cfg.checkpointing, peft=cfg.peft)
     if d.is_main:
         trainable, total = model.trainable_parameters(net)
         print(f"model: {total:,} parameters, {trainable:,} trainable ({trainable / total:.2%}), attention {attention}")
+    phase("engine")
     eng = engine.build(cfg, net, d)
+    phase("resume")
     resume_from = checkpoint.resolve(cfg.train.resume, run_dir)
     if resume_from is not None:
         checkpoint.check_compatible(resume_from, cfg)
     elif cfg.train.resume == "auto" and d.is_main:
         print(f"train.resume=auto: no checkpoint in {run_dir / 'checkpoints'}, starting from step 0")
     # DPO's reference: the live one is the initial model again (a 4-bit base for QLoRA, no adapter).
+    phase("reference")
     base_peft = cfg.peft if cfg.peft.name == PeftMethod.qlora else PeftConfig()
     ref = reference.setup(cfg, engine=eng, dist=d, splits={"train": train_examples, "eval": eval_examples}, run_dir=run_dir,
                           resume_from=resume_from, load_model=lambda: load(base_peft), pad_id=tokenizer.pad_token_id)
@@ -103,6 +149,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
     batches = data.TrainBatches(train_examples, global_batch=cfg.train.global_batch_size, micro_batch=cfg.train.micro_batch_size,
                                 dp_rank=eng.dp_rank, dp_size=eng.dp_size, seed=cfg.train.seed, pad_id=tokenizer.pad_token_id,
                                 pad_to=cfg.data.max_length if cfg.parallelism.pp > 1 else None)  # a pipeline needs one shape
+    phase("training")
     log = logs.MetricsLog(run_dir, enabled=d.is_main, tensorboard=cfg.train.tensorboard)
     if d.is_main:  # the planner's prediction for this config, beside what the probe measures (python -m finetune.plan)
         predicted = plan.record(cfg)
@@ -117,6 +164,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
                             **mfu_inputs(cfg, net, d))
     finally:
         log.close()
+    phase("export")
     final = run_dir / "final"
     eng.export(final, tokenizer)
     if d.is_main and cfg.parallelism.pp > 1 and cfg.train.exact_match_samples:  # stages cannot generate: rank 0 scores final/

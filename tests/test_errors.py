@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -66,16 +68,73 @@ def test_rank_found_mistakes_end_with_one_clear_line(tmp_path):
     """Errors only a rank can find (they need the tokenizer) are repeated as the launcher's last line."""
     out = run_cli("data.max_length=8", "train.max_steps=1", f"hydra.run.dir={tmp_path / 'a'}", cwd=tmp_path)
     assert out.returncode != 0
+    assert "Traceback" not in out.stderr
     assert last_line(out.stderr) == (
-        "error: data.train=" + _asset("data/quickstart/train.jsonl")
+        "error: data: data.train=" + _asset("data/quickstart/train.jsonl")
         + ": the dataset is empty after filtering: all 4000 prompts are longer than data.max_length=8 (the shortest is 12 tokens): raise data.max_length"
     )
     out = run_cli("data.max_length=8", "data.long_prompt=error", "train.max_steps=1", f"hydra.run.dir={tmp_path / 'b'}", cwd=tmp_path)
     assert out.returncode != 0
     assert last_line(out.stderr) == (
-        "error: " + _asset("data/quickstart/train.jsonl")
+        "error: data: " + _asset("data/quickstart/train.jsonl")
         + ":1: the prompt is 16 tokens, data.max_length=8 leaves no room for the response: raise data.max_length or set data.long_prompt=drop"
     )
+
+
+ONE_RANK = ["launcher.nproc_per_node=1", "parallelism=single", "train.max_steps=1", "optim.warmup_steps=0", "train.progress_bar=false",
+            "train.tensorboard=false", "train.memory_report=false"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny Llama saved as a hub-style directory (config.json, safetensors, tokenizer)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("model")
+    tok = AutoTokenizer.from_pretrained(_asset("tokenizer"))
+    LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                 num_key_value_heads=1, vocab_size=len(tok))).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def rank_error(tmp_path, *args: str) -> tuple[str, Path]:
+    run = tmp_path / "run"
+    out = run_cli("+recipe=quickstart_sft", *ONE_RANK, *args, f"hydra.run.dir={run}", cwd=tmp_path)
+    assert out.returncode != 0 and "Traceback" not in out.stderr + out.stdout, out.stderr[-3000:]
+    return last_line(out.stderr), run
+
+
+@pytest.mark.slow
+def test_unexpected_rank_failure_is_one_line_naming_the_phase_with_the_traceback_in_the_rank_log(tmp_path, model_dir):
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "model_type": "llama", "hidden_act": "no_such_activation"}))
+    line, run = rank_error(tmp_path, "model=pretrained", f"model.path={broken}")
+    log = run / "ranks" / "0.log"
+    assert line == f"error: model: rank 0: KeyError: \"Could not find activation function no_such_activation\" (traceback in {log})" or \
+        (line.startswith("error: model: rank 0: KeyError: ") and line.endswith(f"(traceback in {log})")), line
+    assert log.read_text().startswith("Traceback (most recent call last):")
+    assert json.loads((run / "ranks" / "0.json").read_text())["status"] == "exited 1"
+
+
+@pytest.mark.slow
+def test_peft_targets_that_match_nothing_name_the_layers_that_exist(tmp_path):
+    line, _ = rank_error(tmp_path, "peft=lora", "peft.target_modules=[q_proj,qkv]")
+    assert line == ("error: peft: peft.target_modules: qkv matches no module of this llama model: its linear layers are "
+                    "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj (or use [all-linear])")
+
+
+@pytest.mark.slow
+def test_a_damaged_weight_file_is_named(tmp_path, model_dir):
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:20000])
+    line, _ = rank_error(tmp_path, "model=pretrained", f"model.path={broken}")
+    assert line.startswith(f"error: model: model.path='{broken}': a weight file is damaged or incomplete (") and \
+        line.endswith("): copy or download the model again"), line
 
 
 def _asset(rel: str) -> str:
