@@ -265,12 +265,19 @@ class ModelInit:
     model_type: str = checked(TEXT, "llama")
     """Any `transformers` model type that `AutoConfig.for_model` knows (llama, qwen2, mistral...)."""
     hidden_size: int = checked(at_least(1), 128)
+    """Width of the residual stream (embedding size)."""
     intermediate_size: int = checked(at_least(1), 384)
+    """Width of each block's MLP."""
     num_hidden_layers: int = checked(at_least(1), 2)
+    """Transformer blocks."""
     num_attention_heads: int = checked(at_least(1), 4)
+    """Query heads per attention layer."""
     num_key_value_heads: int = checked(at_least(1), 2)
+    """Key/value heads per attention layer (fewer than num_attention_heads: grouped-query attention)."""
     max_position_embeddings: int = checked(at_least(1), 512)
+    """Longest sequence the model takes (data.max_length may not exceed it)."""
     tie_word_embeddings: bool = False
+    """Share one matrix between the input embedding and the output head."""
     seed: int = checked(at_least(0), 0)
     """Seed of the random initialisation (the same on every rank)."""
 
@@ -289,6 +296,7 @@ class ModelConfig:
     revision: str | None = checked(TEXT, None)
     """Hub revision (branch, tag or commit) for `path` and `tokenizer`."""
     trust_remote_code: bool = False
+    """Let `transformers` run model/tokenizer code that ships with a hub repository."""
     recipe_if_missing: str | None = checked(TEXT, None)
     """When `path` is a local directory that does not exist yet: the recipe whose run makes it
     (run first, in `path`'s parent directory, which must be RUN_DIR/final of that run)."""
@@ -305,6 +313,7 @@ class DataConfig:
     train_split: str = checked(TEXT, "train")
     """Split to read from a dataset directory or hub id (ignored for .jsonl files)."""
     eval_split: str = checked(TEXT, "train")
+    """Split to read from `eval` when it is a dataset directory or hub id."""
     format: DataFormat = DataFormat.auto
     """alpaca (instruction/input/output), chat (messages), preference (prompt/chosen/rejected, for
     method=dpo), or auto: decided per row by its keys."""
@@ -441,6 +450,7 @@ class PeftConfig:
     alpha: int = checked(at_least(1), 32)
     """Scaling: the adapter's update is multiplied by alpha / r."""
     dropout: float = checked(PROBABILITY, 0.05)
+    """Dropout on the adapter's input (lora_dropout)."""
     target_modules: list[str] = checked(SOME_NAMES, factory=lambda: ["all-linear"])
     """Module names to adapt (e.g. [q_proj,v_proj]); [all-linear]: every linear layer but the output head."""
     modules_to_save: list[str] = checked(NAMES, factory=list)
@@ -459,7 +469,7 @@ class OptimConfig:
     lr: float = checked(POSITIVE, 1e-4)
     """Peak learning rate (after warmup)."""
     weight_decay: float = checked(at_least(0), 0.0)
-    """Not applied to biases and norm scales. adamw decays the weights directly; adam and sgd add
+    """Weight decay strength; not applied to biases and norm scales. adamw decays the weights directly; adam and sgd add
     weight_decay * w to the gradient (L2), so Adam rescales it like the gradient."""
     betas: list[float] = checked(BETAS, factory=lambda: [0.9, 0.999])
     """adam/adamw: decay rates of the gradient mean and of its square; unused by sgd."""
@@ -470,6 +480,7 @@ class OptimConfig:
     scheduler: Scheduler = Scheduler.cosine
     """cosine or linear decay after warmup, or constant."""
     warmup_steps: int = checked(at_least(0), 0)
+    """Steps of linear warmup from 0 to lr (must be below train.max_steps)."""
     min_lr_ratio: float = checked(in_range(0, 1), 0.0)
     """Cosine decays to lr * min_lr_ratio."""
     max_grad_norm: float | None = checked(POSITIVE, 1.0)
@@ -554,6 +565,7 @@ class TrainConfig:
     eval_every: int = checked(at_least(0), 0)
     """Evaluate every N steps (0: only before and after training)."""
     eval_batch_size: int = checked(at_least(1), 32)
+    """Samples per rank per forward in evaluation, exact match and the DPO reference pass."""
     exact_match_samples: int = checked(at_least(0), 0)
     """Eval rows scored by greedy generation (response == reference) before and after training."""
     max_new_tokens: int = checked(at_least(1), 64)
@@ -561,7 +573,9 @@ class TrainConfig:
     log_every: int = checked(at_least(1), 10)
     """Print a metrics line every N steps when there is no progress bar."""
     progress_bar: bool = True
+    """A tqdm progress bar on the main rank (else a metrics line every log_every steps)."""
     tensorboard: bool = True
+    """Write the metrics to RUN_DIR/tensorboard too."""
     memory_report: bool = True
     """Measure memory by category (parameters, gradients, optimizer, activations) over the first 2 steps."""
     memory_snapshot: bool = False
