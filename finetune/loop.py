@@ -30,13 +30,19 @@ class Stopped(Exception):
         self.code = code
 
 
-STOP = {"signal": 0}  # set by the SIGTERM/SIGINT handler: finish this step, save, stop
+STOP = {"signal": 0, "defer": False}
+"""signal: set by the SIGTERM/SIGINT handler (finish this step, save, stop). defer: once training
+has begun, a signal waits for the step boundary; before it there is nothing to save, so the rank
+stops at once (a rank whose peer failed is stopped by torchrun within seconds, not at a timeout)."""
 
 
 def handle_signals() -> None:
-    """SIGTERM (Slurm, kill) and SIGINT (Ctrl-C): note it; the loop saves at the next step boundary."""
+    """SIGTERM (Slurm, kill, torchrun when another rank failed) and SIGINT (Ctrl-C): before training,
+    stop now; during it, note the signal, and the loop saves at the next step boundary."""
     def note(signum: int, _frame: Any) -> None:
         STOP["signal"] = signum
+        if not STOP["defer"]:
+            raise Stopped(f"stopped by {signal.Signals(signum).name} before training began: nothing to save", 128 + signum)
 
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, note)

@@ -150,6 +150,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
                                 dp_rank=eng.dp_rank, dp_size=eng.dp_size, seed=cfg.train.seed, pad_id=tokenizer.pad_token_id,
                                 pad_to=cfg.data.max_length if cfg.parallelism.pp > 1 else None)  # a pipeline needs one shape
     phase("training")
+    loop.STOP["defer"] = True  # from here a signal saves a checkpoint at the next step boundary
     log = logs.MetricsLog(run_dir, enabled=d.is_main, tensorboard=cfg.train.tensorboard)
     if d.is_main:  # the planner's prediction for this config, beside what the probe measures (python -m finetune.plan)
         predicted = plan.record(cfg)
