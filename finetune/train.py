@@ -90,7 +90,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
         trainable, total = model.trainable_parameters(net)
         print(f"model: {total:,} parameters, {trainable:,} trainable ({trainable / total:.2%}), attention {attention}")
     eng = engine.build(cfg, net, d)
-    resume_from = checkpoint.resolve(cfg.train.resume, run_dir)
+    resume_from = checkpoint.resolve(cfg.train.resume, run_dir, warn=lambda line: d.is_main and print(f"warning: {line}", file=sys.stderr))
     if resume_from is not None:
         checkpoint.check_compatible(resume_from, cfg)
     elif cfg.train.resume == "auto" and d.is_main:
