@@ -7,7 +7,9 @@ A checkpoint is written into a temporary directory and renamed into place only w
 has finished writing; `latest` is replaced atomically after that. So a kill, a crash or a full
 disk mid-save never leaves a step directory that resume would pick up: the previous checkpoint
 stays the newest complete one. `meta.json` records what the run was (the settings a resume must
-share, the world size and the layout), so an incompatible resume is refused naming the difference.
+share, a content hash of its data files, the world size and the layout), so an incompatible resume
+is refused naming the difference; and the size of every file, so a checkpoint damaged later (a
+truncated or lost file, a meta.json that does not parse) is named, and `auto` takes the one before.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 
+from finetune import formats
 from finetune.config import Config, ConfigError, engine_kind
+from finetune.rundir import CHECKPOINTS
 
 LATEST = "latest"
 META = "meta.json"
@@ -92,13 +96,15 @@ def writing(root: Path, step: int, cfg: Config, dist: Any, keep: int = 0) -> Ite
         if dist.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
-        previous = resolve("auto", root.parent)
+        previous = intact(root)[0]
         kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
         why = reason if not ok else "another rank could not write its part"
         raise CheckpointError(f"saving checkpoint {tag(step)} in {root} failed ({why}): {kept}; free space or change the run directory")
     if dist.is_main:
         settings = trajectory(cfg)
-        meta = {"step": step, "config_hash": config_hash(settings), "settings": settings, "layout": layout(cfg)}
+        files = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        meta = {"step": step, "config_hash": config_hash(settings), "settings": settings, "layout": layout(cfg),
+                "data": formats.fingerprint(cfg.data), "files": files}
         (tmp / META).write_text(json.dumps(meta, indent=2, default=str) + "\n")
         shutil.rmtree(final, ignore_errors=True)  # an older save of the same step (a resumed run passing it again)
         os.replace(tmp, final)
@@ -121,31 +127,78 @@ def complete(root: Path) -> list[Path]:
     return sorted(steps, key=lambda p: int(p.name.split("_")[1]))
 
 
-def resolve(resume: str | None, run_dir: Path) -> Path | None:
+def damaged(step_dir: Path) -> str | None:
+    """What is wrong with a complete checkpoint (a file missing, truncated or unreadable, a meta.json
+    that does not parse), or None when it is intact as saved."""
+    try:
+        meta = json.loads((step_dir / META).read_text())
+        missing = [k for k in ("step", "config_hash", "settings", "layout") if k not in meta]
+    except (OSError, ValueError, TypeError) as e:  # unreadable, not UTF-8, not JSON, not an object
+        return f"{META} does not parse: {_first_line(e)}"
+    if missing:
+        return f"{META} lacks {', '.join(missing)}"
+    for name, size in meta.get("files", {}).items():  # checkpoints of older versions list none
+        path = step_dir / name
+        try:
+            with open(path, "rb") as f:
+                actual = f.seek(0, os.SEEK_END)
+        except OSError as e:
+            return f"{name} cannot be read ({e.strerror or e})"
+        if actual != size:
+            return f"{name} is truncated ({actual} of {size} bytes)" if actual < size else f"{name} has {actual} bytes, not {size}"
+    return None
+
+
+def intact(root: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest intact checkpoint under `root` (None: none), and the damaged ones newer than it with what is wrong."""
+    bad = []
+    for step_dir in reversed(complete(root)):
+        why = damaged(step_dir)
+        if why is None:
+            return step_dir, bad
+        bad.append((step_dir, why))
+    return None, bad
+
+
+def resolve(resume: str | None, run_dir: Path, warn: Callable[[str], None] = lambda line: None) -> Path | None:
     """The step directory to resume from, or None to start fresh.
 
     Args:
-        resume: null, "auto" (the newest complete checkpoint in RUN_DIR/checkpoints, if any), or a
-            checkpoint path (a step directory, or a checkpoints directory).
+        resume: null, "auto" (the newest intact checkpoint in RUN_DIR/checkpoints, if any), or a
+            checkpoint path (a step directory, or a checkpoints directory: its newest intact one).
+        warn: told, in one line, of each damaged checkpoint passed over for an older one.
+
+    Raises:
+        ConfigError: the path is no checkpoint, or is damaged; or every checkpoint there is damaged.
     """
     if resume is None:
         return None
-    if resume == "auto":
-        found = complete(run_dir / "checkpoints")
-        return found[-1] if found else None
     path = Path(resume).expanduser()
-    if path.is_dir() and not path.name.startswith("step_") and complete(path):
-        return complete(path)[-1]
+    if resume == "auto" or (path.is_dir() and not path.name.startswith("step_") and complete(path)):
+        root = run_dir / CHECKPOINTS if resume == "auto" else path
+        found, bad = intact(root)
+        if bad and found is None:
+            raise ConfigError(f"train.resume={resume}: every checkpoint in {root} is damaged (the newest, {bad[0][0].name}: "
+                              f"{bad[0][1]}): start over with train.overwrite=true")
+        for (step_dir, why), older in zip(bad, [b[0] for b in bad[1:]] + [found]):
+            warn(f"checkpoint {step_dir} is damaged ({why}): train.resume={resume} falls back to the previous complete "
+                 f"checkpoint {older}")
+        return found
     if not path.is_dir():
         raise ConfigError(f"train.resume={resume!r}: no such checkpoint directory (use a step_N directory, its parent, or auto)")
     if not (path / META).is_file():
         raise ConfigError(f"train.resume={resume!r}: {path} is not a complete checkpoint (no {META}: it was never finished, "
                           "or was written by an older version)")
+    why = damaged(path)
+    if why:
+        raise ConfigError(f"train.resume={resume!r}: checkpoint {path} is damaged ({why}): resume from an earlier one "
+                          "(train.resume=auto takes the newest intact checkpoint), or start a fresh run")
     return path
 
 
 def check_compatible(step_dir: Path, cfg: Config) -> None:
-    """Refuse to resume a checkpoint of a different run, naming the first difference."""
+    """Refuse to resume a checkpoint of a different run (naming the first difference: a setting, the
+    layout, a data file's content) or one with nothing left to do."""
     meta = json.loads((step_dir / META).read_text())
     ours = trajectory(cfg)
     if meta["config_hash"] != config_hash(ours):
@@ -160,6 +213,35 @@ def check_compatible(step_dir: Path, cfg: Config) -> None:
         if saved[key] != now[key]:
             raise ConfigError(f"train.resume: {step_dir} was saved with {key}={saved[key]} ({saved['engine']} engine), this run has "
                               f"{key}={now[key]}: that checkpoint format cannot change it; resume with the same layout")
+    change = data_change(meta.get("data"), formats.fingerprint(cfg.data)) if "data" in meta else None
+    if change:
+        raise ConfigError(f"train.resume: {change} since {step_dir} was saved: the resumed run would train on other data; "
+                          "restore it, or start a fresh run")
+    if meta["step"] >= cfg.train.max_steps:
+        raise ConfigError(f"train.resume: {step_dir} is at step {meta['step']}, train.max_steps={cfg.train.max_steps}: "
+                          f"nothing to do: raise train.max_steps above {meta['step']}")
+
+
+def data_change(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """The first data file whose content differs between two fingerprints (formats.fingerprint), in words."""
+    for key in sorted(set(saved) | set(now)):
+        old, new = saved.get(key, {}), now.get(key, {})
+        if "files" not in old or "files" not in new:
+            continue  # a hub dataset (its id and split are settings), or the key was added: a settings difference
+        for name in sorted(set(old["files"]) | set(new["files"])):
+            was, is_ = old["files"].get(name), new["files"].get(name)
+            if was != is_:
+                if is_ is None:
+                    return f"{key} file {name} is gone"
+                if was is None:
+                    return f"{key} has a new file {name}"
+                return f"{key} file {name} changed (sha256 {was[:12]} then, {is_[:12]} now)"
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def mark_latest(root: Path, step: int) -> None:

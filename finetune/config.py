@@ -592,6 +592,9 @@ class TrainConfig:
     resume: str | None = checked(TEXT, None)
     """null: start fresh; auto: the newest checkpoint in RUN_DIR/checkpoints (same hydra.run.dir),
     or start fresh if there is none; a path: that checkpoint directory."""
+    overwrite: bool = False
+    """Start over in a run directory that holds another run's checkpoints or final/: they (and its
+    metrics and summary) are removed first. Without it (or train.resume) such a launch is refused."""
     device: Device = Device.auto
     """auto: cuda when available, else cpu."""
 

@@ -13,6 +13,8 @@ Preference rows (method=dpo) hold a prompt and two responses, in either form:
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,30 +47,69 @@ def load_rows(source: str, split: str, key: str) -> Rows:
         source: the path or hub id.
         split: split name for directories and hub datasets.
         key: the config key that named `source` (for messages), e.g. "data.train".
+
+    Raises:
+        ConfigError: one line naming the file and line of a bad row, or, for a source that cannot
+            be loaded, every way it was tried and why each failed.
     """
     path = Path(source).expanduser()
-    if path.suffix in (".jsonl", ".json") and path.is_file():
-        return _read_jsonl(path) if path.suffix == ".jsonl" else _read_json(path)
+    if path.is_file():
+        if path.suffix not in (".jsonl", ".json"):
+            raise ConfigError(f"{key}: {source} is a {path.suffix or 'suffix-less'} file: data files are .jsonl (one JSON object "
+                              "per line) or .json (a list of objects); for other formats use a dataset directory")
+        rows = _read_jsonl(path) if path.suffix == ".jsonl" else _read_json(path)
+        if not rows.rows:
+            raise ConfigError(f"{key}: {source} has no rows ({'the file is empty' if not path.stat().st_size else 'only blank lines'})")
+        return rows
     if looks_local(source) and not path.exists():
         raise ConfigError(f"{key}: no such file or directory: {source}")
+    if path.is_dir():
+        _check_directory(path, key)
     import datasets
 
     try:  # a local dataset directory (data files or save_to_disk output) or a hub id
-        if path.is_dir() and (path / "dataset_info.json").is_file():
+        if path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()):
             ds = datasets.load_from_disk(str(path))
             ds = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
         else:
             ds = datasets.load_dataset(str(path) if path.is_dir() else source, split=split)
     except Exception as e:  # noqa: BLE001 - whatever `datasets` raises, the user needs one line
-        what = "the local dataset directory" if path.is_dir() else "the hub dataset"
-        raise ConfigError(f"{key}: could not load {what} {source!r} (split {split!r}): {str(e).splitlines()[0]}") from None
+        if path.is_dir():
+            raise ConfigError(f"{key}: could not load the local dataset directory {source} (split {split!r}): "
+                              f"{str(e).splitlines()[0]}") from None
+        raise ConfigError(f"{key}: could not load {source!r}: as a local path: no such file or directory; as a hub dataset "
+                          f"(split {split!r}): {_hub_failure(e)}") from None
     return Rows(rows=list(ds), source=source)
+
+
+DATA_FILES = (".jsonl", ".json", ".csv", ".parquet", ".arrow", ".txt")  # what `datasets` reads from a directory
+
+
+def _check_directory(path: Path, key: str) -> None:
+    """A directory must be save_to_disk output or hold data files (no `datasets` import needed to tell)."""
+    if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
+        return
+    if any(p.suffix in DATA_FILES for p in path.rglob("*") if p.is_file()):
+        return
+    raise ConfigError(f"{key}: could not load the local dataset directory {path}: as a saved dataset: no dataset_info.json; "
+                      f"as a directory of data files: no {'/'.join(DATA_FILES)} files in it")
+
+
+def _hub_failure(e: Exception) -> str:
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if "OfflineModeIsEnabled" in text or "offline" in text.lower():
+        return ("offline (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set) and not in the local cache: "
+                "download it once online, or point the key at a local file or directory")
+    if type(e).__name__ in ("DatasetNotFoundError", "RepositoryNotFoundError", "FileNotFoundError"):
+        return f"not found ({text}); check the id, or log in (huggingface-cli login) for a private or gated dataset"
+    return text
 
 
 def _read_jsonl(path: Path) -> Rows:
     rows, lines = [], []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            line = _decode(raw[3:] if n == 1 and raw.startswith(b"\xef\xbb\xbf") else raw, path, n)  # a UTF-8 BOM is fine
             if not line.strip():
                 continue
             try:
@@ -83,13 +124,30 @@ def _read_jsonl(path: Path) -> Rows:
 
 
 def _read_json(path: Path) -> Rows:
+    raw = path.read_bytes()
+    text = _decode(raw[3:] if raw.startswith(b"\xef\xbb\xbf") else raw, path, None)
     try:
-        rows = json.loads(path.read_text(encoding="utf-8"))
+        rows = json.loads(text)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise ConfigError(f"{path}: a .json data file must hold a list of objects (use .jsonl for one object per line)")
     return Rows(rows=rows, source=str(path))
+
+
+def _decode(raw: bytes, path: Path, line: int | None) -> str:
+    """UTF-8 text, or one line naming the file, the line and the first byte that is not UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if raw.startswith((b"\xff\xfe", b"\xfe\xff")) and line in (1, None):
+            line, why, was = 1, "it starts with a UTF-16 byte-order mark", "utf-16"
+        else:
+            before = raw[: e.start]
+            line, column = line or before.count(b"\n") + 1, e.start - before.rfind(b"\n")
+            why, was = f"byte 0x{raw[e.start]:02x} at column {column}", "latin1"
+        raise ConfigError(f"{path}:{line}: not UTF-8 text ({why}): save the file as UTF-8, "
+                          f"e.g. iconv -f {was} -t utf-8 {path.name} > {path.stem}.utf8{path.suffix}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,7 +159,10 @@ def is_preference(row: dict[str, Any]) -> bool:
 
 
 def to_messages(row: dict[str, Any], fmt: DataFormat, system_prompt: str | None, where: str) -> list[dict[str, str]]:
-    """One SFT row -> a conversation ending with the assistant's response."""
+    """One SFT row -> a conversation ending with the assistant's response.
+
+    Refused (one line naming `where`): a row of neither form, a response with no text, a
+    conversation with no user message before its response or not ending with the assistant."""
     if fmt == DataFormat.preference or (fmt == DataFormat.auto and is_preference(row)):
         raise ConfigError(f"{where}: this row is a preference pair (chosen/rejected), which trains with method=dpo: "
                           "add method=dpo, or use alpaca/chat rows for method=sft")
@@ -115,17 +176,25 @@ def to_messages(row: dict[str, Any], fmt: DataFormat, system_prompt: str | None,
                 f"{', '.join(missing)}; keys present: {', '.join(sorted(row)) or 'none'})"
             )
         user = row["instruction"] + (f"\n{row['input']}" if row.get("input") else "")
-        messages = [{"role": "user", "content": user}, {"role": "assistant", "content": row["output"]}]
+        if not user.strip():
+            raise ConfigError(f"{where}: the prompt is empty ('instruction' and 'input' hold no text): {FIX}")
+        messages = [{"role": "user", "content": user}, {"role": "assistant", "content": _text(row["output"], where, "'output'")}]
     else:
         messages = _messages(row.get("messages"), where, "messages")
         if not messages:
             raise ConfigError(f"{where}: chat rows need a non-empty 'messages' list (keys present: {', '.join(sorted(row))})")
         _ends_with_response(messages, where, "messages")
+        for i, m in enumerate(messages):  # every assistant turn is trained on
+            if m["role"] == "assistant":
+                _text(m["content"], where, f"the assistant's messages[{i}]")
+        _has_prompt(messages[:-1], where)
     return _with_system(messages, system_prompt)
 
 
 def to_pair(row: dict[str, Any], system_prompt: str | None, where: str) -> tuple[list[dict[str, str]], str, str]:
-    """One preference row -> (prompt messages, chosen response text, rejected response text)."""
+    """One preference row -> (prompt messages, chosen response text, rejected response text).
+
+    Refused as for SFT rows, and a pair whose two responses are the same text (it prefers nothing)."""
     if not is_preference(row):
         raise ConfigError(f"{where}: method=dpo needs preference rows with 'chosen' and 'rejected' (and 'prompt' unless they are "
                           f"whole conversations); keys present: {', '.join(sorted(row)) or 'none'}")
@@ -138,15 +207,35 @@ def to_pair(row: dict[str, Any], system_prompt: str | None, where: str) -> tuple
             if not prompt or prompt[-1]["role"] == "assistant":
                 raise ConfigError(f"{where}: 'prompt' must be text or a non-empty message list that ends before the response")
         chosen, rejected = (_response(row[k], where, k) for k in ("chosen", "rejected"))
-        return _with_system(prompt, system_prompt), chosen, rejected
-    chosen, rejected = (_messages(row[k], where, k) for k in ("chosen", "rejected"))
-    for key, conv in (("chosen", chosen), ("rejected", rejected)):
-        if len(conv) < 2:
-            raise ConfigError(f"{where}: without a 'prompt', '{key}' must be a whole conversation (prompt messages, then the response)")
-        _ends_with_response(conv, where, key)
-    if chosen[:-1] != rejected[:-1]:
-        raise ConfigError(f"{where}: 'chosen' and 'rejected' must share every message but the last (the prompt); they differ before it")
-    return _with_system(chosen[:-1], system_prompt), chosen[-1]["content"], rejected[-1]["content"]
+    else:
+        whole = [_messages(row[k], where, k) for k in ("chosen", "rejected")]
+        for key, conv in zip(("chosen", "rejected"), whole):
+            if len(conv) < 2:
+                raise ConfigError(f"{where}: without a 'prompt', '{key}' must be a whole conversation (prompt messages, then the response)")
+            _ends_with_response(conv, where, key)
+        if whole[0][:-1] != whole[1][:-1]:
+            raise ConfigError(f"{where}: 'chosen' and 'rejected' must share every message but the last (the prompt); they differ before it")
+        prompt, chosen, rejected = whole[0][:-1], whole[0][-1]["content"], whole[1][-1]["content"]
+    _has_prompt(prompt, where)
+    chosen, rejected = _text(chosen, where, "'chosen'"), _text(rejected, where, "'rejected'")
+    if chosen.strip() == rejected.strip():
+        raise ConfigError(f"{where}: 'chosen' and 'rejected' are the same response, so the pair prefers nothing: {FIX}")
+    return _with_system(prompt, system_prompt), chosen, rejected
+
+
+FIX = "fix the row or remove it"
+
+
+def _text(text: str, where: str, what: str) -> str:
+    """A response to train on: refused when it holds nothing but whitespace."""
+    if not text.strip():
+        raise ConfigError(f"{where}: the response {what} is empty{' (only whitespace)' if text else ''}: {FIX}")
+    return text
+
+
+def _has_prompt(messages: list[dict[str, str]], where: str) -> None:
+    if not any(m["role"] == "user" and m["content"].strip() for m in messages):
+        raise ConfigError(f"{where}: no user message with text before the response (a response to nothing): {FIX}")
 
 
 def _response(value: Any, where: str, key: str) -> str:
@@ -180,6 +269,37 @@ def _with_system(messages: list[dict[str, str]], system_prompt: str | None) -> l
     return messages
 
 
+def fingerprint(cfg: DataConfig) -> dict[str, dict[str, Any]]:
+    """What the data of a run is, for a resume to compare: per key (data.train, data.eval), the
+    sha256 of each local file (a directory: each file in it), or a hub dataset's id and split."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, source, split in (("data.train", cfg.train, cfg.train_split), ("data.eval", cfg.eval, cfg.eval_split)):
+        if source is None:
+            continue
+        path = Path(source).expanduser()
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else None
+        if files is None:
+            out[key] = {"hub": source, "split": split}
+        else:
+            out[key] = {"files": {str(p): _sha256(p.resolve(), *_stamp(p)) for p in files}}
+    return out
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=256)
+def _sha256(path: Path, size: int, mtime_ns: int) -> str:
+    """A file's content hash; cached per (path, size, mtime): checkpoints of one run hash the data once."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def looks_local(source: str) -> bool:
     """A path rather than a hub id: a data-file suffix or an explicit directory prefix."""
     return Path(source).suffix in (".jsonl", ".json") or source.startswith((".", "/", "~"))
@@ -188,9 +308,14 @@ def looks_local(source: str) -> bool:
 def check(cfg: DataConfig, method: Method) -> None:
     """Read every local data file and convert every row; raises ConfigError at the first bad one.
 
-    Directories and hub datasets are checked by the ranks (that needs `datasets`)."""
+    A local directory is only checked to hold a dataset; its rows, and hub datasets, are checked by
+    the ranks (that needs `datasets`)."""
     for key, source in (("data.train", cfg.train), ("data.eval", cfg.eval)):
-        if source is None or not looks_local(source) or Path(source).expanduser().is_dir():
+        path = Path(source).expanduser() if source is not None else None
+        if path is None or not (looks_local(source) or path.exists()):
+            continue
+        if path.is_dir():
+            _check_directory(path, key)
             continue
         rows = load_rows(source, "train", key)
         for i, row in enumerate(rows.rows):

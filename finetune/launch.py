@@ -28,7 +28,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from finetune import formats, plan, sweep
+from finetune import formats, plan, rundir, sweep
 from finetune.compose import RECIPES, _first_line, fail, preflight, sweep_trials, typed
 from finetune.config import Config, ConfigError
 from finetune.launcher import ERROR_FILE, RANKS_DIR, LaunchSpec, build
@@ -72,9 +72,9 @@ def _hydra_main(dcfg: DictConfig) -> float | None:
 class TrialFailed(Exception):
     """A launch that refused its config or whose training failed: the exit code and one-line reason."""
 
-    def __init__(self, code: int, reason: str, hint: str = "") -> None:
+    def __init__(self, code: int, reason: str, hint: str = "", *, ends_sweep: bool = False) -> None:
         super().__init__(reason)
-        self.code, self.hint = code, hint
+        self.code, self.hint, self.ends_sweep = code, hint, ends_sweep
 
 
 def launch_once(dcfg: DictConfig) -> float | None:
@@ -88,8 +88,15 @@ def launch_once(dcfg: DictConfig) -> float | None:
         raise TrialFailed(2, str(e)) from None
     check_memory(cfg, list(HydraConfig.get().overrides.task))
     run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir).resolve()
+    dir_key = "run_dir" if cfg.run_dir else f"hydra.{'sweep' if HydraConfig.get().mode == RunMode.MULTIRUN else 'run'}.dir"
+    try:  # another run's results there: refused (a dry run warns), or removed with train.overwrite=true
+        writable = rundir.claim(run_dir, cfg.train, dry_run=cfg.launcher.dry_run, dir_key=dir_key)
+    except ConfigError as e:
+        raise TrialFailed(2, str(e), ends_sweep=True) from None  # a sweep into an old sweep's directory stops here
     spec = build(cfg, run_dir, python=sys.executable, cpu_count=os.cpu_count() or 1, port=free_port())
-    write_files(spec, run_dir)
+    if writable:
+        sweep.clear_status(run_dir)  # a trial that starts again is not failed until it fails again
+        write_files(spec, run_dir)
     if cfg.launcher.dry_run:
         print(spec.files["config.yaml"], end="")
         print(f"# run directory: {run_dir}")
@@ -175,7 +182,6 @@ def run_trial(dcfg: DictConfig, sweep_dir: Path, trial_dir: Path) -> float:
     a failed trial (or a dry run). Ctrl-C ends the sweep."""
     SWEEP["dir"] = sweep_dir
     SWEEP["trials"].append(trial_dir.name)
-    sweep.clear_status(trial_dir)
     dry_run = OmegaConf.select(dcfg, "launcher.dry_run", default=False) is True
     SWEEP["summary"] |= not dry_run
     if not dry_run:
@@ -192,6 +198,8 @@ def run_trial(dcfg: DictConfig, sweep_dir: Path, trial_dir: Path) -> float:
         failure = TrialFailed(code, f"interrupted by {signal.Signals(stop[0]).name}" + (f": {failure}" if failure else ""))
     if failure is not None:
         print(f"error: trial {trial_dir.name}: {failure}{failure.hint}", file=sys.stderr)
+        if failure.ends_sweep:  # the directory holds an earlier trial's results: leave them as they are
+            sys.exit(failure.code)
         sweep.record_failure(trial_dir, failure.code, str(failure))
         SWEEP["failed"].append(trial_dir.name)
         loss = float("inf")

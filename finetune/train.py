@@ -135,7 +135,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
     phase("engine")
     eng = engine.build(cfg, net, d)
     phase("resume")
-    resume_from = checkpoint.resolve(cfg.train.resume, run_dir)
+    resume_from = checkpoint.resolve(cfg.train.resume, run_dir, warn=lambda line: d.is_main and print(f"warning: {line}", file=sys.stderr))
     if resume_from is not None:
         checkpoint.check_compatible(resume_from, cfg)
     elif cfg.train.resume == "auto" and d.is_main:

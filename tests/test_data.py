@@ -116,11 +116,6 @@ def test_local_dataset_directory_goes_through_datasets(tok, tmp_path):
     assert [labelled(tok, e) for e in train] == [f"a{i}</s>" for i in range(6)] and evals == []
 
 
-def test_unknown_hub_dataset_is_one_line():
-    with pytest.raises(ConfigError, match=r"^data.train: could not load the hub dataset 'nobody/no-such-set' \(split 'train'\): "):
-        load_rows("nobody/no-such-set", "train", "data.train")
-
-
 def test_collate_masks_padding(tok):
     a = data.Example([5, 6, 7], [IGNORE, 6, 7], 1, "")
     b = data.Example([5, 6], [IGNORE, 6], 1, "")

@@ -25,7 +25,7 @@ def cli_error(tmp_path, *args: str) -> str:
         (["optim.lrr=1e-4"],
          "error: unknown key 'optim.lrr' in 'optim' (did you mean 'optim.lr'?); known keys: name, lr, weight_decay, betas, eps, momentum, scheduler, warmup_steps, min_lr_ratio, max_grad_norm"),
         (["+train.max_step=3"],
-         "error: unknown key 'train.max_step' in 'train' (did you mean 'train.max_steps'?); known keys: max_steps, micro_batch_size, global_batch_size, seed, eval_every, eval_batch_size, exact_match_samples, max_new_tokens, log_every, progress_bar, tensorboard, memory_report, memory_snapshot, save_every, keep_checkpoints, on_nonfinite, resume, device"),
+         "error: unknown key 'train.max_step' in 'train' (did you mean 'train.max_steps'?); known keys: max_steps, micro_batch_size, global_batch_size, seed, eval_every, eval_batch_size, exact_match_samples, max_new_tokens, log_every, progress_bar, tensorboard, memory_report, memory_snapshot, save_every, keep_checkpoints, on_nonfinite, resume, overwrite, device"),
         (["optim.lr=fast"], "error: optim.lr=fast must be a number"),
         (["train.max_steps=1.5"], "error: train.max_steps=1.5 must be an integer"),
         (["data.format=xml"], "error: data.format=xml must be one of auto, alpaca, chat, preference"),
@@ -141,3 +141,101 @@ def _asset(rel: str) -> str:
     from finetune.config import ASSETS
 
     return str(ASSETS / rel)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data mistakes, named by file and line before any rank starts
+
+
+def jsonl(tmp_path, *rows, name="train.jsonl") -> str:
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+OK = {"instruction": "a", "output": "b"}
+
+
+def test_a_file_that_is_not_utf8_names_file_line_and_byte(tmp_path):
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(json.dumps(OK).encode() + b'\n{"instruction": "caf\xe9", "output": "b"}\n')
+    assert cli_error(tmp_path, "data=jsonl", f"data.train={latin}") == (
+        f"error: {latin}:2: not UTF-8 text (byte 0xe9 at column 21): save the file as UTF-8, "
+        "e.g. iconv -f latin1 -t utf-8 latin.jsonl > latin.utf8.jsonl")
+    utf16 = tmp_path / "utf16.json"
+    utf16.write_text(json.dumps([OK]), encoding="utf-16")  # with a byte-order mark
+    assert cli_error(tmp_path, "data=jsonl", f"data.train={utf16}") == (
+        f"error: {utf16}:1: not UTF-8 text (it starts with a UTF-16 byte-order mark): save the file as UTF-8, "
+        "e.g. iconv -f utf-16 -t utf-8 utf16.json > utf16.utf8.json")
+
+
+@pytest.mark.parametrize(
+    "row,message",
+    [
+        ({"instruction": "a", "output": " \n"}, "the response 'output' is empty (only whitespace): fix the row or remove it"),
+        ({"instruction": " ", "input": "", "output": "b"},
+         "the prompt is empty ('instruction' and 'input' hold no text): fix the row or remove it"),
+        ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]},
+         "the response the assistant's messages[1] is empty: fix the row or remove it"),
+        ({"messages": [{"role": "system", "content": "s"}, {"role": "system", "content": "t"}, {"role": "assistant", "content": "a"}]},
+         "no user message with text before the response (a response to nothing): fix the row or remove it"),
+    ],
+    ids=["blank-output", "blank-prompt", "empty-assistant", "no-user-turn"],
+)
+def test_degenerate_sft_rows_are_refused_naming_file_and_line(tmp_path, row, message):
+    path = jsonl(tmp_path, OK, row)
+    assert cli_error(tmp_path, "data=jsonl", f"data.train={path}") == f"error: {path}:2: {message}"
+
+
+@pytest.mark.parametrize(
+    "row,message",
+    [
+        ({"prompt": "p", "chosen": "", "rejected": "r"}, "the response 'chosen' is empty: fix the row or remove it"),
+        ({"prompt": "p", "chosen": {"role": "assistant", "content": "c"}, "rejected": [{"role": "assistant", "content": "\t"}]},
+         "the response 'rejected' is empty (only whitespace): fix the row or remove it"),
+        ({"prompt": "p", "chosen": "same", "rejected": "same "},
+         "'chosen' and 'rejected' are the same response, so the pair prefers nothing: fix the row or remove it"),
+        ({"prompt": "", "chosen": "c", "rejected": "r"},
+         "no user message with text before the response (a response to nothing): fix the row or remove it"),
+    ],
+    ids=["empty-chosen", "blank-rejected", "same-responses", "empty-prompt"],
+)
+def test_degenerate_preference_rows_are_refused_naming_file_and_line(tmp_path, row, message):
+    path = jsonl(tmp_path, {"prompt": "p", "chosen": "c", "rejected": "r"}, row)
+    assert cli_error(tmp_path, "method=dpo", "data=jsonl", f"data.train={path}") == f"error: {path}:2: {message}"
+
+
+def test_a_file_without_rows_is_refused(tmp_path):
+    empty, blank = tmp_path / "empty.jsonl", tmp_path / "blank.jsonl"
+    empty.write_text("")
+    blank.write_text("\n  \n\n")
+    assert cli_error(tmp_path, "data=jsonl", f"data.train={empty}") == f"error: data.train: {empty} has no rows (the file is empty)"
+    assert cli_error(tmp_path, "data=jsonl", f"data.train={jsonl(tmp_path, OK)}", f"data.eval={blank}") == (
+        f"error: data.eval: {blank} has no rows (only blank lines)")
+
+
+def test_a_source_that_cannot_be_loaded_says_what_was_tried(tmp_path):
+    folder = tmp_path / "my_set"
+    (folder / "notes").mkdir(parents=True)
+    (folder / "README.md").write_text("no data here")
+    assert cli_error(tmp_path, "data=jsonl", f"data.train={folder}") == (
+        f"error: data.train: could not load the local dataset directory {folder}: as a saved dataset: no dataset_info.json; "
+        "as a directory of data files: no .jsonl/.json/.csv/.parquet/.arrow/.txt files in it")
+    csv = tmp_path / "train.csv"
+    csv.write_text("instruction,output\na,b\n")
+    assert cli_error(tmp_path, "data=jsonl", f"data.train={csv}") == (
+        f"error: data.train: {csv} is a .csv file: data files are .jsonl (one JSON object per line) or .json (a list of objects); "
+        "for other formats use a dataset directory")
+
+
+def test_a_hub_id_that_cannot_be_loaded_says_what_was_tried():
+    """A hub id is loaded by the ranks (it needs `datasets`); offline, as tests run, it is not in the cache."""
+    from finetune.config import ConfigError
+    from finetune.formats import load_rows
+
+    with pytest.raises(ConfigError) as e:
+        load_rows("nobody/no-such-set", "train", "data.train")
+    assert str(e.value) == (
+        "data.train: could not load 'nobody/no-such-set': as a local path: no such file or directory; as a hub dataset "
+        "(split 'train'): offline (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set) and not in the local cache: download it once "
+        "online, or point the key at a local file or directory")

@@ -239,3 +239,147 @@ def test_resume_path_of_an_unfinished_checkpoint_is_refused(tmp_path):
         checkpoint.resolve(str(tmp_path / "step_3"), REPO)
     assert str(e.value) == (f"train.resume={str(tmp_path / 'step_3')!r}: {tmp_path / 'step_3'} is not a complete checkpoint "
                             "(no meta.json: it was never finished, or was written by an older version)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Nothing is lost: another run's directory, finished resumes, changed data, damaged checkpoints
+
+
+def snapshot(root):
+    """Every file under `root` but Hydra's own (.hydra/ and launch.log, written before our code runs): bytes and mtime."""
+    return {p.relative_to(root).as_posix(): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))
+            if p.is_file() and ".hydra" not in p.relative_to(root).parts and p.name != "launch.log"}
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished 3-step run on a copy of the quickstart data, with checkpoints at steps 1, 2 and 3."""
+    from finetune.config import ASSETS
+
+    run = tmp_path_factory.mktemp("finished")
+    (run / "train.jsonl").write_bytes((ASSETS / "data/quickstart/train.jsonl").read_bytes())
+    args = [*QUICK, "data=jsonl", f"data.train={run / 'train.jsonl'}", "train.max_steps=3", "train.save_every=1"]
+    train_here(args, run / "run")
+    return run / "run", args
+
+
+def copy_run(finished, tmp_path):
+    import shutil
+
+    shutil.copytree(finished[0], tmp_path / "run")
+    return tmp_path / "run"
+
+
+def test_a_launch_into_a_finished_runs_directory_is_refused_and_changes_nothing(finished, tmp_path):
+    run = copy_run(finished, tmp_path)
+    before = snapshot(run)
+    cli = [*RUN, "launcher.nproc_per_node=1", "parallelism=single", "train.max_steps=2", f"hydra.run.dir={run}"]
+    out = subprocess.run(cli, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    refusal = (f"{run} already holds a finished run (final/) and 3 checkpoints: resume with train.resume=auto, start over with "
+               "train.overwrite=true, or choose another hydra.run.dir")
+    assert out.stderr == f"error: {refusal}\n"
+    assert snapshot(run) == before
+    dry = subprocess.run([*cli, "launcher.dry_run=true"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert dry.returncode == 0 and dry.stderr == f"warning: {refusal}; this dry run writes nothing there\n"
+    assert snapshot(run) == before
+
+
+def test_a_sweep_into_an_old_sweeps_directory_stops_at_the_first_finished_trial(tmp_path):
+    old = tmp_path / "sweep/0"
+    (old / "final").mkdir(parents=True)
+    (old / "final/model.safetensors").write_bytes(b"weights")
+    (old / "summary.json").write_text("{}")
+    before = snapshot(old)
+    out = subprocess.run([*RUN[:3], "-m", *RUN[3:], "train.max_steps=2", "optim.lr=1e-3,3e-3", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert last_line(out.stderr) == (f"error: trial 0: {old} already holds a finished run (final/): start over with "
+                                     "train.overwrite=true, or choose another hydra.sweep.dir")
+    assert snapshot(old) == before and not (tmp_path / "sweep/1").exists()
+
+
+def test_overwrite_replaces_the_old_results_and_contradicts_resume(finished, tmp_path, capsys):
+    from finetune import rundir
+
+    run = copy_run(finished, tmp_path)
+    cfg = lambda *extra: train_cfg(extra)  # noqa: E731
+    with pytest.raises(ConfigError) as e:
+        rundir.claim(run, cfg("train.overwrite=true", "train.resume=auto"), dry_run=False)
+    assert str(e.value) == ("train.overwrite=true would remove the checkpoints train.resume=auto continues from: choose one of them")
+    assert rundir.claim(run, cfg("train.overwrite=true"), dry_run=True) is False
+    assert (run / "final").is_dir()
+    assert rundir.claim(run, cfg("train.overwrite=true"), dry_run=False) is True
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"[finetune] train.overwrite=true: replacing a finished run (final/) and 3 checkpoints in {run} "
+        "(removed final, checkpoints, summary.json, metrics.jsonl, loss.png)")
+    assert sorted(p.name for p in run.iterdir()) == []
+    # A finished run without checkpoints has nothing to resume: auto does not quietly start over on top of it.
+    (run / "final").mkdir()
+    with pytest.raises(ConfigError) as e:
+        rundir.claim(run, cfg("train.resume=auto"), dry_run=False)
+    assert str(e.value) == (f"{run} holds a finished run (final/) but no checkpoint to resume (train.resume=auto): start over "
+                            "with train.overwrite=true, or choose another hydra.run.dir")
+
+
+def train_cfg(overrides):
+    from finetune.compose import preflight
+
+    return preflight(list(overrides)).train
+
+
+def test_resume_with_nothing_left_to_do_or_changed_data_is_refused(finished, tmp_path):
+    import hashlib
+
+    run = copy_run(finished, tmp_path)
+    _, args = finished
+    with pytest.raises(ConfigError) as e:
+        train_here([*args, "train.resume=auto"], run)
+    assert str(e.value) == (f"train.resume: {run / 'checkpoints/step_3'} is at step 3, train.max_steps=3: nothing to do: "
+                            "raise train.max_steps above 3")
+    data = finished[0].parent / "train.jsonl"
+    moved = tmp_path / "train.jsonl"
+    moved.write_bytes(data.read_bytes() + b'{"instruction": "new", "output": "row"}\n')
+    changed = [a if not a.startswith("data.train=") else f"data.train={moved}" for a in args]
+    with pytest.raises(ConfigError) as e:  # another file: a settings difference
+        train_here([*changed, "train.max_steps=5", "train.resume=auto"], run)
+    assert str(e.value).startswith(f"train.resume: {run / 'checkpoints/step_3'} was trained with data.train={data}, this run has data.train={moved}")
+    saved = json.loads((run / "checkpoints/step_3/meta.json").read_text())["data"]["data.train"]["files"]
+    assert saved == {str(data): hashlib.sha256(data.read_bytes()).hexdigest()}
+    data_copy = data.read_bytes()
+    try:
+        data.write_bytes(moved.read_bytes())  # the same file, other content
+        with pytest.raises(ConfigError) as e:
+            train_here([*args, "train.max_steps=5", "train.resume=auto"], run)
+    finally:
+        data.write_bytes(data_copy)
+    now = hashlib.sha256(moved.read_bytes()).hexdigest()
+    assert str(e.value) == (f"train.resume: data.train file {data} changed (sha256 {saved[str(data)][:12]} then, {now[:12]} now) "
+                            f"since {run / 'checkpoints/step_3'} was saved: the resumed run would train on other data; "
+                            "restore it, or start a fresh run")
+
+
+def test_a_damaged_newest_checkpoint_is_named_and_auto_falls_back(finished, tmp_path, capsys):
+    run = copy_run(finished, tmp_path)
+    _, args = finished
+    step3 = run / "checkpoints/step_3"
+    meta = json.loads((step3 / "meta.json").read_text())
+    name, size = max(meta["files"].items(), key=lambda kv: kv[1])  # the model/optimizer state
+    with open(step3 / name, "r+b") as f:
+        f.truncate(size // 2)
+    with pytest.raises(ConfigError) as e:  # named explicitly: refused
+        train_here([*args, "train.max_steps=4", f"train.resume={step3}"], run)
+    assert str(e.value) == (f"train.resume={str(step3)!r}: checkpoint {step3} is damaged ({name} is truncated ({size // 2} of {size} "
+                            "bytes)): resume from an earlier one (train.resume=auto takes the newest intact checkpoint), or start a fresh run")
+    capsys.readouterr()
+    train_here([*args, "train.max_steps=4", "train.resume=auto"], run)
+    assert capsys.readouterr().err.splitlines()[0] == (
+        f"warning: checkpoint {step3} is damaged ({name} is truncated ({size // 2} of {size} bytes)): train.resume=auto falls back "
+        f"to the previous complete checkpoint {run / 'checkpoints/step_2'}")
+    assert [m["step"] for m in train_rows(run)] == [1, 2, 3, 3, 4]  # the first run's 3 steps, then 3 and 4 again from step 2
+    (run / "checkpoints/step_4/meta.json").write_text('{"step": 4, ')  # a meta.json that does not parse
+    warnings = []
+    assert checkpoint.resolve("auto", run, warn=warnings.append) == step3  # rewritten, intact, by the resumed run
+    assert warnings == [f"checkpoint {run / 'checkpoints/step_4'} is damaged (meta.json does not parse: Expecting property name "
+                        "enclosed in double quotes: line 1 column 13 (char 12)): train.resume=auto falls back to the previous "
+                        f"complete checkpoint {step3}"]
