@@ -119,6 +119,9 @@ def launch_once(dcfg: DictConfig) -> float | None:
         died = silent_deaths(run_dir)
         if died:
             raise TrialFailed(code, f"{died}; the job stopped")
+        failed = rank_failures(run_dir)  # only lost peers: the first rank's line
+        if failed:
+            raise TrialFailed(code, failed[0])
         raise TrialFailed(code, f"training exited with code {code}", "; see the output above")
     loss = sweep.eval_loss(run_dir)
     return loss if loss is not None else float("inf")
@@ -252,6 +255,17 @@ def make_model_first(cfg: Config) -> None:
         raise ConfigError(f"model.recipe_if_missing={m.recipe_if_missing} did not produce {target} (exit code {code}): "
                           "see its output above, or set model.path to an existing model")
     print(f"[finetune] made {target}; now the run itself", flush=True)
+
+
+def rank_failures(run_dir: Path) -> list[str]:
+    """The one-line reasons ranks recorded in RUN_DIR/ranks/R.json ('failed: ...'), by rank."""
+    lines = []
+    for path in sorted((run_dir / RANKS_DIR).glob("*.json"), key=lambda p: int(p.stem)):
+        with contextlib.suppress(ValueError, OSError):
+            status = json.loads(path.read_text()).get("status", "")
+            if status.startswith("failed: "):
+                lines.append(status.removeprefix("failed: "))
+    return lines
 
 
 def silent_deaths(run_dir: Path) -> str | None:

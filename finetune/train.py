@@ -67,12 +67,21 @@ def main(argv: list[str] | None = None) -> int:
         log = status.path.with_suffix(".log")
         log.write_text(traceback.format_exc())
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        status.report(f"{PHASE['name']}: rank {rank}: {type(e).__name__}: {first} (traceback in {log})")
+        status.report(f"{PHASE['name']}: rank {rank}: {type(e).__name__}: {first} (traceback in {log})", root=not lost_peer(e))
     finally:
         if d is not None:
             dist.shutdown()
     status.write("done" if code == 0 else f"exited {code}")
     return code
+
+
+def lost_peer(e: BaseException) -> bool:
+    """A collective that failed because another rank is gone: a consequence, not a root cause (the
+    launcher names the rank that died, or the reason it gave)."""
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(s in text for s in (
+        "Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted",
+        "Socket Timeout", "DistNetworkError"))
 
 
 class RankStatus:
@@ -89,10 +98,12 @@ class RankStatus:
     def write(self, status: str) -> None:
         self.path.write_text(json.dumps({**self.info, "status": status}) + "\n")
 
-    def report(self, line: str, *, show: bool = True, prefix: str = "error: ") -> None:
-        """Record why this rank ends. The first rank to report writes RUN_DIR/error.txt (the root cause:
-        the others usually fail because it left) and prints the line; the others only log it."""
+    def report(self, line: str, *, show: bool = True, prefix: str = "error: ", root: bool = True) -> None:
+        """Record why this rank ends. The first rank to report a root cause writes RUN_DIR/error.txt (the
+        others usually fail because it left) and prints the line; the others only record it here."""
         self.write(f"failed: {line}")
+        if not root:
+            return
         try:
             with open(self.run_dir / ERROR_FILE, "x") as f:
                 f.write(f"{line}\n")
