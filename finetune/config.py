@@ -82,11 +82,13 @@ def _host_port(value: str) -> bool:
 HOST_PORT = Accepts("HOST or HOST:PORT (port in [1, 65535])", _host_port, ("host:0", ":29400"))
 
 
-def checked(accepts: Accepts, default: Any = MISSING, *, factory: Callable[[], Any] | None = None) -> Any:
-    """A dataclass field with its constraint (null is always allowed where the type allows it)."""
+def checked(accepts: Accepts, default: Any = MISSING, *, factory: Callable[[], Any] | None = None, hint: str = "") -> Any:
+    """A dataclass field with its constraint (null is always allowed where the type allows it);
+    `hint` follows the refusal after a colon: what a right value looks like for this field."""
+    meta = {"accepts": accepts, "hint": hint}
     if factory is not None:
-        return field(default_factory=factory, metadata={"accepts": accepts})
-    return field(default=default, metadata={"accepts": accepts})
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 def check_fields(node: Any, prefix: str = "") -> None:
@@ -97,7 +99,8 @@ def check_fields(node: Any, prefix: str = "") -> None:
             check_fields(value, f"{key}.")
         elif value is not None and "accepts" in f.metadata and not f.metadata["accepts"].ok(value):
             shown = "''" if value == "" else value
-            raise ConfigError(f"{key}={shown} must be {f.metadata['accepts'].words}")
+            hint = f": {f.metadata['hint']}" if f.metadata["hint"] else ""
+            raise ConfigError(f"{key}={shown} must be {f.metadata['accepts'].words}{hint}")
 
 
 def machine_ram_gib() -> float:
@@ -475,7 +478,7 @@ class OptimConfig:
     """adam/adamw: decay rates of the gradient mean and of its square; unused by sgd."""
     eps: float = checked(POSITIVE, 1e-8)
     """adam/adamw: added to the denominator; unused by sgd."""
-    momentum: float = checked(PROBABILITY, 0.0)
+    momentum: float = checked(PROBABILITY, 0.0, hint="0 for plain SGD, e.g. 0.9 with momentum")
     """sgd only, in [0, 1): 0 plain SGD, 0.9 the usual heavy-ball momentum (adam/adamw use betas)."""
     scheduler: Scheduler = Scheduler.cosine
     """cosine or linear decay after warmup, or constant."""
@@ -501,11 +504,11 @@ class LauncherConfig:
     """Static rendezvous: address of node 0, reachable from every node."""
     master_port: int | None = checked(PORT, None)
     """Static rendezvous port on node 0; null on a single node: torchrun --standalone picks a free port."""
-    rdzv_endpoint: str | None = checked(HOST_PORT, None)
+    rdzv_endpoint: str | None = checked(HOST_PORT, None, hint="the same on every node, e.g. launcher.rdzv_endpoint=10.0.0.1:29400")
     """torchrun: HOST:PORT of a c10d dynamic rendezvous (--rdzv_backend=c10d; port 29400 if omitted), the
     same on every node, instead of the static node_rank/master_addr/master_port; the rendezvous assigns
     node ranks. HOST is one of the job's nodes (it serves the rendezvous store)."""
-    rdzv_id: str = checked(TEXT, "finetune")
+    rdzv_id: str = checked(TEXT, "finetune", hint="give every node of the job the same id, e.g. launcher.rdzv_id=job42")
     """torchrun with rdzv_endpoint: the job id (--rdzv_id) every node of one job shares."""
     omp_num_threads: int | None = checked(at_least(1), None)
     """Threads per rank; null: CPU cores / nproc_per_node."""
@@ -542,9 +545,8 @@ class HardwareConfig:
     """Memory of one accelerator in GiB (2^30 bytes); 0: no GPU, the ranks run on CPU and share
     cpu_memory_gib."""
     gpus_per_node: int = checked(at_least(1), 1)
-    """Accelerators per node: with gpu_memory_gib > 0, launcher.nproc_per_node may not exceed it."""
-    nodes: int = checked(at_least(1), 1)
-    """Nodes available: with gpu_memory_gib > 0, launcher.nnodes may not exceed it."""
+    """Accelerators per node: with gpu_memory_gib > 0, launcher.nproc_per_node may not exceed it
+    (the number of nodes is launcher.nnodes)."""
     cpu_memory_gib: float = checked(POSITIVE, 64.0)
     """CPU RAM per node in GiB: holds offloaded optimizer states/parameters/activations
     (hardware=cpu reads this machine's RAM: `${machine_ram_gib:}`)."""

@@ -543,8 +543,6 @@ def plan(cfg: Config) -> Plan:
     ranks_per_node = cfg.launcher.nproc_per_node
     cpu = (cpu + act_cpu) * ranks_per_node  # per rank -> per node
     nvme *= ranks_per_node
-    if cfg.world_size > hw.gpus_per_node * hw.nodes and on_gpu:
-        notes.append(f"the launch has {cfg.world_size} ranks but hardware={hw.name} lists {hw.gpus_per_node} x {hw.nodes}")
     budget = hw.gpu_memory_gib * GIB if on_gpu else hw.cpu_memory_gib * GIB / ranks_per_node
     return Plan(params=counts.total, trainable=counts.trainable, weights=weights, gradients=grads, optimizer=opt,
                 activations=act_gpu, logits=logits, overhead=GPU_OVERHEAD_BYTES if on_gpu else CPU_OVERHEAD_BYTES,

@@ -245,14 +245,11 @@ def _validate_layout(cfg: Config) -> None:
 
 
 def _validate_hardware(cfg: Config) -> None:
-    """A GPU launch cannot start more ranks than the declared hardware has GPUs."""
+    """A GPU launch cannot start more ranks on a node than the declared hardware has GPUs."""
     hw, launch = cfg.hardware, cfg.launcher
-    if hw.gpu_memory_gib == 0:
-        return
-    for key, have, limit in (("nproc_per_node", launch.nproc_per_node, "gpus_per_node"), ("nnodes", launch.nnodes, "nodes")):
-        if have > getattr(hw, limit):
-            raise ConfigError(f"launcher.{key}={have} exceeds hardware.{limit}={getattr(hw, limit)} of hardware={hw.name}: "
-                              f"lower launcher.{key}, or declare the machine with hardware.{limit}=N")
+    if hw.gpu_memory_gib and launch.nproc_per_node > hw.gpus_per_node:
+        raise ConfigError(f"launcher.nproc_per_node={launch.nproc_per_node} exceeds hardware.gpus_per_node={hw.gpus_per_node} of "
+                          f"hardware={hw.name}: lower launcher.nproc_per_node, or declare the machine with hardware.gpus_per_node=N")
 
 
 def _validate_launcher(cfg: Config) -> None:

@@ -68,17 +68,19 @@ def test_json_follows_every_yaml_number(compose):
     ds = deepspeed_config(cfg)
     assert ds["gradient_clipping"] == 0.0
     assert ds["fp16"]["initial_scale_power"] == 12 and ds["fp16"]["loss_scale_window"] == 50
-    assert ds["zero_optimization"]["offload_param"] == {"device": "nvme", "pin_memory": True, "nvme_path": "/nvme"}
-    assert ds["zero_optimization"]["offload_optimizer"] == {"device": "nvme", "pin_memory": True, "nvme_path": "/nvme"}
+    assert ds["zero_optimization"]["offload_param"] == {"device": "nvme", "pin_memory": True, "nvme_path": "/tmp"}
+    assert ds["zero_optimization"]["offload_optimizer"] == {"device": "nvme", "pin_memory": True, "nvme_path": "/tmp"}
 
 
-def test_multi_node_deepspeed_argv(compose):
+def test_multi_node_deepspeed_argv(compose, tmp_path):
+    hostfile = tmp_path / "hosts.ds"
+    hostfile.write_text("node-a slots=8\nnode-b slots=8\n")
     cfg = compose(["zero=stage1", "parallelism=ddp", "launcher.nnodes=2", "launcher.node_rank=1", "launcher.nproc_per_node=8",
-                   "launcher.hostfile=/etc/hosts.ds", "launcher.no_ssh=true", "launcher.master_addr=10.1.1.1",
+                   f"launcher.hostfile={hostfile}", "launcher.no_ssh=true", "launcher.master_addr=10.1.1.1",
                    "launcher.master_port=29501", "train.global_batch_size=128"])
     spec = build(cfg, "/r", python="python", cpu_count=64)
     assert spec.argv == [
-        "python", "-m", "deepspeed.launcher.runner", "--num_nodes=2", "--num_gpus=8", "--hostfile=/etc/hosts.ds",
+        "python", "-m", "deepspeed.launcher.runner", "--num_nodes=2", "--num_gpus=8", f"--hostfile={hostfile}",
         "--no_ssh", "--node_rank=1", "--master_addr=10.1.1.1", "--master_port=29501", "--module", "finetune.train", "/r/config.yaml",
     ]
 

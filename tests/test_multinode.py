@@ -82,11 +82,11 @@ def test_c10d_rendezvous_with_a_job_id_on_one_node_and_under_zero_with_torchrun(
      "launcher.rdzv_id=job42 has no effect without launcher.rdzv_endpoint (c10d rendezvous): "
      "set launcher.rdzv_endpoint=HOST:PORT or remove launcher.rdzv_id"),
     ([*TWO_NODES, "launcher.rdzv_endpoint=:29400"],
-     "launcher.rdzv_endpoint=':29400' must be HOST:PORT, the same on every node (e.g. launcher.rdzv_endpoint=10.0.0.1:29400)"),
+     "launcher.rdzv_endpoint=:29400 must be HOST or HOST:PORT (port in [1, 65535]): the same on every node, e.g. launcher.rdzv_endpoint=10.0.0.1:29400"),
     ([*TWO_NODES, "launcher.rdzv_endpoint=node-a:port"],
-     "launcher.rdzv_endpoint='node-a:port' must be HOST:PORT, the same on every node (e.g. launcher.rdzv_endpoint=10.0.0.1:29400)"),
+     "launcher.rdzv_endpoint=node-a:port must be HOST or HOST:PORT (port in [1, 65535]): the same on every node, e.g. launcher.rdzv_endpoint=10.0.0.1:29400"),
     ([*TWO_NODES, "launcher.rdzv_endpoint=node-a:29400", "launcher.rdzv_id=''"],
-     "launcher.rdzv_id is empty: give every node of the job the same id (e.g. launcher.rdzv_id=job42)"),
+     "launcher.rdzv_id='' must be non-empty text: give every node of the job the same id, e.g. launcher.rdzv_id=job42"),
 ])
 def test_rendezvous_refusals(compose, overrides, message):
     with pytest.raises(ConfigError) as e:
