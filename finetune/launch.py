@@ -28,7 +28,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from finetune import formats, plan, rundir, sweep
+from finetune import disk, formats, plan, rundir, sweep
 from finetune.compose import RECIPES, _first_line, fail, preflight, sweep_trials, typed
 from finetune.config import Config, ConfigError
 from finetune.launcher import ERROR_FILE, RANKS_DIR, LaunchSpec, build
@@ -84,6 +84,7 @@ def launch_once(dcfg: DictConfig) -> float | None:
         cfg = typed(dcfg)
         formats.check(cfg.data, cfg.method.name)  # missing file or malformed row: one line now, not N ranks later
         make_model_first(cfg)
+        disk.check(cfg)  # the model, tokenizer and device as files on this machine: one line now, not in each rank
     except ConfigError as e:
         raise TrialFailed(2, str(e)) from None
     check_memory(cfg, list(HydraConfig.get().overrides.task))

@@ -45,12 +45,11 @@ def decoder(model: nn.Module) -> nn.Module:
 
 def check_model(model: nn.Module, p: ParallelismConfig) -> None:
     """The layout-vs-model checks for models whose config was not readable before launch (hub ids)."""
-    c = model.config
+    c = model.config  # transformers' attribute_map reads each family's own names
     check_layout_fits_model(p, {"num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
-                                "num_key_value_heads": getattr(c, "num_key_value_heads", None) or c.num_attention_heads})
-    if p.pp > 1 and getattr(c, "tie_word_embeddings", False):
-        raise ConfigError("pipeline parallel needs untied input/output embeddings (the first and last stages hold them): "
-                          "this model ties them; use tp or fsdp")
+                                "num_key_value_heads": getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+                                "intermediate_size": getattr(c, "intermediate_size", None),
+                                "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", False))})
 
 
 def tensor_parallel(model: nn.Module, tp_mesh: Any) -> None:

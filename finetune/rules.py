@@ -8,7 +8,6 @@ when the config is composed, before these rules run. Imports no torch.
 
 from __future__ import annotations
 
-import json
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ from finetune.config import (
     Strategy,
     launcher_for,
 )
+from finetune.disk import config_value, local_config
 
 
 def validate(cfg: Config) -> None:
@@ -52,11 +52,7 @@ def validate(cfg: Config) -> None:
         )
     if m.path is None and m.tokenizer is None:
         raise ConfigError("model.tokenizer: a random-init model needs a tokenizer path or hub id")
-    if m.init is not None and cfg.data.max_length > m.init.max_position_embeddings:
-        raise ConfigError(
-            f"data.max_length={cfg.data.max_length} exceeds model.init.max_position_embeddings="
-            f"{m.init.max_position_embeddings}: lower one or raise the other"
-        )
+    _validate_context(cfg)
     if launch.node_rank >= launch.nnodes:
         raise ConfigError(f"launcher.node_rank={launch.node_rank} must be in [0, launcher.nnodes={launch.nnodes})")
     _validate_launcher(cfg)
@@ -165,36 +161,49 @@ def _validate_method(cfg: Config) -> None:
         raise ConfigError(f"method=dpo trains on preference pairs: data.format={cfg.data.format.value} must be preference or auto")
 
 
-def local_config(cfg: ModelConfig) -> dict[str, Any] | None:
-    """The (text) config.json of a local model.path, read without transformers; None if there is none."""
-    path = Path(cfg.path or "").expanduser() / "config.json"
-    if not path.is_file():
-        return None
-    arch = json.loads(path.read_text())
-    return arch.get("text_config", arch)
+SHAPE = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size", "max_position_embeddings",
+         "tie_word_embeddings")
+"""What the layout and the context length are checked against (model_shape)."""
 
 
-def model_shape(cfg: ModelConfig) -> dict[str, int] | None:
-    """Layers and heads from model.init or a local config.json (None: a hub id, checked on the ranks)."""
+def model_shape(cfg: ModelConfig) -> dict[str, Any] | None:
+    """The SHAPE keys from model.init or a local config.json, read under the families' aliases
+    (disk.ALIASES; None where config.json says nothing). None: a hub id, checked on the ranks."""
     if cfg.init is not None:
-        return {k: getattr(cfg.init, k) for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads")}
+        return {k: getattr(cfg.init, k) for k in SHAPE}
     arch = local_config(cfg)
     if arch is None:
         return None
-    return {"num_hidden_layers": arch.get("num_hidden_layers", 0), "num_attention_heads": arch.get("num_attention_heads", 0),
-            "num_key_value_heads": arch.get("num_key_value_heads") or arch.get("num_attention_heads", 0)}
+    return {k: config_value(arch, k) for k in SHAPE}
 
 
-def check_layout_fits_model(p: ParallelismConfig, shape: dict[str, int]) -> None:
-    """tp divides the heads, and there are at least as many blocks as pipeline stages."""
-    for key in ("num_attention_heads", "num_key_value_heads"):
-        if p.tp > 1 and shape[key] % p.tp:
+def check_layout_fits_model(p: ParallelismConfig, shape: dict[str, Any]) -> None:
+    """tp divides the heads and the MLP width, there are at least as many blocks as pipeline
+    stages, and pipeline stages have untied embeddings. A size the shape lacks (None) is not checked."""
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        if p.tp > 1 and shape.get(key) and shape[key] % p.tp:
             raise ConfigError(f"parallelism.tp={p.tp} must divide the model's {key}={shape[key]}: "
                               f"use a tp that divides {shape[key]}")
-    stages = p.pp * p.pp_stages_per_rank
-    if p.pp > 1 and stages > shape["num_hidden_layers"]:
+    stages, blocks = p.pp * p.pp_stages_per_rank, shape.get("num_hidden_layers")
+    if p.pp > 1 and blocks and stages > blocks:
         raise ConfigError(f"parallelism.pp={p.pp} x pp_stages_per_rank={p.pp_stages_per_rank} = {stages} pipeline stages, but the "
-                          f"model has {shape['num_hidden_layers']} blocks: use at most {shape['num_hidden_layers']} stages")
+                          f"model has {blocks} blocks: use at most {blocks} stages")
+    if p.pp > 1 and shape.get("tie_word_embeddings") is True:
+        raise ConfigError("pipeline parallel needs untied input/output embeddings (the first and last stages hold them): "
+                          "this model ties them; use tp or fsdp")
+
+
+def _validate_context(cfg: Config) -> None:
+    """data.max_length within the model's positions (model.init's, or a local config.json's)."""
+    shape, length = model_shape(cfg.model), cfg.data.max_length
+    limit = shape.get("max_position_embeddings") if shape else None
+    if not isinstance(limit, int) or length <= limit:
+        return
+    if cfg.model.init is not None:
+        raise ConfigError(f"data.max_length={length} exceeds model.init.max_position_embeddings={limit}: lower one or raise the other")
+    config = Path(cfg.model.path or "").expanduser() / "config.json"
+    raise ConfigError(f"data.max_length={length} exceeds the model's max_position_embeddings={limit} ({config}): "
+                      f"use data.max_length={limit} or less")
 
 
 def _validate_layout(cfg: Config) -> None:

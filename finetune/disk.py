@@ -1,0 +1,259 @@
+"""What is on disk and on this machine, checked before any rank starts: the model directory, the
+tokenizer and the device, read as plain files (json, pathlib: no torch, no transformers).
+
+`check(cfg)` is called by the launcher after the config is validated; it raises `ConfigError`
+with one line naming the key, the file and what to do. Hub ids are left to the ranks (they need
+the hub). The ranks keep their own checks (model.load_tokenizer / load_model, model.resolve_attention,
+dist.init, the DeepSpeed engine) as the second line of defence.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from finetune.config import AttnImpl, Config, ConfigError, Device, ModelConfig, Precision
+
+WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+"""Single-file weights; a sharded checkpoint has WEIGHT.index.json naming its shards instead."""
+
+ALIASES = {
+    "num_hidden_layers": ("n_layer", "n_layers", "num_layers"),
+    "num_attention_heads": ("n_head", "n_heads", "num_heads"),
+    "num_key_value_heads": ("num_kv_heads", "n_head_kv", "multi_query_group_num"),
+    "intermediate_size": ("n_inner", "ffn_dim", "ffn_hidden_size"),
+    "hidden_size": ("n_embd", "d_model"),
+    "max_position_embeddings": ("n_positions", "max_sequence_length", "max_seq_len", "seq_length"),
+}
+"""Other names of the same config.json keys in some families (transformers' `attribute_map`s: gpt2's
+n_head/n_layer/n_embd/n_inner/n_positions, OPT's ffn_dim, MPT's n_heads/n_layers...)."""
+
+
+def check(cfg: Config) -> None:
+    """The model directory, the tokenizer, the two against each other, and the device. Raises
+    ConfigError at the first problem; a dry run only reports what this machine lacks (it may
+    preview a launch meant for another machine), as the memory plan does."""
+    arch = check_model_dir(cfg.model)
+    tokenizer = check_tokenizer_dir(cfg.model)
+    if arch is not None and tokenizer is not None:
+        check_vocab(cfg.model, arch, tokenizer)
+    try:
+        check_device(cfg)
+    except ConfigError as e:
+        if not cfg.launcher.dry_run:
+            raise
+        print(f"# {e} (a real launch on this machine would be refused)", flush=True)
+
+
+def is_local(path: str) -> bool:
+    """A local path rather than a hub id: it exists, or it is written as one (./, ../, /, ~)."""
+    return path.startswith((".", "/", "~")) or Path(path).expanduser().exists()
+
+
+def read_json(file: Path, key: str) -> dict[str, Any]:
+    """A JSON object from a file; anything else is one line naming the key that led to it, the file
+    and (malformed JSON) the line."""
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{key}: {file}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno}): "
+                          "fix the file or download it again") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: {file} must hold a JSON object, got {type(value).__name__}: fix the file or download it again")
+    return value
+
+
+def local_config(cfg: ModelConfig) -> dict[str, Any] | None:
+    """The (text) config.json of a local model.path; None if there is none. A multimodal wrapper's
+    language model is its `text_config`."""
+    file = Path(cfg.path or "").expanduser() / "config.json"
+    if not cfg.path or not file.is_file():
+        return None
+    arch = read_json(file, "model.path")
+    return arch.get("text_config") or arch
+
+
+def config_value(arch: dict[str, Any], key: str) -> Any:
+    """`key` of a config.json, under its own name or a family's alias (ALIASES); None if absent."""
+    for name in (key, *ALIASES.get(key, ())):
+        if arch.get(name) is not None:
+            return arch[name]
+    if key == "intermediate_size" and config_value(arch, "hidden_size"):  # gpt2: n_inner null means 4 x n_embd
+        return 4 * config_value(arch, "hidden_size") if "n_inner" in arch else None
+    if key == "num_key_value_heads" and arch.get("multi_query") is True:  # falcon, gpt_bigcode
+        return 1
+    if key == "num_key_value_heads":
+        return config_value(arch, "num_attention_heads")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The model directory
+
+
+def check_model_dir(m: ModelConfig) -> dict[str, Any] | None:
+    """A local model.path: a directory with a transformers config.json and its weights. Returns
+    the (text) config, or None for a hub id or a model.init."""
+    if m.path is None or not is_local(m.path):
+        return None
+    path = Path(m.path).expanduser()
+    if not path.exists():
+        if m.recipe_if_missing is not None:  # a dry run: the recipe would make it first
+            return None
+        raise ConfigError(f"model.path={m.path}: no such directory: give a local model directory (config.json and weights) "
+                          "or a hub id such as Qwen/Qwen2.5-0.5B")
+    if not path.is_dir():
+        raise ConfigError(f"model.path={m.path} is a file: give the model's directory (config.json and weights) or a hub id")
+    if not (path / "config.json").is_file():
+        adapter = path / "adapter_config.json"
+        if adapter.is_file():
+            base = read_json(adapter, "model.path").get("base_model_name_or_path") or "BASE"
+            raise ConfigError(f"model.path={m.path} is a PEFT adapter (adapter_config.json, no config.json): merge it into its base "
+                              f"first (python scripts/merge_adapter.py {m.path} MERGED_DIR, then model.path=MERGED_DIR), or set "
+                              f"model.path={base} (its base model)")
+        raise ConfigError(f"model.path={m.path} has no config.json (it has: {listing(path)}): give a Hugging Face model directory "
+                          "(what save_pretrained writes) or a hub id")
+    whole = read_json(path / "config.json", "model.path")
+    arch = local_config(m)
+    assert arch is not None
+    if not (whole.get("model_type") or whole.get("architectures")):
+        raise ConfigError(f"model.path: {path / 'config.json'} names no model_type (nor architectures): it is not a transformers "
+                          "model config; download the model's own config.json")
+    check_weights(m.path, path)
+    return arch
+
+
+def check_weights(key_value: str, path: Path) -> None:
+    """Single-file weights, or an index whose shards are all there."""
+    if any((path / name).is_file() for name in WEIGHTS):
+        return
+    for index in (path / f"{name}.index.json" for name in WEIGHTS):
+        if not index.is_file():
+            continue
+        weight_map = read_json(index, "model.path").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ConfigError(f"model.path: {index} has no weight_map (parameter -> shard file): download it again")
+        missing = sorted({shard for shard in weight_map.values() if not (path / shard).is_file()})
+        if missing:
+            raise ConfigError(f"model.path: {index} names {len(missing)} shard file(s) that are not in {path} (the first: "
+                              f"{missing[0]}): finish the download, or point model.path at the complete copy")
+        return
+    raise ConfigError(f"model.path={key_value} holds no weights (no {', '.join(WEIGHTS)} or their .index.json; it has: "
+                      f"{listing(path)}): copy the weight files in, or point model.path at the complete model directory")
+
+
+def listing(path: Path, most: int = 8) -> str:
+    names = sorted(p.name for p in path.iterdir())
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return (", ".join(names[:most]) + more) or "nothing"
+
+
+# ---------------------------------------------------------------------------------------------
+# The tokenizer, and the tokenizer against the model
+
+
+def tokenizer_key(m: ModelConfig) -> tuple[str, str | None]:
+    """The key that names the tokenizer and its value (model.tokenizer, or model.path when it is null)."""
+    return ("model.tokenizer", m.tokenizer) if m.tokenizer is not None else ("model.path", m.path)
+
+
+def check_tokenizer_dir(m: ModelConfig) -> Path | None:
+    """A local tokenizer directory holds a tokenizer, not just its settings. Returns the directory,
+    or None for a hub id."""
+    key, source = tokenizer_key(m)
+    if source is None or not is_local(source):
+        return None
+    path = Path(source).expanduser()
+    if not path.exists():
+        if key == "model.path":  # check_model_dir has said why, or the recipe makes it (recipe_if_missing)
+            return None
+        raise ConfigError(f"model.tokenizer={source}: no such directory: give a local tokenizer directory or a hub id "
+                          "(model.tokenizer=null takes the one in model.path)")
+    if not path.is_dir():
+        raise ConfigError(f"{key}={source} is a file: give the tokenizer's directory (what save_pretrained writes) or a hub id")
+    names = {p.name for p in path.iterdir()}
+    if not ("tokenizer.json" in names or {"vocab.json", "merges.txt"} <= names or "vocab.txt" in names
+            or any(n.endswith((".model", ".tiktoken")) for n in names)):
+        other = "set model.tokenizer to a directory or hub id that has them" if key == "model.tokenizer" else \
+            "set model.tokenizer=DIR_OR_HUB_ID"
+        raise ConfigError(f"{key}={source} holds no tokenizer (it has: {listing(path)}): a tokenizer is tokenizer.json, "
+                          f"tokenizer.model (sentencepiece), vocab.json + merges.txt, or vocab.txt; copy them from the "
+                          f"model's source, or {other}")
+    return path
+
+
+def token_ids(path: Path, key: str) -> int | None:
+    """How many token ids a tokenizer can produce (the largest id + 1), read from tokenizer.json or
+    vocab.json (+ added_tokens.json); None when only a sentencepiece/tiktoken file says it."""
+    ids: list[int] = []
+    if (path / "tokenizer.json").is_file():
+        tok = read_json(path / "tokenizer.json", key)
+        vocab = (tok.get("model") or {}).get("vocab") or {}
+        ids.append(max(vocab.values()) + 1 if isinstance(vocab, dict) and vocab else len(vocab))  # a Unigram vocab is a list
+        ids += [t["id"] + 1 for t in tok.get("added_tokens") or [] if isinstance(t.get("id"), int)]
+    elif (path / "vocab.json").is_file():
+        vocab = read_json(path / "vocab.json", key)
+        added = read_json(path / "added_tokens.json", key) if (path / "added_tokens.json").is_file() else {}
+        ids += [i + 1 for i in [*vocab.values(), *added.values()] if isinstance(i, int)]
+    return max(ids) if ids else None
+
+
+def check_vocab(m: ModelConfig, arch: dict[str, Any], tokenizer: Path) -> None:
+    """A tokenizer with more ids than the model's embedding has rows would index past it."""
+    key, source = tokenizer_key(m)
+    count, vocab = token_ids(tokenizer, key), arch.get("vocab_size")
+    if count is None or not isinstance(vocab, int) or count <= vocab:
+        return
+    config = Path(m.path or "").expanduser() / "config.json"
+    which, fix = (("the tokenizer in model.path", "copy its files from where the weights came from") if key == "model.path" else
+                  (f"model.tokenizer={source}", "model.tokenizer=null takes the one in model.path"))
+    raise ConfigError(f"{which} has {count} token ids but the model's embedding has vocab_size={vocab} ({config}): ids from "
+                      f"{vocab} up would index past it; the tokenizer must belong to this model ({fix})")
+
+
+# ---------------------------------------------------------------------------------------------
+# The device
+
+
+def has_gpu() -> bool:
+    """Whether this machine has a GPU driver (NVIDIA, or AMD ROCm, which torch also calls cuda),
+    without importing torch. Tests monkeypatch it."""
+    return (Path("/proc/driver/nvidia/version").exists() or shutil.which("nvidia-smi") is not None
+            or Path("/dev/kfd").exists())
+
+
+def cpu_has_fp16() -> bool:
+    """Whether this CPU has the fp16 arithmetic DeepSpeed's CPU accelerator asks oneDNN for
+    (`is_fp16_supported`: AVX512-FP16 or AMX-FP16 on x86, fp16 SIMD on Arm)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = {f for line in text.splitlines() if line.startswith(("flags", "Features")) for f in line.split(":", 1)[1].split()}
+    return bool(flags & {"avx512_fp16", "amx_fp16", "asimdhp"})
+
+
+NO_GPU = "this machine has no NVIDIA GPU (no /proc/driver/nvidia/version, no nvidia-smi on PATH)"
+
+
+def check_device(cfg: Config) -> None:
+    """What the config asks of this machine: a GPU, flash-attn, fp16 under DeepSpeed."""
+    gpu, device = has_gpu(), cfg.train.device
+    if device == Device.cuda and not gpu:
+        raise ConfigError(f"train.device=cuda but {NO_GPU}: use train.device=cpu (or auto), or launch on a GPU machine")
+    if cfg.model.attn_implementation == AttnImpl.flash_attention_2:
+        fix = "use model.attn_implementation=sdpa (or auto)"
+        if device == Device.cpu:
+            raise ConfigError(f"model.attn_implementation=flash_attention_2 needs CUDA, but train.device=cpu: {fix}")
+        if not gpu:
+            raise ConfigError(f"model.attn_implementation=flash_attention_2 needs an NVIDIA GPU and the gpu extra "
+                              f"(pip install -e '.[gpu]'), but {NO_GPU}: {fix}")
+        if importlib.util.find_spec("flash_attn") is None:  # finds the package without importing it
+            raise ConfigError("model.attn_implementation=flash_attention_2 needs the flash-attn package, which is not installed: "
+                              f"pip install -e '.[gpu]', or {fix}")
+    if cfg.precision.name == Precision.fp16 and cfg.zero.enabled and not gpu and not cpu_has_fp16():
+        raise ConfigError(f"precision=fp16 under DeepSpeed (zero.stage={cfg.zero.stage}) but {NO_GPU}, and DeepSpeed's CPU "
+                          "accelerator has no fp16 on this CPU (it needs AVX512-FP16 or AMX-FP16): use precision=bf16 or fp32")
