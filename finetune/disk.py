@@ -127,11 +127,10 @@ def check_model_dir(m: ModelConfig) -> dict[str, Any] | None:
 
 
 def check_weights(key_value: str, path: Path) -> None:
-    """Single-file weights, or an index whose shards are all there."""
-    if any((path / name).is_file() for name in WEIGHTS):
-        return
+    """Single-file weights, or an index whose shards are all there; each safetensors file whole."""
+    shards: list[Path] = [path / name for name in WEIGHTS if (path / name).is_file()]
     for index in (path / f"{name}.index.json" for name in WEIGHTS):
-        if not index.is_file():
+        if shards or not index.is_file():
             continue
         weight_map = read_json(index, "model.path").get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
@@ -140,9 +139,33 @@ def check_weights(key_value: str, path: Path) -> None:
         if missing:
             raise ConfigError(f"model.path: {index} names {len(missing)} shard file(s) that are not in {path} (the first: "
                               f"{missing[0]}): finish the download, or point model.path at the complete copy")
-        return
-    raise ConfigError(f"model.path={key_value} holds no weights (no {', '.join(WEIGHTS)} or their .index.json; it has: "
-                      f"{listing(path)}): copy the weight files in, or point model.path at the complete model directory")
+        shards = sorted({path / shard for shard in weight_map.values()})
+    if not shards:
+        raise ConfigError(f"model.path={key_value} holds no weights (no {', '.join(WEIGHTS)} or their .index.json; it has: "
+                          f"{listing(path)}): copy the weight files in, or point model.path at the complete model directory")
+    for shard in shards:
+        problem = safetensors_problem(shard) if shard.suffix == ".safetensors" else None
+        if problem:
+            raise ConfigError(f"model.path: {shard} is damaged or incomplete ({problem}): copy or download it again")
+
+
+def safetensors_problem(file: Path) -> str | None:
+    """What is wrong with a safetensors file, read from its header (8 bytes of length, a JSON table of
+    tensors and their byte ranges) and its size; None if it is whole. Reads the header only."""
+    size = file.stat().st_size
+    with file.open("rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if length < 2 or 8 + length > size:
+            return f"{size} bytes, shorter than its header says" if length >= 2 else f"{size} bytes, no header"
+        try:
+            table = json.loads(f.read(length))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return "its header is not valid JSON"
+    ends = [t["data_offsets"][1] for name, t in table.items() if name != "__metadata__" and isinstance(t, dict)
+            and isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2]
+    need = 8 + length + max(ends, default=0)
+    return f"{size} bytes, its tensors need {need}: a download or copy was cut short" if size < need else None
 
 
 def listing(path: Path, most: int = 8) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from finetune import disk
 from finetune.config import (
     AttnImpl,
     Checkpointing,
@@ -115,8 +116,10 @@ def load_model(cfg: ModelConfig, tokenizer: Any, *, attention: str, peft: PeftCo
     except Exception as e:
         if type(e).__name__ != "SafetensorError":
             raise
-        raise ConfigError(f"model.path={path!r}: a weight file is damaged or incomplete ({str(e).splitlines()[0]}): "
-                          "copy or download the model again") from None
+        local = Path(str(path)).expanduser()
+        damaged = [f"{f} ({why})" for f in sorted(local.glob("*.safetensors")) if (why := disk.safetensors_problem(f))]
+        which = damaged[0] if damaged else f"a weight file ({str(e).splitlines()[0]})"
+        raise ConfigError(f"model.path={path!r}: {which} is damaged or incomplete: copy or download the model again") from None
 
 
 def _gathered(model: torch.nn.Module, zero3: bool) -> Any:

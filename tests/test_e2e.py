@@ -9,7 +9,7 @@ import torch
 
 from finetune.evaluate import exact_match
 
-from conftest import read_metrics, reload_and_evaluate, run_cli
+from conftest import read_metrics, reload_and_evaluate, run_cli, tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -95,3 +95,25 @@ def test_quickstart_dpo_from_the_quickstart_model_raises_reward_accuracy_and_exa
     assert f"reward_acc   0.0% -> {after['eval_rewards/accuracy']:.1%}" in out.stdout
     train = [m for m in read_metrics(tmp_path / "dpo") if m["kind"] == "train"]
     assert len(train) == 300 and train[-1]["rewards/margin"] > train[0]["rewards/margin"]
+
+
+def test_pretrained_model_from_a_hub_style_directory(tmp_path):
+    """model=pretrained model.path=DIR through the CLI, DIR as the hub has it: config.json, safetensors
+    weights and tokenizer files, written by save_pretrained from a random-init tiny Llama. The run
+    starts from those weights: its step-0 eval loss is transformers' own on DIR."""
+    net, tok = tiny_model()
+    hub = tmp_path / "hub"
+    net.save_pretrained(hub)
+    tok.save_pretrained(hub)
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in hub.iterdir()}
+    out = run_cli("model=pretrained", f"model.path={hub}", "data=quickstart", "parallelism=single", "launcher.nproc_per_node=1",
+                  "train.max_steps=2", "train.eval_every=2", "train.exact_match_samples=0", "train.progress_bar=false",
+                  f"hydra.run.dir={tmp_path / 'ft'}", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    evals = [(m["step"], m["eval_loss"]) for m in read_metrics(tmp_path / "ft") if m["kind"] == "eval"]
+    assert [step for step, _ in evals] == [0, 2]
+    assert evals[0][1] == pytest.approx(reload_and_evaluate(hub, tmp_path / "ft")[0], rel=1e-5)
+    assert evals[1][1] == pytest.approx(reload_and_evaluate(tmp_path / "ft/final", tmp_path / "ft")[0], rel=1e-5)
+    assert evals[1][1] != pytest.approx(evals[0][1], rel=1e-4)  # and the two steps trained them
+    saved, start = (json.loads((d / "config.json").read_text()) for d in (tmp_path / "ft/final", hub))
+    assert {k: saved[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")} == {k: start[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")}

@@ -126,15 +126,29 @@ def test_peft_targets_that_match_nothing_name_the_layers_that_exist(tmp_path):
                     "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj (or use [all-linear])")
 
 
-@pytest.mark.slow
 def test_a_damaged_weight_file_is_named(tmp_path, model_dir):
+    """Cut short: found before launch from the safetensors header and the file's size; and if a rank
+    meets it anyway (a hub cache), its loader names the same file."""
+    import torch
+
+    from finetune.config import ConfigError, ModelConfig, PeftConfig
+    from finetune.model import load_model
+
     broken = tmp_path / "broken"
     shutil.copytree(model_dir, broken)
     weights = broken / "model.safetensors"
+    need = weights.stat().st_size
     weights.write_bytes(weights.read_bytes()[:20000])
-    line, _ = rank_error(tmp_path, "model=pretrained", f"model.path={broken}")
-    assert line.startswith(f"error: model: model.path='{broken}': a weight file is damaged or incomplete (") and \
-        line.endswith("): copy or download the model again"), line
+    out = run_cli("+recipe=quickstart_sft", "model=pretrained", f"model.path={broken}", "launcher.dry_run=true",
+                  f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=60)
+    assert out.returncode == 2 and last_line(out.stderr) == (
+        f"error: model.path: {weights} is damaged or incomplete (20000 bytes, its tensors need {need}: a download or copy was "
+        "cut short): copy or download it again"), out.stderr
+    with pytest.raises(ConfigError) as e:
+        load_model(ModelConfig(path=str(broken)), None, attention="sdpa", peft=PeftConfig(), compute_dtype=torch.float32, zero3=False,
+                   run_dir=tmp_path, is_main=True, barrier=lambda: None)
+    assert str(e.value) == (f"model.path='{broken}': {weights} (20000 bytes, its tensors need {need}: a download or copy was cut short) "
+                            "is damaged or incomplete: copy or download the model again")
 
 
 def _asset(rel: str) -> str:
