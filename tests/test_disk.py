@@ -27,12 +27,13 @@ LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_si
 def model_dir(where: Path, config: dict | str | None = None, *, weights: tuple[str, ...] = ("model.safetensors",),
               tokenizer: bool = True) -> Path:
     """A model directory written by hand: config.json (a dict, raw text, or none), weight files
-    (placeholders: nothing here reads them) and the shipped tokenizer's files."""
+    (placeholders: a safetensors header with no tensors, whole as far as the header check sees)
+    and the shipped tokenizer's files."""
     where.mkdir(parents=True)
     if config is not None:
         (where / "config.json").write_text(config if isinstance(config, str) else json.dumps(config, indent=2))
     for name in weights:
-        (where / name).write_bytes(b"")
+        (where / name).write_bytes((2).to_bytes(8, "little") + b"{}" if name.endswith(".safetensors") else b"")
     if tokenizer:
         for f in (ASSETS / "tokenizer").iterdir():
             shutil.copy(f, where)

@@ -127,12 +127,10 @@ def test_layout_follows_the_single_process_run_and_exports_one_checkpoint(layout
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,resume_with", [("fsdp", ["launcher.nproc_per_node=1"]), ("pp2", []),
-                                                 ("tp2", ["parallelism=single", "launcher.nproc_per_node=1"])],
-                         ids=["fsdp-2-ranks-resumed-on-1", "pp2", "tp2-resumed-single"])
+@pytest.mark.parametrize("layout,resume_with", [("fsdp", ["launcher.nproc_per_node=1"]), ("pp2", [])],
+                         ids=["fsdp-2-ranks-resumed-on-1", "pp2"])
 def test_resume_from_the_layouts_distributed_checkpoint(layout, resume_with, tmp_path):
-    """DCP shards reshard on load: FSDP saved on 2 ranks resumes on 1, tensor-parallel shards resume
-    on one unsharded process; the same trajectory."""
+    """DCP shards reshard on load: FSDP saved on 2 ranks resumes on 1; the same trajectory."""
     common = [*STEPS, f"parallelism={layout}", "train.save_every=2"]
     full = run_cli(*common, f"hydra.run.dir={tmp_path / 'full'}", cwd=tmp_path)
     assert full.returncode == 0, full.stderr[-3000:]
