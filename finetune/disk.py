@@ -100,6 +100,25 @@ def config_value(arch: dict[str, Any], key: str) -> Any:
     return None
 
 
+MISSING_KEY = object()
+
+
+def architecture_mismatch(declared: dict[str, Any], loaded: Any, source: str) -> str | None:
+    """The first key of model.architecture whose value differs from the config the model loads
+    with (a transformers config object, read with getattr so its aliases count), as one line;
+    None when they agree."""
+    for key, want in declared.items():
+        have = getattr(loaded, key, MISSING_KEY)
+        if isinstance(have, tuple):
+            have = list(have)
+        if have is MISSING_KEY or have != want:
+            shown = "no such key" if have is MISSING_KEY else f"{key}={have!r}"
+            return (f"model.architecture.{key}={want!r} but {source} has {shown}: the memory plan and the layout checks "
+                    f"were made for the declared architecture; correct model.architecture.{key} (copy it from the model's "
+                    "config.json)")
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
 # The model directory
 

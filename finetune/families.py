@@ -178,8 +178,9 @@ class Arch:
     @property
     def largest_layer_params(self) -> int:
         """The largest single module (what ZeRO-3 gathers at a time): the embedding, the head, one
-        linear, or one layer's fused experts."""
-        return max(self.embedding_params, self.head_params, *(lin.params for b in self.layers for lin in b.linears))
+        linear (weight and bias), or one layer's experts (their two fused parameters are one module)."""
+        experts = (sum(lin.params for lin in b.linears if lin.experts > 1) for b in self.layers)
+        return max(self.embedding_params, self.head_params, *experts, *(lin.params for b in self.layers for lin in b.linears))
 
 
 def targeted(name: str, targets: list[str]) -> bool:

@@ -407,6 +407,12 @@ def plan(cfg: Config) -> Plan:
         notes.append(f"model_type={arch.model_type or '(none)'} is not one the planner knows (finetune/families.py): counted as a "
                      "Llama-style decoder from its config keys; norms or fused projections it has beyond them are not counted")
 
+    if cfg.peft.name != PeftMethod.none and "all-linear" in cfg.peft.target_modules and \
+            any(lin.experts > 1 for lin in arch.block.linears):
+        notes.append("PEFT's all-linear may also adapt this MoE's fused experts (target_parameters, for the model types it "
+                     "converts, e.g. mixtral; it then refuses peft.dropout > 0): not counted; name the linears in "
+                     "peft.target_modules to be exact")
+
     # model states of the trainable parameters, then the frozen base (weights only)
     trainable, frozen = counts.trainable / mp, counts.frozen / mp
     cpu = nvme = 0.0
