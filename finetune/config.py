@@ -79,6 +79,10 @@ def _host_port(value: str) -> bool:
     return bool(host) and (not colon or (port.isdigit() and 0 < int(port) < 65536))
 
 
+ARCHITECTURE = Accepts("empty, or a mapping of the model's config.json keys that names its model_type",
+                       lambda v: not v or bool(str(v.get("model_type") or "").strip()), ("{hidden_size:64}",))
+
+
 HOST_PORT = Accepts("HOST or HOST:PORT (port in [1, 65535])", _host_port, ("host:0", ":29400"))
 
 
@@ -303,6 +307,11 @@ class ModelConfig:
     recipe_if_missing: str | None = checked(TEXT, None)
     """When `path` is a local directory that does not exist yet: the recipe whose run makes it
     (run first, in `path`'s parent directory, which must be RUN_DIR/final of that run)."""
+    architecture: dict[str, Any] = checked(ARCHITECTURE, factory=dict, hint="e.g. the keys in recipes/model/llama3_1_8b.yaml")
+    """The model's config.json keys the planner and the layout checks need (model_type, sizes,
+    head_dim, biases, experts, tie_word_embeddings...), for a hub id the launcher cannot read
+    offline ({}: none); a local `path`'s own config.json wins. The ranks refuse to train when the config
+    they load differs from it in any of these keys."""
 
 
 @dataclass

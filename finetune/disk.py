@@ -27,9 +27,10 @@ ALIASES = {
     "intermediate_size": ("n_inner", "ffn_dim", "ffn_hidden_size"),
     "hidden_size": ("n_embd", "d_model"),
     "max_position_embeddings": ("n_positions", "max_sequence_length", "max_seq_len", "seq_length"),
+    "num_local_experts": ("num_experts", "n_routed_experts"),
 }
 """Other names of the same config.json keys in some families (transformers' `attribute_map`s: gpt2's
-n_head/n_layer/n_embd/n_inner/n_positions, OPT's ffn_dim, MPT's n_heads/n_layers...)."""
+n_head/n_layer/n_embd/n_inner/n_positions, OPT's ffn_dim, MPT's n_heads/n_layers, Qwen-MoE's num_experts...)."""
 
 
 def check(cfg: Config) -> None:
@@ -67,13 +68,22 @@ def read_json(file: Path, key: str) -> dict[str, Any]:
 
 
 def local_config(cfg: ModelConfig) -> dict[str, Any] | None:
-    """The (text) config.json of a local model.path; None if there is none. A multimodal wrapper's
-    language model is its `text_config`."""
+    """The (text) config.json of the model as this machine can read it: a local model.path's, else
+    model.architecture (the keys a recipe declares for a hub id); None if neither. A multimodal
+    wrapper's language model is its `text_config`."""
     file = Path(cfg.path or "").expanduser() / "config.json"
-    if not cfg.path or not file.is_file():
-        return None
-    arch = read_json(file, "model.path")
-    return arch.get("text_config") or arch
+    if cfg.path and file.is_file():
+        arch = read_json(file, "model.path")
+        return arch.get("text_config") or arch
+    if cfg.architecture and cfg.init is None:
+        return dict(cfg.architecture)
+    return None
+
+
+def config_source(cfg: ModelConfig) -> str:
+    """Where local_config read the model's config from, for messages."""
+    file = Path(cfg.path or "").expanduser() / "config.json"
+    return str(file) if cfg.path and file.is_file() else "model.architecture"
 
 
 def config_value(arch: dict[str, Any], key: str) -> Any:
@@ -87,6 +97,25 @@ def config_value(arch: dict[str, Any], key: str) -> Any:
         return 1
     if key == "num_key_value_heads":
         return config_value(arch, "num_attention_heads")
+    return None
+
+
+MISSING_KEY = object()
+
+
+def architecture_mismatch(declared: dict[str, Any], loaded: Any, source: str) -> str | None:
+    """The first key of model.architecture whose value differs from the config the model loads
+    with (a transformers config object, read with getattr so its aliases count), as one line;
+    None when they agree."""
+    for key, want in declared.items():
+        have = getattr(loaded, key, MISSING_KEY)
+        if isinstance(have, tuple):
+            have = list(have)
+        if have is MISSING_KEY or have != want:
+            shown = "no such key" if have is MISSING_KEY else f"{key}={have!r}"
+            return (f"model.architecture.{key}={want!r} but {source} has {shown}: the memory plan and the layout checks "
+                    f"were made for the declared architecture; correct model.architecture.{key} (copy it from the model's "
+                    "config.json)")
     return None
 
 

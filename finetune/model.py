@@ -97,6 +97,8 @@ def load_model(cfg: ModelConfig, tokenizer: Any, *, attention: str, peft: PeftCo
             model.name_or_path = model.config._name_or_path = path  # recorded in adapter_config.json
             return model
     kwargs: dict[str, Any] = {"dtype": torch.float32}
+    if cfg.architecture and cfg.path is not None and not disk.is_local(cfg.path):
+        kwargs["config"] = check_architecture(cfg)
     if peft.name == PeftMethod.qlora:
         from transformers import BitsAndBytesConfig
 
@@ -120,6 +122,22 @@ def load_model(cfg: ModelConfig, tokenizer: Any, *, attention: str, peft: PeftCo
         damaged = [f"{f} ({why})" for f in sorted(local.glob("*.safetensors")) if (why := disk.safetensors_problem(f))]
         which = damaged[0] if damaged else f"a weight file ({str(e).splitlines()[0]})"
         raise ConfigError(f"model.path={path!r}: {which} is damaged or incomplete: copy or download the model again") from None
+
+
+def check_architecture(cfg: ModelConfig) -> Any:
+    """The hub model's config, refused (one line naming the first differing key) when it differs
+    from model.architecture, which the launcher planned and checked the layout with."""
+    from transformers import AutoConfig
+
+    assert cfg.path is not None
+    try:
+        config = AutoConfig.from_pretrained(cfg.path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.path={cfg.path!r}: could not load its config: {str(e).splitlines()[0]}") from None
+    problem = disk.architecture_mismatch(cfg.architecture, config.get_text_config(), f"{cfg.path}'s config.json")
+    if problem:
+        raise ConfigError(problem)
+    return config
 
 
 def _gathered(model: torch.nn.Module, zero3: bool) -> Any:

@@ -47,7 +47,8 @@ from finetune.config import (
     Reference,
     Strategy,
 )
-from finetune.rules import local_config
+from finetune.disk import config_source, local_config
+from finetune.families import Arch, Block, Linear, arch_from_config, targeted
 
 GIB = 2**30
 
@@ -62,62 +63,8 @@ QLORA_BLOCK = 64
 QLORA_DOUBLE_QUANT_BLOCK = 256
 """Double quantization: the absmax constants are 8-bit, with one fp32 constant per 256 of them."""
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 # ---------------------------------------------------------------------------------------------
-# Architecture
-
-
-@dataclass(frozen=True)
-class Arch:
-    """The Llama-style shape the planner counts (biases ignored: Qwen2's q/k/v biases are ~0.01%)."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    vocab_size: int
-    tie_word_embeddings: bool = False
-
-    @property
-    def kv_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads * self.num_key_value_heads
-
-    def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in, out) of each linear in one block."""
-        h, i, kv = self.hidden_size, self.intermediate_size, self.kv_dim
-        return {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-
-    @property
-    def block_linear_params(self) -> int:
-        return sum(a * b for a, b in self.linear_shapes().values())
-
-    @property
-    def block_params(self) -> int:
-        """Attention (GQA: k/v are h x kv_dim) + SwiGLU MLP (3 h i) + two RMSNorm weights."""
-        return self.block_linear_params + 2 * self.hidden_size
-
-    @property
-    def embedding_params(self) -> int:
-        return self.vocab_size * self.hidden_size
-
-    @property
-    def head_params(self) -> int:
-        """The output head; 0 when tied to the embeddings."""
-        return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
-
-    @property
-    def params(self) -> int:
-        """P = embeddings + L blocks + final norm + head."""
-        return self.embedding_params + self.num_hidden_layers * self.block_params + self.hidden_size + self.head_params
-
-    @property
-    def largest_layer_params(self) -> int:
-        """The largest single module (what ZeRO-3 gathers at a time): the embedding or an MLP linear."""
-        return max(self.embedding_params, self.hidden_size * self.intermediate_size)
+# Architecture: the structure of every block, read from the config (finetune/families.py)
 
 
 def _vocab_of_tokenizer(path: str | None) -> int | None:
@@ -132,26 +79,22 @@ def _vocab_of_tokenizer(path: str | None) -> int | None:
 
 
 def architecture(m: ModelConfig) -> Arch:
-    """The shape from model.init or a local config.json (like config.model_shape, with the sizes)."""
+    """The structure from model.init (its vocabulary: the tokenizer's), a local config.json, or
+    model.architecture (a hub id's config.json keys, declared in the recipe)."""
     if m.init is not None:
-        init = m.init
         vocab = _vocab_of_tokenizer(m.tokenizer)
         if vocab is None:
             raise ConfigError(f"the planner needs the vocabulary size: model.tokenizer={m.tokenizer!r} is not a local "
                               "directory with tokenizer.json")
-        return Arch(init.hidden_size, init.intermediate_size, init.num_hidden_layers, init.num_attention_heads,
-                    init.num_key_value_heads, vocab, init.tie_word_embeddings)
-    path = Path(m.path or "").expanduser() / "config.json"
-    arch = local_config(m)
-    if arch is None:
-        raise ConfigError(f"the planner reads the architecture from model.init or a local config.json: {path} does not "
-                          "exist (download the model's config.json into a directory and set model.path to it)")
-    try:
-        heads = arch["num_attention_heads"]
-        return Arch(arch["hidden_size"], arch["intermediate_size"], arch["num_hidden_layers"], heads,
-                    arch.get("num_key_value_heads") or heads, arch["vocab_size"], bool(arch.get("tie_word_embeddings", False)))
-    except KeyError as e:
-        raise ConfigError(f"{path} has no {e.args[0]}: the planner counts Llama-style models") from None
+        init = {k: v for k, v in vars(m.init).items() if k != "seed"}
+        return arch_from_config({**init, "vocab_size": vocab}, "model.init")
+    config = local_config(m)
+    if config is None:
+        raise ConfigError(f"the planner reads the architecture from model.init, a local config.json or model.architecture: "
+                          f"model.path={m.path!r} is not a local model directory and model.architecture is not set (set "
+                          "model.architecture to the config.json keys, as recipes/model/llama3_1_8b.yaml does, or download "
+                          "the model's config.json into a directory and set model.path to it)")
+    return arch_from_config(config, config_source(m))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,7 +151,7 @@ def count_params(arch: Arch, cfg: Config) -> Counts:
     peft = cfg.peft
     if peft.name == PeftMethod.none:
         return Counts(total, total, 0, 0.0)
-    adapter = adapter_params_per_block(arch, cfg) * arch.num_hidden_layers
+    adapter = sum(adapter_params(block, cfg) for block in arch.layers)
     saved = 0
     if "lm_head" in peft.modules_to_save:
         saved += arch.head_params or arch.embedding_params
@@ -222,20 +165,25 @@ def trainable_split(arch: Arch, cfg: Config, counts: Counts) -> tuple[float, flo
     """(trainable parameters per block, trainable parameters of the head: lm_head or tied embeddings
     and the final norm, whose gradients arrive first in backward)."""
     if cfg.peft.name == PeftMethod.none:
-        return arch.block_params, (arch.head_params or arch.embedding_params) + arch.hidden_size
+        return arch.block_params, (arch.head_params or arch.embedding_params) + arch.final_norm
     saved = 0 if "lm_head" not in cfg.peft.modules_to_save else (arch.head_params or arch.embedding_params)
     embed = arch.embedding_params if "embed_tokens" in cfg.peft.modules_to_save else 0
     return (counts.trainable - saved - embed) / arch.num_hidden_layers, saved
 
 
-def adapter_params_per_block(arch: Arch, cfg: Config) -> int:
-    """LoRA/DoRA parameters of one block: r * (in + out) per targeted linear (+ out for DoRA's magnitude)."""
+def adapter_params(block: Block, cfg: Config) -> int:
+    """LoRA/DoRA parameters of one block: r * (in + out) per targeted linear (+ out for DoRA's magnitude);
+    all-linear adapts every nn.Linear / Conv1D (not the fused experts of a MoE layer)."""
     peft = cfg.peft
     if peft.name == PeftMethod.none:
         return 0
-    targets = set(LINEARS) if "all-linear" in peft.target_modules else set(peft.target_modules) & set(LINEARS)
-    shapes = arch.linear_shapes()
-    return sum(peft.r * (shapes[n][0] + shapes[n][1]) + (shapes[n][1] if peft.name == PeftMethod.dora else 0) for n in targets)
+    return sum(peft.r * (lin.inputs + lin.outputs) + (lin.outputs if peft.name == PeftMethod.dora else 0)
+               for lin in block.linears if lin.adaptable and targeted(lin.name, peft.target_modules))
+
+
+def adapter_params_per_block(arch: Arch, cfg: Config) -> int:
+    """adapter_params of the largest block."""
+    return adapter_params(arch.block, cfg)
 
 
 def frozen_weight_bytes(arch: Arch, cfg: Config, frozen: int) -> float:
@@ -246,7 +194,7 @@ def frozen_weight_bytes(arch: Arch, cfg: Config, frozen: int) -> float:
     if cfg.peft.name != PeftMethod.qlora or frozen == 0:
         return full
     consts = (1 / QLORA_BLOCK + 4 / (QLORA_BLOCK * QLORA_DOUBLE_QUANT_BLOCK)) if cfg.peft.double_quant else 4 / QLORA_BLOCK
-    quantized = arch.num_hidden_layers * arch.block_linear_params
+    quantized = arch.quantized_params
     return (quantized * (0.5 + consts) + (frozen - quantized) * 4) / frozen
 
 
@@ -276,8 +224,8 @@ def dtypes(cfg: Config) -> Dtypes:
     return Dtypes(module=compute if cfg.zero.enabled else 4, compute=compute)
 
 
-def linear_input_bytes(cfg: Config, d: Dtypes, width: int, names: tuple[str, ...], stored: int, saved: bool) -> float:
-    """Bytes per token that the linears `names`, all reading one input of `width` elements stored in
+def linear_input_bytes(cfg: Config, d: Dtypes, width: int, linears: tuple[Linear, ...], stored: int, saved: bool) -> float:
+    """Bytes per token that `linears`, all reading one input of `width` elements stored in
     `stored` bytes each, save for backward (`saved`: the input is saved by another op anyway).
 
     A trainable linear saves its input for the weight gradient: under autocast an input that is not
@@ -290,8 +238,8 @@ def linear_input_bytes(cfg: Config, d: Dtypes, width: int, names: tuple[str, ...
     cast = d.autocast and stored != d.compute
     shared = 0 if saved else width * stored
     if cfg.peft.name == PeftMethod.none:
-        return len(names) * width * d.compute if cast else shared
-    adapted = len(names) if "all-linear" in cfg.peft.target_modules else len(set(names) & set(cfg.peft.target_modules))
+        return len(linears) * width * d.compute if cast else shared
+    adapted = sum(1 for lin in linears if lin.adaptable and targeted(lin.name, cfg.peft.target_modules))
     if adapted == 0:
         return 0.0
     per_adapter = cfg.peft.r * d.compute
@@ -304,7 +252,7 @@ def linear_input_bytes(cfg: Config, d: Dtypes, width: int, names: tuple[str, ...
 
 
 def block_activation_bytes(arch: Arch, cfg: Config, seq: int, tokens: int) -> float:
-    """Bytes one Llama block saves for backward, for `tokens` tokens in sequences of `seq`.
+    """Bytes one block (the largest) saves for backward, for `tokens` tokens in sequences of `seq`.
 
     Counted tensor by tensor from transformers' LlamaDecoderLayer (RMSNorm, GQA, RoPE, SwiGLU, no
     dropout) as torch.autograd.graph.saved_tensors_hooks lists them. Per token, with h hidden, kv
@@ -322,18 +270,19 @@ def block_activation_bytes(arch: Arch, cfg: Config, seq: int, tokens: int) -> fl
     also kept as a 16-bit copy for the input gradient: 2 bytes/param (not for QLoRA's 4-bit base,
     which is dequantized again in backward)."""
     h, a, i, kv, tp = arch.hidden_size, arch.num_attention_heads, arch.intermediate_size, arch.kv_dim, cfg.parallelism.tp
+    q, block = arch.q_dim, arch.block  # q: the attention width (heads x head_dim; h in Llama)
     d = dtypes(cfg)
     eager = cfg.model.attn_implementation == AttnImpl.eager
     norm_out = d.module if cfg.peft.name == PeftMethod.none else 0  # a frozen norm weight needs no normalised output
-    replicated = 2 * ((4 + norm_out) * h + 4) + linear_input_bytes(cfg, d, h, ("q_proj", "k_proj", "v_proj"), d.module, False) \
-        + linear_input_bytes(cfg, d, h, ("gate_proj", "up_proj"), d.module, False)
+    replicated = 2 * ((4 + norm_out) * h + 4) + linear_input_bytes(cfg, d, h, block.role("qkv"), d.module, False) \
+        + linear_input_bytes(cfg, d, h, block.role("up"), d.module, False)
     if eager:
-        attention = 3 * d.compute * h + 4 * a * seq + (d.compute * a * seq if d.autocast else 0)
+        attention = 3 * d.compute * q + 4 * a * seq + (d.compute * a * seq if d.autocast else 0)
     else:  # + the fp32 log-sum-exp per head
-        attention = d.compute * (2 * h + 2 * kv) + 4 * a
+        attention = d.compute * (2 * q + 2 * kv) + 4 * a
     # o_proj reads the attention output: the tensor sdpa saved, or eager's transposed copy
-    attention += linear_input_bytes(cfg, d, h, ("o_proj",), d.compute, not eager)
-    mlp = 3 * d.compute * i + linear_input_bytes(cfg, d, i, ("down_proj",), d.compute, False)
+    attention += linear_input_bytes(cfg, d, q, block.role("o"), d.compute, not eager)
+    mlp = 3 * d.compute * i + linear_input_bytes(cfg, d, i, block.role("down"), d.compute, False)
     copies = 0.0
     if d.autocast:  # the 16-bit weights autocast made, kept for the input gradient (adapters' too)
         copies = 2 * ((arch.block_linear_params if cfg.peft.name != PeftMethod.qlora else 0) + adapter_params_per_block(arch, cfg)) / tp
@@ -454,6 +403,15 @@ def plan(cfg: Config) -> Plan:
     dp = cfg.data_parallel_size
     on_gpu = hw.gpu_memory_gib > 0  # without a GPU, offloading to CPU RAM moves nothing: it stays counted per rank
     notes: list[str] = []
+    if not arch.known:
+        notes.append(f"model_type={arch.model_type or '(none)'} is not one the planner knows (finetune/families.py): counted as a "
+                     "Llama-style decoder from its config keys; norms or fused projections it has beyond them are not counted")
+
+    if cfg.peft.name != PeftMethod.none and "all-linear" in cfg.peft.target_modules and \
+            any(lin.experts > 1 for lin in arch.block.linears):
+        notes.append("PEFT's all-linear may also adapt this MoE's fused experts (target_parameters, for the model types it "
+                     "converts, e.g. mixtral; it then refuses peft.dropout > 0): not counted; name the linears in "
+                     "peft.target_modules to be exact")
 
     # model states of the trainable parameters, then the frozen base (weights only)
     trainable, frozen = counts.trainable / mp, counts.frozen / mp

@@ -35,7 +35,7 @@ from finetune.config import (
     Strategy,
     launcher_for,
 )
-from finetune.disk import config_value, local_config
+from finetune.disk import config_source, config_value, local_config
 
 
 def validate(cfg: Config) -> None:
@@ -50,6 +50,9 @@ def validate(cfg: Config) -> None:
             f"model.recipe_if_missing={m.recipe_if_missing} makes model.path by running that recipe, so model.path must be "
             f"its RUN_DIR/final (e.g. outputs/{m.recipe_if_missing}/final), got {m.path!r}"
         )
+    if m.init is not None and m.architecture:
+        raise ConfigError("model.architecture declares a pretrained model.path's config; a random-init model's architecture is "
+                          "model.init: use one model recipe (model=tiny or a hub model's), not both")
     if m.path is None and m.tokenizer is None:
         raise ConfigError("model.tokenizer: a random-init model needs a tokenizer path or hub id")
     _validate_context(cfg)
@@ -167,8 +170,9 @@ SHAPE = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "int
 
 
 def model_shape(cfg: ModelConfig) -> dict[str, Any] | None:
-    """The SHAPE keys from model.init or a local config.json, read under the families' aliases
-    (disk.ALIASES; None where config.json says nothing). None: a hub id, checked on the ranks."""
+    """The SHAPE keys from model.init, a local config.json or model.architecture, read under the
+    families' aliases (disk.ALIASES; None where the config says nothing). None: a hub id without
+    model.architecture, checked on the ranks."""
     if cfg.init is not None:
         return {k: getattr(cfg.init, k) for k in SHAPE}
     arch = local_config(cfg)
@@ -201,7 +205,7 @@ def _validate_context(cfg: Config) -> None:
         return
     if cfg.model.init is not None:
         raise ConfigError(f"data.max_length={length} exceeds model.init.max_position_embeddings={limit}: lower one or raise the other")
-    config = Path(cfg.model.path or "").expanduser() / "config.json"
+    config = config_source(cfg.model)
     raise ConfigError(f"data.max_length={length} exceeds the model's max_position_embeddings={limit} ({config}): "
                       f"use data.max_length={limit} or less")
 
