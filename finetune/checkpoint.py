@@ -61,8 +61,19 @@ def trajectory(cfg: Config) -> dict[str, Any]:
     for group, keys in TRAJECTORY.items():
         for key, value in _flatten(plain[group], group).items():
             if keys is None or key.split(".", 1)[1] in keys:
-                out[key] = value
+                out[key] = _same_path(value) if key in PATHS else value
     return out
+
+
+PATHS = ("data.train", "data.eval", "model.path", "model.tokenizer")
+
+
+def _same_path(value: Any) -> Any:
+    """A local path as one spelling (data0//eval.jsonl, ./eval.jsonl and its absolute path are one
+    file); a hub id as given. What the files hold is compared separately (`formats.fingerprint`)."""
+    if isinstance(value, str) and (formats.looks_local(value) or Path(value).expanduser().exists()):
+        return str(Path(value).expanduser().resolve())
+    return value
 
 
 def _flatten(node: Any, prefix: str) -> dict[str, Any]:
@@ -196,6 +207,14 @@ def resolve(resume: str | None, run_dir: Path, warn: Callable[[str], None] = lam
     return path
 
 
+RESUME_UNDER = {  # what a checkpoint of each engine can be resumed under
+    "torch": "resume with a layout of the torch engine (parallelism=single or ddp, no zero, tp=pp=1), on any number of ranks",
+    "deepspeed": "resume under DeepSpeed with the same zero stage and number of ranks",
+    "mesh": "resume under fsdp or tp with the same pp, on any number of ranks (DCP reshards): on one process, "
+            "parallelism=fsdp launcher.nproc_per_node=1",
+}
+
+
 def check_compatible(step_dir: Path, cfg: Config) -> None:
     """Refuse to resume a checkpoint of a different run (naming the first difference: a setting, the
     layout, a data file's content) or one with nothing left to do."""
@@ -212,7 +231,7 @@ def check_compatible(step_dir: Path, cfg: Config) -> None:
     for key in ("engine", *fixed.get(saved["engine"], ())):
         if saved[key] != now[key]:
             raise ConfigError(f"train.resume: {step_dir} was saved with {key}={saved[key]} ({saved['engine']} engine), this run has "
-                              f"{key}={now[key]}: that checkpoint format cannot change it; resume with the same layout")
+                              f"{key}={now[key]}: that checkpoint format cannot change it; {RESUME_UNDER[saved['engine']]}")
     change = data_change(meta.get("data"), formats.fingerprint(cfg.data)) if "data" in meta else None
     if change:
         raise ConfigError(f"train.resume: {change} since {step_dir} was saved: the resumed run would train on other data; "

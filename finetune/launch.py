@@ -29,7 +29,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from finetune import disk, formats, plan, rundir, sweep
-from finetune.compose import RECIPES, _first_line, fail, preflight, sweep_trials, typed
+from finetune.compose import RECIPES, _first_line, fail, preflight, run_once, sweep_trials, typed
 from finetune.config import Config, ConfigError
 from finetune.launcher import ERROR_FILE, RANKS_DIR, LaunchSpec, build
 
@@ -44,10 +44,22 @@ def main() -> None:
     sys.argv = [sys.argv[0], *(a for a in sys.argv[1:] if a not in args.overrides), *args.overrides]  # as Hydra parses it
     if args.config_dir and not Path(args.config_dir).expanduser().is_dir():
         fail(ConfigError(f"--config-dir {args.config_dir}: no such directory (it holds your own recipe/NAME.yaml and group options)"))
-    if not (args.help or args.hydra_help or args.info or args.shell_completion):
+    hydra_only = args.help or args.hydra_help or args.info or args.shell_completion or args.cfg or args.config_path \
+        or args.experimental_rerun  # Hydra's own commands
+    if not (args.multirun or hydra_only):
+        try:  # one launch: composed once, validated before Hydra makes the run directory
+            run_once(args.overrides, lambda dcfg, cfg, _: _launch(dcfg, cfg), lambda run_dir, cfg: claim(run_dir, cfg, touch=False),
+                     config_dir=args.config_dir, config_name=args.config_name or "config")
+        except ConfigError as e:
+            fail(e)
+        except TrialFailed as e:
+            print(f"error: {e}{e.hint}", file=sys.stderr)
+            sys.exit(e.code)
+        return
+    if not hydra_only:
         try:
-            for overrides in sweep_trials(args.overrides) if args.multirun else [args.overrides]:
-                preflight(overrides, config_dir=args.config_dir, config_name=args.config_name or "config", rules=not args.multirun)
+            for overrides in sweep_trials(args.overrides):
+                preflight(overrides, config_dir=args.config_dir, config_name=args.config_name or "config", rules=False)
         except ConfigError as e:
             fail(e)
     _hydra_main()
@@ -62,8 +74,13 @@ def _hydra_main(dcfg: DictConfig) -> float | None:
     if hydra_cfg.mode == RunMode.MULTIRUN:
         sweep_dir = Path(hydra_cfg.runtime.cwd, hydra_cfg.sweep.dir).resolve()  # relative to where the sweep started
         return run_trial(dcfg, sweep_dir, Path(hydra_cfg.runtime.output_dir).resolve())
+    return _launch(dcfg)
+
+
+def _launch(dcfg: DictConfig, cfg: Config | None = None) -> float | None:
+    """One launch (not a sweep's trial): a failure is the last line and the exit code."""
     try:
-        return launch_once(dcfg)
+        return launch_once(dcfg, cfg)
     except TrialFailed as e:
         print(f"error: {e}{e.hint}", file=sys.stderr)
         sys.exit(e.code)
@@ -77,11 +94,27 @@ class TrialFailed(Exception):
         self.code, self.hint, self.ends_sweep = code, hint, ends_sweep
 
 
-def launch_once(dcfg: DictConfig) -> float | None:
-    """Validate, write the run directory, show the launch and run it. Returns the final eval loss
-    (None for a dry run); raises TrialFailed."""
+def claim(run_dir: Path, cfg: Config, *, touch: bool = True) -> bool:
+    """May this launch write into `run_dir` (see `rundir.claim`; touch=False: `rundir.verdict`,
+    asked before Hydra writes its own files there, before the checks that may still refuse the run)."""
+    dir_key = "run_dir" if cfg.run_dir else f"hydra.{'sweep' if _sweeping() else 'run'}.dir"
+    try:  # another run's results there: refused (a dry run warns), or removed with train.overwrite=true
+        if not touch:
+            return rundir.verdict(run_dir, cfg.train, dry_run=cfg.launcher.dry_run, dir_key=dir_key)[0]
+        return rundir.claim(run_dir, cfg.train, dry_run=cfg.launcher.dry_run, dir_key=dir_key)
+    except ConfigError as e:
+        raise TrialFailed(2, str(e), ends_sweep=True) from None  # a sweep into an old sweep's directory stops here
+
+
+def _sweeping() -> bool:
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def launch_once(dcfg: DictConfig, cfg: Config | None = None) -> float | None:
+    """Validate (unless `cfg` is `dcfg` validated already), claim the run directory, write it, show
+    the launch and run it. Returns the final eval loss (None for a dry run); raises TrialFailed."""
     try:
-        cfg = typed(dcfg)
+        cfg = cfg or typed(dcfg)
         formats.check(cfg.data, cfg.method.name)  # missing file or malformed row: one line now, not N ranks later
         make_model_first(cfg)
         disk.check(cfg)  # the model, tokenizer and device as files on this machine: one line now, not in each rank
@@ -89,11 +122,7 @@ def launch_once(dcfg: DictConfig) -> float | None:
         raise TrialFailed(2, str(e)) from None
     check_memory(cfg, list(HydraConfig.get().overrides.task))
     run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir).resolve()
-    dir_key = "run_dir" if cfg.run_dir else f"hydra.{'sweep' if HydraConfig.get().mode == RunMode.MULTIRUN else 'run'}.dir"
-    try:  # another run's results there: refused (a dry run warns), or removed with train.overwrite=true
-        writable = rundir.claim(run_dir, cfg.train, dry_run=cfg.launcher.dry_run, dir_key=dir_key)
-    except ConfigError as e:
-        raise TrialFailed(2, str(e), ends_sweep=True) from None  # a sweep into an old sweep's directory stops here
+    writable = claim(run_dir, cfg)
     spec = build(cfg, run_dir, python=sys.executable, cpu_count=os.cpu_count() or 1, port=free_port())
     if writable:
         sweep.clear_status(run_dir)  # a trial that starts again is not failed until it fails again
@@ -199,7 +228,9 @@ def run_trial(dcfg: DictConfig, sweep_dir: Path, trial_dir: Path) -> float:
     stop = sorted(received & {signal.SIGINT, signal.SIGTERM})  # Ctrl-C ends the sweep, not just this trial
     if stop:
         code = failure.code if failure else 128 + stop[0]
-        failure = TrialFailed(code, f"interrupted by {signal.Signals(stop[0]).name}" + (f": {failure}" if failure else ""))
+        failure = TrialFailed(code, f"interrupted by {signal.Signals(stop[0]).name}" + (f": {failure}" if failure else ""),
+                              f" (to go on, run the sweep again with train.resume=auto hydra.sweep.dir={sweep_dir}: "
+                              "each trial continues from its own checkpoints)")
     if failure is not None:
         print(f"error: trial {trial_dir.name}: {failure}{failure.hint}", file=sys.stderr)
         if failure.ends_sweep:  # the directory holds an earlier trial's results: leave them as they are

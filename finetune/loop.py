@@ -135,7 +135,7 @@ def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatche
             signum = signal.Signals(STOP["signal"] or signal.SIGTERM)  # this rank's, or the one another rank got
             where = save(step)
             raise Stopped(f"stopped by {signum.name} after step {step}: resumable checkpoint {where}; continue with "
-                          "train.resume=auto (the same hydra.run.dir)", code=128 + int(signum))
+                          "train.resume=auto", code=128 + int(signum))
         if cfg.save_every and step % cfg.save_every == 0:
             save(step)
     after = run_eval(cfg.max_steps, final=True)

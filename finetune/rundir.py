@@ -49,22 +49,35 @@ def claim(run_dir: Path, train: TrainConfig, *, dry_run: bool, dir_key: str = "h
     Raises:
         ConfigError: the directory holds another run and the launch neither resumes nor overwrites it.
     """
+    writable, refusal = verdict(run_dir, train, dry_run=dry_run, dir_key=dir_key)
+    what = held(run_dir)
+    if refusal is not None:
+        print(f"warning: {refusal}; this dry run writes nothing there", file=sys.stderr)
+        return False
+    if what is None or not train.overwrite:
+        return writable
+    if dry_run:
+        print(f"# train.overwrite=true: a real launch replaces {what} in {run_dir}; this dry run writes nothing there")
+        return False
+    removed = [name for name in RESULTS if (run_dir / name).exists()]
+    for name in removed:
+        path = run_dir / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    print(f"[finetune] train.overwrite=true: replacing {what} in {run_dir} (removed {', '.join(removed)})", flush=True)
+    return True
+
+
+def verdict(run_dir: Path, train: TrainConfig, *, dry_run: bool, dir_key: str = "hydra.run.dir") -> tuple[bool, str | None]:
+    """What `claim` will answer, touching nothing: (may the launch write there, the dry run's warning
+    or None). Raises the refusal a real launch gets."""
     if train.overwrite and train.resume is not None and _inside(train.resume, run_dir):
         raise ConfigError(f"train.overwrite=true would remove the checkpoints train.resume={train.resume} continues from: "
                           "choose one of them")
     what = held(run_dir)
     if what is None:
-        return True
+        return True, None
     if train.overwrite:
-        if dry_run:
-            print(f"# train.overwrite=true: a real launch replaces {what} in {run_dir}; this dry run writes nothing there")
-            return False
-        removed = [name for name in RESULTS if (run_dir / name).exists()]
-        for name in removed:
-            path = run_dir / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-        print(f"[finetune] train.overwrite=true: replacing {what} in {run_dir} (removed {', '.join(removed)})", flush=True)
-        return True
+        return not dry_run, None
     fresh = f"start over with train.overwrite=true, or choose another {dir_key}"
     if train.resume is None:
         resumable = "" if what == "a finished run (final/)" else "resume with train.resume=auto, "
@@ -72,10 +85,9 @@ def claim(run_dir: Path, train: TrainConfig, *, dry_run: bool, dir_key: str = "h
     elif train.resume == "auto" and what == "a finished run (final/)":
         refusal = f"{run_dir} holds a finished run (final/) but no checkpoint to resume (train.resume=auto): {fresh}"
     else:
-        return True  # resuming: the ranks check the checkpoint
+        return True, None  # resuming: the ranks check the checkpoint
     if dry_run:
-        print(f"warning: {refusal}; this dry run writes nothing there", file=sys.stderr)
-        return False
+        return False, refusal
     raise ConfigError(refusal)
 
 

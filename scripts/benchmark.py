@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 SINGLE = ["parallelism=single", "launcher.nproc_per_node=1"]
@@ -65,6 +67,20 @@ def run(name: str, overrides: list[str], steps: int, extra: list[str], root: Pat
     }
 
 
+def dry_run_seconds(times: int, root: Path) -> tuple[float, float]:
+    """Median wall and CPU seconds of `python -m finetune.launch +recipe=quickstart_sft launcher.dry_run=true`
+    (interpreter start, imports, composition, checks, the plan and the launch line)."""
+    walls, cpus = [], []
+    for i in range(times):
+        before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+        subprocess.run([sys.executable, "-m", "finetune.launch", "+recipe=quickstart_sft", "launcher.dry_run=true",
+                        f"hydra.run.dir={root / f'dry{i}'}"], capture_output=True, check=True)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        walls.append(time.perf_counter() - start)
+        cpus.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+    return statistics.median(walls), statistics.median(cpus)
+
+
 def table(results: list[dict], steps: int) -> str:
     head = ("| strategy | peak MiB | planned peak | params | grads | optimizer | activations | tokens/s | step ms | loss after "
             f"{steps} steps |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -84,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmark.md"))
     parser.add_argument("--only", nargs="*", help="strategy names to run (default: all)")
     parser.add_argument("--extra", nargs="*", default=[], help="overrides added to every run")
+    parser.add_argument("--dry-runs", type=int, default=5, help="how many dry runs to time (0: none)")
     args = parser.parse_args(argv)
     names = args.only or list(STRATEGIES)
     unknown = [n for n in names if n not in STRATEGIES]
@@ -95,12 +112,16 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             print(f"running {name} ...", flush=True)
             results.append(run(name, STRATEGIES[name], args.steps, args.extra, Path(tmp)))
+        dry = dry_run_seconds(args.dry_runs, Path(tmp)) if args.dry_runs else None
     machine = f"{os.cpu_count()} CPU cores" if "cuda" not in " ".join(args.extra) else "GPU"
     text = (f"Tiny Llama (quickstart recipe), micro batch 16, {args.steps} steps, {machine}; memory: rank 0, MemTracker, "
             "first 2 steps, MiB; planned peak: the memory planner's prediction for the same config (python -m finetune.plan, "
             "without its fixed overhead); tokens/s: median non-pad tokens/s over all ranks after step 2. Under DeepSpeed, gradients "
             "live in DeepSpeed's flat buffers (counted under peak, not grads), and ZeRO-3 random-inits inside zero.Init "
             "(other initial weights, so another loss).\n\n" + table(results, args.steps))
+    if dry:
+        text += (f"\nDry run (python -m finetune.launch +recipe=quickstart_sft launcher.dry_run=true), median of {args.dry_runs}: "
+                 f"{dry[0]:.2f} s wall, {dry[1]:.2f} s CPU\n")
     args.out.write_text(text)
     print(text)
     return 0

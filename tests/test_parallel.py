@@ -127,10 +127,12 @@ def test_layout_follows_the_single_process_run_and_exports_one_checkpoint(layout
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,resume_with", [("fsdp", ["launcher.nproc_per_node=1"]), ("pp2", [])],
-                         ids=["fsdp-2-ranks-resumed-on-1", "pp2"])
+@pytest.mark.parametrize("layout,resume_with", [("fsdp", ["launcher.nproc_per_node=1"]), ("pp2", []),
+                                                 ("tp2", ["parallelism=fsdp", "launcher.nproc_per_node=1"])],
+                         ids=["fsdp-2-ranks-resumed-on-1", "pp2", "tp2-resumed-on-1"])
 def test_resume_from_the_layouts_distributed_checkpoint(layout, resume_with, tmp_path):
-    """DCP shards reshard on load: FSDP saved on 2 ranks resumes on 1; the same trajectory."""
+    """DCP shards reshard on load: FSDP saved on 2 ranks resumes on 1, tensor-parallel shards resume
+    on one process (the refusal under parallelism=single says so); the same trajectory."""
     common = [*STEPS, f"parallelism={layout}", "train.save_every=2"]
     full = run_cli(*common, f"hydra.run.dir={tmp_path / 'full'}", cwd=tmp_path)
     assert full.returncode == 0, full.stderr[-3000:]
@@ -143,6 +145,14 @@ def test_resume_from_the_layouts_distributed_checkpoint(layout, resume_with, tmp
     assert [m["step"] for m in read_metrics(tmp_path / "resumed") if m["kind"] == "train"] == [3, 4]
     assert losses(tmp_path / "resumed") == pytest.approx(losses(tmp_path / "full")[2:], rel=1e-6)
     assert summary(tmp_path / "resumed")["after"]["eval_loss"] == pytest.approx(summary(tmp_path / "full")["after"]["eval_loss"], rel=1e-6)
+    if layout == "tp2":  # the torch engine cannot read DCP shards: the refusal names the layout that can
+        single = run_cli(*common, "parallelism=single", "launcher.nproc_per_node=1", f"train.resume={tmp_path / 'full/checkpoints/step_2'}",
+                         f"hydra.run.dir={tmp_path / 'single'}", cwd=tmp_path)
+        assert single.returncode != 0
+        assert single.stderr.strip().splitlines()[-1] == (
+            f"error: resume: train.resume: {tmp_path / 'full/checkpoints/step_2'} was saved with engine=mesh (mesh engine), this run "
+            "has engine=torch: that checkpoint format cannot change it; resume under fsdp or tp with the same pp, on any number of "
+            "ranks (DCP reshards): on one process, parallelism=fsdp launcher.nproc_per_node=1")
 
 
 @pytest.mark.slow

@@ -73,7 +73,7 @@ def test_a_layout_the_format_cannot_change_is_refused(compose, tmp_path):
     with pytest.raises(ConfigError) as e:
         checkpoint.check_compatible(step, now)
     assert str(e.value) == (f"train.resume: {step} was saved with world_size=2 (deepspeed engine), this run has world_size=4: "
-                            "that checkpoint format cannot change it; resume with the same layout")
+                            "that checkpoint format cannot change it; resume under DeepSpeed with the same zero stage and number of ranks")
     torch_saved = compose(["parallelism=ddp", "launcher.nproc_per_node=2", "train.global_batch_size=32"])
     meta["layout"] = checkpoint.layout(torch_saved)
     meta["config_hash"] = checkpoint.config_hash(checkpoint.trajectory(torch_saved))
@@ -245,10 +245,11 @@ def test_resume_path_of_an_unfinished_checkpoint_is_refused(tmp_path):
 # Nothing is lost: another run's directory, finished resumes, changed data, damaged checkpoints
 
 
-def snapshot(root):
-    """Every file under `root` but Hydra's own (.hydra/ and launch.log, written before our code runs): bytes and mtime."""
+def snapshot(root, *, hydra_too=False):
+    """Every file under `root`, bytes and mtime; hydra_too=False: but Hydra's own (.hydra/ and launch.log,
+    which a sweep's trial writes before our code runs; a single launch asks before Hydra writes)."""
     return {p.relative_to(root).as_posix(): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))
-            if p.is_file() and ".hydra" not in p.relative_to(root).parts and p.name != "launch.log"}
+            if p.is_file() and (hydra_too or (".hydra" not in p.relative_to(root).parts and p.name != "launch.log"))}
 
 
 @pytest.fixture(scope="module")
@@ -272,17 +273,19 @@ def copy_run(finished, tmp_path):
 
 def test_a_launch_into_a_finished_runs_directory_is_refused_and_changes_nothing(finished, tmp_path):
     run = copy_run(finished, tmp_path)
-    before = snapshot(run)
+    (run / ".hydra").mkdir(exist_ok=True)
+    (run / ".hydra/overrides.yaml").write_text("- the finished run's own overrides\n")
+    before = snapshot(run, hydra_too=True)
     cli = [*RUN, "launcher.nproc_per_node=1", "parallelism=single", "train.max_steps=2", f"hydra.run.dir={run}"]
     out = subprocess.run(cli, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     refusal = (f"{run} already holds a finished run (final/) and 3 checkpoints: resume with train.resume=auto, start over with "
                "train.overwrite=true, or choose another hydra.run.dir")
     assert out.stderr == f"error: {refusal}\n"
-    assert snapshot(run) == before
+    assert snapshot(run, hydra_too=True) == before  # Hydra's .hydra/ too: asked before it writes
     dry = subprocess.run([*cli, "launcher.dry_run=true"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert dry.returncode == 0 and dry.stderr == f"warning: {refusal}; this dry run writes nothing there\n"
-    assert snapshot(run) == before
+    assert snapshot(run, hydra_too=True) == before
 
 
 def test_a_sweep_into_an_old_sweeps_directory_stops_at_the_first_finished_trial(tmp_path):

@@ -71,3 +71,6 @@ def test_benchmark_table_on_its_smallest_setting(tmp_path):
     rows = read_metrics(tmp_path / "ref")
     assert loss == pytest.approx([r["loss"] for r in rows if r["kind"] == "train"][-1], abs=5e-4)
     assert planned == pytest.approx(next(r for r in rows if r["kind"] == "plan")["plan_peak_mib"], abs=0.05)
+    dry = re.fullmatch(r"Dry run \(python -m finetune.launch \+recipe=quickstart_sft launcher.dry_run=true\), median of 5: "
+                       r"([0-9.]+) s wall, ([0-9.]+) s CPU", text.strip().splitlines()[-1])
+    assert dry and 0 < float(dry[2]) < 60 and 0 < float(dry[1]) < 60, text  # measured, not asserted fast: shared machines

@@ -255,3 +255,44 @@ def test_optuna_recipe_searches_and_gets_the_eval_loss(tmp_path, small_data):
     assert results["best_value"] == pytest.approx(min(float(r["eval_loss"]) for r in rows))  # what Optuna saw: our eval loss
     assert set(results["best_params"]) == {"optim.lr", "peft.r", "train.micro_batch_size"}
     assert "name: lora" in (d / "0" / "config.yaml").read_text()
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_the_sweep_and_records_the_trial_as_interrupted(tmp_path, small_data):
+    """Ctrl-C (SIGINT to the whole foreground process group) during trial 0 of 2: the trial saves, is
+    recorded as interrupted, trial 1 never starts, and the sweep exits non-zero."""
+    import os
+    import signal
+    import time
+
+    d = tmp_path / "sweep"
+    proc = subprocess.Popen([sys.executable, "-m", "finetune.launch", "-m", "+recipe=quickstart_sft", "optim.lr=1e-3,2e-3", *TINY[1:],
+                             "train.max_steps=2000", "train.log_every=1000", *small_data, "data.max_length=64",
+                             f"hydra.sweep.dir={d}"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.time() + 240
+    while time.time() < deadline and not ((d / "0/metrics.jsonl").is_file() and '"kind": "train"' in (d / "0/metrics.jsonl").read_text()):
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: launcher, torchrun and ranks at once
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode != 0, out[-2000:] + err[-2000:]
+    assert sorted(p.name for p in d.iterdir() if p.is_dir()) == ["0"]  # trial 1 never started
+    status = json.loads((d / "0" / "status.json").read_text())
+    step = int(status["reason"].split("after step ")[1].split(":")[0])
+    checkpoint = d / "0" / "checkpoints" / f"step_{step}"
+    assert status == {"status": "failed", "exit_code": proc.returncode,
+                      "reason": f"interrupted by SIGINT: stopped by SIGINT after step {step}: resumable checkpoint {checkpoint}; "
+                                "continue with train.resume=auto"}
+    assert (checkpoint / "meta.json").is_file() and (d / "0/checkpoints/latest").read_text() == f"step_{step}\n"
+    assert [(r["trial"], r["status"], r["exit_code"], r["reason"]) for r in read_csv(d)] == [
+        ("0", "failed", str(proc.returncode), status["reason"])]
+    assert f"error: trial 0: {status['reason']} (to go on, run the sweep again with train.resume=auto hydra.sweep.dir={d}: " \
+           "each trial continues from its own checkpoints)" in err.splitlines()
+    # as the line says: trial 0 continues from its checkpoint, trial 1 starts; a path spelled otherwise is the same file
+    respelled = [a.replace("/train.jsonl", "//train.jsonl") for a in small_data]
+    again = run_cli("-m", "+recipe=quickstart_sft", "optim.lr=1e-3,2e-3", *TINY[1:], f"train.max_steps={step + 1}", *respelled,
+                    "data.max_length=64", f"hydra.sweep.dir={d}", "train.resume=auto", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {checkpoint} at step {step}" in again.stdout
+    assert [r["status"] for r in read_csv(d)] == ["ok", "ok"]
+    assert [m["step"] for m in map(json.loads, (d / "0/metrics.jsonl").read_text().splitlines()) if m["kind"] == "train"][-1] == step + 1
