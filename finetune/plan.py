@@ -727,8 +727,11 @@ def render(cfg: Config, pl: Plan) -> str:
 def main(argv: list[str] | None = None) -> int:
     from finetune.compose import preflight  # composes and validates like the launcher; imports no torch
 
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in ("-h", "--help"):
+        print(__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1])  # the usage line and what it counts
+        return 0
     try:
-        args = list(sys.argv[1:] if argv is None else argv)
         cfg = preflight(args)
         pl = plan(cfg)
     except ConfigError as e:

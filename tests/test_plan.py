@@ -398,3 +398,11 @@ def test_block_activations_are_the_tensors_autograd_saves(compose, precision, pe
         net.model.layers[1](x, position_embeddings=rope, attention_mask=None)
     counted = sum(n for ptr, n in saved.items() if ptr not in shared)  # cos/sin are the model's, not the block's
     assert counted == block_activation_bytes(arch, cfg, seq, batch * seq)
+
+
+def test_plan_help_prints_the_usage(capsys):
+    from finetune import plan as planner
+
+    assert planner.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Memory planner: per-rank bytes of a composed config, before anything starts.\n\n    python -m finetune.plan ")
