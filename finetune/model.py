@@ -57,15 +57,47 @@ def zero3_context(ds_config: dict[str, Any] | None) -> Any:
     return HfDeepSpeedConfig(ds_config)
 
 
-def resolve_attention(impl: AttnImpl, precision: Precision, device: torch.device) -> str:
-    """The attention kernel to load with; flash-attn only where it can run, with a reason if not."""
-    can_flash = device.type == "cuda" and precision != Precision.fp32 and importlib.util.find_spec("flash_attn") is not None
-    if impl == AttnImpl.auto:
-        return "flash_attention_2" if can_flash else "sdpa"
-    if impl == AttnImpl.flash_attention_2 and not can_flash:
-        why = "CUDA" if device.type != "cuda" else "the flash-attn package (pip install -e '.[gpu]')"
+def resolve_attention(cfg: ModelConfig, precision: Precision, device: torch.device) -> tuple[str, str]:
+    """(kernel, why) to load the model with: model.attn_implementation, auto resolved for this
+    family (its config.json, and the model class's `_supports_sdpa` / `_supports_flash_attn` as
+    transformers publishes them) and this device; a kernel the model or the device cannot run is a
+    ConfigError naming what to use instead."""
+    from finetune.families import attention_limits, pick_attention
+
+    impl = cfg.attn_implementation
+    cuda, half = device.type == "cuda", precision != Precision.fp32
+    flash = ("needs CUDA" if not cuda else "runs in fp16/bf16 only (precision=fp32)" if not half else
+             "needs the flash-attn package (pip install -e '.[gpu]')" if importlib.util.find_spec("flash_attn") is None else None)
+    if impl == AttnImpl.flash_attention_2 and flash is not None:
+        why = "CUDA" if not cuda else "the flash-attn package (pip install -e '.[gpu]')"
         raise ConfigError(f"model.attn_implementation=flash_attention_2 needs {why}: use model.attn_implementation=sdpa (or auto)")
-    return impl.value
+    arch = disk.model_config(cfg) or hub_config(cfg)
+    model_type = str(arch.get("model_type") or "")
+    return pick_attention(impl.value, model_type, published_limits(model_type) | attention_limits(arch), flash)
+
+
+def hub_config(cfg: ModelConfig) -> dict[str, Any]:
+    """A hub model's (text) config.json keys; {} when it cannot be read (loading the weights then says why)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(cfg.path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError):
+        return {}
+    return config.get_text_config().to_dict()
+
+
+def published_limits(model_type: str) -> dict[str, str]:
+    """The attention kernels transformers' causal-LM class for `model_type` says it cannot run
+    (`_supports_sdpa`, `_supports_flash_attn`), with the reason; {} for a class it does not list."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    flags = (("sdpa", "_supports_sdpa", "sdpa"), ("flash_attention_2", "_supports_flash_attn", "flash-attn"))
+    return {kernel: f"has no {words} attention in transformers ({name}.{flag} is False)"
+            for kernel, flag, words in flags if cls is not None and getattr(cls, flag, True) is False}
 
 
 def load_model(cfg: ModelConfig, tokenizer: Any, *, attention: str, peft: PeftConfig, compute_dtype: torch.dtype,

@@ -35,7 +35,7 @@ from finetune.config import (
     Strategy,
     launcher_for,
 )
-from finetune.disk import config_source, config_value, local_config
+from finetune.disk import attention, config_source, config_value, local_config
 
 
 def validate(cfg: Config) -> None:
@@ -56,6 +56,8 @@ def validate(cfg: Config) -> None:
     if m.path is None and m.tokenizer is None:
         raise ConfigError("model.tokenizer: a random-init model needs a tokenizer path or hub id")
     _validate_context(cfg)
+    if m.attn_implementation != AttnImpl.auto:
+        attention(cfg, gpu=True)  # refuses a kernel this model cannot run (the device is disk.check_device's)
     if launch.node_rank >= launch.nnodes:
         raise ConfigError(f"launcher.node_rank={launch.node_rank} must be in [0, launcher.nnodes={launch.nnodes})")
     _validate_launcher(cfg)

@@ -130,7 +130,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
             print(s.line(name, cfg.data.max_length))
     phase("model")
     zero3 = model.zero3_context(deepspeed_config(cfg) if uses_deepspeed(cfg) else None)
-    attention = model.resolve_attention(cfg.model.attn_implementation, cfg.precision.name, d.device)
+    attention, attention_why = model.resolve_attention(cfg.model, cfg.precision.name, d.device)
 
     def load(peft: PeftConfig) -> torch.nn.Module:
         return model.load_model(cfg.model, tokenizer, attention=attention, peft=peft,
@@ -142,7 +142,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
     net = model.apply_strategies(loaded, checkpointing=cfg.checkpointing, peft=cfg.peft)
     if d.is_main:
         trainable, total = model.trainable_parameters(net)
-        print(f"model: {total:,} parameters, {trainable:,} trainable ({trainable / total:.2%}), attention {attention}")
+        print(f"model: {total:,} parameters, {trainable:,} trainable ({trainable / total:.2%}), attention {attention} ({attention_why})")
     phase("engine")
     eng = engine.build(cfg, net, d)
     phase("resume")
