@@ -222,6 +222,59 @@ def lora_params(lin: Linear, r: int, dora: bool = False) -> int:
     return lin.experts * r * (lin.inputs + lin.outputs) + (lin.outputs if dora else 0)
 
 
+def adapted_outside_linears(arch: dict[str, Any], targets: list[str]) -> bool:
+    """Whether peft.target_modules adapt weights outside linear layers (a MoE's experts or router) of
+    the model a config.json describes (the structure only: counts it does not need may be missing)."""
+    if not config_value(arch, "num_local_experts"):
+        return False
+    try:
+        structure = arch_from_config({"vocab_size": 1, **arch}, "config.json")
+    except ConfigError:  # a key the count needs is missing: all-linear adapts the experts all the same
+        return "all-linear" in targets
+    return any(adapted(lin, targets) for block in structure.layers for lin in block.linears if not lin.adaptable)
+
+
+def _matches(path: str, target: str) -> bool:
+    """PEFT's matching: the target is the path or its last dotted components."""
+    return path == target or path.endswith("." + target)
+
+
+def unmatched_targets(model_type: str, targets: list[str], linears: list[str], weights: dict[str, int]) -> str | None:
+    """The one-line refusal of the peft.target_modules names that match nothing in a model, listing
+    what exists; None when each name matches. `linears`: the paths of its linear layers (nn.Linear,
+    Conv1D); `weights`: path -> ndim of the weights outside them (a MoE's 3-D experts, its 2-D router),
+    which a name reaches by the weight's path or its module's."""
+    owner = lambda path: path.rsplit(".", 1)[0]  # noqa: E731 - the module holding a weight
+    leaf = lambda path: path.rsplit(".", 1)[-1]  # noqa: E731
+    missing = [t for t in targets if t != "all-linear" and not any(_matches(n, t) for n in linears)
+               and not any(_matches(w, t) or _matches(owner(w), t) for w in weights)]
+    if not missing:
+        return None
+    stacks = sorted({leaf(w) for w, ndim in weights.items() if ndim == 3})
+    experts = sorted({leaf(owner(w)) for w, ndim in weights.items() if ndim == 3})
+    routers = sorted({leaf(owner(w)) for w, ndim in weights.items() if ndim == 2})
+    extra = (f"; its experts' fused weights {', '.join(stacks)} ({', '.join(experts)}: all of them)" if stacks else "") + \
+        (f"; its router {', '.join(routers)}" if routers else "")
+    return (f"peft.target_modules: {', '.join(missing)} {'matches' if len(missing) == 1 else 'match'} no module of this "
+            f"{model_type} model: its linear layers are {', '.join(sorted({leaf(n) for n in linears}))}{extra} (or use [all-linear])")
+
+
+def arch_targets(arch: Arch) -> tuple[list[str], dict[str, int]]:
+    """(linear layer paths, weights outside them -> ndim) of a counted model, as unmatched_targets takes
+    them: every block's linears (paths inside the block) and the output head."""
+    linears = sorted({lin.name for b in arch.layers for lin in b.linears if lin.adaptable} | {"lm_head"})
+    weights = {lin.name if lin.experts > 1 else f"{lin.name}.weight": 3 if lin.experts > 1 else 2
+               for b in arch.layers for lin in b.linears if not lin.adaptable}
+    return linears, weights
+
+
+def dora_experts(model_type: str) -> str:
+    """The refusal of DoRA on a MoE's experts: PEFT adapts them through target_parameters (lora.ParamWrapper), without DoRA."""
+    return (f"peft=dora cannot adapt this {model_type or 'MoE'} model's experts (fused weights, which PEFT adapts through "
+            "target_parameters, without DoRA): use peft=lora, or name linear layers only, e.g. "
+            "peft.target_modules=[q_proj,k_proj,v_proj,o_proj]")
+
+
 SOFTCAP_KEYS = ("attn_logit_softcapping",)
 """config.json keys that soft-cap the attention logits (tanh(x / c) * c): sdpa has no hook for it."""
 ATTENTION = ("flash_attention_2", "sdpa", "eager")

@@ -156,7 +156,10 @@ def run(cfg: Config, d: dist.Dist) -> None:
     base_peft = cfg.peft if cfg.peft.name == PeftMethod.qlora else PeftConfig()
     ref = reference.setup(cfg, engine=eng, dist=d, splits={"train": train_examples, "eval": eval_examples}, run_dir=run_dir,
                           resume_from=resume_from, load_model=lambda: load(base_peft), pad_id=tokenizer.pad_token_id)
-    objective = objectives.build(cfg.method, ref)
+    router = objectives.router_loss(loaded.config)  # a MoE's load-balancing loss, from its config
+    if router and d.is_main:
+        print(router.describe())
+    objective = objectives.build(cfg.method, ref, router)
     batches = data.TrainBatches(train_examples, global_batch=cfg.train.global_batch_size, micro_batch=cfg.train.micro_batch_size,
                                 dp_rank=eng.dp_rank, dp_size=eng.dp_size, seed=cfg.train.seed, pad_id=tokenizer.pad_token_id,
                                 pad_to=cfg.data.max_length if cfg.parallelism.pp > 1 else None)  # a pipeline needs one shape
