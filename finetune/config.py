@@ -297,9 +297,11 @@ class ModelConfig:
     """Architecture for a random-init model; only when `path` is null."""
     tokenizer: str | None = checked(TEXT, None)
     """Hub id or local directory of the tokenizer; null: the same as `path`."""
-    attn_implementation: AttnImpl = AttnImpl.sdpa
+    attn_implementation: AttnImpl = AttnImpl.auto
     """flash_attention_2 (CUDA, fp16/bf16, the `gpu` extra), sdpa (PyTorch's fused attention),
-    eager (plain matmuls), or auto: flash_attention_2 where it can run, else sdpa."""
+    eager (plain matmuls), or auto: the first of these three that the model's family and the
+    device can run (Gemma-2 soft-caps its attention logits: no sdpa); the launch says which and why,
+    and a kernel the family cannot run is refused before launch."""
     revision: str | None = checked(TEXT, None)
     """Hub revision (branch, tag or commit) for `path` and `tokenizer`."""
     trust_remote_code: bool = False

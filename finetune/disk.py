@@ -80,6 +80,14 @@ def local_config(cfg: ModelConfig) -> dict[str, Any] | None:
     return None
 
 
+def model_config(cfg: ModelConfig) -> dict[str, Any] | None:
+    """The model's config.json keys as this machine can read them without a download: model.init's,
+    a local model.path's config.json, or model.architecture; None for a hub id without it."""
+    if cfg.init is not None:
+        return dict(vars(cfg.init))
+    return local_config(cfg)
+
+
 def config_source(cfg: ModelConfig) -> str:
     """Where local_config read the model's config from, for messages."""
     file = Path(cfg.path or "").expanduser() / "config.json"
@@ -286,6 +294,31 @@ def cpu_has_fp16() -> bool:
         return False
     flags = {f for line in text.splitlines() if line.startswith(("flags", "Features")) for f in line.split(":", 1)[1].split()}
     return bool(flags & {"avx512_fp16", "amx_fp16", "asimdhp"})
+
+
+def flash_unavailable(cfg: Config, gpu: bool) -> str | None:
+    """Why flash_attention_2 cannot run for `cfg` on a machine (`gpu`: it has one), completing
+    "flash_attention_2 ..."; None when it can."""
+    if not gpu or cfg.train.device == Device.cpu:
+        return "needs CUDA" + (" (train.device=cpu)" if gpu else "")
+    if cfg.precision.name == Precision.fp32:
+        return "runs in fp16/bf16 only (precision=fp32)"
+    if importlib.util.find_spec("flash_attn") is None:  # finds the package without importing it
+        return "needs the flash-attn package (pip install -e '.[gpu]')"
+    return None
+
+
+def attention(cfg: Config, gpu: bool) -> tuple[str, str] | None:
+    """(kernel, why) that model.attn_implementation picks for this model on a machine (`gpu`: it has
+    one), from the model's config.json as a file (families.pick_attention); None for a hub id
+    without model.architecture (the ranks decide). ConfigError for a kernel the model cannot run."""
+    from finetune.families import attention_limits, pick_attention
+
+    arch = model_config(cfg.model)
+    if arch is None:
+        return None
+    return pick_attention(cfg.model.attn_implementation.value, str(arch.get("model_type") or ""), attention_limits(arch),
+                          flash_unavailable(cfg, gpu))
 
 
 NO_GPU = "this machine has no NVIDIA GPU (no /proc/driver/nvidia/version, no nvidia-smi on PATH)"

@@ -10,8 +10,14 @@ projections, GPT-2's layout) is the small `Family` record below, keyed by model_
 model_type not listed is counted as a Llama-style decoder from its keys (`Arch.known` False).
 
 Mixture-of-experts layers follow transformers 5: each layer's experts are two fused 3-D
-parameters (gate_up_proj, down_proj) and the router a plain weight, none of them an nn.Linear,
-so LoRA's all-linear adapts attention (and dense / shared-expert MLPs) only.
+parameters (gate_up_proj, down_proj) and the router a plain weight, none of them an nn.Linear.
+LoRA reaches the experts through PEFT's `target_parameters` (`adapted`): all-linear adapts every
+nn.Linear / Conv1D and the experts' stacks, not the router; bitsandbytes quantizes none of them.
+
+Attention: which kernels a family cannot run (`attention_limits`) is read from the config (soft-capped
+attention logits: sdpa has no soft-capping) and from the family record (what transformers publishes
+as the model class's `_supports_sdpa` / `_supports_flash_attn`; tests check the two agree);
+`pick_attention` chooses for model.attn_implementation=auto and refuses an explicit choice.
 
 Pure arithmetic on the dict: no torch, no transformers.
 """
@@ -47,13 +53,18 @@ class Family:
     with biases, learned positions (max_position_embeddings x hidden_size)."""
     layer_norm: bool = False
     """LayerNorm (weight and bias) rather than RMSNorm (weight): also read from a layer_norm_eps key."""
+    sdpa: bool = True
+    """transformers runs the family with torch's scaled_dot_product_attention (its model class's
+    `_supports_sdpa`; Gemma-2: False, its attention logits are soft-capped)."""
+    flash: bool = True
+    """transformers runs the family with flash-attn (its model class's `_supports_flash_attn`)."""
 
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(), "mistral": Family(), "mixtral": Family(), "granite": Family(),
     "qwen2": Family(qkv_bias=True), "qwen2_moe": Family(qkv_bias=True),
     "qwen3": Family(qk_norm="head", head_dim=128), "qwen3_moe": Family(qk_norm="head"),
-    "gemma": Family(tied=True, head_dim=256), "gemma2": Family(block_norms=4, tied=True, head_dim=256),
+    "gemma": Family(tied=True, head_dim=256), "gemma2": Family(block_norms=4, tied=True, head_dim=256, sdpa=False),
     "gemma3_text": Family(qk_norm="head", block_norms=4, tied=True, head_dim=256),
     "olmo2": Family(qk_norm="full"),
     "phi3": Family(fused=True),
@@ -73,9 +84,11 @@ class Linear:
     outputs: int
     bias: bool = False
     experts: int = 1
-    """> 1: the experts' weights, one fused 3-D parameter (not an nn.Linear: LoRA's all-linear skips it)."""
+    """> 1: the experts' weights, one fused 3-D parameter (not an nn.Linear: PEFT adapts it through
+    target_parameters, one r-rank pair per expert; bitsandbytes does not quantize it)."""
     adaptable: bool = True
-    """An nn.Linear / Conv1D module that LoRA can adapt (and bitsandbytes quantizes)."""
+    """An nn.Linear / Conv1D module: PEFT's target_modules adapt it and bitsandbytes quantizes it. False:
+    a weight of another module (a MoE's router, its experts), which only target_parameters reach."""
 
     @property
     def params(self) -> int:
@@ -125,6 +138,8 @@ class Arch:
     """Learned position embeddings (GPT-2): max_position_embeddings x hidden_size."""
     known: bool = True
     """Whether model_type is one of FAMILIES (else counted as a Llama-style decoder)."""
+    attention: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+    """The attention kernels this model cannot run, with the reason (attention_limits)."""
 
     @property
     def kv_dim(self) -> int:
@@ -187,6 +202,121 @@ def targeted(name: str, targets: list[str]) -> bool:
     """Whether PEFT adapts the linear at `name` (its path in the block): all-linear, or a target
     that is the name or its last dotted components (PEFT's matching)."""
     return "all-linear" in targets or any(name == t or name.endswith("." + t) for t in targets)
+
+
+def adapted(lin: Linear, targets: list[str]) -> bool:
+    """Whether LoRA adapts `lin` under peft.target_modules: an nn.Linear / Conv1D as PEFT matches it
+    (`targeted`); another module's weight (a MoE's experts, its router) when a target names it or
+    its module (`experts`, `gate_up_proj`, `experts.down_proj`, `gate`), and under all-linear the
+    experts' stacks (not the router: routing is left as pretrained, as in common MoE LoRA recipes)."""
+    if lin.adaptable:
+        return targeted(lin.name, targets)
+    if "all-linear" in targets:
+        return lin.experts > 1
+    module = lin.name.rsplit(".", 1)[0] if lin.experts > 1 else lin.name  # mlp.experts / the router mlp.gate
+    return any(path == t or path.endswith("." + t) for t in targets for path in (lin.name, module))
+
+
+def lora_params(lin: Linear, r: int, dora: bool = False) -> int:
+    """LoRA's parameters for one linear: r x (in + out) (per expert for a fused stack), + out for DoRA's magnitude."""
+    return lin.experts * r * (lin.inputs + lin.outputs) + (lin.outputs if dora else 0)
+
+
+def adapted_outside_linears(arch: dict[str, Any], targets: list[str]) -> bool:
+    """Whether peft.target_modules adapt weights outside linear layers (a MoE's experts or router) of
+    the model a config.json describes (the structure only: counts it does not need may be missing)."""
+    if not config_value(arch, "num_local_experts"):
+        return False
+    try:
+        structure = arch_from_config({"vocab_size": 1, **arch}, "config.json")
+    except ConfigError:  # a key the count needs is missing: all-linear adapts the experts all the same
+        return "all-linear" in targets
+    return any(adapted(lin, targets) for block in structure.layers for lin in block.linears if not lin.adaptable)
+
+
+def _matches(path: str, target: str) -> bool:
+    """PEFT's matching: the target is the path or its last dotted components."""
+    return path == target or path.endswith("." + target)
+
+
+def unmatched_targets(model_type: str, targets: list[str], linears: list[str], weights: dict[str, int]) -> str | None:
+    """The one-line refusal of the peft.target_modules names that match nothing in a model, listing
+    what exists; None when each name matches. `linears`: the paths of its linear layers (nn.Linear,
+    Conv1D); `weights`: path -> ndim of the weights outside them (a MoE's 3-D experts, its 2-D router),
+    which a name reaches by the weight's path or its module's."""
+    owner = lambda path: path.rsplit(".", 1)[0]  # noqa: E731 - the module holding a weight
+    leaf = lambda path: path.rsplit(".", 1)[-1]  # noqa: E731
+    missing = [t for t in targets if t != "all-linear" and not any(_matches(n, t) for n in linears)
+               and not any(_matches(w, t) or _matches(owner(w), t) for w in weights)]
+    if not missing:
+        return None
+    stacks = sorted({leaf(w) for w, ndim in weights.items() if ndim == 3})
+    experts = sorted({leaf(owner(w)) for w, ndim in weights.items() if ndim == 3})
+    routers = sorted({leaf(owner(w)) for w, ndim in weights.items() if ndim == 2})
+    extra = (f"; its experts' fused weights {', '.join(stacks)} ({', '.join(experts)}: all of them)" if stacks else "") + \
+        (f"; its router {', '.join(routers)}" if routers else "")
+    return (f"peft.target_modules: {', '.join(missing)} {'matches' if len(missing) == 1 else 'match'} no module of this "
+            f"{model_type} model: its linear layers are {', '.join(sorted({leaf(n) for n in linears}))}{extra} (or use [all-linear])")
+
+
+def arch_targets(arch: Arch) -> tuple[list[str], dict[str, int]]:
+    """(linear layer paths, weights outside them -> ndim) of a counted model, as unmatched_targets takes
+    them: every block's linears (paths inside the block) and the output head."""
+    linears = sorted({lin.name for b in arch.layers for lin in b.linears if lin.adaptable} | {"lm_head"})
+    weights = {lin.name if lin.experts > 1 else f"{lin.name}.weight": 3 if lin.experts > 1 else 2
+               for b in arch.layers for lin in b.linears if not lin.adaptable}
+    return linears, weights
+
+
+def dora_experts(model_type: str) -> str:
+    """The refusal of DoRA on a MoE's experts: PEFT adapts them through target_parameters (lora.ParamWrapper), without DoRA."""
+    return (f"peft=dora cannot adapt this {model_type or 'MoE'} model's experts (fused weights, which PEFT adapts through "
+            "target_parameters, without DoRA): use peft=lora, or name linear layers only, e.g. "
+            "peft.target_modules=[q_proj,k_proj,v_proj,o_proj]")
+
+
+SOFTCAP_KEYS = ("attn_logit_softcapping",)
+"""config.json keys that soft-cap the attention logits (tanh(x / c) * c): sdpa has no hook for it."""
+ATTENTION = ("flash_attention_2", "sdpa", "eager")
+"""model.attn_implementation's kernels, in the order auto prefers them (eager runs every family)."""
+
+
+def attention_limits(arch: dict[str, Any]) -> dict[str, str]:
+    """The attention kernels a config.json's model cannot run, each with the reason (a clause said
+    after the family name): soft-capped logits (sdpa), or what transformers publishes for the family."""
+    model_type = str(arch.get("model_type") or "")
+    fam = FAMILIES.get(model_type, LLAMA_STYLE)
+    limits: dict[str, str] = {}
+    capped = [f"{key}={arch[key]}" for key in SOFTCAP_KEYS if arch.get(key)]
+    if capped:
+        limits["sdpa"] = f"soft-caps attention logits ({', '.join(capped)}), which sdpa cannot"
+    elif not fam.sdpa:
+        limits["sdpa"] = "has no sdpa attention in transformers (its model class's _supports_sdpa is False)"
+    if not fam.flash:
+        limits["flash_attention_2"] = "has no flash-attn attention in transformers (its model class's _supports_flash_attn is False)"
+    return limits
+
+
+def pick_attention(requested: str, model_type: str, limits: dict[str, str], flash: str | None) -> tuple[str, str]:
+    """(kernel, why) for model.attn_implementation=`requested`: auto takes the first of ATTENTION
+    that this model and this device can run; an explicit kernel the model cannot run is a
+    ConfigError naming the key, the reason and what to type instead. `flash`: None when
+    flash_attention_2 can run on the device, else why not (e.g. "needs CUDA")."""
+    family = f"{model_type} model" if model_type else "model"
+    if requested != "auto":
+        if requested in limits:
+            alt = next(k for k in ATTENTION[1:] if k not in limits)  # sdpa or eager: they need no GPU
+            auto = "flash_attention_2 where flash-attn runs, else " + alt if "flash_attention_2" not in limits else alt
+            raise ConfigError(f"model.attn_implementation={requested} cannot run this {family}: it {limits[requested]}: "
+                              f"use model.attn_implementation={alt}, or auto ({auto})")
+        return requested, f"model.attn_implementation={requested}"
+    why = [f"{model_type or 'the model'} {limits[k]}" for k in ATTENTION if k in limits]
+    if flash is not None and "flash_attention_2" not in limits:
+        why.append(f"flash_attention_2 {flash}")
+    for kernel in ATTENTION:
+        if kernel not in limits and (kernel != "flash_attention_2" or flash is None):
+            return kernel, "auto: " + ("flash-attn runs here" if kernel == "flash_attention_2" else "; ".join(why))
+    raise AssertionError("eager runs every family")
 
 
 def _int(arch: dict[str, Any], key: str, source: str, family: str) -> int:
@@ -266,4 +396,5 @@ def arch_from_config(arch: dict[str, Any], source: str) -> Arch:
     positions = _int(arch, "max_position_embeddings", source, family) * h if fam.gpt2 else 0
     return Arch(model_type=model_type, hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
                 num_key_value_heads=kv, head_dim=head_dim, vocab_size=vocab, tie_word_embeddings=tied,
-                layers=tuple(blocks), final_norm=norm, positions=positions, known=model_type in FAMILIES)
+                layers=tuple(blocks), final_norm=norm, positions=positions, known=model_type in FAMILIES,
+                attention=attention_limits(arch))

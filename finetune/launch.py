@@ -120,6 +120,9 @@ def launch_once(dcfg: DictConfig, cfg: Config | None = None) -> float | None:
         disk.check(cfg)  # the model, tokenizer and device as files on this machine: one line now, not in each rank
     except ConfigError as e:
         raise TrialFailed(2, str(e)) from None
+    picked = disk.attention(cfg, disk.has_gpu())  # what the ranks will run, and why (they decide again, on their device)
+    if picked:
+        print(f"{'#' if cfg.launcher.dry_run else '[finetune]'} attention: {picked[0]} ({picked[1]})", flush=True)
     check_memory(cfg, list(HydraConfig.get().overrides.task))
     run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir).resolve()
     writable = claim(run_dir, cfg)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from finetune import disk
+from finetune.families import attention_limits, dora_experts, pick_attention, unmatched_targets
 from finetune.config import (
     AttnImpl,
     Checkpointing,
@@ -57,15 +58,45 @@ def zero3_context(ds_config: dict[str, Any] | None) -> Any:
     return HfDeepSpeedConfig(ds_config)
 
 
-def resolve_attention(impl: AttnImpl, precision: Precision, device: torch.device) -> str:
-    """The attention kernel to load with; flash-attn only where it can run, with a reason if not."""
-    can_flash = device.type == "cuda" and precision != Precision.fp32 and importlib.util.find_spec("flash_attn") is not None
-    if impl == AttnImpl.auto:
-        return "flash_attention_2" if can_flash else "sdpa"
-    if impl == AttnImpl.flash_attention_2 and not can_flash:
-        why = "CUDA" if device.type != "cuda" else "the flash-attn package (pip install -e '.[gpu]')"
+def resolve_attention(cfg: ModelConfig, precision: Precision, device: torch.device) -> tuple[str, str]:
+    """(kernel, why) to load the model with: model.attn_implementation, auto resolved for this
+    family (its config.json, and the model class's `_supports_sdpa` / `_supports_flash_attn` as
+    transformers publishes them) and this device; a kernel the model or the device cannot run is a
+    ConfigError naming what to use instead."""
+    impl = cfg.attn_implementation
+    cuda, half = device.type == "cuda", precision != Precision.fp32
+    flash = ("needs CUDA" if not cuda else "runs in fp16/bf16 only (precision=fp32)" if not half else
+             "needs the flash-attn package (pip install -e '.[gpu]')" if importlib.util.find_spec("flash_attn") is None else None)
+    if impl == AttnImpl.flash_attention_2 and flash is not None:
+        why = "CUDA" if not cuda else "the flash-attn package (pip install -e '.[gpu]')"
         raise ConfigError(f"model.attn_implementation=flash_attention_2 needs {why}: use model.attn_implementation=sdpa (or auto)")
-    return impl.value
+    arch = disk.model_config(cfg) or hub_config(cfg)
+    model_type = str(arch.get("model_type") or "")
+    return pick_attention(impl.value, model_type, published_limits(model_type) | attention_limits(arch), flash)
+
+
+def hub_config(cfg: ModelConfig) -> dict[str, Any]:
+    """A hub model's (text) config.json keys; {} when it cannot be read (loading the weights then says why)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(cfg.path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError):
+        return {}
+    return config.get_text_config().to_dict()
+
+
+def published_limits(model_type: str) -> dict[str, str]:
+    """The attention kernels transformers' causal-LM class for `model_type` says it cannot run
+    (`_supports_sdpa`, `_supports_flash_attn`), with the reason; {} for a class it does not list."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    flags = (("sdpa", "_supports_sdpa", "sdpa"), ("flash_attention_2", "_supports_flash_attn", "flash-attn"))
+    return {kernel: f"has no {words} attention in transformers ({name}.{flag} is False)"
+            for kernel, flag, words in flags if cls is not None and getattr(cls, flag, True) is False}
 
 
 def load_model(cfg: ModelConfig, tokenizer: Any, *, attention: str, peft: PeftConfig, compute_dtype: torch.dtype,
@@ -155,12 +186,21 @@ def apply_strategies(model: torch.nn.Module, *, checkpointing: CheckpointingConf
 
         if peft.name == PeftMethod.qlora:  # norms and head in fp32, frozen 4-bit base
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-        target = peft.target_modules[0] if peft.target_modules == ["all-linear"] else list(peft.target_modules)
-        check_targets(model, peft)
+        modules, parameters = lora_targets(model, peft)
+        if parameters and peft.name == PeftMethod.dora:
+            raise ConfigError(dora_experts(model.config.model_type))
+        exact = is_moe(model)  # modules and parameters named one by one: check PEFT adapted just those
         model = get_peft_model(model, LoraConfig(
-            r=peft.r, lora_alpha=peft.alpha, lora_dropout=peft.dropout, target_modules=target,
+            r=peft.r, lora_alpha=peft.alpha, target_modules=modules, target_parameters=parameters or None,
+            # PEFT cannot drop out inside a weight it adapts through target_parameters: on a MoE, dropout goes on the
+            # linear layers' adapters only (_linear_dropout)
+            lora_dropout=0.0 if exact else peft.dropout,
             modules_to_save=list(peft.modules_to_save) or None, use_dora=peft.name == PeftMethod.dora, task_type="CAUSAL_LM",
         ))
+        if exact:
+            check_adapted(model, modules, parameters)
+            if peft.dropout:
+                _linear_dropout(model, peft.dropout)
     if checkpointing.name in (Checkpointing.full, Checkpointing.selective):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if checkpointing.name == Checkpointing.selective:
@@ -174,22 +214,91 @@ def apply_strategies(model: torch.nn.Module, *, checkpointing: CheckpointingConf
     return model
 
 
-def check_targets(model: torch.nn.Module, peft: PeftConfig) -> None:
-    """Each name in peft.target_modules must name a linear layer of this model, and each in
-    peft.modules_to_save a module of it (PEFT matches a name or the end of a dotted path);
-    refuse naming those that exist."""
+LINEAR_TYPES = ("Linear4bit", "Linear8bitLt", "Conv1D")
+"""Modules PEFT adapts as linear layers besides nn.Linear (bitsandbytes' quantized linears, GPT-2's Conv1D)."""
+
+
+def _is_linear(module: torch.nn.Module) -> bool:
+    return isinstance(module, torch.nn.Linear) or type(module).__name__ in LINEAR_TYPES
+
+
+def _matches(path: str, target: str) -> bool:
+    """PEFT's matching: the target is the module's path or its last dotted components."""
+    return path == target or path.endswith("." + target)
+
+
+def weights_outside_linears(model: torch.nn.Module) -> dict[str, int]:
+    """path -> ndim of the weights PEFT reaches only through target_parameters: a MoE's fused expert
+    stacks (3-D) and the 2-D weights of modules that are neither linear layers nor embeddings (its router)."""
+    out = {}
+    for name, module in model.named_modules():
+        if _is_linear(module) or isinstance(module, torch.nn.Embedding):
+            continue
+        for leaf, param in module.named_parameters(recurse=False):
+            ndim = len(getattr(param, "ds_shape", param.shape))  # ZeRO-3: the whole shape
+            if ndim in (2, 3):
+                out[f"{name}.{leaf}" if name else leaf] = ndim
+    return out
+
+
+def lora_targets(model: torch.nn.Module, peft: PeftConfig) -> tuple[Any, list[str]]:
+    """(target_modules, target_parameters) for PEFT, by families.adapted's rule on this model's modules:
+    all-linear is every linear layer but the output head, and a MoE's fused experts; a name adapts
+    the linear layers it matches and the weights outside them it or its module matches (`experts`,
+    `gate_up_proj`, the router `gate`). A name that matches nothing, or a modules_to_save entry that is
+    no module, is refused in one line listing what exists. A model with no weights outside linears
+    gets peft.target_modules as written (PEFT's own all-linear)."""
     names = {name: module for name, module in model.named_modules() if name}
-    linear = sorted({n.rsplit(".", 1)[-1] for n, m in names.items()
-                     if isinstance(m, torch.nn.Linear) or type(m).__name__ in ("Linear4bit", "Linear8bitLt", "Conv1D")})
+    linear = [n for n, m in names.items() if _is_linear(m)]
+    weights = weights_outside_linears(model)
+    all_linear = peft.target_modules == ["all-linear"]
+    wanted = [] if all_linear else list(peft.target_modules)
+    refusal = unmatched_targets(model.config.model_type, wanted, linear, weights)
+    if refusal:
+        raise ConfigError(refusal)
     leaves = {n.rsplit(".", 1)[-1] for n in names}
-    targets = [] if peft.target_modules == ["all-linear"] else list(peft.target_modules)
-    for key, wanted, have in (("peft.target_modules", targets, set(linear)), ("peft.modules_to_save", list(peft.modules_to_save), leaves)):
-        missing = [w for w in wanted if w not in have and w not in names]
-        if missing:
-            what = (f"its linear layers are {', '.join(linear)} (or use [all-linear])" if key == "peft.target_modules" else
-                    f"its module names are {', '.join(sorted(n for n in leaves if not n.isdigit()))}")
-            raise ConfigError(f"{key}: {', '.join(missing)} {'matches' if len(missing) == 1 else 'match'} no module of this "
-                              f"{model.config.model_type} model: {what}")
+    unsaved = [w for w in peft.modules_to_save if w not in leaves and w not in names]
+    if unsaved:
+        raise ConfigError(f"peft.modules_to_save: {', '.join(unsaved)} {'matches' if len(unsaved) == 1 else 'match'} no module of "
+                          f"this {model.config.model_type} model: its module names are "
+                          f"{', '.join(sorted(n for n in leaves if not n.isdigit()))}")
+    if not is_moe(model):  # PEFT's own matching, as written
+        return (peft.target_modules[0] if all_linear else wanted), []
+    # A MoE: name every module and weight, so PEFT's conversion of transformers-4 MoE names (mixtral, qwen3_moe: it
+    # would add the router and double the experts' rank under all-linear) leaves them as they are (check_adapted).
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if all_linear:
+        return [n for n in linear if names[n] is not head], [w for w, ndim in weights.items() if ndim == 3]
+    return ([n for n in linear if any(_matches(n, t) for t in wanted)],
+            [w for w in weights if any(_matches(w, t) or _matches(w.rsplit(".", 1)[0], t) for t in wanted)])
+
+
+def is_moe(model: torch.nn.Module) -> bool:
+    """Whether the model has fused expert weights (3-D parameters outside linear layers)."""
+    return any(ndim == 3 for ndim in weights_outside_linears(model).values())
+
+
+def check_adapted(model: Any, modules: list[str], parameters: list[str]) -> None:
+    """PEFT adapted exactly the linear layers and weights asked for (its conversion of transformers-4 MoE
+    names can retarget some, e.g. a dense layer's gate_proj in a qwen3_moe model)."""
+    tuner = model.base_model
+    lost = sorted(set(modules) - set(tuner.targeted_module_names)) + sorted(set(parameters) ^ set(tuner.targeted_parameter_names))
+    if lost:
+        names = sorted({n.rsplit(".", 1)[-1] for n in lost})
+        raise ConfigError(f"peft.target_modules: PEFT converted {', '.join(names)} of this {model.config.model_type} model to other "
+                          f"targets (its renaming of transformers-4 MoE layers), so LoRA would not adapt what was asked: leave "
+                          f"{', '.join(names)} out of peft.target_modules (the experts are named experts, gate_up_proj, down_proj)")
+
+
+def _linear_dropout(model: torch.nn.Module, p: float) -> None:
+    """peft.dropout on the adapters of linear layers, none on those of weights adapted through
+    target_parameters (lora.ParamWrapper: dropout on the input cannot be factored out of a weight)."""
+    from peft.tuners.lora import LoraLayer, ParamWrapper
+
+    for module in model.modules():
+        if isinstance(module, LoraLayer) and not isinstance(module, ParamWrapper):
+            for adapter in module.lora_dropout:
+                module.lora_dropout[adapter] = torch.nn.Dropout(p=p)
 
 
 def _offloaded_forward(forward: Any, *args: Any, **kwargs: Any) -> Any:

@@ -5,10 +5,15 @@ tokens for SFT, preference pairs for DPO); the loop divides by the global count 
 micro-batches and ranks, so the step's loss is the mean over every unit of the step, however the
 global batch is split. It also returns sums of its own metrics (DPO rewards and log-probs),
 which the loop averages the same way.
+
+A mixture-of-experts model with a load-balancing loss (its config has router_aux_loss_coef) reports
+it as `router_aux_loss`, and adds router_aux_loss_coef x it to the loss when its config sets
+output_router_logits, as transformers does when it computes the loss itself (`RouterLoss`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -21,10 +26,42 @@ Output = tuple[torch.Tensor, dict[str, torch.Tensor]]  # (summed loss, summed me
 Reference = Callable[[Any, dict[str, torch.Tensor]], torch.Tensor]  # (policy, batch) -> reference log-probs [2B]
 
 
+@dataclass(frozen=True)
+class RouterLoss:
+    """A MoE's load-balancing loss (transformers' `aux_loss`, one scalar per forward): reported per
+    step as `router_aux_loss`, and `coef` x it added to the loss when `added`."""
+
+    coef: float
+    added: bool
+    metric = "router_aux_loss"
+
+    def apply(self, loss: torch.Tensor, metrics: dict[str, torch.Tensor], aux: Any, units: int) -> Output:
+        """Weighted by the batch's loss units, like the loss sum: the step's value is their mean."""
+        aux = torch.as_tensor(aux, dtype=torch.float32, device=loss.device)
+        metrics = {**metrics, self.metric: aux.detach() * units}
+        return (loss + self.coef * aux * units if self.added else loss), metrics
+
+    def describe(self) -> str:
+        return (f"router aux loss: reported as {self.metric}; " + (
+            f"added to the loss x{self.coef:g} (router_aux_loss_coef; the model's config sets output_router_logits)"
+            if self.added else "not added to the loss (the model's config leaves output_router_logits false, transformers' "
+                               "default; set it true in config.json to train with it)"))
+
+
+def router_loss(config: Any) -> RouterLoss | None:
+    """The load-balancing loss of a MoE model's transformers config: None when it has none."""
+    coef = getattr(config, "router_aux_loss_coef", None)
+    if not isinstance(coef, (int, float)) or isinstance(coef, bool):
+        return None
+    return RouterLoss(float(coef), bool(getattr(config, "output_router_logits", False)))
+
+
 class SFT:
     """Cross-entropy of next-token prediction on response tokens (prompt and padding masked)."""
 
-    metrics: tuple[str, ...] = ()  # names of the metric sums it returns (the same on every rank)
+    def __init__(self, router: RouterLoss | None = None) -> None:
+        self.router = router
+        self.metrics: tuple[str, ...] = (router.metric,) if router else ()  # names of its metric sums (the same on every rank)
 
     def count(self, batch: dict[str, torch.Tensor]) -> int:
         """Units the loss is averaged over: labelled tokens that some position predicts."""
@@ -32,7 +69,9 @@ class SFT:
 
     def __call__(self, model: Any, batch: dict[str, torch.Tensor]) -> Output:
         """Summed token loss of the batch (not averaged: the loop normalises)."""
-        return self.loss(forward(model, batch), batch)
+        logits, aux = forward_aux(model, batch, self.router is not None)
+        loss, metrics = self.loss(logits, batch)
+        return self.router.apply(loss, metrics, aux, self.count(batch)) if self.router else (loss, metrics)
 
     def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> Output:
         """The loss from logits (what a pipeline's last stage computes)."""
@@ -47,10 +86,10 @@ class DPO:
     (a live frozen model, or the policy with its adapter disabled), or are not needed (simpo).
     """
 
-    metrics = ("logps/chosen", "logps/rejected", "rewards/accuracy", "rewards/chosen", "rewards/margin", "rewards/rejected")
-
-    def __init__(self, cfg: MethodConfig, reference: Reference | None = None) -> None:
-        self.cfg, self.reference = cfg, reference
+    def __init__(self, cfg: MethodConfig, reference: Reference | None = None, router: RouterLoss | None = None) -> None:
+        self.cfg, self.reference, self.router = cfg, reference, router
+        self.metrics = ("logps/chosen", "logps/rejected", "rewards/accuracy", "rewards/chosen", "rewards/margin",
+                        "rewards/rejected") + ((router.metric,) if router else ())
 
     def count(self, batch: dict[str, torch.Tensor]) -> int:
         return batch["input_ids"].shape[0] // 2
@@ -62,7 +101,9 @@ class DPO:
                 raise RuntimeError("DPO needs reference log-probs: precompute them or give a reference model")
             with torch.no_grad():  # before the policy's forward: nothing of it is kept for backward
                 reference = self.reference(model, batch).float()
-        return self.loss(forward(model, batch), batch, reference)
+        logits, aux = forward_aux(model, batch, self.router is not None)
+        loss, metrics = self.loss(logits, batch, reference)
+        return self.router.apply(loss, metrics, aux, self.count(batch)) if self.router else (loss, metrics)
 
     def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor], reference: torch.Tensor | None = None) -> Output:
         """The loss from logits (what a pipeline's last stage computes; reference log-probs from
@@ -132,8 +173,15 @@ def logits_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tens
 
 def forward(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Logits of a plain (attention mask) or packed (position ids, no mask) batch."""
-    return model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                 position_ids=batch.get("position_ids"), use_cache=False).logits
+    return forward_aux(model, batch, False)[0]
+
+
+def forward_aux(model: Any, batch: dict[str, torch.Tensor], router: bool) -> tuple[torch.Tensor, Any]:
+    """Logits, and with `router` the MoE's load-balancing loss (output_router_logits; None without)."""
+    extra = {"output_router_logits": True} if router else {}
+    out = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                position_ids=batch.get("position_ids"), use_cache=False, **extra)
+    return out.logits, (out.aux_loss if router else None)
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -143,5 +191,5 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE, reduction="sum")
 
 
-def build(method: MethodConfig, reference: Reference | None = None) -> SFT | DPO:
-    return DPO(method, reference) if method.name == Method.dpo else SFT()
+def build(method: MethodConfig, reference: Reference | None = None, router: RouterLoss | None = None) -> SFT | DPO:
+    return DPO(method, reference, router) if method.name == Method.dpo else SFT(router)

@@ -47,8 +47,8 @@ from finetune.config import (
     Reference,
     Strategy,
 )
-from finetune.disk import config_source, local_config
-from finetune.families import Arch, Block, Linear, arch_from_config, targeted
+from finetune.disk import config_source, flash_unavailable, local_config
+from finetune.families import Arch, Block, Linear, adapted, arch_from_config, lora_params, pick_attention, targeted
 
 GIB = 2**30
 
@@ -95,6 +95,13 @@ def architecture(m: ModelConfig) -> Arch:
                           "model.architecture to the config.json keys, as recipes/model/llama3_1_8b.yaml does, or download "
                           "the model's config.json into a directory and set model.path to it)")
     return arch_from_config(config, config_source(m))
+
+
+def attention_kernel(arch: Arch, cfg: Config) -> tuple[str, str]:
+    """(kernel, why) the ranks run on cfg.hardware: model.attn_implementation, auto resolved for the
+    family (families.pick_attention), flash-attn counted only where a GPU and the package (here) are."""
+    return pick_attention(cfg.model.attn_implementation.value, arch.model_type, arch.attention,
+                          flash_unavailable(cfg, cfg.hardware.gpu_memory_gib > 0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,13 +179,13 @@ def trainable_split(arch: Arch, cfg: Config, counts: Counts) -> tuple[float, flo
 
 
 def adapter_params(block: Block, cfg: Config) -> int:
-    """LoRA/DoRA parameters of one block: r * (in + out) per targeted linear (+ out for DoRA's magnitude);
-    all-linear adapts every nn.Linear / Conv1D (not the fused experts of a MoE layer)."""
+    """LoRA/DoRA parameters of one block: r * (in + out) per targeted linear (+ out for DoRA's magnitude),
+    per expert for a MoE's fused experts; all-linear adapts every nn.Linear / Conv1D and the experts
+    (families.adapted)."""
     peft = cfg.peft
     if peft.name == PeftMethod.none:
         return 0
-    return sum(peft.r * (lin.inputs + lin.outputs) + (lin.outputs if peft.name == PeftMethod.dora else 0)
-               for lin in block.linears if lin.adaptable and targeted(lin.name, peft.target_modules))
+    return sum(lora_params(lin, peft.r, peft.name == PeftMethod.dora) for lin in block.linears if adapted(lin, peft.target_modules))
 
 
 def adapter_params_per_block(arch: Arch, cfg: Config) -> int:
@@ -196,6 +203,23 @@ def frozen_weight_bytes(arch: Arch, cfg: Config, frozen: int) -> float:
     consts = (1 / QLORA_BLOCK + 4 / (QLORA_BLOCK * QLORA_DOUBLE_QUANT_BLOCK)) if cfg.peft.double_quant else 4 / QLORA_BLOCK
     quantized = arch.quantized_params
     return (quantized * (0.5 + consts) + (frozen - quantized) * 4) / frozen
+
+
+def moe_notes(arch: Arch, cfg: Config) -> list[str]:
+    """What LoRA and QLoRA do to a MoE's experts (fused 3-D weights, not nn.Linear), one line each."""
+    experts = [lin for b in arch.layers for lin in b.linears if lin.experts > 1]
+    if not experts or cfg.peft.name == PeftMethod.none:
+        return []
+    family, notes = arch.model_type or "MoE", []
+    if any(adapted(lin, cfg.peft.target_modules) for lin in experts):
+        dropout = (f"; peft.dropout={cfg.peft.dropout:g} applies to the nn.Linear adapters only (PEFT cannot drop out "
+                   "inside a fused weight)") if cfg.peft.dropout else ""
+        notes.append(f"LoRA adapts this {family} model's experts through PEFT's target_parameters, r per expert{dropout}")
+    if cfg.peft.name == PeftMethod.qlora:
+        n = sum(lin.params for lin in experts)
+        notes.append(f"QLoRA: bitsandbytes quantizes nn.Linear layers only: this {family} model's experts ({n:,} parameters, "
+                     f"{n / arch.params:.0%} of the model) stay unquantized, fp32: 4 bytes each, counted so")
+    return notes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,7 +296,7 @@ def block_activation_bytes(arch: Arch, cfg: Config, seq: int, tokens: int) -> fl
     h, a, i, kv, tp = arch.hidden_size, arch.num_attention_heads, arch.intermediate_size, arch.kv_dim, cfg.parallelism.tp
     q, block = arch.q_dim, arch.block  # q: the attention width (heads x head_dim; h in Llama)
     d = dtypes(cfg)
-    eager = cfg.model.attn_implementation == AttnImpl.eager
+    eager = attention_kernel(arch, cfg)[0] == "eager"
     norm_out = d.module if cfg.peft.name == PeftMethod.none else 0  # a frozen norm weight needs no normalised output
     replicated = 2 * ((4 + norm_out) * h + 4) + linear_input_bytes(cfg, d, h, block.role("qkv"), d.module, False) \
         + linear_input_bytes(cfg, d, h, block.role("up"), d.module, False)
@@ -407,11 +431,8 @@ def plan(cfg: Config) -> Plan:
         notes.append(f"model_type={arch.model_type or '(none)'} is not one the planner knows (finetune/families.py): counted as a "
                      "Llama-style decoder from its config keys; norms or fused projections it has beyond them are not counted")
 
-    if cfg.peft.name != PeftMethod.none and "all-linear" in cfg.peft.target_modules and \
-            any(lin.experts > 1 for lin in arch.block.linears):
-        notes.append("PEFT's all-linear may also adapt this MoE's fused experts (target_parameters, for the model types it "
-                     "converts, e.g. mixtral; it then refuses peft.dropout > 0): not counted; name the linears in "
-                     "peft.target_modules to be exact")
+    notes.append("attention: %s (%s)" % attention_kernel(arch, cfg))
+    notes += moe_notes(arch, cfg)
 
     # model states of the trainable parameters, then the frozen base (weights only)
     trainable, frozen = counts.trainable / mp, counts.frozen / mp

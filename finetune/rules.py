@@ -35,7 +35,8 @@ from finetune.config import (
     Strategy,
     launcher_for,
 )
-from finetune.disk import config_source, config_value, local_config
+from finetune.disk import attention, config_source, config_value, local_config, model_config
+from finetune.families import adapted_outside_linears, arch_from_config, arch_targets, dora_experts, unmatched_targets
 
 
 def validate(cfg: Config) -> None:
@@ -56,6 +57,8 @@ def validate(cfg: Config) -> None:
     if m.path is None and m.tokenizer is None:
         raise ConfigError("model.tokenizer: a random-init model needs a tokenizer path or hub id")
     _validate_context(cfg)
+    if m.attn_implementation != AttnImpl.auto:
+        attention(cfg, gpu=True)  # refuses a kernel this model cannot run (the device is disk.check_device's)
     if launch.node_rank >= launch.nnodes:
         raise ConfigError(f"launcher.node_rank={launch.node_rank} must be in [0, launcher.nnodes={launch.nnodes})")
     _validate_launcher(cfg)
@@ -132,6 +135,11 @@ def _validate_strategies(cfg: Config) -> None:
         _unused(peft, "peft", ("name", "r", "alpha", "dropout", "target_modules", "modules_to_save"), f"with peft={peft.name.value} (only with qlora)")
     if cfg.precision.name != Precision.fp16:
         _unused(cfg.precision, "precision", ("name",), f"with precision={cfg.precision.name.value} (only with fp16)")
+    arch = model_config(cfg.model)
+    if peft.name != PeftMethod.none and arch is not None:
+        _validate_targets(arch, peft.target_modules)
+    if peft.name == PeftMethod.dora and arch is not None and adapted_outside_linears(arch, peft.target_modules):
+        raise ConfigError(dora_experts(str(arch.get("model_type") or "")))
     if cfg.model.attn_implementation == AttnImpl.flash_attention_2 and cfg.precision.name == Precision.fp32:
         raise ConfigError("model.attn_implementation=flash_attention_2 runs in fp16/bf16 only: add precision=bf16 (or use sdpa)")
     if peft.name == PeftMethod.qlora and cfg.zero.stage == 3 and cfg.precision.name == Precision.fp32:
@@ -139,6 +147,19 @@ def _validate_strategies(cfg: Config) -> None:
             "peft=qlora under zero=stage3 stores the 4-bit weights in the compute dtype so DeepSpeed can shard them: "
             "use precision=bf16 or fp16"
         )
+
+
+def _validate_targets(arch: dict[str, Any], targets: list[str]) -> None:
+    """peft.target_modules names (without dots: a dotted path is the ranks' to check) against the
+    modules of a family finetune.families knows, read from its config.json (the ranks check again)."""
+    try:
+        structure = arch_from_config({"vocab_size": 1, **arch}, "config.json")
+    except ConfigError:  # a key the structure needs is missing: the ranks check
+        return
+    if structure.known:
+        refusal = unmatched_targets(structure.model_type, [t for t in targets if "." not in t], *arch_targets(structure))
+        if refusal:
+            raise ConfigError(refusal)
 
 
 def _validate_method(cfg: Config) -> None:

@@ -130,7 +130,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
             print(s.line(name, cfg.data.max_length))
     phase("model")
     zero3 = model.zero3_context(deepspeed_config(cfg) if uses_deepspeed(cfg) else None)
-    attention = model.resolve_attention(cfg.model.attn_implementation, cfg.precision.name, d.device)
+    attention, attention_why = model.resolve_attention(cfg.model, cfg.precision.name, d.device)
 
     def load(peft: PeftConfig) -> torch.nn.Module:
         return model.load_model(cfg.model, tokenizer, attention=attention, peft=peft,
@@ -142,7 +142,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
     net = model.apply_strategies(loaded, checkpointing=cfg.checkpointing, peft=cfg.peft)
     if d.is_main:
         trainable, total = model.trainable_parameters(net)
-        print(f"model: {total:,} parameters, {trainable:,} trainable ({trainable / total:.2%}), attention {attention}")
+        print(f"model: {total:,} parameters, {trainable:,} trainable ({trainable / total:.2%}), attention {attention} ({attention_why})")
     phase("engine")
     eng = engine.build(cfg, net, d)
     phase("resume")
@@ -156,7 +156,10 @@ def run(cfg: Config, d: dist.Dist) -> None:
     base_peft = cfg.peft if cfg.peft.name == PeftMethod.qlora else PeftConfig()
     ref = reference.setup(cfg, engine=eng, dist=d, splits={"train": train_examples, "eval": eval_examples}, run_dir=run_dir,
                           resume_from=resume_from, load_model=lambda: load(base_peft), pad_id=tokenizer.pad_token_id)
-    objective = objectives.build(cfg.method, ref)
+    router = objectives.router_loss(loaded.config)  # a MoE's load-balancing loss, from its config
+    if router and d.is_main:
+        print(router.describe())
+    objective = objectives.build(cfg.method, ref, router)
     batches = data.TrainBatches(train_examples, global_batch=cfg.train.global_batch_size, micro_batch=cfg.train.micro_batch_size,
                                 dp_rank=eng.dp_rank, dp_size=eng.dp_size, seed=cfg.train.seed, pad_id=tokenizer.pad_token_id,
                                 pad_to=cfg.data.max_length if cfg.parallelism.pp > 1 else None)  # a pipeline needs one shape

@@ -234,7 +234,8 @@ CASES: list[tuple[str, list[str], str, bool]] = [
     ("data_chosen_equals_rejected", ["+recipe=quickstart_dpo", *data_at("same.jsonl"), *DRY], "same.jsonl:1", False),
     ("data_prompt_longer_than_max_length", [*QUICK, "data.max_length=8", "data.long_prompt=error", *REAL], "train.jsonl:1", True),
     # what only a rank can see
-    ("peft_targets_not_in_model", [*QUICK, "peft=lora", "peft.target_modules=[W_pack]", *REAL], "peft.target_modules", True),
+    ("peft_targets_not_in_model", [*QUICK, "peft=lora", "peft.target_modules=[W_pack]", *DRY], "peft.target_modules", False),
+    ("peft_dotted_target_not_in_model", [*QUICK, "peft=lora", "peft.target_modules=[attn.W_pack]", *REAL], "peft.target_modules", True),
     ("peft_modules_to_save_not_in_model", [*QUICK, "peft=lora", "peft.modules_to_save=[embed]", *REAL], "peft.modules_to_save", True),
     ("no_chat_template", [*QUICK, *model_at("no_template"), "data.template=tokenizer", *REAL], "data.template", True),
     # earlier runs: nothing is lost

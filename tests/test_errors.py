@@ -119,11 +119,20 @@ def test_unexpected_rank_failure_is_one_line_naming_the_phase_with_the_traceback
     assert json.loads((run / "ranks" / "0.json").read_text())["status"] == "exited 1"
 
 
-@pytest.mark.slow
+LLAMA_LINEARS = "its linear layers are down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj (or use [all-linear])"
+
+
 def test_peft_targets_that_match_nothing_name_the_layers_that_exist(tmp_path):
-    line, _ = rank_error(tmp_path, "peft=lora", "peft.target_modules=[q_proj,qkv]")
-    assert line == ("error: peft: peft.target_modules: qkv matches no module of this llama model: its linear layers are "
-                    "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj (or use [all-linear])")
+    """Before launch for a family finetune.families knows (read from its config as a file)..."""
+    assert cli_error(tmp_path, "peft=lora", "peft.target_modules=[q_proj,qkv]") == \
+        f"error: peft.target_modules: qkv matches no module of this llama model: {LLAMA_LINEARS}"
+
+
+@pytest.mark.slow
+def test_a_dotted_peft_target_that_matches_nothing_is_refused_by_the_rank(tmp_path):
+    """...and a dotted path (which the launcher cannot place in the model) by the rank, in the same words."""
+    line, _ = rank_error(tmp_path, "peft=lora", "peft.target_modules=[q_proj,self_attn.qkv]")
+    assert line == f"error: peft: peft.target_modules: self_attn.qkv matches no module of this llama model: {LLAMA_LINEARS}"
 
 
 def test_a_damaged_weight_file_is_named(tmp_path, model_dir):

@@ -79,9 +79,11 @@ def test_every_listed_family_is_tested():
     ("qwen3", dict(head_dim=8), ["peft=lora"]),
     ("phi3", {}, ["peft=lora"]),
     ("phi3", {}, ["peft=lora", "peft.target_modules=[qkv_proj]"]),
-    # Mixtral: attention named; all-linear also makes PEFT adapt the fused experts through its own
-    # transformers-5 weight conversion (target_parameters, which refuses lora dropout): not counted here
+    # MoE: all-linear adapts the fused experts too (PEFT's target_parameters, r per expert), not the router
     ("mixtral", dict(num_local_experts=4), ["peft=lora", "peft.target_modules=[q_proj,k_proj,v_proj,o_proj]"]),
+    ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2), ["peft=lora"]),
+    ("mixtral", dict(num_local_experts=4), ["peft=lora", "peft.target_modules=[q_proj,experts,gate]"]),  # the router named
+    ("qwen3_moe", dict(num_experts=4, moe_intermediate_size=32), ["peft=lora", "peft.dropout=0"]),
     ("mixtral", dict(num_local_experts=4, head_dim=8), ["peft=dora", "peft.target_modules=[q_proj,v_proj]"]),
     ("qwen2_moe", dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48), ["peft=lora"]),
     ("gpt2", {}, ["peft=lora", "peft.r=4"]),

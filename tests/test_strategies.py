@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -161,11 +162,12 @@ def test_lora_adapter_save_merge_reload_gives_the_same_outputs(tmp_path):
         assert not torch.allclose(fresh(input_ids=ids).logits, m, atol=1e-4)  # the adapter did change the model
 
 
-def test_flash_attention_without_cuda_names_the_alternative():
+def test_flash_attention_without_cuda_names_the_alternative(compose):
+    m = compose(["+recipe=quickstart_sft"]).model
     with pytest.raises(ConfigError) as e:
-        model.resolve_attention(model.AttnImpl.flash_attention_2, Precision.bf16, torch.device("cpu"))
+        model.resolve_attention(replace(m, attn_implementation=model.AttnImpl.flash_attention_2), Precision.bf16, torch.device("cpu"))
     assert str(e.value) == "model.attn_implementation=flash_attention_2 needs CUDA: use model.attn_implementation=sdpa (or auto)"
-    assert model.resolve_attention(model.AttnImpl.auto, Precision.bf16, torch.device("cpu")) == "sdpa"
+    assert model.resolve_attention(m, Precision.bf16, torch.device("cpu")) == ("sdpa", "auto: flash_attention_2 needs CUDA")
 
 
 def test_flash_attention_in_fp32_is_refused(compose):
