@@ -16,13 +16,15 @@ on any number of ranks, so runs with different layouts (and a resumed run) see t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
-import torch
 
 from finetune.config import ConfigError, DataConfig, LongPrompt, Method, Template
 from finetune.formats import Rows, load_rows, to_messages, to_pair
+
+if TYPE_CHECKING:
+    import torch
 
 IGNORE = -100  # label of tokens that carry no loss (prompt, padding)
 
@@ -205,6 +207,8 @@ def collate(examples: list[Any], pad_id: int, width: int | None = None) -> dict[
     `real_tokens` counts the non-pad tokens of each row. `width` pads to a fixed length
     (pipeline parallel: every micro-batch has one shape).
     """
+    import torch  # here, not at the top: the planner reads lengths through this module without torch
+
     if isinstance(examples[0], Pair):
         batch = collate([p.chosen for p in examples] + [p.rejected for p in examples], pad_id, width)
         if examples[0].reference is not None:
@@ -231,23 +235,30 @@ def collate(examples: list[Any], pad_id: int, width: int | None = None) -> dict[
     return batch
 
 
+def first_fit(lengths: list[int], max_length: int, seed: int) -> list[list[int]]:
+    """Which samples (by index) share each packed row of at most `max_length` tokens: first fit, in a
+    seeded order (what `pack` packs; the planner reads packed lengths from it without tokens)."""
+    order = np.random.default_rng(seed).permutation(len(lengths))
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        n = lengths[int(i)]
+        slot = next((r for r, free in enumerate(room) if free >= n), None)
+        if slot is None:
+            rows.append([])
+            room.append(max_length)
+            slot = len(rows) - 1
+        rows[slot].append(int(i))
+        room[slot] -= n
+    return rows
+
+
 def pack(examples: list[Example], max_length: int, seed: int) -> list[Example]:
     """Several samples per row of at most `max_length` tokens (first fit, in a seeded order).
 
     Each sample keeps its own labels and positions; nothing crosses sample boundaries.
     """
-    order = np.random.default_rng(seed).permutation(len(examples))
-    rows: list[list[Example]] = []
-    room: list[int] = []
-    for i in order:
-        e = examples[int(i)]
-        slot = next((r for r, free in enumerate(room) if free >= len(e.input_ids)), None)
-        if slot is None:
-            rows.append([])
-            room.append(max_length)
-            slot = len(rows) - 1
-        rows[slot].append(e)
-        room[slot] -= len(e.input_ids)
+    rows = [[examples[i] for i in row] for row in first_fit([len(e.input_ids) for e in examples], max_length, seed)]
     return [
         Example(
             input_ids=[t for e in row for t in e.input_ids],

@@ -58,17 +58,32 @@ class Family:
     `_supports_sdpa`; Gemma-2: False, its attention logits are soft-capped)."""
     flash: bool = True
     """transformers runs the family with flash-attn (its model class's `_supports_flash_attn`)."""
+    post_norms: int = 0
+    """How many of block_norms normalise a sublayer's output rather than its input (OLMo-2: both of
+    its two; Gemma-2/3: two of four): what the planner's activation count reads."""
+    norm_fp32: bool = False
+    """The RMSNorm keeps its normalised input in fp32 for the weight's gradient (Gemma's (1 + w) x,
+    OLMo-2's w x before the cast back), rather than in the input's dtype (Llama's w x.to(dtype))."""
+    act: str = "silu"
+    """The MLP's activation when config.json names none (hidden_act, hidden_activation, activation_function)."""
+    dropout: float = 0.0
+    """Attention, residual and embedding dropout when config.json names none (GPT-2: 0.1 each)."""
+    softcap: tuple[float, float] = (0.0, 0.0)
+    """(attention, final) logit soft-capping when config.json names none (Gemma-2: 50, 30)."""
 
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(), "mistral": Family(), "mixtral": Family(), "granite": Family(),
     "qwen2": Family(qkv_bias=True), "qwen2_moe": Family(qkv_bias=True),
     "qwen3": Family(qk_norm="head", head_dim=128), "qwen3_moe": Family(qk_norm="head"),
-    "gemma": Family(tied=True, head_dim=256), "gemma2": Family(block_norms=4, tied=True, head_dim=256, sdpa=False),
-    "gemma3_text": Family(qk_norm="head", block_norms=4, tied=True, head_dim=256),
-    "olmo2": Family(qk_norm="full"),
+    "gemma": Family(tied=True, head_dim=256, norm_fp32=True, act="gelu_pytorch_tanh"),
+    "gemma2": Family(block_norms=4, tied=True, head_dim=256, post_norms=2, norm_fp32=True, act="gelu_pytorch_tanh",
+                     softcap=(50.0, 30.0), sdpa=False),
+    "gemma3_text": Family(qk_norm="head", block_norms=4, tied=True, head_dim=256, post_norms=2, norm_fp32=True,
+                          act="gelu_pytorch_tanh"),
+    "olmo2": Family(qk_norm="full", post_norms=2, norm_fp32=True),
     "phi3": Family(fused=True),
-    "gpt2": Family(gpt2=True, tied=True, layer_norm=True),
+    "gpt2": Family(gpt2=True, tied=True, layer_norm=True, act="gelu_new", dropout=0.1),
 }
 """The families counted exactly (tests/test_family_params.py builds each and compares with numel)."""
 
@@ -96,6 +111,17 @@ class Linear:
 
 
 @dataclass(frozen=True)
+class Moe:
+    """A sparse MLP: each token goes to top_k of `experts` experts of `width`, chosen by a router."""
+
+    experts: int
+    top_k: int
+    width: int
+    normalized: bool = True
+    """The top-k routing weights are renormalised to sum to one (Mixtral; norm_topk_prob)."""
+
+
+@dataclass(frozen=True)
 class Block:
     """One decoder block: its linears (attention, MLP or experts) and its norms' parameters."""
 
@@ -105,7 +131,9 @@ class Block:
     """The MLP width one token's activations have (MoE: its top-k experts' and the shared expert's)."""
     roles: dict[str, tuple[str, ...]] = field(default_factory=dict, compare=False, hash=False)
     """Linears by what they read: qkv (the normed stream), o (attention output), up (the normed
-    stream, MLP side), down (the MLP activation): for the activation count."""
+    stream, MLP side: a MoE's router and shared expert), down (the MLP activation): for the activation count."""
+    moe: Moe | None = None
+    """The routed experts of a sparse block (their linears are `experts` > 1)."""
 
     @property
     def params(self) -> int:
@@ -140,6 +168,18 @@ class Arch:
     """Whether model_type is one of FAMILIES (else counted as a Llama-style decoder)."""
     attention: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
     """The attention kernels this model cannot run, with the reason (attention_limits)."""
+    family: Family = field(default=Family(), compare=False)
+    """The family record it was read with (norm placement and dtype, GPT-2's layout...): for the activation count."""
+    act: str = "silu"
+    """The MLP's activation function (hidden_act)."""
+    attention_dropout: float = 0.0
+    residual_dropout: float = 0.0
+    """Dropout on each sublayer's output before the residual add (resid_pdrop)."""
+    embedding_dropout: float = 0.0
+    attn_softcap: float = 0.0
+    """tanh soft-capping of the attention logits (attn_logit_softcapping); 0: none."""
+    final_softcap: float = 0.0
+    """tanh soft-capping of the output logits (final_logit_softcapping); 0: none."""
 
     @property
     def kv_dim(self) -> int:
@@ -384,17 +424,28 @@ def arch_from_config(arch: dict[str, Any], source: str) -> Arch:
                       Linear("mlp.experts.gate_up_proj", h, 2 * expert, experts=experts, adaptable=False),
                       Linear("mlp.experts.down_proj", expert, h, experts=experts, adaptable=False))
         shared = arch.get("shared_expert_intermediate_size") or 0
-        sparse_roles = {"up": ("mlp.experts.gate_up_proj",), "down": ("mlp.experts.down_proj",)}
+        sparse_roles = {"up": ("mlp.gate",), "down": ()}  # the experts read gathered copies (Block.moe)
         if shared:
             shared_mlp, shared_roles = mlp("mlp.shared_expert.", shared)
             sparse_mlp += shared_mlp + (Linear("mlp.shared_expert_gate", h, 1),)
             sparse_roles = {role: sparse_roles[role] + shared_roles[role] for role in sparse_roles}
-        sparse = Block(attention + sparse_mlp, norms, top_k * expert + shared, roles | sparse_roles)
+        moe = Moe(experts, top_k, expert, bool(arch.get("norm_topk_prob", True)))
+        sparse = Block(attention + sparse_mlp, norms, top_k * expert + shared, roles | sparse_roles, moe)
         dense_only = set(arch.get("mlp_only_layers") or [])
         step = arch.get("decoder_sparse_step") or 1
         blocks = [sparse if j not in dense_only and (j + 1) % step == 0 else dense for j in range(layers)]
     positions = _int(arch, "max_position_embeddings", source, family) * h if fam.gpt2 else 0
+
+    def first(*keys: str, default: Any) -> Any:
+        return next((arch[k] for k in keys if arch.get(k) is not None), default)
+
     return Arch(model_type=model_type, hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
                 num_key_value_heads=kv, head_dim=head_dim, vocab_size=vocab, tie_word_embeddings=tied,
-                layers=tuple(blocks), final_norm=norm, positions=positions, known=model_type in FAMILIES,
-                attention=attention_limits(arch))
+                layers=tuple(blocks), final_norm=norm, positions=positions, known=model_type in FAMILIES, family=fam,
+                attention=attention_limits(arch),
+                act=str(first("hidden_act", "hidden_activation", "activation_function", default=fam.act)),
+                attention_dropout=float(first("attention_dropout", "attn_pdrop", default=fam.dropout)),
+                residual_dropout=float(first("resid_pdrop", default=fam.dropout)),
+                embedding_dropout=float(first("embd_pdrop", default=fam.dropout)),
+                attn_softcap=float(first("attn_logit_softcapping", default=fam.softcap[0])),
+                final_softcap=float(first("final_logit_softcapping", default=fam.softcap[1])))

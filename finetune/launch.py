@@ -165,17 +165,22 @@ def check_memory(cfg: Config, overrides: list[str]) -> None:
     suggestions, then a refusal, when it does not (plan.force=true launches anyway)."""
     marker = "#" if cfg.launcher.dry_run else "[finetune]"
     try:
-        pl = plan.plan(cfg)
+        pl = plan.plan(cfg)  # at data.max_length first: if that fits, the data need not be read
+        longest = None
+        if not pl.fits:  # padded batches may be shorter: plan the longest one the data holds
+            longest = plan.read_longest(cfg)
+            pl = plan.plan(cfg, longest)
     except ConfigError as e:
         print(f"{marker} memory plan skipped: {e}", flush=True)
         return
     where = f"hardware={cfg.hardware.name}"
     if pl.fits:
-        print(f"{marker} memory plan: {pl.total / plan.GIB:.2f} GiB per rank of {pl.budget / plan.GIB:.2f} on {where}: FITS "
+        at = "" if longest is None else f" at the longest batch, {pl.width} tokens (not at data.max_length={cfg.data.max_length})"
+        print(f"{marker} memory plan: {pl.total / plan.GIB:.2f} GiB per rank of {pl.budget / plan.GIB:.2f} on {where}: FITS{at} "
               "(python -m finetune.plan ... for the breakdown)", flush=True)
         return
     print(plan.render(cfg, pl), flush=True)
-    print(plan.render_suggestions(plan.suggest(cfg, overrides, cfg.plan.suggestions)), flush=True)
+    print(plan.render_suggestions(plan.suggest(cfg, overrides, cfg.plan.suggestions, longest=longest)), flush=True)
     short = f"short by {max(pl.total - pl.budget, pl.cpu_bytes - pl.cpu_budget, pl.nvme_bytes - pl.nvme_budget) / plan.GIB:.2f} GiB"
     if cfg.plan.force or cfg.launcher.dry_run:
         print(f"{marker} memory plan: does not fit {where} ({short}); "

@@ -7,9 +7,12 @@ rank that needs the most: weights, gradients, optimizer states, activations, log
 and a fixed framework overhead, and what offload puts in CPU RAM / on NVMe. The total is the
 peak: the larger of the backward peak and the optimizer step (the categories do not all peak
 together). The formulas are those of docs/memory.md (ZeRO paper, Korthikanti et al. 2022),
-with activations counted tensor by tensor for the block transformers runs, checked against
-MemTracker (tests/test_plan.py). `suggest` walks docs/memory.md's order of strategies for
-override sets that fit. Exit code 0: fits; 1: does not fit; 2: a config mistake (one line).
+with activations counted tensor by tensor for the block each family runs (finetune/families.py
+reads what differs from the config), checked against autograd's saved tensors and MemTracker
+(tests/test_plan.py, tests/test_plan_families.py), at the longest batch the run will see: the CLI
+reads the data (finetune/lengths.py; without it, data.max_length, an upper bound). `suggest` walks
+docs/memory.md's order of strategies for override sets that fit. Exit code 0: fits; 1: does not
+fit; 2: a config mistake (one line).
 
 Bytes per parameter follow what our engines do, which differs from the textbook table:
 - torch engine (zero=none; single/ddp/fsdp/tp/pp): the module stays fp32 and bf16/fp16 only
@@ -19,7 +22,9 @@ Bytes per parameter follow what our engines do, which differs from the textbook 
 - DeepSpeed engine (zero=stage0..3): bf16/fp16 sections make the module 16-bit with an fp32 master
   copy in the optimizer: 2 + 2 + 12 bytes/param for Adam (ZeRO paper's K = 12); fp32 is 4 + 4 + 8.
 
-Imports only the config and the standard library: no torch, well under a second for any model size.
+`plan()` imports only the config and the standard library: no torch, well under a second for any
+model size; reading the data (CLI, or a launch that does not fit at data.max_length) takes about a
+second for the quickstart's 4,000 rows, still without torch.
 """
 
 from __future__ import annotations
@@ -275,49 +280,157 @@ def linear_input_bytes(cfg: Config, d: Dtypes, width: int, linears: tuple[Linear
     return adapted * per_adapter + (0 if saved else width * d.module)
 
 
-def block_activation_bytes(arch: Arch, cfg: Config, seq: int, tokens: int) -> float:
+ACT_SAVES = {"gelu_new": 4, "gelu_fast": 4, "quick_gelu": 2}
+"""i-wide tensors an MLP activation saves for backward besides its output, when it is composed of
+several ops (GPT-2's gelu_new: x, tanh(...), x/2 and 1 + tanh(...)); one-op activations (silu,
+gelu, gelu_pytorch_tanh, relu) save their input only."""
+
+
+def experts_adapted(arch: Arch, cfg: Config) -> bool:
+    """Whether LoRA adapts a MoE's fused experts (PEFT's target_parameters: all-linear reaches them)."""
+    return cfg.peft.name != PeftMethod.none and any(lin.experts > 1 and adapted(lin, cfg.peft.target_modules)
+                                                    for b in arch.layers for lin in b.linears)
+
+
+def norm_bytes(arch: Arch, cfg: Config, width: float, rows: float, normed: int) -> float:
+    """What one norm saves per token over `width` elements in `rows` groups: RMSNorm its input in
+    fp32 (the input itself, or its upcast), 1/rms per row and, when its weight trains (not under
+    PEFT), the normalised input (`normed` bytes: the input's dtype, or fp32 for Gemma and OLMo-2);
+    LayerNorm its input, mean and 1/std (the normalised input is recomputed in backward)."""
+    if arch.family.layer_norm:
+        return 4 * width + 8 * rows
+    return 4 * width + 4 * rows + (normed * width if cfg.peft.name == PeftMethod.none else 0)
+
+
+def block_activation_bytes(arch: Arch, cfg: Config, seq: int, tokens: int, block: Block | None = None,
+                           masked: bool = False) -> float:
     """Bytes one block (the largest) saves for backward, for `tokens` tokens in sequences of `seq`.
 
-    Counted tensor by tensor from transformers' LlamaDecoderLayer (RMSNorm, GQA, RoPE, SwiGLU, no
-    dropout) as torch.autograd.graph.saved_tensors_hooks lists them. Per token, with h hidden, kv
-    the k/v width, i intermediate, a heads, m the module dtype's bytes and c the compute dtype's:
-    - each RMSNorm: its fp32 input (4h) and, when its weight trains (not under PEFT), its
-      normalised output (m h);
-    - the inputs of q/k/v, o, gate/up and down: linear_input_bytes;
-    - sdpa / FlashAttention: q, k, v and the output, c (2h + 2kv); eager attention: q and the
-      repeated k and v (3 c h), the fp32 softmax (4 a s) and its 16-bit cast under autocast (c a s);
-    - the MLP: gate (for silu), silu(gate) and up (for their product): 3 c i.
-    fp32 full fine-tuning: 32h + 8kv + 16i; autocast bf16 30h + 4kv + 8i; a bf16 module (DeepSpeed)
-    20h + 4kv + 8i -- Korthikanti et al. (2022) count 34h for GPT's block in 16-bit.
-    Tensor parallel divides everything but the norms and the replicated inputs of the
-    column-parallel linears (q/k/v, gate/up) by tp. Under autocast each weight the block used is
+    Counted tensor by tensor as torch.autograd.graph.saved_tensors_hooks lists them for the block
+    transformers runs (tests/test_plan.py checks Llama byte for byte, tests/test_plan_families.py
+    every family against MemTracker). Per token, with h hidden, q the attention width (heads x
+    head_dim), kv the k/v width, i the MLP width, a heads, s the sequence, m the module dtype's bytes
+    and c the compute dtype's:
+    - norms (norm_bytes): the pre-norms (two per block; none in OLMo-2) read the residual stream,
+      the post-norms (Gemma-2's two, OLMo-2's two) a sublayer's output, the q/k norms (Qwen3 per
+      head, OLMo-2 over all heads) the projections;
+    - the inputs of q/k/v, o, gate/up (and a MoE's router) and down: linear_input_bytes;
+    - sdpa / FlashAttention: q, k, v and the output, c (2q + 2kv), and the fp32 log-sum-exp per head;
+      a fused qkv projection (Phi-3) keeps its whole output alive through v, a view of it, and o
+      reads a copy of the attention output; `masked` (padded or packed rows): sdpa keeps the mask,
+      converted to the query's dtype in every block (c s), and k and v repeated to q's width
+      (transformers uses sdpa's own GQA only without a mask);
+    - eager attention: q and the repeated k and v (3 c q), the fp32 softmax (4 a s) and its 16-bit cast
+      under autocast (c a s), the tanh of soft-capped logits (Gemma-2: c a s), attention dropout's mask
+      and output; sdpa with attention dropout runs PyTorch's math kernel on CPU (fp32 throughout);
+    - the MLP: gated, the gate (for the activation), its activation and up (for their product): 3 c i;
+      plain (GPT-2), what the activation saves (ACT_SAVES); dropout masks on each sublayer's output;
+    - a MoE's sparse MLP: the router's fp32 softmax (4 E), its top-k indices and weights; per routed
+      token (k per token) the gathered input, gate_up's output, the activation, down's input and
+      output (experts run in the weights' dtype: grouped_mm is not autocast) and the dispatch indices.
+    fp32 Llama full fine-tuning: 32h+8kv+16i bytes/token; autocast bf16 30h+4kv+8i; a bf16 module
+    (DeepSpeed) 20h+4kv+8i -- Korthikanti et al. (2022) count 34h for GPT's block in 16-bit.
+    Tensor parallel divides everything but the residual-stream norms and the replicated inputs of
+    the column-parallel linears (q/k/v, gate/up) by tp. Under autocast each weight the block used is
     also kept as a 16-bit copy for the input gradient: 2 bytes/param (not for QLoRA's 4-bit base,
-    which is dequantized again in backward)."""
-    h, a, i, kv, tp = arch.hidden_size, arch.num_attention_heads, arch.intermediate_size, arch.kv_dim, cfg.parallelism.tp
-    q, block = arch.q_dim, arch.block  # q: the attention width (heads x head_dim; h in Llama)
+    which is dequantized again in backward, nor for a MoE's experts); PEFT's adapted experts keep their
+    merged weights (m bytes/param) per forward."""
+    block = block or arch.block
+    fam, moe = arch.family, block.moe
+    h, a, tp = arch.hidden_size, arch.num_attention_heads, cfg.parallelism.tp
+    q, kv = arch.q_dim, arch.kv_dim  # q: the attention width (heads x head_dim; h in Llama)
     d = dtypes(cfg)
-    eager = attention_kernel(arch, cfg)[0] == "eager"
-    norm_out = d.module if cfg.peft.name == PeftMethod.none else 0  # a frozen norm weight needs no normalised output
-    replicated = 2 * ((4 + norm_out) * h + 4) + linear_input_bytes(cfg, d, h, block.role("qkv"), d.module, False) \
-        + linear_input_bytes(cfg, d, h, block.role("up"), d.module, False)
-    if eager:
-        attention = 3 * d.compute * q + 4 * a * seq + (d.compute * a * seq if d.autocast else 0)
-    else:  # + the fp32 log-sum-exp per head
-        attention = d.compute * (2 * q + 2 * kv) + 4 * a
-    # o_proj reads the attention output: the tensor sdpa saved, or eager's transposed copy
-    attention += linear_input_bytes(cfg, d, q, block.role("o"), d.compute, not eager)
-    mlp = 3 * d.compute * i + linear_input_bytes(cfg, d, i, block.role("down"), d.compute, False)
+    m, c = d.module, d.compute
+    on_gpu = cfg.hardware.gpu_memory_gib > 0
+    kernel = attention_kernel(arch, cfg)[0]
+    peft = cfg.peft.name != PeftMethod.none
+    pre, post = fam.block_norms - fam.post_norms, fam.post_norms
+    normed_in, normed_out = (4, 4) if fam.norm_fp32 else (m, c)  # the normalised input: fp32, or the input's dtype
+    # replicated under tensor parallel: the residual stream's norms and what the column-parallel linears read
+    replicated = pre * norm_bytes(arch, cfg, h, 1, normed_in) + post * norm_bytes(arch, cfg, h, 1, normed_out) \
+        + linear_input_bytes(cfg, d, h, block.role("qkv"), m, False) + linear_input_bytes(cfg, d, h, block.role("up"), m, False)
+    rows = {"head": (a, arch.num_key_value_heads), "full": (1, 1)}.get(fam.qk_norm)  # q/k norms: per head, or over all heads
+    attention = norm_bytes(arch, cfg, q, rows[0], normed_out) + norm_bytes(arch, cfg, kv, rows[1], normed_out) if rows else 0.0
+    dropout = arch.attention_dropout > 0
+    math = kernel == "sdpa" and dropout and not on_gpu  # PyTorch's math kernel: fp32 on CPU, s^2 tensors
+    if kernel == "eager":
+        probs = c * a * seq if d.autocast else 0  # the softmax's 16-bit cast, read by the matmul with v
+        if dropout:  # the mask (CUDA: bool) and the dropped-out probabilities replace the cast
+            probs = (1 if on_gpu else c) * a * seq + c * a * seq
+        attention += 3 * c * q + 4 * a * seq + probs + (c * a * seq if arch.attn_softcap else 0)
+    elif math:  # q (scaled) and the repeated k, v, the softmax, the dropout mask and its output, all fp32
+        attention += 4 * 3 * q + 3 * 4 * a * seq
+    else:  # q, k, v, the output and the fp32 log-sum-exp per head; a fused qkv's whole output lives on through v
+        attention += c * (2 * q + 2 * kv) + 4 * a + (c * (q + kv) if fam.fused else 0)
+        if masked and kernel == "sdpa":
+            attention += c * seq + 2 * c * (q - kv)
+    # o_proj reads the tensor sdpa saved, or a copy (eager's transposed output; a fused qkv's)
+    attention += linear_input_bytes(cfg, d, q, block.role("o"), c, kernel != "eager" and not math and not fam.fused)
+    residual_masks = (2 * h * (1 if on_gpu else c)) if arch.residual_dropout > 0 else 0
+    down = block.role("down")
+    if moe is None:
+        i = block.mlp_width
+        mlp = (ACT_SAVES.get(arch.act, 1) if fam.gpt2 else 3) * c * i
+    else:  # a shared expert (Qwen2-MoE) runs a gated MLP on every token
+        i = down[0].inputs if down else 0
+        mlp = 3 * c * i
+    mlp += linear_input_bytes(cfg, d, i, down, c, False)
+    if moe is not None:  # the router, then each token's top-k experts on gathered copies of it
+        k, e = moe.top_k, moe.width
+        trains = not peft or experts_adapted(arch, cfg)
+        router = 4 * moe.experts + 8 * k + ((4 + 4 * k) if moe.normalized else 0)
+        # per routed token: gate_up's output (the activation reads a view), the activation, down's output
+        # (weighted by the router); trainable experts also keep the gathered input and down's input
+        row = m * (2 * e + e + h) + 4 + 24 + (m * (h + e) if trains else 0)
+        mlp += router + k * row
     copies = 0.0
-    if d.autocast:  # the 16-bit weights autocast made, kept for the input gradient (adapters' too)
-        copies = 2 * ((arch.block_linear_params if cfg.peft.name != PeftMethod.qlora else 0) + adapter_params_per_block(arch, cfg)) / tp
-    return tokens * (replicated + (attention + mlp) / tp) + copies
+    if d.autocast:  # the 16-bit weights autocast made, kept for the input gradient (adapters' too); not the experts'
+        dense = sum(lin.inputs * lin.outputs for lin in block.linears if lin.experts == 1)
+        copies = 2 * ((dense if cfg.peft.name != PeftMethod.qlora else 0) + adapter_params(block, cfg)) / tp
+    if moe is not None and peft and experts_adapted(arch, cfg):  # PEFT's ParamWrapper: W + BA per forward
+        copies += m * sum(lin.params for lin in block.linears if lin.experts > 1) / tp
+    return tokens * (replicated + (attention + mlp + residual_masks) / tp) + copies
+
+
+RECOMPUTE_PEFT = {True: 0.35, False: 0.10}
+"""How much more than its forward saved a block recomputed by checkpointing holds during its backward
+under PEFT (LoRA/QLoRA), by autocast: measured with MemTracker (tests/test_plan_families.py; the same
+fraction at h 128 and 256, 2 to 4 blocks, with and without dropout, all-linear or attention-only
+adapters), not explained: the recompute saves the same tensors as the forward (counted through
+torch.utils.checkpoint's recomputation hook), full fine-tuning shows none of it."""
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Activation bytes on one rank through a step's backward (the moments that can be its peak)."""
+
+    stored: float
+    """Saved for backward when it starts: every block's (or, recomputed, its input), the head's, and
+    those of the earlier micro-batches a pipeline holds."""
+    loss: float
+    """On top of `stored` while the loss's backward runs: log_softmax's fp32 output, the gradient
+    arriving at it and the one it returns (12 V per token)."""
+    logits_grad: float
+    """On top of `stored` when the model's own backward starts: the gradient of the logits (c V per token)."""
+    blocks: float
+    """The worst moment in the blocks' backward: the blocks below still hold theirs, the one being
+    differentiated is whole (recomputed under checkpointing) with its gradients' working set."""
+    filled: float
+    """`blocks` with the gradients that exist by then (the blocks above, the head's)."""
+    cpu: float = 0.0
+    """Offloaded to CPU RAM (checkpointing=offload on GPU ranks)."""
+
+    @property
+    def measured(self) -> float:
+        """What MemoryProbe's backward_activations measures: activations and temporaries at the start of
+        the model's backward or at its worst moment, whichever holds more."""
+        return max(self.stored + self.logits_grad, self.blocks)
 
 
 def activation_bytes(arch: Arch, cfg: Config, layers: int, in_flight: int, seq: int, tokens: int,
-                     block_grads: float = 0.0, moves: bool = True) -> tuple[float, float, float]:
-    """(device, CPU, backward peak) bytes of saved activations for `layers` blocks and `in_flight`
-    micro-batches; the backward peak adds the gradients that fill in as backward goes down the
-    blocks (`block_grads` per block, the blocks above the one being differentiated).
+                     block_grads: float = 0.0, head_grads: float = 0.0, moves: bool = True, masked: bool = False) -> Activations:
+    """Saved activations for `layers` blocks and `in_flight` micro-batches, through backward;
+    `block_grads` per block and `head_grads` are the gradients that fill in as backward goes down.
 
     none: every block's; full recompute (non-reentrant checkpoint): each block keeps its input
     (m s b h; the literature's 2sbh per layer in 16-bit, docs/memory.md) and the block being
@@ -326,43 +439,76 @@ def activation_bytes(arch: Arch, cfg: Config, layers: int, in_flight: int, seq: 
     device). Under pipeline parallel the earlier micro-batches in flight hold their stored
     activations while the current one peaks. `moves`: False when the ranks run on CPU, where
     offloading to CPU RAM moves nothing (counted as none)."""
-    block = block_activation_bytes(arch, cfg, seq, tokens)
-    # differentiating a block needs gradients of its intermediates while its saved tensors are freed
-    # one by one: measured (MemTracker), the net is about one intermediate-sized gradient
-    working = tokens * dtypes(cfg).compute * arch.intermediate_size / cfg.parallelism.tp
-    layer_input = tokens * arch.hidden_size * dtypes(cfg).module
+    d = dtypes(cfg)
+    block = max(block_activation_bytes(arch, cfg, seq, tokens, b, masked) for b in set(arch.layers))
+    # differentiating a block: the gradient of the residual stream (m h) and about one MLP-wide
+    # gradient at a time while its saved tensors are freed one by one (measured with MemTracker)
+    width = max(b.mlp_width * (d.module if b.moe else d.compute) for b in arch.layers)
+    working = tokens * (width / cfg.parallelism.tp + d.module * arch.hidden_size)
+    layer_input = tokens * arch.hidden_size * d.module
     ck = cfg.checkpointing
     if ck.name == Checkpointing.offload and moves:
-        kept, every = [0.0] * layers, 1
+        kept = [0.0] * layers
         offloaded = layers * block * in_flight
     else:
         every = {Checkpointing.none: 0, Checkpointing.offload: 0, Checkpointing.full: 1}.get(ck.name, ck.every)
         kept = [layer_input if every and j % every == 0 else block for j in range(layers)]
         offloaded = 0.0
     earlier = sum(kept) * (in_flight - 1)  # pipeline micro-batches waiting for their backward
+    # a block recomputed under PEFT holds more in its backward than its forward saved (RECOMPUTE_PEFT)
+    recomputed = block * (1 + RECOMPUTE_PEFT[dtypes(cfg).autocast]) if cfg.peft.name != PeftMethod.none else block
     # backward of block j: the blocks below still hold theirs, block j is whole (recomputed or kept),
     # the blocks above are freed and their gradients exist
-    below, stored, act_peak, peak = 0.0, sum(kept), 0.0, 0.0
+    below, blocks, filled = 0.0, 0.0, 0.0
     for j in range(layers):
-        act_peak = max(act_peak, below + block + working)
-        peak = max(peak, below + block + working + (layers - 1 - j) * block_grads)
+        whole = recomputed if kept[j] != block else block
+        blocks = max(blocks, below + whole + working)
+        filled = max(filled, below + whole + working + (layers - 1 - j) * block_grads)
         below += kept[j]
-    return earlier + max(stored, act_peak), offloaded, earlier + peak
+    v = arch.vocab_size / cfg.parallelism.tp
+    return Activations(stored=earlier + sum(kept) + head_bytes(arch, cfg, tokens), loss=tokens * (12 * v + 8),
+                       logits_grad=tokens * d.compute * v, blocks=earlier + blocks, filled=earlier + filled + head_grads,
+                       cpu=offloaded)
 
 
-def logits_bytes(arch: Arch, cfg: Config, tokens: int) -> float:
-    """The loss's buffers at the start of backward, per token: log_softmax's saved fp32 output (4V),
-    the gradient arriving at it (4V) and the one it returns (4V) -- 12V, the logits' fp32 upcast
-    being freed by then (docs/memory.md, "Logits and the loss"); plus the final norm and lm_head's
-    input (4h + m h + c h) and, under autocast, lm_head's 16-bit weight copy."""
-    d = dtypes(cfg)
-    v, h = arch.vocab_size / cfg.parallelism.tp, arch.hidden_size
-    copy = 2 * arch.vocab_size * h / cfg.parallelism.tp if d.autocast else 0
-    return tokens * (12 * v + (4 + d.module + d.compute) * h) + copy
+def head_bytes(arch: Arch, cfg: Config, tokens: int) -> float:
+    """What the model saves outside its blocks: the final norm (norm_bytes), lm_head's input (when lm_head
+    trains: a 16-bit cast under autocast, else the norm's output) and, under autocast, its 16-bit
+    weight; the tanh of soft-capped logits (Gemma-2: c V); the embedding dropout's mask (GPT-2)."""
+    d, fam, h, tp = dtypes(cfg), arch.family, arch.hidden_size, cfg.parallelism.tp
+    trains = cfg.peft.name == PeftMethod.none or "lm_head" in cfg.peft.modules_to_save
+    per_token = norm_bytes(arch, cfg, h, 1, 4 if fam.norm_fp32 else d.module) + (d.compute if trains else 0) * h
+    per_token += d.compute * arch.vocab_size / tp if arch.final_softcap else 0
+    per_token += h * (1 if cfg.hardware.gpu_memory_gib > 0 else d.module) if arch.embedding_dropout > 0 else 0
+    return tokens * per_token + (2 * arch.vocab_size * h / tp if d.autocast else 0)
 
 
 # ---------------------------------------------------------------------------------------------
 # The plan
+
+
+@dataclass(frozen=True)
+class Longest:
+    """The longest micro-batch a run sees, read from its data (finetune.lengths.longest_batch)."""
+
+    width: int | None
+    """Its tokens per row: a padded batch is as long as its longest row, a packed one as its fullest row
+    (None: the data could not be read)."""
+    why: str
+    """What was read, or why nothing was, for the plan's line (e.g. "the longest of all 4,000 rows of data.train")."""
+
+
+def batch_width(cfg: Config, longest: Longest | None) -> tuple[int, str]:
+    """(tokens per row the activations are planned at, the plan's line saying which and why)."""
+    cap = cfg.data.max_length
+    if cfg.parallelism.pp > 1:
+        return cap, f"activations at data.max_length={cap} tokens: pipeline parallel pads every micro-batch to it"
+    if longest is not None and longest.width is not None:
+        width = min(longest.width, cap)
+        return width, f"activations at the longest batch: {width} tokens (max_length {cap}; {longest.why})"
+    why = f"the data was not read: {longest.why}" if longest is not None else "the data was not read"
+    rows = "packed rows hold up to" if cfg.data.packing else "padded batches are as long as their longest row, at most"
+    return cap, f"activations at max_length {cap} tokens: an upper bound ({why}; {rows} data.max_length)"
 
 
 @dataclass
@@ -375,7 +521,9 @@ class Plan:
     gradients: float
     optimizer: float
     activations: float
+    """Saved for backward when it starts (the blocks' and the head's)."""
     logits: float
+    """The loss's buffers on top of them while its backward runs."""
     overhead: float
     backward: float = 0.0
     """Activations, loss buffers and gradients held together at the worst moment of backward
@@ -391,6 +539,13 @@ class Plan:
     cpu_budget: float = 0.0
     nvme_budget: float = 0.0
     notes: list[str] = field(default_factory=list)
+    measured_activations: float = 0.0
+    """What MemoryProbe's backward_activations measures: activations and temporaries at the start of the
+    model's backward or at its worst moment (the loss's backward runs outside the model)."""
+    width: int = 0
+    """Tokens per row the activations are planned at: the longest batch, or data.max_length."""
+    buckets: float = 0.0
+    """DDP's flat gradient buckets, counted in `gradients`."""
 
     @property
     def backward_peak(self) -> float:
@@ -417,8 +572,10 @@ class Plan:
         return self.budget - self.total
 
 
-def plan(cfg: Config) -> Plan:
-    """Per-rank memory of `cfg` on `cfg.hardware` (raises ConfigError when the architecture is unknown)."""
+def plan(cfg: Config, longest: Longest | None = None) -> Plan:
+    """Per-rank memory of `cfg` on `cfg.hardware` (raises ConfigError when the architecture is unknown),
+    its activations at `longest` (the longest batch the run sees, read from its data: finetune.lengths)
+    or, without it, at data.max_length, an upper bound for padded batches."""
     arch = architecture(cfg.model)
     p, z, hw = cfg.parallelism, cfg.zero, cfg.hardware
     counts = count_params(arch, cfg)
@@ -491,9 +648,12 @@ def plan(cfg: Config) -> Plan:
         weights += ref_bytes
         notes.append("DPO reference=live: a frozen copy of the model's weights")
 
-    # activations: micro batch (x2 for DPO pairs), sequence length, pipeline stages in flight
-    seq = cfg.data.max_length
-    tokens = seq * cfg.train.micro_batch_size * (2 if cfg.method.name == Method.dpo else 1)
+    # activations: micro batch (x2 for DPO pairs) at the longest batch's width, pipeline stages in flight
+    seq, said = batch_width(cfg, longest)
+    notes.append(said)
+    rows = cfg.train.micro_batch_size * (2 if cfg.method.name == Method.dpo else 1)
+    tokens = seq * rows
+    masked = cfg.data.packing or rows > 1  # padding (rows of different lengths) or packed samples: sdpa gets a mask
     layers = math.ceil(arch.num_hidden_layers / p.pp)
     micro_batches = max(1, cfg.grad_accum_steps)
     in_flight = 1 if p.pp == 1 else (micro_batches if p.pp_schedule == PipeSchedule.gpipe else min(p.pp, micro_batches))
@@ -505,9 +665,10 @@ def plan(cfg: Config) -> Plan:
     resident = grads if (z.enabled or micro_batches > 1 or p.pp > 1) else 0.0
     block_grads = 0.0 if resident else per_param * block_trainable / p.tp
     head_grads = 0.0 if resident else per_param * head_trainable / p.tp
-    act_gpu, act_cpu, timeline = activation_bytes(arch, cfg, layers, in_flight, seq, tokens, block_grads, moves=on_gpu)
-    logits = logits_bytes(arch, cfg, tokens)
-    backward = buckets + resident + head_grads + max(act_gpu + logits, timeline)
+    acts = activation_bytes(arch, cfg, layers, in_flight, seq, tokens, block_grads, head_grads, moves=on_gpu, masked=masked)
+    # the worst moment of backward: the loss's own backward (everything saved, and its buffers), or
+    # inside the blocks (the gradients filled in by then)
+    backward = buckets + resident + max(acts.stored + acts.loss, acts.filled)
     grads += buckets
     if p.pp > 1:
         notes.append(f"pipeline: {layers} blocks per stage, {in_flight} micro-batches in flight on the first stage; "
@@ -520,12 +681,12 @@ def plan(cfg: Config) -> Plan:
                          else min(counts.trainable, arch.largest_layer_params))
 
     ranks_per_node = cfg.launcher.nproc_per_node
-    cpu = (cpu + act_cpu) * ranks_per_node  # per rank -> per node
+    cpu = (cpu + acts.cpu) * ranks_per_node  # per rank -> per node
     nvme *= ranks_per_node
     budget = hw.gpu_memory_gib * GIB if on_gpu else hw.cpu_memory_gib * GIB / ranks_per_node
     return Plan(params=counts.total, trainable=counts.trainable, weights=weights, gradients=grads, optimizer=opt,
-                activations=act_gpu, logits=logits, overhead=GPU_OVERHEAD_BYTES if on_gpu else CPU_OVERHEAD_BYTES,
-                backward=backward, step_temp=step_temp,
+                activations=acts.stored, logits=acts.loss, overhead=GPU_OVERHEAD_BYTES if on_gpu else CPU_OVERHEAD_BYTES,
+                backward=backward, step_temp=step_temp, measured_activations=acts.measured, width=seq, buckets=buckets,
                 cpu_bytes=cpu, nvme_bytes=nvme, budget=budget,
                 cpu_budget=hw.cpu_memory_gib * GIB if on_gpu else math.inf, nvme_budget=hw.nvme_gib * GIB, notes=notes)
 
@@ -536,21 +697,34 @@ def plan(cfg: Config) -> Plan:
 MIB = 2**20
 COMPARED = (("weights", "params"), ("gradients", "grads"), ("optimizer", "optimizer"),
             ("activations", "backward_activations"), ("peak", "peak_total"))
-"""(planner category, the memory probe's) pairs: activations are the planner's activations + logits,
-the probe's activations + temporaries at the backward peak; peak excludes the fixed overhead,
+"""(planner category, the memory probe's) pairs: activations are activations + temporaries at the start
+of the model's backward or at its worst moment (Plan.measured_activations; the loss's backward runs
+outside the model, where the probe's module hooks do not look); peak excludes the fixed overhead,
 which MemTracker does not see (the CUDA context, the Python process)."""
 
 
-def record(cfg: Config) -> dict[str, float] | str:
-    """What a run writes to metrics.jsonl as {"kind": "plan"}: MiB per category for rank 0's share
-    (the reason, when the planner cannot read the architecture)."""
+def record(cfg: Config, longest: Longest | None = None) -> dict[str, float] | str:
+    """What a run writes to metrics.jsonl as {"kind": "plan"}: MiB per category for rank 0's share at
+    `longest` (the batches the memory probe measures), and the tokens per row planned at (the reason,
+    when the planner cannot read the architecture)."""
     try:
-        pl = plan(cfg)
+        pl = plan(cfg, longest)
     except ConfigError as e:
         return str(e)
-    values = {"weights": pl.weights, "gradients": pl.gradients, "optimizer": pl.optimizer,
-              "activations": pl.activations + pl.logits, "peak": pl.total - pl.overhead, "overhead": pl.overhead}
-    return {f"plan_{k}_mib": v / MIB for k, v in values.items()}
+    # DDP's buckets: MemTracker does not see the reducer allocate them (before the first step), but sees
+    # the gradients copied through them in backward, as temporaries: compared there, not as gradients
+    values = {"weights": pl.weights, "gradients": pl.gradients - pl.buckets, "optimizer": pl.optimizer,
+              "activations": pl.measured_activations + pl.buckets, "peak": pl.total - pl.overhead, "overhead": pl.overhead}
+    return {**{f"plan_{k}_mib": v / MIB for k, v in values.items()}, "plan_width": pl.width}
+
+
+def plan_record(run_dir: Path) -> dict[str, Any] | None:
+    """The {"kind": "plan"} record of a run's metrics.jsonl (None without one)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return next((r for r in rows if r.get("kind") == "plan"), None)
 
 
 def compare(run_dir: Path) -> list[tuple[str, float, float]] | None:
@@ -659,7 +833,8 @@ def _sibling(a: tuple[Move, ...], b: tuple[Move, ...], axis_of: dict[Move, int])
     return len(only_a) == len(only_b) == 1 and axis_of[next(iter(only_a))] == axis_of[next(iter(only_b))]
 
 
-def suggest(cfg: Config, base: list[str] | None = None, count: int = 3, budget_evals: int = 4000) -> list[Suggestion]:
+def suggest(cfg: Config, base: list[str] | None = None, count: int = 3, budget_evals: int = 4000,
+            longest: Longest | None = None) -> list[Suggestion]:
     """The first `count` override sets that fit, walking docs/memory.md's order (the latest strategy a set
     needs, then its rough step-time cost); a set that adds to one already printed is skipped. With
     `base` (the command line), each one is composed again through the launcher's path and re-planned,
@@ -685,7 +860,7 @@ def suggest(cfg: Config, base: list[str] | None = None, count: int = 3, budget_e
             m.apply(trial)
         try:
             validate(trial)
-            pl = plan(trial)
+            pl = plan(trial, longest)
         except ConfigError:
             continue
         if not pl.fits:
@@ -695,7 +870,7 @@ def suggest(cfg: Config, base: list[str] | None = None, count: int = 3, budget_e
 
             keys = {o.split("=", 1)[0] for o in overrides}
             try:
-                pl = plan(preflight([b for b in base if b.lstrip("+~").split("=", 1)[0] not in keys] + overrides))
+                pl = plan(preflight([b for b in base if b.lstrip("+~").split("=", 1)[0] not in keys] + overrides), longest)
             except ConfigError:
                 continue
             if not pl.fits:
@@ -754,14 +929,27 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         cfg = preflight(args)
-        pl = plan(cfg)
+        longest = read_longest(cfg)
+        pl = plan(cfg, longest)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(render(cfg, pl))
     if cfg.plan.suggest and not pl.fits:
-        print(render_suggestions(suggest(cfg, args, cfg.plan.suggestions)))
+        print(render_suggestions(suggest(cfg, args, cfg.plan.suggestions, longest=longest)))
     return 0 if pl.fits else 1
+
+
+def read_longest(cfg: Config) -> Longest | None:
+    """The longest batch from the run's data (finetune.lengths: tokenizes without torch); its width is
+    None, with the reason, when the data cannot be read (the plan then says data.max_length is an upper
+    bound); None under pipeline parallel, which pads every micro-batch to data.max_length."""
+    if cfg.parallelism.pp > 1:
+        return None
+    from finetune.lengths import longest_batch
+
+    found = longest_batch(cfg)  # (under `python -m finetune.plan` its Longest is finetune.plan's, not __main__'s)
+    return Longest(None, found) if isinstance(found, str) else Longest(found.width, found.why)
 
 
 if __name__ == "__main__":

@@ -167,7 +167,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
     loop.STOP["defer"] = True  # from here a signal saves a checkpoint at the next step boundary
     log = logs.MetricsLog(run_dir, enabled=d.is_main, tensorboard=cfg.train.tensorboard)
     if d.is_main:  # the planner's prediction for this config, beside what the probe measures (python -m finetune.plan)
-        predicted = plan.record(cfg)
+        predicted = planned(cfg, batches, train_examples)
         if isinstance(predicted, str):
             print(f"memory plan: not recorded ({predicted})")
         else:
@@ -187,6 +187,20 @@ def run(cfg: Config, d: dist.Dist) -> None:
     if d.is_main:
         report(run_dir, final, result, {k: vars(s) for k, s in stats.items()})
     del zero3  # alive until here: transformers consults it while loading, generating and saving
+
+
+def planned(cfg: Config, batches: data.TrainBatches, examples: list[Any]) -> dict[str, float] | str:
+    """The plan record: at the widest of the micro-batches the memory probe measures (rank 0's first
+    loop.MEMORY_STEPS steps), for the comparison; and the peak planned at the longest batch of the whole run."""
+    from finetune.lengths import longest_of, row_lengths
+
+    widest = max(mb["input_ids"].shape[1] for step in range(loop.MEMORY_STEPS) for mb in batches.micro_batches(step))
+    predicted = plan.record(cfg, plan.Longest(widest, f"the widest micro-batch of the first {loop.MEMORY_STEPS} steps, which "
+                                                      "the memory probe measures"))
+    if isinstance(predicted, str):
+        return predicted
+    run = plan.plan(cfg, longest_of(row_lengths(examples), cfg))
+    return predicted | {"plan_run_width": run.width, "plan_run_peak_mib": (run.total - run.overhead) / plan.MIB}
 
 
 def saver(cfg: Config, eng: Any, d: dist.Dist, root: Path) -> Any:

@@ -6,6 +6,9 @@
 Reads the {"kind": "plan"} record (the planner's prediction for the run's own config, written by
 rank 0 at the start) and the {"kind": "memory"} record (rank 0's MemTracker measurement of the
 first steps, train.memory_report=true) from each metrics.jsonl. MiB; error = predicted/measured - 1.
+The prediction is for the batches measured (padded batches are as long as their longest row: the
+plan is made at the widest micro-batch of the measured steps); the last line gives the peak the
+planner expects at the longest batch of the whole run.
 """
 
 from __future__ import annotations
@@ -13,17 +16,22 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from finetune.plan import compare
+from finetune.plan import compare, plan_record
 
 
 def table(run_dir: Path) -> str | None:
     rows = compare(run_dir)
     if rows is None:
         return None
-    lines = [f"{run_dir}", f"  {'category':<12}{'predicted':>12}{'measured':>12}{'error':>9}"]
+    record = plan_record(run_dir) or {}
+    width = f", planned at {record['plan_width']} tokens per row (the widest batch measured)" if "plan_width" in record else ""
+    lines = [f"{run_dir}{width}", f"  {'category':<12}{'predicted':>12}{'measured':>12}{'error':>9}"]
     for name, predicted, measured in rows:
         error = f"{predicted / measured - 1:+8.1%}" if measured else f"{'-':>8}"
         lines.append(f"  {name:<12}{predicted:12.1f}{measured:12.1f} {error}")
+    if "plan_run_width" in record:
+        lines.append(f"  the run's longest batch: {record['plan_run_width']} tokens per row, planned peak "
+                     f"{record['plan_run_peak_mib']:.1f} MiB")
     return "\n".join(lines)
 
 

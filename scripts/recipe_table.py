@@ -6,7 +6,8 @@ hardware, and the memory planner's verdict for it.
     python scripts/recipe_table.py --check README.md  # exit 1 when the README's table is not the generated one
 
 Each recipe is composed exactly as `python -m finetune.plan +recipe=NAME` composes it (offline: a
-hub model's recipe declares its `model.architecture`), and planned with `finetune.plan.plan`.
+hub model's recipe declares its `model.architecture`), and planned with `finetune.plan.plan` at
+`data.max_length` (the upper bound: the recipe's data is the user's, not read here).
 Needs no torch and no GPU.
 """
 

@@ -130,12 +130,16 @@ def test_activation_levers(compose):
     base = ["hardware=h100_80g", "precision=bf16", "train.micro_batch_size=4", "train.global_batch_size=32", "model.init.num_hidden_layers=8"]
     act = lambda *extra: plan(compose([*base, *extra])).activations  # noqa: E731
     assert act("model.attn_implementation=flash_attention_2") < act("model.attn_implementation=eager")  # the s^2 term gone
-    assert act("model.attn_implementation=flash_attention_2") == act()  # sdpa's fused kernels do not keep it either
+    # sdpa's fused kernels do not keep it either, but padded rows give sdpa a mask (kept, per block: s bytes/token)
+    assert act("model.attn_implementation=flash_attention_2") < act() < act("model.attn_implementation=eager")
+    one_row = ["train.micro_batch_size=1", "train.global_batch_size=32"]  # a single row: no padding, no mask
+    assert act("model.attn_implementation=flash_attention_2", *one_row) == act(*one_row)
     assert act("checkpointing=full") < act("checkpointing=selective") < act()
     assert act("checkpointing=offload") < act()
-    # tokens-proportional in fp32; under autocast each micro-batch also keeps 16-bit copies of the block weights
+    # tokens-proportional in fp32; under autocast each micro-batch also keeps 16-bit copies of the weights it used
     assert act("precision=fp32", "train.micro_batch_size=2", "train.global_batch_size=32") == pytest.approx(act("precision=fp32") / 2)
-    copies = 8 * 2 * architecture(compose(base).model).block_linear_params
+    arch = architecture(compose(base).model)
+    copies = 2 * (8 * arch.block_linear_params + arch.vocab_size * arch.hidden_size)  # the blocks' and lm_head's
     assert act("train.micro_batch_size=2", "train.global_batch_size=32") - copies == pytest.approx((act() - copies) / 2)
     fp32 = plan(compose([*base, "precision=fp32"]))
     bf16 = plan(compose(base))
@@ -235,11 +239,10 @@ def test_predicted_within_15_percent_of_measured(tmp_path, precision, checkpoint
             assert predicted == pytest.approx(measured, rel=0.25), name
 
 
-@pytest.mark.xfail(strict=True, reason="bf16 autocast + LoRA dropout + full recompute: ~17% above the plan at 2048 tokens")
-def test_known_gap_autocast_lora_recompute(tmp_path):
-    """The recomputed block holds ~8 KB/token more than its forward saves (it grows with the MLP width,
-    not with the number of blocks; fp32, no recompute, no dropout or no MLP adapters shrink or remove it).
-    Not explained yet; at 256 tokens (the design above) it stays within 15%."""
+def test_autocast_lora_recompute(tmp_path):
+    """A block recomputed under autocast + LoRA holds more in its backward than its forward saved (~8
+    KB/token at h 256, it grows with the block, not with the number of blocks; fp32 shows ~3 KB/token,
+    full fine-tuning none): not explained, counted as measured (plan.RECOMPUTE_PEFT), here at 2048 tokens."""
     rows = measured_run(tmp_path, "precision=bf16", "checkpointing=full", "peft=lora", micro=8, seq=256)
     peak = next((p, m) for name, p, m in rows if name == "peak")
     assert peak[0] == pytest.approx(peak[1], rel=0.15)
@@ -278,7 +281,7 @@ def test_suggestions_fit_when_replanned_and_follow_memory_order(compose, llama8b
         assert again.fits and again.total == pytest.approx(s.plan.total)
     levels = [max(m.level for m in s.moves) for s in found]
     assert levels == sorted(levels)  # docs/memory.md's order: the latest strategy a set needs never goes back
-    assert all("precision=bf16" in s.overrides for s in found[:2])  # the cheapest lever comes first
+    assert "precision=bf16" in found[0].overrides  # the cheapest lever comes first
     sets = [set(s.overrides) for s in found]
     assert not any(a < b for a in sets for b in sets)  # nothing printed just adds to another printed set
 
@@ -306,14 +309,14 @@ def test_launcher_refuses_what_does_not_fit_and_force_launches(tmp_path):
               "train.exact_match_samples=0", "train.progress_bar=false", "train.tensorboard=false"]
     refused = run_cli(*common, f"run_dir={tmp_path / 'refused'}", cwd=tmp_path, timeout=120)
     assert refused.returncode == 2
-    assert last_line(refused.stderr) == ("error: the memory plan says this config does not fit hardware=cpu (short by 0.08 GiB): "
+    assert last_line(refused.stderr) == ("error: the memory plan says this config does not fit hardware=cpu (short by 0.07 GiB): "
                                          "pick one of the suggestions above, declare the real machine with hardware=<option>, "
                                          "or launch anyway with plan.force=true")
-    assert "DOES NOT FIT (short by 0.08 GiB)" in refused.stdout and "no suggestion fits" in refused.stdout
+    assert "DOES NOT FIT (short by 0.07 GiB)" in refused.stdout and "no suggestion fits" in refused.stdout
     assert not (tmp_path / "refused").exists()  # nothing was started or written
     forced = run_cli(*common, "plan.force=true", f"run_dir={tmp_path / 'forced'}", cwd=tmp_path, timeout=300)
     assert forced.returncode == 0, forced.stderr[-2000:]
-    assert "[finetune] memory plan: does not fit hardware=cpu (short by 0.08 GiB); plan.force=true: launching anyway" in forced.stdout
+    assert "[finetune] memory plan: does not fit hardware=cpu (short by 0.07 GiB); plan.force=true: launching anyway" in forced.stdout
     assert (tmp_path / "forced" / "final" / "config.json").is_file()
     fits = run_cli("+recipe=quickstart_sft", "launcher.dry_run=true", cwd=tmp_path, timeout=120)
     assert fits.returncode == 0
@@ -332,13 +335,14 @@ def test_runs_record_the_plan_and_the_report_script_compares(tmp_path):
     rows = read_metrics(tmp_path / "sweep" / "a")
     planned = next(r for r in rows if r["kind"] == "plan")
     assert set(planned) == {"kind", "step", "plan_weights_mib", "plan_gradients_mib", "plan_optimizer_mib",
-                            "plan_activations_mib", "plan_peak_mib", "plan_overhead_mib"}
+                            "plan_activations_mib", "plan_peak_mib", "plan_overhead_mib", "plan_width", "plan_run_width",
+                            "plan_run_peak_mib"}
     measured = next(r for r in rows if r["kind"] == "memory")
     assert planned["plan_weights_mib"] == pytest.approx(measured["mem_params_mib"], rel=0.01)
     script = [sys.executable, str(REPO / "scripts" / "memory_report.py")]
     one = subprocess.run([*script, str(tmp_path / "sweep" / "a")], capture_output=True, text=True, cwd=REPO)
     assert one.returncode == 0, one.stderr
-    assert one.stdout.splitlines()[3].split()[0] == "weights" and len(one.stdout.splitlines()) == 8
+    assert one.stdout.splitlines()[3].split()[0] == "weights" and len(one.stdout.splitlines()) == 9
     both = subprocess.run([*script, str(tmp_path / "sweep")], capture_output=True, text=True, cwd=REPO)
     assert both.returncode == 0 and str(tmp_path / "sweep" / "a") in both.stdout and str(tmp_path / "sweep" / "b") in both.stdout
     empty = subprocess.run([*script, str(tmp_path / "nothing")], capture_output=True, text=True, cwd=REPO)

@@ -1,0 +1,175 @@
+"""How long a run's batches are, read from its data before anything starts, so that the planner
+plans the peak for the longest batch the run will see rather than for data.max_length.
+
+How batches are formed (finetune.data.TrainBatches): step k takes positions [kG, (k+1)G) of an
+endless stream made of one seeded permutation of the training rows per epoch, cut into
+micro-batches, each padded to its longest row (collate). Nothing sorts or buckets rows by length,
+so the longest micro-batch is as long as the longest row the run's steps reach (rows are already
+cut at data.max_length; a packed row is as long as the samples packed into it), and the planner
+counts micro_batch_size rows of that length (x2 for DPO's chosen and rejected).
+
+The rows are tokenized by finetune.data's own code (templates, response labels, truncation, long
+prompts dropped, the eval rows held out), with `LightTokenizer`: the tokenizer's tokenizer.json
+read by the `tokenizers` library (the Rust tokenizer transformers wraps) and its chat template
+rendered with jinja2 as transformers renders it. No torch, no transformers: the quickstart's 4,000
+rows take about a second (time.perf_counter in tests/test_lengths.py). Only local data files
+(.jsonl, .json) are read; a hub dataset, a dataset directory, or a tokenizer that is neither a local
+directory nor in the Hugging Face cache leaves the plan at data.max_length (an upper bound).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from finetune import data
+from finetune.config import Config, ConfigError, Method, ModelConfig
+from finetune.formats import load_rows
+from finetune.plan import Longest
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+def _content(token: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    return token.get("content") if isinstance(token, dict) else token
+
+
+class LightTokenizer:
+    """What finetune.data asks of a tokenizer (`__call__`, `apply_chat_template`, `chat_template`,
+    `bos_token`, `eos_token`), from the files transformers saves, without torch or transformers."""
+
+    def __init__(self, files: dict[str, Path]) -> None:
+        from tokenizers import Tokenizer
+
+        self._tokenizer = Tokenizer.from_file(str(files["tokenizer.json"]))
+        config: dict[str, Any] = {}
+        for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the config wins, as in transformers
+            if name in files:
+                config |= json.loads(files[name].read_text())
+        self.special = {k: _content(config.get(k)) for k in
+                        ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")}
+        self.bos_token, self.eos_token = self.special["bos_token"], self.special["eos_token"]
+        template = files["chat_template.jinja"].read_text() if "chat_template.jinja" in files else config.get("chat_template")
+        if isinstance(template, list):  # named templates: transformers uses "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self.chat_template: str | None = template
+        self._compiled: Any = None
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids}
+
+    def apply_chat_template(self, messages: list[dict[str, str]], tokenize: bool = False, add_generation_prompt: bool = False) -> str:
+        """The conversation rendered as transformers' apply_chat_template(tokenize=False) renders it."""
+        assert not tokenize, "finetune.data renders, then tokenizes segment by segment"
+        if self._compiled is None:
+            self._compiled = _compile(self.chat_template or "")
+        return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+                                     documents=None, **{k: v for k, v in self.special.items() if v is not None})
+
+
+def _compile(template: str) -> Any:
+    """transformers' template environment: sandboxed, trim_blocks/lstrip_blocks, loop controls, its
+    tojson, raise_exception and strftime_now, and `{% generation %}` blocks rendered as their body."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def tokenizer_files(m: ModelConfig) -> dict[str, Path] | None:
+    """The tokenizer's files from its local directory, or from the Hugging Face cache for a hub id
+    (never the network); None without a tokenizer.json."""
+    source = m.tokenizer or m.path
+    if not source:
+        return None
+    directory = Path(source).expanduser()
+    if directory.is_dir():
+        found = {name: directory / name for name in TOKENIZER_FILES if (directory / name).is_file()}
+    else:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+        except ImportError:
+            return None
+        found = {}
+        for name in TOKENIZER_FILES:
+            try:
+                path = try_to_load_from_cache(source, name, revision=m.revision)
+            except Exception:  # not a valid repo id: nothing cached under it
+                return None
+            if isinstance(path, str):
+                found[name] = Path(path)
+    return found if "tokenizer.json" in found else None
+
+
+def seen_rows(n: int, cfg: Config) -> np.ndarray:
+    """Indices of the training rows that the run's steps reach (TrainBatches' stream: one seeded
+    permutation per epoch); all of them once the steps cover an epoch."""
+    total = cfg.train.max_steps * cfg.train.global_batch_size
+    if total >= n:
+        return np.arange(n)
+    return np.random.default_rng([cfg.train.seed, 0]).permutation(n)[:total]
+
+
+def row_lengths(examples: list[Any]) -> list[int]:
+    """Tokens of each training row as collate pads it (a preference pair: its longer response)."""
+    return [max(len(e.chosen.input_ids), len(e.rejected.input_ids)) if isinstance(e, data.Pair) else len(e.input_ids)
+            for e in examples]
+
+
+def longest_of(lengths: list[int], cfg: Config) -> Longest:
+    """The longest batch among the rows the run's steps reach."""
+    seen = seen_rows(len(lengths), cfg)
+    width = max(lengths[i] for i in seen)
+    what = "packed rows" if cfg.data.packing else "rows"
+    scope = f"all {len(lengths):,} {what} of data.train" if len(seen) == len(lengths) else \
+        f"the {len(seen):,} {what} of data.train its {cfg.train.max_steps} steps reach, of {len(lengths):,}"
+    return Longest(width, f"the longest of {scope}")
+
+
+def longest_batch(cfg: Config) -> Longest | str:
+    """The longest batch the run will see, read from its data; or why the data was not read."""
+    source = Path(cfg.data.train).expanduser()
+    if not source.is_file():
+        return f"data.train={cfg.data.train} is not a local .jsonl/.json file"
+    files = tokenizer_files(cfg.model)
+    if files is None:
+        return f"no tokenizer.json for {cfg.model.tokenizer or cfg.model.path} here (in its directory or the Hugging Face cache)"
+    try:
+        rows = load_rows(cfg.data.train, cfg.data.train_split, "data.train")
+        if cfg.data.eval is None and 0 < cfg.data.eval_size < len(rows.rows):  # the rows load_split holds out
+            order = np.random.default_rng(cfg.train.seed).permutation(len(rows.rows))
+            rows = rows.subset(sorted(order[cfg.data.eval_size:]))
+        examples, _ = data.tokenize(rows, LightTokenizer(files), cfg.data, "data.train", cfg.method.name)
+    except ConfigError as e:  # the launcher names data mistakes itself
+        return f"data.train could not be read ({e})"
+    except Exception as e:  # a tokenizer or template this light reader cannot handle
+        return f"the tokenizer could not be read without transformers ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    lengths = row_lengths(examples)
+    if cfg.data.packing and cfg.method.name == Method.sft:
+        lengths = [sum(lengths[i] for i in row) for row in data.first_fit(lengths, cfg.data.max_length, cfg.train.seed)]
+    return longest_of(lengths, cfg)
