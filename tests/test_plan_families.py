@@ -96,7 +96,7 @@ def measure(directory: Path, cfg, kind: str) -> dict[str, tuple[float, float]]:
 
     torch.manual_seed(0)
     net = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory), dtype=torch.float32,
-                                           attn_implementation=cfg.model.attn_implementation.value)
+                                           attn_implementation=model.resolve_attention(cfg.model, cfg.precision.name, torch.device("cpu"))[0])
     net = model.apply_strategies(net, checkpointing=cfg.checkpointing, peft=cfg.peft)
     dist = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     engine = TorchEngine(net, optim=cfg.optim, precision=cfg.precision, max_steps=2, strategy=cfg.parallelism.strategy, dist=dist)
@@ -188,7 +188,7 @@ def test_block_saves_what_autograd_saves(family, precision, peft, tmp_path):
     cfg = case_config(configs(directory, family)[peft], precision, "none", "padded")
     torch.manual_seed(0)
     net = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory), dtype=torch.float32,
-                                           attn_implementation=cfg.model.attn_implementation.value)
+                                           attn_implementation=model.resolve_attention(cfg.model, cfg.precision.name, torch.device("cpu"))[0])
     net = model.apply_strategies(net, checkpointing=cfg.checkpointing, peft=cfg.peft)
     net = net.base_model.model if peft == "lora" else net
     net.train()
