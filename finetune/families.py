@@ -47,6 +47,13 @@ class Family:
     with biases, learned positions (max_position_embeddings x hidden_size)."""
     layer_norm: bool = False
     """LayerNorm (weight and bias) rather than RMSNorm (weight): also read from a layer_norm_eps key."""
+    tp_plan: bool = True
+    """transformers publishes a tensor-parallel plan for the family (its config's base_model_tp_plan), which
+    the ranks apply (finetune/parallel.py); False: tensor parallel is refused before launch (GPT-2's
+    fused Conv1D layers have none). tests/test_families_parallel.py checks it against transformers."""
+    pp_plan: bool = True
+    """transformers publishes a pipeline plan (base_model_pp_plan: the modules before and after the
+    blocks), which pipeline stages follow; False: pipeline parallel is refused before launch."""
 
 
 FAMILIES: dict[str, Family] = {
@@ -57,7 +64,7 @@ FAMILIES: dict[str, Family] = {
     "gemma3_text": Family(qk_norm="head", block_norms=4, tied=True, head_dim=256),
     "olmo2": Family(qk_norm="full"),
     "phi3": Family(fused=True),
-    "gpt2": Family(gpt2=True, tied=True, layer_norm=True),
+    "gpt2": Family(gpt2=True, tied=True, layer_norm=True, tp_plan=False, pp_plan=False),
 }
 """The families counted exactly (tests/test_family_params.py builds each and compares with numel)."""
 

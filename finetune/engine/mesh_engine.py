@@ -52,18 +52,18 @@ class MeshEngine:
         self.dtype = autocast_dtype(cfg.precision.name)
         model = model.to(dist.device)
         if p.pp > 1:
-            eager = getattr(model.config, "_attn_implementation", "sdpa") == "eager"
-            self.stages = parallel.pipeline_stages(model, pp_rank=self.pp_rank, pp=p.pp, per_rank=p.pp_stages_per_rank,
-                                                   causal_mask=eager)
+            self.stages = parallel.pipeline_stages(model, pp_rank=self.pp_rank, pp=p.pp, per_rank=p.pp_stages_per_rank)
             self.num_stages = p.pp * p.pp_stages_per_rank
             modules = [stage for _, stage in self.stages]
         else:
             self.stages, self.num_stages, modules = [], 1, [model]
+        self.partial: list[nn.Parameter] = []  # replicated under tp, but each rank's gradient covers its heads only
         for m in modules:
-            if p.tp > 1:
-                parallel.tensor_parallel(m, self.mesh["tp"])
+            partial = parallel.tensor_parallel(m, self.mesh["tp"]) if p.tp > 1 else []
+            names = [n for n, q in m.named_parameters() if any(q is r for r in partial)]  # FSDP replaces the objects
             if self.fsdp:
                 parallel.fully_shard(m, self.mesh["dp"], reshard_after_forward=p.fsdp_reshard_after_forward, offload=p.fsdp_offload)
+            self.partial += [m.get_parameter(n) for n in names]
         self.modules = modules
         self.model = modules[0] if p.pp == 1 else None
         # What the checkpoint and export see: the causal LM(s) with their original parameter names.
@@ -104,6 +104,8 @@ class MeshEngine:
                 (loss * scale).backward()
                 loss_sum += loss.item()
                 add_metrics(metrics, sums)
+        if self.partial:
+            self._sum_over_tp()
         if not self.fsdp and self.dp > 1:
             self._sum_over_dp()
         norm = self._clip()
@@ -156,6 +158,14 @@ class MeshEngine:
                 self._schedule = cls(stages[0], microbatches, loss_fn=forward, scale_grads=False)
         self._loss_fn[0] = loss_fn
         return self._schedule
+
+    def _sum_over_tp(self) -> None:
+        """The gradients of replicated parameters that saw only this rank's heads (Qwen3's q/k norms),
+        summed over the tensor-parallel group: once per step, after all micro-batches."""
+        group = self.mesh["tp"].get_group()
+        for q in self.partial:
+            if q.grad is not None:
+                tdist.all_reduce(q.grad._local_tensor if hasattr(q.grad, "_local_tensor") else q.grad, group=group)
 
     def _sum_over_dp(self) -> None:
         """Replicas' gradients summed over the data-parallel dimension (the loss is already / count)."""
