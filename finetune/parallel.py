@@ -50,7 +50,8 @@ def build_mesh(device: torch.device, world_size: int, pp: int, tp: int) -> Any:
 
 
 def causal_lm(model: nn.Module) -> nn.Module:
-    """The transformers *ForCausalLM, under a PEFT wrapper too."""
+    """The transformers *ForCausalLM, under a PEFT wrapper or in a pipeline Stage too."""
+    model = model.lm if isinstance(model, Stage) else model
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
