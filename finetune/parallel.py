@@ -117,9 +117,9 @@ def block_tp_plan(model: nn.Module) -> tuple[dict[str, str], str]:
     plan = {k[len(inside) + 3:]: v for k, v in published.items() if k.startswith(inside + ".*.")}
     if plan:
         return plan, "transformers' plan"
-    have = _parameter_owners(next(b for b in blocks if not isinstance(b, Skipped)))
-    inner = sorted(n for n in have if "." in n)  # what sits inside attention and the MLP (the block's own norms are fine)
-    if inner == sorted(OWN_TP_PLAN) and all(isinstance(_base(blocks[0].get_submodule(n)), nn.Linear) for n in inner):
+    block = next(b for b in blocks if not isinstance(b, Skipped))
+    inner = sorted(n for n in _parameter_owners(block) if "." in n)  # inside attention and the MLP (residual norms are fine)
+    if inner == sorted(OWN_TP_PLAN) and all(isinstance(_base(block.get_submodule(n)), nn.Linear) for n in inner):
         return dict(OWN_TP_PLAN), "our Llama plan"
     raise ConfigError(f"parallelism.tp: transformers publishes no tensor-parallel plan for model_type={family(lm)} "
                       f"(base_model_tp_plan), and its blocks are not Llama blocks, the only ones our own plan splits "

@@ -57,6 +57,16 @@ def test_layouts_are_read_from_the_family():
         after=("gpt_neox.final_layer_norm", "lm_head"))
     with pytest.raises(ConfigError, match="transformers publishes no tensor-parallel plan for model_type=gpt2"):
         parallel.block_tp_plan(meta_model("gpt2"))
+    # No published plan: ours for a Llama block only (Qwen3's q/k norms would need transformers' handling)
+    llama, qwen3 = meta_model("llama"), meta_model("qwen3")
+    llama.config.base_model_tp_plan = qwen3.config.base_model_tp_plan = None
+    assert parallel.block_tp_plan(llama) == (parallel.OWN_TP_PLAN, "our Llama plan")
+    with pytest.raises(ConfigError) as e:
+        parallel.block_tp_plan(qwen3)
+    assert str(e.value) == ("parallelism.tp: transformers publishes no tensor-parallel plan for model_type=qwen3 (base_model_tp_plan), "
+                            "and its blocks are not Llama blocks, the only ones our own plan splits (they hold mlp.down_proj, "
+                            "mlp.gate_proj, mlp.up_proj, self_attn.k_norm, self_attn.k_proj, self_attn.o_proj, self_attn.q_norm, "
+                            "self_attn.q_proj, self_attn.v_proj): use parallelism=fsdp or ddp")
     with pytest.raises(ConfigError, match="transformers publishes no pipeline plan for model_type=gpt2"):
         parallel.pipe_layout(meta_model("gpt2", tie_word_embeddings=False))
 
