@@ -98,7 +98,8 @@ def run(tmp_path, name, *overrides):
 # its plan), olmo2's q/k norms over the full width (gathered), mixtral's packed experts (sharded by
 # its plan), gpt_neox's blocks at gpt_neox.layers with a fused colwise qkv and partial rotary.
 CASES = [
-    ("phi3", [], {"tp2": ["parallelism=tp2"], "pp2": ["parallelism=pp2"]}),
+    ("phi3", [], {"tp2": ["parallelism=tp2"], "pp2": ["parallelism=pp2"],
+                  "tp2_pp2": ["parallelism=tp2_pp2", "launcher.nproc_per_node=4"]}),  # TP inside pipeline stages
     ("olmo2", [], {"tp2": ["parallelism=tp2"]}),
     ("mixtral", [], {"tp2": ["parallelism=tp2"]}),
     ("gpt_neox", [], {"pp2": ["parallelism=pp2"]}),
