@@ -96,12 +96,11 @@ def run(tmp_path, name, *overrides):
 
 # (family, extra overrides, layouts compared with one process): phi3's fused qkv/gate_up (gathered by
 # its plan), olmo2's q/k norms over the full width (gathered), mixtral's packed experts (sharded by
-# its plan), gpt_neox's blocks at gpt_neox.layers with a fused colwise qkv and partial rotary.
+# its plan; see below), gpt_neox's blocks at gpt_neox.layers with a fused colwise qkv and partial rotary.
 CASES = [
     ("phi3", [], {"tp2": ["parallelism=tp2"], "pp2": ["parallelism=pp2"],
                   "tp2_pp2": ["parallelism=tp2_pp2", "launcher.nproc_per_node=4"]}),  # TP inside pipeline stages
     ("olmo2", [], {"tp2": ["parallelism=tp2"]}),
-    ("mixtral", [], {"tp2": ["parallelism=tp2"]}),
     ("gpt_neox", [], {"pp2": ["parallelism=pp2"]}),
 ]
 
@@ -118,6 +117,19 @@ def test_family_layouts_follow_the_single_process_run(family, extra, layouts, tm
         assert eval_after(got) == pytest.approx(eval_after(reference), rel=1e-4), name
         # one Hugging Face checkpoint, gathered from TP shards / pipeline stages
         assert reload_and_evaluate(got / "final", got)[0] == pytest.approx(eval_after(reference), rel=1e-4), name
+
+
+@pytest.mark.slow
+def test_moe_experts_under_tp_follow_one_process_and_resume(tmp_path):
+    """Mixtral's experts sharded by transformers' plan (packed gate/up: strided shards, saved whole
+    in the distributed checkpoint): the one-process loss, and a resume reproduces the last step."""
+    common = ["model.init.model_type=mixtral"]
+    reference = run(tmp_path, "single", *common, *SINGLE)
+    tp2 = run(tmp_path, "tp2", *common, "parallelism=tp2", "train.save_every=1")
+    assert losses(tp2) == pytest.approx(losses(reference), rel=1e-4)
+    assert reload_and_evaluate(tp2 / "final", tp2)[0] == pytest.approx(eval_after(reference), rel=1e-4)
+    resumed = run(tmp_path, "resumed", *common, "parallelism=tp2", f"train.resume={tp2 / 'checkpoints/step_1'}")
+    assert losses(resumed) == pytest.approx(losses(tp2)[1:], rel=1e-6)
 
 
 @pytest.mark.slow

@@ -30,6 +30,11 @@ from finetune.engine.common import StepResult, add_metrics, autocast_dtype, buil
 STATE_FILE = "trainer_state.pt"  # scheduler and step, beside the DCP shards
 
 
+def _strided(value: Any) -> bool:
+    """A DTensor sharded with transformers' packed (strided) layout: fused gate/up MoE experts under tp."""
+    return any(type(p).__name__ == "_StridedShard" for p in getattr(value, "placements", ()))
+
+
 def _flat() -> object:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -253,20 +258,32 @@ class MeshEngine:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optim_state = get_state_dict(self.container, self.optimizer, options=FLAT)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory))
+        state = {"model": model_state, "optim": optim_state}
+        for part in state.values():  # DCP cannot lay out strided shards (MoE experts under tp): those are saved whole
+            part.update({k: v.full_tensor() for k, v in part.items() if _strided(v)})
+        dcp.save(state, checkpoint_id=str(directory))
         if self.dist.is_main:
             torch.save({"step": step, "scheduler": self.scheduler.state_dict()}, directory / STATE_FILE)
 
     def load(self, step_dir: Path) -> int:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.tensor import distribute_tensor
 
         if not (step_dir / STATE_FILE).is_file():
             raise ConfigError(f"train.resume: {step_dir} holds no torch.distributed.checkpoint of this engine ({STATE_FILE}); "
                               "was it saved with parallelism=fsdp or tp/pp?")
         model_state, optim_state = get_state_dict(self.container, self.optimizer, options=FLAT)
         state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=str(step_dir))
+        # Strided shards were saved whole (see save): read them whole, then keep this rank's shard.
+        whole = {name: {k: torch.empty(v.shape, dtype=v.dtype, device=v.device) for k, v in part.items() if _strided(v)}
+                 for name, part in state.items()}
+        dcp.load({name: {**part, **whole[name]} for name, part in state.items()}, checkpoint_id=str(step_dir))
+        for name, part in whole.items():
+            for k, full in part.items():
+                target = state[name][k]
+                mine = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
+                target.to_local().copy_(mine.to_local())
         set_state_dict(self.container, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=FLAT)
         trainer = torch.load(step_dir / STATE_FILE, weights_only=False)
         self.scheduler.load_state_dict(trainer["scheduler"])
