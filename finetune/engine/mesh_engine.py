@@ -276,14 +276,15 @@ class MeshEngine:
         model_state, optim_state = get_state_dict(self.container, self.optimizer, options=FLAT)
         state = {"model": model_state, "optim": optim_state}
         # Strided shards were saved whole (see save): read them whole, then keep this rank's shard.
-        whole = {name: {k: torch.empty(v.shape, dtype=v.dtype, device=v.device) for k, v in part.items() if _strided(v)}
-                 for name, part in state.items()}
-        dcp.load({name: {**part, **whole[name]} for name, part in state.items()}, checkpoint_id=str(step_dir))
-        for name, part in whole.items():
-            for k, full in part.items():
-                target = state[name][k]
-                mine = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
-                target.to_local().copy_(mine.to_local())
+        # (dcp.load fills `state` in place, non-tensor values included: the same dicts go back to set_state_dict)
+        strided = {(name, k): v for name, part in state.items() for k, v in part.items() if _strided(v)}
+        for (name, k), v in strided.items():
+            state[name][k] = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        dcp.load(state, checkpoint_id=str(step_dir))
+        for (name, k), target in strided.items():
+            mine = distribute_tensor(state[name][k], target.device_mesh, target.placements, src_data_rank=None)
+            target.to_local().copy_(mine.to_local())
+            state[name][k] = target
         set_state_dict(self.container, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=FLAT)
         trainer = torch.load(step_dir / STATE_FILE, weights_only=False)
         self.scheduler.load_state_dict(trainer["scheduler"])
