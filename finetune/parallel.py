@@ -85,7 +85,7 @@ def block_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
              and all(type(b).__name__ in classes or isinstance(b, Skipped) for b in m)
              and any(type(b).__name__ in classes for b in m)]
     if len(found) != 1:
-        what = (f"names no decoder block class (_no_split_modules)" if not classes else
+        what = ("names no decoder block class (_no_split_modules)" if not classes else
                 f"has {len(found)} lists of its blocks ({', '.join(sorted(classes))})")
         raise ConfigError(f"{type(lm).__name__} (model_type={family(lm)}) {what}, so tensor and pipeline parallel cannot tell "
                           "its decoder blocks: use parallelism=fsdp or ddp")
