@@ -436,8 +436,8 @@ class ParallelismConfig:
     (gradients all-reduced); fsdp: FSDP2 `fully_shard`, each holds a shard of parameters,
     gradients and optimizer states (gathered per block for compute)."""
     tp: int = checked(at_least(1), 1)
-    """Tensor-parallel degree: each block's linear layers split over `tp` ranks (DTensor plans);
-    must divide the attention heads and key/value heads. Ranks of one TP group are adjacent."""
+    """Tensor-parallel degree: each block split over `tp` ranks by the family's transformers plan
+    (DTensor); must divide the attention heads and key/value heads. Ranks of one TP group are adjacent."""
     pp: int = checked(at_least(1), 1)
     """Pipeline-parallel degree: the blocks split into `pp` stages (torch.distributed.pipelining);
     the data-parallel degree is world size / (tp x pp)."""

@@ -70,6 +70,13 @@ class Family:
     """Attention, residual and embedding dropout when config.json names none (GPT-2: 0.1 each)."""
     softcap: tuple[float, float] = (0.0, 0.0)
     """(attention, final) logit soft-capping when config.json names none (Gemma-2: 50, 30)."""
+    tp_plan: bool = True
+    """transformers publishes a tensor-parallel plan for the family (its config's base_model_tp_plan), which
+    the ranks apply (finetune/parallel.py); False: tensor parallel is refused before launch (GPT-2's
+    fused Conv1D layers have none). tests/test_families_parallel.py checks it against transformers."""
+    pp_plan: bool = True
+    """transformers publishes a pipeline plan (base_model_pp_plan: the modules before and after the
+    blocks), which pipeline stages follow; False: pipeline parallel is refused before launch."""
 
 
 FAMILIES: dict[str, Family] = {
@@ -83,7 +90,7 @@ FAMILIES: dict[str, Family] = {
                           act="gelu_pytorch_tanh"),
     "olmo2": Family(qk_norm="full", post_norms=2, norm_fp32=True),
     "phi3": Family(fused=True),
-    "gpt2": Family(gpt2=True, tied=True, layer_norm=True, act="gelu_new", dropout=0.1),
+    "gpt2": Family(gpt2=True, tied=True, layer_norm=True, act="gelu_new", dropout=0.1, tp_plan=False, pp_plan=False),
 }
 """The families counted exactly (tests/test_family_params.py builds each and compares with numel)."""
 

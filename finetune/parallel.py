@@ -1,10 +1,18 @@
-"""Model-parallel layouts on one DeviceMesh of shape (pp, dp, tp), with PyTorch's own machinery:
+"""Model-parallel layouts on one DeviceMesh of shape (pp, dp, tp), with PyTorch's own machinery,
+laid out from what transformers publishes about each family:
 
-- tensor parallel: DTensor plans per block (q/k/v, gate/up column-wise; o, down row-wise: one
-  all-reduce after attention and one after the MLP), for the Llama/Qwen2/Mistral family;
+- the decoder blocks: the ModuleList of the block class the model names in `_no_split_modules`
+  (model.layers, gpt_neox.layers, transformer.h...), whatever the family calls it;
+- tensor parallel: the family's own plan (`config.base_model_tp_plan`: q/k/v column-wise and o
+  row-wise for Llama, the projections gathered for Phi-3's fused qkv and OLMo-2's full-width q/k
+  norms, q/k norms with summed gradients for Qwen3, packed experts for Mixtral), applied per block
+  with DTensor; our own Llama plan only for a family with no plan and Llama's block; anything
+  else refused with the reason;
 - FSDP2: `fully_shard` per block, then the root, over the data-parallel dimension;
-- pipeline parallel: each rank keeps only its stages' blocks (the embedding on the first stage,
-  the final norm and LM head on the last), wrapped as `torch.distributed.pipelining` stages.
+- pipeline parallel: each rank keeps only its stages' blocks; which modules run before the blocks
+  (embeddings) and after them (final norm, LM head) is the family's pipeline plan
+  (`config.base_model_pp_plan`, the model class's `_pp_plan`), and each stage runs the family's own
+  forward (its rotary embeddings, masks, scaling, soft-capping), with the blocks it lacks skipped.
 
 Ranks are laid out tp fastest, then dp, then pp: a TP group is adjacent ranks (one node),
 pipeline stages are furthest apart (across nodes), as in the 70B tp8 x pp16 layout.
@@ -13,18 +21,26 @@ pipeline stages are furthest apart (across nodes), as in the 70B tp8 x pp16 layo
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as tdist
 from torch import nn
 
 from finetune.config import ConfigError, ParallelismConfig
 from finetune.rules import check_layout_fits_model
 
-TP_PLAN = {  # module path inside a decoder block -> style
+OWN_TP_PLAN = {  # module path inside a decoder block -> style: a Llama block, for a family transformers has no plan for
     "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise", "self_attn.o_proj": "rowwise",
     "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise",
 }
+COLUMN_STYLES = {"colwise": False, "colwise_gather_output": True, "colwise_rep": True}
+"""transformers' column-wise styles for an nn.Linear -> whether the output is gathered (replicated)."""
+ROW_STYLES = {"rowwise": False, "rowwise_split_input": True, "rowwise_rep": True}
+"""transformers' row-wise styles for an nn.Linear -> whether the input arrives whole (replicated) and is split here."""
+PARTIAL_GRADIENT = "replicated_with_grad_allreduce"
+"""A replicated parameter that sees only this rank's heads (Qwen3's per-head q/k norms): its gradient is summed over tp."""
 
 
 def build_mesh(device: torch.device, world_size: int, pp: int, tp: int) -> Any:
@@ -33,57 +49,194 @@ def build_mesh(device: torch.device, world_size: int, pp: int, tp: int) -> Any:
     return init_device_mesh(device.type, (pp, world_size // (pp * tp), tp), mesh_dim_names=("pp", "dp", "tp"))
 
 
-def decoder(model: nn.Module) -> nn.Module:
-    """The transformer body (`model.model` of a *ForCausalLM), under a PEFT wrapper too."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    body = getattr(inner, "model", None)
-    if body is None or not hasattr(body, "layers"):
-        raise ConfigError(f"{type(inner).__name__}: tensor/pipeline parallel here support decoder-only models with "
-                          "model.model.layers (Llama, Qwen2, Mistral families)")
-    return body
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers *ForCausalLM, under a PEFT wrapper or in a pipeline Stage too."""
+    model = model.lm if isinstance(model, Stage) else model
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def family(model: nn.Module) -> str:
+    return str(getattr(causal_lm(model).config, "model_type", "") or type(causal_lm(model)).__name__)
+
+
+class Skipped(nn.Module):
+    """Stands in for a module this pipeline stage does not hold (no parameters): passes its input through."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return args[0] if args else next(iter(kwargs.values()))
+
+
+class Handoff(Skipped):
+    """Stands in for the block just before a stage's first: returns the activation the stage received
+    from the previous stage (what the family's forward made of its placeholder input is dropped here)."""
+
+    incoming: torch.Tensor | None = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.incoming
+
+
+def block_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The decoder blocks and their path in the causal LM (model.layers, gpt_neox.layers, transformer.h):
+    the one ModuleList of the block class transformers names in the model's `_no_split_modules`."""
+    lm = causal_lm(model)
+    classes = set(getattr(lm, "_no_split_modules", None) or ())
+    found = [(name, m) for name, m in lm.named_modules() if isinstance(m, nn.ModuleList) and len(m)
+             and all(type(b).__name__ in classes or isinstance(b, Skipped) for b in m)
+             and any(type(b).__name__ in classes for b in m)]
+    if len(found) != 1:
+        what = ("names no decoder block class (_no_split_modules)" if not classes else
+                f"has {len(found)} lists of its blocks ({', '.join(sorted(classes))})")
+        raise ConfigError(f"{type(lm).__name__} (model_type={family(lm)}) {what}, so tensor and pipeline parallel cannot tell "
+                          "its decoder blocks: use parallelism=fsdp or ddp")
+    return found[0]
 
 
 def check_model(model: nn.Module, p: ParallelismConfig) -> None:
     """The layout-vs-model checks for models whose config was not readable before launch (hub ids)."""
-    c = model.config  # transformers' attribute_map reads each family's own names
-    check_layout_fits_model(p, {"num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
+    c = causal_lm(model).config  # transformers' attribute_map reads each family's own names
+    check_layout_fits_model(p, {"model_type": getattr(c, "model_type", None), "num_hidden_layers": c.num_hidden_layers,
+                                "num_attention_heads": c.num_attention_heads,
                                 "num_key_value_heads": getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
                                 "intermediate_size": getattr(c, "intermediate_size", None),
                                 "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", False))})
 
 
-def tensor_parallel(model: nn.Module, tp_mesh: Any) -> None:
-    """Shard every (remaining) decoder block's linear layers over the TP mesh; the rest stays replicated.
+# -- tensor parallel ------------------------------------------------------------------------------
 
+
+def block_tp_plan(model: nn.Module) -> tuple[dict[str, str], str]:
+    """The tensor-parallel plan of one decoder block (module or parameter path inside the block -> style)
+    and where it comes from: transformers' plan for the family (config.base_model_tp_plan, its
+    `layers.*.` entries), else ours when the block is a Llama block, else ConfigError with the reason."""
+    lm = causal_lm(model)
+    path, blocks = block_list(lm)
+    base = lm.base_model_prefix
+    inside = path[len(base) + 1:] if path.startswith(base + ".") else path  # the list's path in the base model
+    published = dict(getattr(lm.config, "base_model_tp_plan", None) or {})
+    plan = {k[len(inside) + 3:]: v for k, v in published.items() if k.startswith(inside + ".*.")}
+    if plan:
+        return plan, "transformers' plan"
+    block = next(b for b in blocks if not isinstance(b, Skipped))
+    inner = sorted(n for n in _parameter_owners(block) if "." in n)  # inside attention and the MLP (residual norms are fine)
+    if inner == sorted(OWN_TP_PLAN) and all(isinstance(_base(block.get_submodule(n)), nn.Linear) for n in inner):
+        return dict(OWN_TP_PLAN), "our Llama plan"
+    raise ConfigError(f"parallelism.tp: transformers publishes no tensor-parallel plan for model_type={family(lm)} "
+                      f"(base_model_tp_plan), and its blocks are not Llama blocks, the only ones our own plan splits "
+                      f"(they hold {', '.join(inner)}): use parallelism=fsdp or ddp")
+
+
+def _parameter_owners(block: nn.Module) -> set[str]:
+    """Paths of the modules that own parameters in a block, as in the plain model (PEFT's adapters left out)."""
+    out = set()
+    for name, m in block.named_modules():
+        if any(True for _ in m.parameters(recurse=False)) and "lora_" not in name:
+            out.add(name.replace(".base_layer", ""))
+    return out
+
+
+def _base(module: nn.Module) -> nn.Module:
+    return getattr(module, "base_layer", module)
+
+
+def tensor_parallel(model: nn.Module, tp_mesh: Any) -> list[nn.Parameter]:
+    """Shard every (remaining) decoder block over the TP mesh with the family's plan; the rest stays
+    replicated. Returns the replicated parameters whose gradients are partial (each rank's heads
+    only): the engine sums them over tp once per step.
+
+    Linear layers take torch's Colwise/RowwiseParallel (gathered / split variants for transformers'
+    colwise_gather_output / rowwise_split_input); other styles (packed MoE experts) transformers' own.
     A LoRA layer follows its base: under a column-wise base, lora_B is column-wise too (each rank
     adds its slice of B A x); under a row-wise base, lora_A is row-wise (its output all-reduced,
     like the base's) and lora_B stays replicated."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    for block in decoder(model).layers:
-        plan = {}
-        for path, style in TP_PLAN.items():
-            if not _has(block, path):
+    plan, _ = block_tp_plan(model)
+    partial: list[nn.Parameter] = []
+    for block in block_list(model)[1]:
+        if isinstance(block, Skipped):
+            continue
+        linear, other = {}, []
+        for path, style in plan.items():
+            target = _lookup(block, path)
+            if target is None:  # e.g. the dense MLP entries in a sparse block
                 continue
-            layer = block.get_submodule(path)
-            if not hasattr(layer, "base_layer"):
-                plan[path] = styles[style]()
-                continue
-            plan[f"{path}.base_layer"] = styles[style]()
-            for name in layer.lora_A:  # one entry per adapter
-                lora = f"{path}.lora_B.{name}" if style == "colwise" else f"{path}.lora_A.{name}"
-                plan[lora] = styles[style]()
-        if plan:
-            parallelize_module(block, tp_mesh, plan)
+            if style == PARTIAL_GRADIENT:
+                partial += [target] if isinstance(target, nn.Parameter) else list(target.parameters())
+            elif isinstance(target, nn.Module) and (style in COLUMN_STYLES or style in ROW_STYLES):
+                linear.update(_linear_plan(model, path, target, style))
+            else:
+                if isinstance(target, nn.Module) and hasattr(target, "base_layer"):
+                    raise ConfigError(f"peft: an adapter on {family(model)}'s {path} cannot follow transformers' tensor-parallel "
+                                      f"style for it ({style}): leave it out of peft.target_modules (e.g. "
+                                      "peft.target_modules=[q_proj,k_proj,v_proj,o_proj]), or use parallelism=fsdp")
+                other.append((path, style, target))
+        if linear:
+            parallelize_module(block, tp_mesh, linear)
+        _transformers_styles(block, tp_mesh, other, model)
+    return [q for q in partial if q.requires_grad]
 
 
-def _has(module: nn.Module, path: str) -> bool:
+def _lookup(block: nn.Module, path: str) -> nn.Module | nn.Parameter | None:
+    owner, _, leaf = path.rpartition(".")
     try:
-        module.get_submodule(path)
-        return True
+        parent = block.get_submodule(owner) if owner else block
     except AttributeError:
-        return False
+        return None
+    if leaf in parent._parameters:
+        return parent._parameters[leaf]
+    return getattr(parent, leaf, None) if isinstance(getattr(parent, leaf, None), nn.Module) else None
+
+
+def _linear_plan(model: nn.Module, path: str, layer: nn.Module, style: str) -> dict[str, Any]:
+    """torch ParallelStyles for one linear layer (and its LoRA adapters), from transformers' style name."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if not isinstance(_base(layer), nn.Linear):
+        raise ConfigError(f"parallelism.tp: {family(model)}'s {path} is a {type(_base(layer)).__name__}, not an nn.Linear: "
+                          f"its tensor-parallel style {style} cannot split it; use parallelism=fsdp or ddp")
+    if style in COLUMN_STYLES:
+        make = (lambda: ColwiseParallel(output_layouts=Replicate())) if COLUMN_STYLES[style] else ColwiseParallel
+    else:
+        make = (lambda: RowwiseParallel(input_layouts=Replicate())) if ROW_STYLES[style] else RowwiseParallel
+    if not hasattr(layer, "base_layer"):
+        return {path: make()}
+    adapters = "lora_B" if style in COLUMN_STYLES else "lora_A"
+    return {f"{path}.base_layer": make(), **{f"{path}.{adapters}.{name}": make() for name in getattr(layer, adapters)}}
+
+
+def _transformers_styles(block: nn.Module, tp_mesh: Any, entries: list[tuple[str, str, Any]], model: nn.Module) -> None:
+    """transformers' own parallel styles (packed MoE experts and what else its plans name): each
+    named parameter sharded, then each named module's forward hooked. The parameters are first made
+    equal on the TP group (transformers shards each rank's own copy, without sending)."""
+    if not entries:
+        return
+    try:
+        from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+    except ImportError:
+        from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES
+    root = tdist.get_global_rank(tp_mesh.get_group(), 0)
+    planned = {path for path, _, _ in entries}
+    for path, style_name, target in sorted(entries, key=lambda e: isinstance(e[2], nn.Module)):  # parameters first
+        style = ALL_PARALLEL_STYLES.get(style_name)
+        if style is None or not hasattr(style, "shard_param") or not hasattr(style, "install_forward"):
+            raise ConfigError(f"parallelism.tp: {family(model)}'s plan shards {path} with transformers' {style_name} style, which "
+                              "this transformers version cannot apply here (transformers 5.21 or newer can): upgrade "
+                              "transformers, or use parallelism=fsdp")
+        owner, _, leaf = path.rpartition(".")
+        if isinstance(target, nn.Parameter):
+            module, names = (block.get_submodule(owner) if owner else block), [leaf]
+        else:
+            module, names = target, [n for n in target._parameters if f"{path}.{n}" not in planned]
+        for name in names:
+            tdist.broadcast(module._parameters[name].data, src=root, group=tp_mesh.get_group())
+            style.shard_param(module, name, tp_mesh)
+        if isinstance(target, nn.Module):
+            style.install_forward(target, tp_mesh)
+
+
+# -- FSDP2 ----------------------------------------------------------------------------------------
 
 
 def fully_shard(model: nn.Module, dp_mesh: Any, *, reshard_after_forward: bool, offload: bool) -> None:
@@ -99,36 +252,91 @@ def fully_shard(model: nn.Module, dp_mesh: Any, *, reshard_after_forward: bool, 
     shard(model, **kwargs)
 
 
+# -- pipeline parallel ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PipeLayout:
+    """Where a causal LM's pieces are, by path: what a pipeline stage keeps or drops."""
+
+    body: str
+    """The base model (model, gpt_neox, transformer): what stages other than the last run."""
+    blocks: str
+    """The decoder block list (model.layers, gpt_neox.layers)."""
+    before: tuple[str, ...]
+    """Modules that run before the blocks (the embeddings): the first stage's."""
+    after: tuple[str, ...]
+    """Modules that run after them (the final norm, the LM head): the last stage's."""
+
+
+def pipe_layout(model: nn.Module) -> PipeLayout:
+    """The family's pipeline plan, as transformers publishes it: `config.base_model_pp_plan` lists the
+    base model's modules in the order they run (embeddings, the block list, the final norm) and the
+    class's `_pp_plan` the head. ConfigError when the family has none, or has parameters it leaves out."""
+    lm = causal_lm(model)
+    blocks, _ = block_list(lm)
+    body = lm.base_model_prefix
+    plan = list(getattr(lm.config, "base_model_pp_plan", None) or ())
+    head = list(getattr(type(lm), "_pp_plan", None) or ())
+    inside = blocks[len(body) + 1:] if blocks.startswith(body + ".") else None
+    if not plan or not head or inside not in plan:
+        raise ConfigError(f"parallelism.pp: transformers publishes no pipeline plan for model_type={family(lm)} (base_model_pp_plan: "
+                          "which modules run before and after its blocks), so it cannot be cut into stages: use parallelism=fsdp "
+                          "or tp")
+    i = plan.index(inside)
+    layout = PipeLayout(body=body, blocks=blocks, before=tuple(f"{body}.{k}" for k in plan[:i]),
+                        after=tuple(f"{body}.{k}" for k in plan[i + 1:]) + tuple(head))
+    placed = (blocks, *layout.before, *layout.after)
+    stray = [n for n, _ in lm.named_parameters() if not any(n == p or n.startswith(p + ".") for p in placed)]
+    if stray:
+        raise ConfigError(f"parallelism.pp: {family(lm)}'s {', '.join(stray[:3])} lie outside transformers' pipeline plan for it "
+                          f"({', '.join(placed)}), so no stage would hold them: use parallelism=fsdp or tp")
+    return layout
+
+
 class Stage(nn.Module):
     """One pipeline stage: a pruned copy of the causal LM that keeps only blocks `first..last-1`
-    (plus the embedding on stage 0, the norm and LM head on the last stage). Parameter names
-    stay those of the whole model, so the stages' state dicts merge into one HF checkpoint."""
+    (plus the modules before the blocks on stage 0, those after them on the last stage), and runs
+    the family's own forward: the blocks it lacks are skipped, and the block before its first hands
+    over the activation received from the previous stage. Parameter names stay those of the whole
+    model, so the stages' state dicts merge into one HF checkpoint."""
 
-    def __init__(self, lm: nn.Module, blocks: range, *, is_first: bool, is_last: bool, causal_mask: bool) -> None:
+    def __init__(self, lm: nn.Module, blocks: range, *, is_first: bool, is_last: bool) -> None:
         super().__init__()
-        body = decoder(lm)
-        for i in range(len(body.layers)):
+        layout = pipe_layout(lm)
+        inner = causal_lm(lm)
+        listed = inner.get_submodule(layout.blocks)
+        for i in range(len(listed)):
             if i not in blocks:
-                body.layers[i] = nn.Identity()  # no parameters: the kept blocks keep their indices
+                listed[i] = Skipped()  # no parameters: the kept blocks keep their indices
+        self.handoff = None
         if not is_first:
-            body.embed_tokens = None
+            self.handoff = listed[blocks.start - 1] = Handoff()
+            for path in layout.before:
+                _replace(inner, path, Skipped())
         if not is_last:
-            body.norm = None
-            lm.lm_head = None
-        self.lm, self.blocks, self.is_first, self.is_last, self.causal_mask = lm, blocks, is_first, is_last, causal_mask
+            for path in layout.after:
+                _replace(inner, path, Skipped())
+        self.lm, self.layout, self.blocks, self.is_first, self.is_last = lm, layout, blocks, is_first, is_last
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        body = decoder(self.lm)
-        h = body.embed_tokens(x) if self.is_first else x
-        positions = torch.arange(h.shape[1], device=h.device)[None]
-        rope = body.rotary_emb(h, positions)
-        # Rows are right-padded: a causal mask alone keeps every real token from seeing padding.
-        mask = None
-        if self.causal_mask:  # eager attention has no implicit causal mask
-            mask = torch.full((h.shape[1], h.shape[1]), torch.finfo(h.dtype).min, device=h.device).triu(1)[None, None]
-        for i in self.blocks:
-            h = body.layers[i](h, attention_mask=mask, position_ids=positions, position_embeddings=rope)
-        return self.lm.lm_head(body.norm(h)) if self.is_last else h
+        inner = causal_lm(self.lm)
+        # Rows are right-padded: the family's causal mask alone keeps every real token from seeing padding.
+        inputs = {"input_ids": x} if self.is_first else {"inputs_embeds": x}
+        if self.handoff is not None:
+            self.handoff.incoming = x
+        try:
+            if self.is_last:  # the whole head: final norm, LM head, the family's logit soft-capping
+                return inner(**inputs, use_cache=False).logits
+            return inner.get_submodule(self.layout.body)(**inputs, use_cache=False).last_hidden_state
+        finally:
+            if self.handoff is not None:
+                self.handoff.incoming = None
+
+
+def _replace(root: nn.Module, path: str, module: nn.Module) -> None:
+    owner, _, name = path.rpartition(".")
+    setattr(root.get_submodule(owner) if owner else root, name, module)
 
 
 def split_blocks(num_blocks: int, num_stages: int) -> list[range]:
@@ -142,15 +350,16 @@ def split_blocks(num_blocks: int, num_stages: int) -> list[range]:
     return out
 
 
-def pipeline_stages(model: nn.Module, *, pp_rank: int, pp: int, per_rank: int, causal_mask: bool) -> list[tuple[int, Stage]]:
+def pipeline_stages(model: nn.Module, *, pp_rank: int, pp: int, per_rank: int) -> list[tuple[int, Stage]]:
     """This rank's (stage index, stage module) pairs: stages pp_rank, pp_rank + pp, ... (looped)."""
     num_stages = pp * per_rank
-    ranges = split_blocks(len(decoder(model).layers), num_stages)
+    pipe_layout(model)  # refused before anything is copied
+    ranges = split_blocks(len(block_list(model)[1]), num_stages)
     indices = [pp_rank + k * pp for k in range(per_rank)]
     out = []
     for k, s in enumerate(indices):
         lm = model if k == len(indices) - 1 else copy.deepcopy(model)  # the last one prunes the original
-        out.append((s, Stage(lm, ranges[s], is_first=s == 0, is_last=s == num_stages - 1, causal_mask=causal_mask)))
+        out.append((s, Stage(lm, ranges[s], is_first=s == 0, is_last=s == num_stages - 1)))
     return out
 
 

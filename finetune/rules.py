@@ -36,7 +36,7 @@ from finetune.config import (
     launcher_for,
 )
 from finetune.disk import attention, config_source, config_value, local_config, model_config
-from finetune.families import adapted_outside_linears, arch_from_config, arch_targets, dora_experts, unmatched_targets
+from finetune.families import FAMILIES, adapted_outside_linears, arch_from_config, arch_targets, dora_experts, unmatched_targets
 
 
 def validate(cfg: Config) -> None:
@@ -140,6 +140,12 @@ def _validate_strategies(cfg: Config) -> None:
         _validate_targets(arch, peft.target_modules)
     if peft.name == PeftMethod.dora and arch is not None and adapted_outside_linears(arch, peft.target_modules):
         raise ConfigError(dora_experts(str(arch.get("model_type") or "")))
+    tp = cfg.parallelism.tp
+    if peft.name != PeftMethod.none and tp > 1 and arch is not None and adapted_outside_linears(arch, peft.target_modules):
+        raise ConfigError(f"peft={peft.name.value} with peft.target_modules={list(peft.target_modules)} adapts this "
+                          f"{arch.get('model_type') or 'MoE'} model's experts (fused 3-D weights), which parallelism.tp={tp} shards "
+                          "with transformers' expert style that PEFT's adapter cannot follow: name the linear layers "
+                          "(e.g. peft.target_modules=[q_proj,k_proj,v_proj,o_proj]), or use parallelism=fsdp")
     if cfg.model.attn_implementation == AttnImpl.flash_attention_2 and cfg.precision.name == Precision.fp32:
         raise ConfigError("model.attn_implementation=flash_attention_2 runs in fp16/bf16 only: add precision=bf16 (or use sdpa)")
     if peft.name == PeftMethod.qlora and cfg.zero.stage == 3 and cfg.precision.name == Precision.fp32:
@@ -185,7 +191,7 @@ def _validate_method(cfg: Config) -> None:
         raise ConfigError(f"method=dpo trains on preference pairs: data.format={cfg.data.format.value} must be preference or auto")
 
 
-SHAPE = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size", "max_position_embeddings",
+SHAPE = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size", "max_position_embeddings",
          "tie_word_embeddings")
 """What the layout and the context length are checked against (model_shape)."""
 
@@ -203,8 +209,19 @@ def model_shape(cfg: ModelConfig) -> dict[str, Any] | None:
 
 
 def check_layout_fits_model(p: ParallelismConfig, shape: dict[str, Any]) -> None:
-    """tp divides the heads and the MLP width, there are at least as many blocks as pipeline
-    stages, and pipeline stages have untied embeddings. A size the shape lacks (None) is not checked."""
+    """The family has the tensor-parallel / pipeline plan the layout needs (families.FAMILIES; a
+    model_type not listed is left to the ranks), tp divides the heads and the MLP width, there are
+    at least as many blocks as pipeline stages, and pipeline stages have untied embeddings. A size
+    the shape lacks (None) is not checked."""
+    model_type = shape.get("model_type")
+    fam = FAMILIES.get(str(model_type))
+    if p.tp > 1 and fam is not None and not fam.tp_plan:
+        conv = " and its fused Conv1D layers (c_attn, c_proj, c_fc) are not the Llama layout our own plan splits" if fam.gpt2 else ""
+        raise ConfigError(f"parallelism.tp={p.tp}: transformers publishes no tensor-parallel plan for model_type={model_type}{conv}: "
+                          "use parallelism=fsdp or ddp")
+    if p.pp > 1 and fam is not None and not fam.pp_plan:
+        raise ConfigError(f"parallelism.pp={p.pp}: transformers publishes no pipeline plan for model_type={model_type} (which "
+                          "modules run before and after its blocks), so it cannot be cut into stages: use parallelism=fsdp or ddp")
     for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         if p.tp > 1 and shape.get(key) and shape[key] % p.tp:
             raise ConfigError(f"parallelism.tp={p.tp} must divide the model's {key}={shape[key]}: "

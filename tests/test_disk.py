@@ -112,13 +112,19 @@ def test_a_saved_model_dry_runs_without_importing_torch(saved_model, tmp_path):
     ("llama", ["data.max_length=512"],
      "data.max_length=512 exceeds the model's max_position_embeddings=256 ({d}/config.json): use data.max_length=256 or less"),
     ("wide_mlp", ["parallelism=tp2"], "parallelism.tp=2 must divide the model's intermediate_size=65: use a tp that divides 65"),
-    ("gpt2", ["parallelism=tp2"], "parallelism.tp=2 must divide the model's num_attention_heads=3: use a tp that divides 3"),
-    ("gpt2", ["parallelism=pp4", "launcher.nproc_per_node=4"],
+    # GPT-J names its sizes as GPT-2 does (n_head, n_layer, n_inner, n_positions)
+    ("gptj", ["parallelism=tp2"], "parallelism.tp=2 must divide the model's num_attention_heads=3: use a tp that divides 3"),
+    ("gptj", ["parallelism=pp4", "launcher.nproc_per_node=4"],
      "parallelism.pp=4 x pp_stages_per_rank=1 = 4 pipeline stages, but the model has 3 blocks: use at most 3 stages"),
     ("gpt2", ["data.max_length=512"],
      "data.max_length=512 exceeds the model's max_position_embeddings=128 ({d}/config.json): use data.max_length=128 or less"),
-    ("gpt2", ["parallelism=pp2"], "pipeline parallel needs untied input/output embeddings (the first and last stages hold them): "
+    ("gptj", ["parallelism=pp2"], "pipeline parallel needs untied input/output embeddings (the first and last stages hold them): "
                                   "this model ties them; use tp or fsdp"),
+    ("gpt2", ["parallelism=tp2"], "parallelism.tp=2: transformers publishes no tensor-parallel plan for model_type=gpt2 and its "
+                                  "fused Conv1D layers (c_attn, c_proj, c_fc) are not the Llama layout our own plan splits: use "
+                                  "parallelism=fsdp or ddp"),
+    ("gpt2", ["parallelism=pp2"], "parallelism.pp=2: transformers publishes no pipeline plan for model_type=gpt2 (which modules run "
+                                  "before and after its blocks), so it cannot be cut into stages: use parallelism=fsdp or ddp"),
 ])
 def test_what_is_on_disk_is_one_line(tmp_path, case, args, message):
     d, t = tmp_path / case, tmp_path / "tok"
@@ -128,7 +134,7 @@ def test_what_is_on_disk_is_one_line(tmp_path, case, args, message):
                "no_weight_map": ("pytorch_model.bin.index.json",)}.get(case, ("model.safetensors",))
     config = {"bad_json": '{\n  "model_type": "llama"\n  "vocab_size": 103\n}\n', "list_json": "[]", "no_config": None,
               "adapter": None, "no_model_type": {"vocab_size": 103}, "small_vocab": {**LLAMA, "vocab_size": 100},
-              "wide_mlp": {**LLAMA, "intermediate_size": 65}, "gpt2": gpt2}.get(case, LLAMA)
+              "wide_mlp": {**LLAMA, "intermediate_size": 65}, "gpt2": gpt2, "gptj": {**gpt2, "model_type": "gptj"}}.get(case, LLAMA)
     if case == "file":
         d.write_text("")
     elif case == "adapter":
@@ -153,7 +159,7 @@ def test_what_is_on_disk_is_one_line(tmp_path, case, args, message):
 
 def test_what_is_fine_passes(tmp_path, saved_model):
     """Fewer token ids than the embedding, a sharded checkpoint that is whole, a vocab.json + merges.txt
-    tokenizer, gpt2's names for its sizes, and a hub id (left to the ranks) all dry-run."""
+    tokenizer, gpt2's names for its sizes (in a GPT-J config), and a hub id (left to the ranks) all dry-run."""
     d = model_dir(tmp_path / "sharded", {**LLAMA, "vocab_size": 128}, weights=("model-00001-of-00002.safetensors",
                                                                                 "model-00002-of-00002.safetensors"))
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors",
@@ -162,9 +168,9 @@ def test_what_is_fine_passes(tmp_path, saved_model):
     bpe.mkdir()
     (bpe / "vocab.json").write_text(json.dumps({"a": 0, "b": 1}))
     (bpe / "merges.txt").write_text("#version: 0.2\n")
-    gpt2 = model_dir(tmp_path / "gpt2", {"model_type": "gpt2", "vocab_size": 103, "n_embd": 48, "n_head": 4, "n_layer": 2,
+    gptj = model_dir(tmp_path / "gptj", {"model_type": "gptj", "vocab_size": 103, "n_embd": 48, "n_head": 4, "n_layer": 2,
                                          "n_inner": None, "n_positions": 1024})
-    for args in ([f"model.path={d}"], [f"model.path={d}", f"model.tokenizer={bpe}"], [f"model.path={gpt2}", "parallelism=tp2"],
+    for args in ([f"model.path={d}"], [f"model.path={d}", f"model.tokenizer={bpe}"], [f"model.path={gptj}", "parallelism=tp2"],
                  ["model.path=someone/some-model"]):
         out = run_cli(*SFT, *args, "launcher.dry_run=true", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=60)
         assert out.returncode == 0, (args, out.stderr[-1000:])
@@ -176,7 +182,7 @@ def test_model_shape_reads_the_families_aliases(tmp_path):
 
     d = model_dir(tmp_path / "gpt2", {"model_type": "gpt2", "n_embd": 48, "n_head": 4, "n_layer": 2, "n_inner": None,
                                       "n_positions": 1024})
-    assert model_shape(ModelConfig(path=str(d))) == {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+    assert model_shape(ModelConfig(path=str(d))) == {"model_type": "gpt2", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
                                                      "intermediate_size": 192, "max_position_embeddings": 1024,
                                                      "tie_word_embeddings": None}
     wrapped = model_dir(tmp_path / "vlm", {"model_type": "llava", "text_config": {**LLAMA, "num_key_value_heads": None}})

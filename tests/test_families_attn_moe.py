@@ -200,6 +200,19 @@ def test_dora_on_experts_is_refused_before_launch(models):
     preflight([*at(models["mixtral"]), "peft=dora", "peft.target_modules=[q_proj,v_proj]"])  # attention only: fine
 
 
+def test_lora_on_experts_under_tp_is_refused_before_launch(models):
+    """transformers shards the experts' fused weights with its own style; PEFT's adapter cannot follow (the
+    rank refuses it too: tests/test_families_parallel.py); a local config.json says so before launch."""
+    layout = ["parallelism=tp2", "launcher.nproc_per_node=2"]
+    with pytest.raises(ConfigError) as e:
+        preflight([*at(models["mixtral"]), *layout, "peft=lora"])
+    assert str(e.value) == ("peft=lora with peft.target_modules=['all-linear'] adapts this mixtral model's experts (fused 3-D "
+                            "weights), which parallelism.tp=2 shards with transformers' expert style that PEFT's adapter cannot "
+                            "follow: name the linear layers (e.g. peft.target_modules=[q_proj,k_proj,v_proj,o_proj]), or use "
+                            "parallelism=fsdp")
+    preflight([*at(models["mixtral"]), *layout, "peft=lora", "peft.target_modules=[q_proj,v_proj]"])  # attention only: fine
+
+
 def test_qlora_leaves_the_experts_unquantized_and_the_planner_counts_their_bytes(models, tmp_path):
     """bitsandbytes 4-bit quantizes nn.Linear layers only; a MoE's experts are 3-D parameters, so they stay
     fp32 (4 bytes each): the plan says so, and its weights are the bytes the model holds."""

@@ -30,6 +30,11 @@ from finetune.engine.common import StepResult, add_metrics, autocast_dtype, buil
 STATE_FILE = "trainer_state.pt"  # scheduler and step, beside the DCP shards
 
 
+def _strided(value: Any) -> bool:
+    """A DTensor sharded with transformers' packed (strided) layout: fused gate/up MoE experts under tp."""
+    return any(type(p).__name__ == "_StridedShard" for p in getattr(value, "placements", ()))
+
+
 def _flat() -> object:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -52,18 +57,18 @@ class MeshEngine:
         self.dtype = autocast_dtype(cfg.precision.name)
         model = model.to(dist.device)
         if p.pp > 1:
-            eager = getattr(model.config, "_attn_implementation", "sdpa") == "eager"
-            self.stages = parallel.pipeline_stages(model, pp_rank=self.pp_rank, pp=p.pp, per_rank=p.pp_stages_per_rank,
-                                                   causal_mask=eager)
+            self.stages = parallel.pipeline_stages(model, pp_rank=self.pp_rank, pp=p.pp, per_rank=p.pp_stages_per_rank)
             self.num_stages = p.pp * p.pp_stages_per_rank
             modules = [stage for _, stage in self.stages]
         else:
             self.stages, self.num_stages, modules = [], 1, [model]
+        self.partial: list[nn.Parameter] = []  # replicated under tp, but each rank's gradient covers its heads only
         for m in modules:
-            if p.tp > 1:
-                parallel.tensor_parallel(m, self.mesh["tp"])
+            partial = parallel.tensor_parallel(m, self.mesh["tp"]) if p.tp > 1 else []
+            names = [n for n, q in m.named_parameters() if any(q is r for r in partial)]  # FSDP replaces the objects
             if self.fsdp:
                 parallel.fully_shard(m, self.mesh["dp"], reshard_after_forward=p.fsdp_reshard_after_forward, offload=p.fsdp_offload)
+            self.partial += [m.get_parameter(n) for n in names]
         self.modules = modules
         self.model = modules[0] if p.pp == 1 else None
         # What the checkpoint and export see: the causal LM(s) with their original parameter names.
@@ -104,6 +109,8 @@ class MeshEngine:
                 (loss * scale).backward()
                 loss_sum += loss.item()
                 add_metrics(metrics, sums)
+        if self.partial:
+            self._sum_over_tp()
         if not self.fsdp and self.dp > 1:
             self._sum_over_dp()
         norm = self._clip()
@@ -156,6 +163,14 @@ class MeshEngine:
                 self._schedule = cls(stages[0], microbatches, loss_fn=forward, scale_grads=False)
         self._loss_fn[0] = loss_fn
         return self._schedule
+
+    def _sum_over_tp(self) -> None:
+        """The gradients of replicated parameters that saw only this rank's heads (Qwen3's q/k norms),
+        summed over the tensor-parallel group: once per step, after all micro-batches."""
+        group = self.mesh["tp"].get_group()
+        for q in self.partial:
+            if q.grad is not None:
+                tdist.all_reduce(q.grad._local_tensor if hasattr(q.grad, "_local_tensor") else q.grad, group=group)
 
     def _sum_over_dp(self) -> None:
         """Replicas' gradients summed over the data-parallel dimension (the loss is already / count)."""
@@ -243,20 +258,33 @@ class MeshEngine:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optim_state = get_state_dict(self.container, self.optimizer, options=FLAT)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory))
+        state = {"model": model_state, "optim": optim_state}
+        for part in state.values():  # DCP cannot lay out strided shards (MoE experts under tp): those are saved whole
+            part.update({k: v.full_tensor() for k, v in part.items() if _strided(v)})
+        dcp.save(state, checkpoint_id=str(directory))
         if self.dist.is_main:
             torch.save({"step": step, "scheduler": self.scheduler.state_dict()}, directory / STATE_FILE)
 
     def load(self, step_dir: Path) -> int:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.tensor import distribute_tensor
 
         if not (step_dir / STATE_FILE).is_file():
             raise ConfigError(f"train.resume: {step_dir} holds no torch.distributed.checkpoint of this engine ({STATE_FILE}); "
                               "was it saved with parallelism=fsdp or tp/pp?")
         model_state, optim_state = get_state_dict(self.container, self.optimizer, options=FLAT)
         state = {"model": model_state, "optim": optim_state}
+        # Strided shards were saved whole (see save): read them whole, then keep this rank's shard.
+        # (dcp.load fills `state` in place, non-tensor values included: the same dicts go back to set_state_dict)
+        strided = {(name, k): v for name, part in state.items() for k, v in part.items() if _strided(v)}
+        for (name, k), v in strided.items():
+            state[name][k] = torch.empty(v.shape, dtype=v.dtype, device=v.device)
         dcp.load(state, checkpoint_id=str(step_dir))
+        for (name, k), target in strided.items():
+            mine = distribute_tensor(state[name][k], target.device_mesh, target.placements, src_data_rank=None)
+            target.to_local().copy_(mine.to_local())
+            state[name][k] = target
         set_state_dict(self.container, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=FLAT)
         trainer = torch.load(step_dir / STATE_FILE, weights_only=False)
         self.scheduler.load_state_dict(trainer["scheduler"])
