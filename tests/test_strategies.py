@@ -111,6 +111,7 @@ class _Overflow(SFT):
     """SFT whose loss is infinite on chosen calls: an injected fp16 overflow."""
 
     def __init__(self, bad_calls):
+        super().__init__()
         self.calls, self.bad = 0, bad_calls
 
     def __call__(self, net, batch):
