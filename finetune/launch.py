@@ -283,8 +283,9 @@ def make_model_first(cfg: Config) -> None:
     m.path = str(target)  # the ranks may not share our working directory's meaning of a relative path
     if (target / "config.json").is_file():
         return
-    user_dirs = [s.path for s in HydraConfig.get().runtime.config_sources if s.provider == "command-line"]  # --config-dir
-    argv = [sys.executable, "-m", "finetune.launch", *(f"--config-dir={d.removeprefix('file://')}" for d in user_dirs),
+    user_dirs = [s.path for s in HydraConfig.get().runtime.config_sources  # --config-dir (run_once passes it as a search path)
+                 if s.provider in ("command-line", "hydra.searchpath in command-line") and s.schema == "file"]
+    argv = [sys.executable, "-m", "finetune.launch", *(f"--config-dir={d}" for d in user_dirs),
             f"+recipe={m.recipe_if_missing}", f"hydra.run.dir={target.parent}"]
     if cfg.launcher.dry_run:
         print(f"# model.path={target} does not exist: a real run first makes it with\n#   {shlex.join(argv)}")

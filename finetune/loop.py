@@ -40,7 +40,7 @@ def handle_signals() -> None:
     """SIGTERM (Slurm, kill, torchrun when another rank failed) and SIGINT (Ctrl-C): before training,
     stop now; during it, note the signal, and the loop saves at the next step boundary."""
     def note(signum: int, _frame: Any) -> None:
-        STOP["signal"] = signum
+        STOP["signal"] = STOP["signal"] or signum  # the first one names the cause (torchrun relays Ctrl-C as SIGTERM)
         if not STOP["defer"]:
             raise Stopped(f"stopped by {signal.Signals(signum).name} before training began: nothing to save", 128 + signum)
 
