@@ -208,6 +208,11 @@ class Checkpointing(str, Enum, metaclass=Spelled):
     offload = "offload"
 
 
+class Logits(str, Enum, metaclass=Spelled):
+    full = "full"
+    chunked = "chunked"
+
+
 class PeftMethod(str, Enum, metaclass=Spelled):
     none = "none"
     lora = "lora"
@@ -285,6 +290,9 @@ class ModelInit:
     """Longest sequence the model takes (data.max_length may not exceed it)."""
     tie_word_embeddings: bool = False
     """Share one matrix between the input embedding and the output head."""
+    vocab_size: int | None = checked(at_least(1), None)
+    """Rows of the embedding and the output head; null: the tokenizer's size. Larger leaves the extra
+    rows unused (e.g. a realistic 32k or 128k vocabulary for memory measurements)."""
     seed: int = checked(at_least(0), 0)
     """Seed of the random initialisation (the same on every rank)."""
 
@@ -390,6 +398,16 @@ class CheckpointingConfig:
     offload (keep saved activations in CPU memory instead of recomputing)."""
     every: int = checked(at_least(1), 2)
     """selective: recompute blocks 0, k, 2k, ... (k = every)."""
+
+
+@dataclass
+class LogitsConfig:
+    name: Logits = Logits.full
+    """full: the model's whole [tokens, vocab] logits, then the loss (fp32, ~12 bytes per vocabulary entry
+    per token); chunked: the output layer and the loss per chunk of labelled tokens, recomputed in
+    backward, so only one chunk's logits ever exist (the same loss and gradients)."""
+    chunk_tokens: int = checked(at_least(1), 1024)
+    """chunked: labelled tokens per chunk (memory of one chunk: ~(12 + 2 c) x vocab x chunk_tokens bytes)."""
 
 
 @dataclass
@@ -619,6 +637,7 @@ class Config:
     method: MethodConfig = MISSING
     precision: PrecisionConfig = MISSING
     checkpointing: CheckpointingConfig = MISSING
+    logits: LogitsConfig = MISSING
     zero: ZeroConfig = MISSING
     parallelism: ParallelismConfig = MISSING
     peft: PeftConfig = MISSING
@@ -651,6 +670,7 @@ GROUPS: dict[str, type] = {
     "method": MethodConfig,
     "precision": PrecisionConfig,
     "checkpointing": CheckpointingConfig,
+    "logits": LogitsConfig,
     "zero": ZeroConfig,
     "parallelism": ParallelismConfig,
     "peft": PeftConfig,

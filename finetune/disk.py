@@ -41,6 +41,12 @@ def check(cfg: Config) -> None:
     tokenizer = check_tokenizer_dir(cfg.model)
     if arch is not None and tokenizer is not None:
         check_vocab(cfg.model, arch, tokenizer)
+    if cfg.model.init is not None and cfg.model.init.vocab_size is not None and tokenizer is not None:
+        count = token_ids(tokenizer, tokenizer_key(cfg.model)[0])
+        if count is not None and count > cfg.model.init.vocab_size:
+            raise ConfigError(f"model.init.vocab_size={cfg.model.init.vocab_size} is below the tokenizer's {count} token ids "
+                              f"(ids from {cfg.model.init.vocab_size} up would index past the embedding): set it to at least "
+                              f"{count}, or null for exactly the tokenizer's")
     try:
         check_device(cfg)
     except ConfigError as e:

@@ -141,14 +141,24 @@ def row_lengths(examples: list[Any]) -> list[int]:
             for e in examples]
 
 
-def longest_of(lengths: list[int], cfg: Config) -> Longest:
-    """The longest batch among the rows the run's steps reach."""
+def row_labelled(examples: list[Any]) -> list[int]:
+    """Labelled positions of each training row (a preference pair: both of its rows), what logits=chunked
+    puts through the output layer."""
+    def count(e: Any) -> int:
+        return sum(1 for t in e.labels[1:] if t != data.IGNORE)
+    return [count(e.chosen) + count(e.rejected) if isinstance(e, data.Pair) else count(e) for e in examples]
+
+
+def longest_of(lengths: list[int], cfg: Config, labelled: list[int] | None = None) -> Longest:
+    """The longest batch among the rows the run's steps reach (and at most how many labelled tokens a
+    micro-batch of them holds: its rows' most, micro_batch_size times)."""
     seen = seen_rows(len(lengths), cfg)
     width = max(lengths[i] for i in seen)
+    most = cfg.train.micro_batch_size * max(labelled[i] for i in seen) if labelled else None
     what = "packed rows" if cfg.data.packing else "rows"
     scope = f"all {len(lengths):,} {what} of data.train" if len(seen) == len(lengths) else \
         f"the {len(seen):,} {what} of data.train its {cfg.train.max_steps} steps reach, of {len(lengths):,}"
-    return Longest(width, f"the longest of {scope}")
+    return Longest(width, f"the longest of {scope}", most)
 
 
 def longest_batch(cfg: Config) -> Longest | str:
@@ -169,7 +179,8 @@ def longest_batch(cfg: Config) -> Longest | str:
         return f"data.train could not be read ({e})"
     except Exception as e:  # a tokenizer or template this light reader cannot handle
         return f"the tokenizer could not be read without transformers ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-    lengths = row_lengths(examples)
+    lengths, labelled = row_lengths(examples), row_labelled(examples)
     if cfg.data.packing and cfg.method.name == Method.sft:
-        lengths = [sum(lengths[i] for i in row) for row in data.first_fit(lengths, cfg.data.max_length, cfg.train.seed)]
-    return longest_of(lengths, cfg)
+        packed = data.first_fit(lengths, cfg.data.max_length, cfg.train.seed)
+        lengths, labelled = [sum(lengths[i] for i in row) for row in packed], [sum(labelled[i] for i in row) for row in packed]
+    return longest_of(lengths, cfg, labelled)

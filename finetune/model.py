@@ -111,8 +111,8 @@ def load_model(cfg: ModelConfig, tokenizer: Any, *, attention: str, peft: PeftCo
     path = cfg.path
     if path is None:
         assert cfg.init is not None
-        arch = {k: v for k, v in vars(cfg.init).items() if k not in ("model_type", "seed")}
-        config = AutoConfig.for_model(cfg.init.model_type, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+        arch = {k: v for k, v in vars(cfg.init).items() if k not in ("model_type", "seed", "vocab_size")}
+        config = AutoConfig.for_model(cfg.init.model_type, vocab_size=cfg.init.vocab_size or len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **arch)
         torch.manual_seed(cfg.init.seed)  # every rank builds the same initial weights
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=torch.float32)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from finetune.config import DpoLoss, Method, MethodConfig
 from finetune.data import IGNORE
+from finetune.head import ChunkedHead
 
 Output = tuple[torch.Tensor, dict[str, torch.Tensor]]  # (summed loss, summed metrics)
 Reference = Callable[[Any, dict[str, torch.Tensor]], torch.Tensor]  # (policy, batch) -> reference log-probs [2B]
@@ -59,8 +60,8 @@ def router_loss(config: Any) -> RouterLoss | None:
 class SFT:
     """Cross-entropy of next-token prediction on response tokens (prompt and padding masked)."""
 
-    def __init__(self, router: RouterLoss | None = None) -> None:
-        self.router = router
+    def __init__(self, router: RouterLoss | None = None, head: ChunkedHead | None = None) -> None:
+        self.router, self.head = router, head
         self.metrics: tuple[str, ...] = (router.metric,) if router else ()  # names of its metric sums (the same on every rank)
 
     def count(self, batch: dict[str, torch.Tensor]) -> int:
@@ -69,8 +70,13 @@ class SFT:
 
     def __call__(self, model: Any, batch: dict[str, torch.Tensor]) -> Output:
         """Summed token loss of the batch (not averaged: the loop normalises)."""
-        logits, aux = forward_aux(model, batch, self.router is not None)
-        loss, metrics = self.loss(logits, batch)
+        if self.head is not None:  # logits=chunked: the output layer leaves the label log-probs
+            with self.head.labelled(batch["labels"]):
+                logits, aux = forward_aux(model, batch, self.router is not None)
+            loss, metrics = -self.head.take()[0].sum() + tie(logits), {}
+        else:
+            logits, aux = forward_aux(model, batch, self.router is not None)
+            loss, metrics = self.loss(logits, batch)
         return self.router.apply(loss, metrics, aux, self.count(batch)) if self.router else (loss, metrics)
 
     def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> Output:
@@ -86,8 +92,9 @@ class DPO:
     (a live frozen model, or the policy with its adapter disabled), or are not needed (simpo).
     """
 
-    def __init__(self, cfg: MethodConfig, reference: Reference | None = None, router: RouterLoss | None = None) -> None:
-        self.cfg, self.reference, self.router = cfg, reference, router
+    def __init__(self, cfg: MethodConfig, reference: Reference | None = None, router: RouterLoss | None = None,
+                 head: ChunkedHead | None = None) -> None:
+        self.cfg, self.reference, self.router, self.head = cfg, reference, router, head
         self.metrics = ("logps/chosen", "logps/rejected", "rewards/accuracy", "rewards/chosen", "rewards/margin",
                         "rewards/rejected") + ((router.metric,) if router else ())
 
@@ -101,16 +108,26 @@ class DPO:
                 raise RuntimeError("DPO needs reference log-probs: precompute them or give a reference model")
             with torch.no_grad():  # before the policy's forward: nothing of it is kept for backward
                 reference = self.reference(model, batch).float()
-        logits, aux = forward_aux(model, batch, self.router is not None)
-        loss, metrics = self.loss(logits, batch, reference)
+        if self.head is not None:  # logits=chunked: the output layer leaves the label log-probs
+            with self.head.labelled(batch["labels"]):
+                logits, aux = forward_aux(model, batch, self.router is not None)
+            loss, metrics = self.pairs(*self.head.take(), batch, reference)
+            loss = loss + tie(logits)
+        else:
+            logits, aux = forward_aux(model, batch, self.router is not None)
+            loss, metrics = self.loss(logits, batch, reference)
         return self.router.apply(loss, metrics, aux, self.count(batch)) if self.router else (loss, metrics)
 
     def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor], reference: torch.Tensor | None = None) -> Output:
         """The loss from logits (what a pipeline's last stage computes; reference log-probs from
         `reference` or the batch)."""
+        return self.pairs(*logits_logps(logits, batch["labels"]), batch, reference)
+
+    def pairs(self, logps: torch.Tensor, lengths: torch.Tensor, batch: dict[str, torch.Tensor],
+              reference: torch.Tensor | None) -> Output:
+        """The loss from each row's summed response log-probs and lengths (chosen rows, then rejected)."""
         if reference is None and self.cfg.loss != DpoLoss.simpo:
             reference = batch["reference_logps"].float()
-        logps, lengths = logits_logps(logits, batch["labels"])
         chosen, rejected = logps.chunk(2)
         n_chosen, n_rejected = lengths.chunk(2)
         ref = reference.chunk(2) if reference is not None else (None, None)
@@ -184,6 +201,13 @@ def forward_aux(model: Any, batch: dict[str, torch.Tensor], router: bool) -> tup
     return out.logits, (out.aux_loss if router else None)
 
 
+def tie(logits: torch.Tensor) -> torch.Tensor:
+    """0, from the model's (empty, logits=chunked) output: the loss's graph then starts at the model's
+    output as usual, so the hooks that engines and trackers put there (FSDP's root pre-backward,
+    MemTracker's) run."""
+    return logits.sum().float() * 0
+
+
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum of -log p(label) over labelled positions; position t predicts label t+1."""
     logits = logits[:, :-1].float()  # fp32 for a stable log-softmax
@@ -191,5 +215,6 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE, reduction="sum")
 
 
-def build(method: MethodConfig, reference: Reference | None = None, router: RouterLoss | None = None) -> SFT | DPO:
-    return DPO(method, reference, router) if method.name == Method.dpo else SFT(router)
+def build(method: MethodConfig, reference: Reference | None = None, router: RouterLoss | None = None,
+          head: ChunkedHead | None = None) -> SFT | DPO:
+    return DPO(method, reference, router, head) if method.name == Method.dpo else SFT(router, head)

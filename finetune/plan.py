@@ -41,6 +41,7 @@ from finetune.config import (
     AttnImpl,
     Checkpointing,
     Config,
+    Logits,
     ConfigError,
     DpoLoss,
     Method,
@@ -87,11 +88,11 @@ def architecture(m: ModelConfig) -> Arch:
     """The structure from model.init (its vocabulary: the tokenizer's), a local config.json, or
     model.architecture (a hub id's config.json keys, declared in the recipe)."""
     if m.init is not None:
-        vocab = _vocab_of_tokenizer(m.tokenizer)
+        vocab = m.init.vocab_size or _vocab_of_tokenizer(m.tokenizer)
         if vocab is None:
             raise ConfigError(f"the planner needs the vocabulary size: model.tokenizer={m.tokenizer!r} is not a local "
                               "directory with tokenizer.json")
-        init = {k: v for k, v in vars(m.init).items() if k != "seed"}
+        init = {k: v for k, v in vars(m.init).items() if k not in ("seed", "vocab_size")}
         return arch_from_config({**init, "vocab_size": vocab}, "model.init")
     config = local_config(m)
     if config is None:
@@ -428,7 +429,8 @@ class Activations:
 
 
 def activation_bytes(arch: Arch, cfg: Config, layers: int, in_flight: int, seq: int, tokens: int,
-                     block_grads: float = 0.0, head_grads: float = 0.0, moves: bool = True, masked: bool = False) -> Activations:
+                     block_grads: float = 0.0, head_grads: float = 0.0, moves: bool = True, masked: bool = False,
+                     labelled: int | None = None) -> Activations:
     """Saved activations for `layers` blocks and `in_flight` micro-batches, through backward;
     `block_grads` per block and `head_grads` are the gradients that fill in as backward goes down.
 
@@ -466,6 +468,14 @@ def activation_bytes(arch: Arch, cfg: Config, layers: int, in_flight: int, seq: 
         filled = max(filled, below + whole + working + (layers - 1 - j) * block_grads)
         below += kept[j]
     v = arch.vocab_size / cfg.parallelism.tp
+    if cfg.logits.name == Logits.chunked:  # one chunk's logits, their fp32 log-softmax and gradients, at the backward's start
+        chunk = min(cfg.logits.chunk_tokens, tokens, labelled or tokens)  # only labelled positions reach the head
+        # a chunk's backward (inside the model's now): log_softmax's fp32 output, the gradient arriving at it and the one
+        # it returns (12 V per token), and under autocast the 16-bit logits the fp32 ones were cast from (measured)
+        moment = chunk * (12 * v + (d.compute * v if d.autocast else 0) + 8)
+        return Activations(stored=earlier + sum(kept) + head_bytes(arch, cfg, tokens), loss=moment, logits_grad=moment,
+                           blocks=earlier + blocks,
+                           filled=earlier + filled + head_grads, cpu=offloaded)
     return Activations(stored=earlier + sum(kept) + head_bytes(arch, cfg, tokens), loss=tokens * (12 * v + 8),
                        logits_grad=tokens * d.compute * v, blocks=earlier + blocks, filled=earlier + filled + head_grads,
                        cpu=offloaded)
@@ -478,7 +488,9 @@ def head_bytes(arch: Arch, cfg: Config, tokens: int) -> float:
     d, fam, h, tp = dtypes(cfg), arch.family, arch.hidden_size, cfg.parallelism.tp
     trains = cfg.peft.name == PeftMethod.none or "lm_head" in cfg.peft.modules_to_save
     per_token = norm_bytes(arch, cfg, h, 1, 4 if fam.norm_fp32 else d.module) + (d.compute if trains else 0) * h
-    per_token += d.compute * arch.vocab_size / tp if arch.final_softcap else 0
+    chunked = cfg.logits.name == Logits.chunked
+    per_token += d.compute * arch.vocab_size / tp if arch.final_softcap and not chunked else 0  # chunked: recomputed
+    per_token += d.module * h if chunked else 0  # the labelled positions' hidden states, gathered for the chunks
     per_token += h * (1 if cfg.hardware.gpu_memory_gib > 0 else d.module) if arch.embedding_dropout > 0 else 0
     return tokens * per_token + (2 * arch.vocab_size * h / tp if d.autocast else 0)
 
@@ -496,6 +508,9 @@ class Longest:
     (None: the data could not be read)."""
     why: str
     """What was read, or why nothing was, for the plan's line (e.g. "the longest of all 4,000 rows of data.train")."""
+    labelled: int | None = None
+    """The most labelled tokens one micro-batch holds (what logits=chunked puts through the output layer; None: at most
+    every token)."""
 
 
 def batch_width(cfg: Config, longest: Longest | None) -> tuple[int, str]:
@@ -665,7 +680,8 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
     resident = grads if (z.enabled or micro_batches > 1 or p.pp > 1) else 0.0
     block_grads = 0.0 if resident else per_param * block_trainable / p.tp
     head_grads = 0.0 if resident else per_param * head_trainable / p.tp
-    acts = activation_bytes(arch, cfg, layers, in_flight, seq, tokens, block_grads, head_grads, moves=on_gpu, masked=masked)
+    acts = activation_bytes(arch, cfg, layers, in_flight, seq, tokens, block_grads, head_grads, moves=on_gpu, masked=masked,
+                            labelled=longest.labelled if longest is not None else None)
     # the worst moment of backward: the loss's own backward (everything saved, and its buffers), or
     # inside the blocks (the gradients filled in by then)
     backward = buckets + resident + max(acts.stored + acts.loss, acts.filled)
@@ -714,7 +730,8 @@ def record(cfg: Config, longest: Longest | None = None) -> dict[str, float] | st
     # DDP's buckets: MemTracker does not see the reducer allocate them (before the first step), but sees
     # the gradients copied through them in backward, as temporaries: compared there, not as gradients
     values = {"weights": pl.weights, "gradients": pl.gradients - pl.buckets, "optimizer": pl.optimizer,
-              "activations": pl.measured_activations + pl.buckets, "peak": pl.total - pl.overhead, "overhead": pl.overhead}
+              "activations": pl.measured_activations + pl.buckets, "peak": pl.total - pl.overhead, "overhead": pl.overhead,
+              "logits": pl.logits}
     return {**{f"plan_{k}_mib": v / MIB for k, v in values.items()}, "plan_width": pl.width}
 
 
@@ -774,7 +791,7 @@ def _all(*fns: Callable[[Config], None]) -> Callable[[Config], None]:
 
 def moves(cfg: Config) -> list[list[Move]]:
     """The axes a suggestion may change, each a list of alternatives (an empty choice is implied),
-    in docs/memory.md's order: 16-bit precision and fused attention; a smaller micro batch with more
+    in docs/memory.md's order: 16-bit precision, fused attention and chunked logits; a smaller micro batch with more
     accumulation; ZeRO-1/2 (+offload); ZeRO-3 (+offload) or FSDP; activation checkpointing; LoRA,
     then QLoRA; tensor parallel. Costs are rough step-time factors: one extra forward for full
     recompute (~4/3), PCIe-bound offload, ~0.8 for LoRA (no weight gradients)."""
@@ -785,6 +802,8 @@ def moves(cfg: Config) -> list[list[Move]]:
         axes.append([Move(("precision=bf16",), 0, 1.0, _set("precision.name", Precision.bf16))])
     if cfg.model.attn_implementation == AttnImpl.eager:
         axes.append([Move(("model.attn_implementation=sdpa",), 0, 1.0, _set("model.attn_implementation", AttnImpl.sdpa))])
+    if cfg.logits.name == Logits.full and cfg.parallelism.pp == 1:  # the head recomputed per chunk: ~one more head matmul
+        axes.append([Move(("logits=chunked",), 0, 1.02, _set("logits.name", Logits.chunked))])
     micro, dp, batch = cfg.train.micro_batch_size, cfg.data_parallel_size, cfg.train.global_batch_size
     smaller = [m for m in (micro // 2, micro // 4, micro // 8, micro // 16, 1) if 0 < m < micro and batch % (m * dp) == 0]
     axes.append([Move((f"train.micro_batch_size={m}",), 1, 1.08 ** math.log2(micro / m), _set("train.micro_batch_size", m))
@@ -949,7 +968,7 @@ def read_longest(cfg: Config) -> Longest | None:
     from finetune.lengths import longest_batch
 
     found = longest_batch(cfg)  # (under `python -m finetune.plan` its Longest is finetune.plan's, not __main__'s)
-    return Longest(None, found) if isinstance(found, str) else Longest(found.width, found.why)
+    return Longest(None, found) if isinstance(found, str) else Longest(found.width, found.why, found.labelled)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from finetune.config import (
     DpoLoss,
     LauncherConfig,
     LauncherName,
+    Logits,
     Method,
     ModelConfig,
     NonFinite,
@@ -109,6 +110,10 @@ def validate(cfg: Config) -> None:
     if p.pp_schedule == PipeSchedule.interleaved_1f1b and p.pp > 1 and cfg.grad_accum_steps % p.pp:
         raise ConfigError(f"parallelism.pp_schedule=interleaved_1f1b needs a micro-batch count per step ({cfg.grad_accum_steps}) "
                           f"that is a multiple of parallelism.pp={p.pp}: change train.micro_batch_size or train.global_batch_size")
+    if p.pp > 1 and cfg.logits.name == Logits.chunked:
+        raise ConfigError(f"logits=chunked with parallelism.pp={p.pp}: the pipeline's last stage hands the schedule its whole "
+                          "logits, which the loss then reads (chunking them there is not built yet): use logits=full, or "
+                          "parallelism=fsdp or tp with logits=chunked")
     _validate_strategies(cfg)
     _validate_method(cfg)
     if t.exact_match_samples and cfg.data.eval is None and cfg.data.eval_size == 0:

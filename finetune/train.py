@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 from finetune import checkpoint, config, data, dist, engine, evaluate, flops, logs, loop, model, objectives, reference
-from finetune.config import Config, ConfigError, PeftConfig, PeftMethod, uses_deepspeed
+from finetune.config import Config, ConfigError, Logits, PeftConfig, PeftMethod, uses_deepspeed
 from finetune.engine.common import autocast_dtype
+from finetune.head import PROBE_TOKENS, ChunkedHead
 from finetune.launcher import ERROR_FILE, RANKS_DIR, deepspeed_config
 from finetune import plan
 from finetune.memory import MemoryProbe
@@ -143,8 +144,11 @@ def run(cfg: Config, d: dist.Dist) -> None:
     if d.is_main:
         trainable, total = model.trainable_parameters(net)
         print(f"model: {total:,} parameters, {trainable:,} trainable ({trainable / total:.2%}), attention {attention} ({attention_why})")
+    chunked = ChunkedHead(net, cfg.logits.chunk_tokens) if cfg.logits.name == Logits.chunked else None
     phase("engine")
     eng = engine.build(cfg, net, d)
+    if chunked is not None:  # a family that changes its logits in a way we do not repeat per chunk: refused here
+        chunked.check(*eng.inference(chunked.probe, probe_batch(train_examples)))
     phase("resume")
     resume_from = checkpoint.resolve(cfg.train.resume, run_dir, warn=lambda line: d.is_main and print(f"warning: {line}", file=sys.stderr))
     if resume_from is not None:
@@ -159,7 +163,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
     router = objectives.router_loss(loaded.config)  # a MoE's load-balancing loss, from its config
     if router and d.is_main:
         print(router.describe())
-    objective = objectives.build(cfg.method, ref, router)
+    objective = objectives.build(cfg.method, ref, router, chunked)
     batches = data.TrainBatches(train_examples, global_batch=cfg.train.global_batch_size, micro_batch=cfg.train.micro_batch_size,
                                 dp_rank=eng.dp_rank, dp_size=eng.dp_size, seed=cfg.train.seed, pad_id=tokenizer.pad_token_id,
                                 pad_to=cfg.data.max_length if cfg.parallelism.pp > 1 else None)  # a pipeline needs one shape
@@ -189,17 +193,26 @@ def run(cfg: Config, d: dist.Dist) -> None:
     del zero3  # alive until here: transformers consults it while loading, generating and saving
 
 
+def probe_batch(examples: list[Any]) -> dict[str, torch.Tensor]:
+    """The first training row's first PROBE_TOKENS tokens, every position labelled (ChunkedHead.check)."""
+    first = examples[0].chosen if isinstance(examples[0], data.Pair) else examples[0]
+    ids = torch.tensor([first.input_ids[:PROBE_TOKENS]])
+    return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+
+
 def planned(cfg: Config, batches: data.TrainBatches, examples: list[Any]) -> dict[str, float] | str:
     """The plan record: at the widest of the micro-batches the memory probe measures (rank 0's first
     loop.MEMORY_STEPS steps), for the comparison; and the peak planned at the longest batch of the whole run."""
-    from finetune.lengths import longest_of, row_lengths
+    from finetune.lengths import longest_of, row_labelled, row_lengths
 
-    widest = max(mb["input_ids"].shape[1] for step in range(loop.MEMORY_STEPS) for mb in batches.micro_batches(step))
+    measured = [mb for step in range(loop.MEMORY_STEPS) for mb in batches.micro_batches(step)]
+    widest = max(mb["input_ids"].shape[1] for mb in measured)
+    labelled = max(int((mb["labels"][:, 1:] != data.IGNORE).sum()) for mb in measured)
     predicted = plan.record(cfg, plan.Longest(widest, f"the widest micro-batch of the first {loop.MEMORY_STEPS} steps, which "
-                                                      "the memory probe measures"))
+                                                      "the memory probe measures", labelled))
     if isinstance(predicted, str):
         return predicted
-    run = plan.plan(cfg, longest_of(row_lengths(examples), cfg))
+    run = plan.plan(cfg, longest_of(row_lengths(examples), cfg, row_labelled(examples)))
     return predicted | {"plan_run_width": run.width, "plan_run_peak_mib": (run.total - run.overhead) / plan.MIB}
 
 

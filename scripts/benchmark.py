@@ -39,6 +39,15 @@ STRATEGIES: dict[str, list[str]] = {
     "ZeRO-3 + CPU offload x2": ["zero=stage3_offload", "launcher.nproc_per_node=2", "zero.reduce_bucket_size=5000000"],
 }
 
+REALISTIC = ["model.init.vocab_size=32000", "model.init.max_position_embeddings=1024", "data.max_length=1024", "data.packing=true", "train.micro_batch_size=2",
+             "train.global_batch_size=2", *SINGLE]
+"""The memory switches where they matter: a 32k vocabulary (the tokenizer's ids fill its first rows) and
+packed 1,024-token rows, the quickstart's tiny Llama otherwise."""
+VOCAB: dict[str, list[str]] = {
+    "32k vocab, full logits": REALISTIC,
+    "32k vocab, logits=chunked": [*REALISTIC, "logits=chunked"],
+}
+
 
 def run(name: str, overrides: list[str], steps: int, extra: list[str], root: Path) -> dict:
     run_dir = root / "".join(c if c.isalnum() else "_" for c in name)  # no '=' etc.: it goes on a Hydra command line
@@ -57,10 +66,13 @@ def run(name: str, overrides: list[str], steps: int, extra: list[str], root: Pat
         "name": name,
         "peak": mem.get("mem_peak_total_mib", float("nan")),
         "planned": planned.get("plan_peak_mib", float("nan")),
+        "planned_activations": planned.get("plan_activations_mib", float("nan")),
         "params": mem.get("mem_params_mib", float("nan")),
         "grads": mem.get("mem_grads_mib", float("nan")),
         "optimizer": mem.get("mem_optimizer_mib", float("nan")),
         "activations": mem.get("mem_activations_mib", float("nan")),
+        "backward_activations": mem.get("mem_backward_activations_mib", float("nan")),
+        "planned_logits": planned.get("plan_logits_mib", float("nan")),
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
         "step_ms": 1000 * statistics.median(r["step_s"] for r in steady),
         "loss": train[-1]["loss"],
@@ -81,16 +93,23 @@ def dry_run_seconds(times: int, root: Path) -> tuple[float, float]:
     return statistics.median(walls), statistics.median(cpus)
 
 
-def table(results: list[dict], steps: int) -> str:
-    head = ("| strategy | peak MiB | planned peak | params | grads | optimizer | activations | tokens/s | step ms | loss after "
-            f"{steps} steps |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    lines = [head]
+MEMORY_COLUMNS = [("peak MiB", "peak", ".1f"), ("planned peak", "planned", ".1f"), ("params", "params", ".2f"),
+                  ("grads", "grads", ".2f"), ("optimizer", "optimizer", ".2f"), ("activations", "activations", ".2f"),
+                  ("tokens/s", "tokens_per_s", ",.0f"), ("step ms", "step_ms", ".1f")]
+VOCAB_COLUMNS = [("peak MiB", "peak", ".1f"), ("planned peak", "planned", ".1f"), ("planned logits/loss", "planned_logits", ".1f"),
+                 ("measured activations in backward", "backward_activations", ".1f"), ("planned", "planned_activations", ".1f"),
+                 ("tokens/s", "tokens_per_s", ",.0f")]
+
+
+def table(results: list[dict], steps: int, columns: list[tuple[str, str, str]] = MEMORY_COLUMNS) -> str:
+    """One row per result: `columns` (header, key, format), then the loss after `steps`."""
+    lines = ["| strategy | " + " | ".join(h for h, _, _ in columns) + f" | loss after {steps} steps |",
+             "|---|" + "---:|" * (len(columns) + 1)]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['name']} | failed: {r['error']} ||||||||")
+            lines.append(f"| {r['name']} | failed: {r['error']} " + "|" * (len(columns) + 1))
             continue
-        lines.append(f"| {r['name']} | {r['peak']:.1f} | {r['planned']:.1f} | {r['params']:.2f} | {r['grads']:.2f} | {r['optimizer']:.2f} | "
-                     f"{r['activations']:.2f} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.1f} | {r['loss']:.3f} |")
+        lines.append(f"| {r['name']} | " + " | ".join(format(r[k], f) for _, k, f in columns) + f" | {r['loss']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -102,23 +121,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--extra", nargs="*", default=[], help="overrides added to every run")
     parser.add_argument("--dry-runs", type=int, default=5, help="how many dry runs to time (0: none)")
     args = parser.parse_args(argv)
-    names = args.only or list(STRATEGIES)
-    unknown = [n for n in names if n not in STRATEGIES]
+    every = {**STRATEGIES, **VOCAB}
+    names = args.only or list(every)
+    unknown = [n for n in names if n not in every]
     if unknown:
-        print(f"error: unknown strategy {unknown[0]!r}; known: {', '.join(STRATEGIES)}", file=sys.stderr)
+        print(f"error: unknown strategy {unknown[0]!r}; known: {', '.join(every)}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         results = []
         for name in names:
             print(f"running {name} ...", flush=True)
-            results.append(run(name, STRATEGIES[name], args.steps, args.extra, Path(tmp)))
+            results.append(run(name, every[name], args.steps, args.extra, Path(tmp)))
         dry = dry_run_seconds(args.dry_runs, Path(tmp)) if args.dry_runs else None
     machine = f"{os.cpu_count()} CPU cores" if "cuda" not in " ".join(args.extra) else "GPU"
     text = (f"Tiny Llama (quickstart recipe), micro batch 16, {args.steps} steps, {machine}; memory: rank 0, MemTracker, "
             "first 2 steps, MiB; planned peak: the memory planner's prediction for the same config (python -m finetune.plan, "
             "without its fixed overhead); tokens/s: median non-pad tokens/s over all ranks after step 2. Under DeepSpeed, gradients "
             "live in DeepSpeed's flat buffers (counted under peak, not grads), and ZeRO-3 random-inits inside zero.Init "
-            "(other initial weights, so another loss).\n\n" + table(results, args.steps))
+            "(other initial weights, so another loss).\n\n" + table([r for r in results if r["name"] in STRATEGIES], args.steps))
+    vocab = [r for r in results if r["name"] in VOCAB]
+    if vocab:
+        text += ("\nThe same model with a 32k vocabulary, packed 1,024-token rows, micro batch 2 (the logits: 2,048 x 32,000); "
+                 "planned logits/loss: the planner's buffers of the loss at its moment in backward; activations in backward: "
+                 "MemTracker's, at the start or the peak of the model's backward, against the plan's.\n\n" + table(vocab, args.steps, VOCAB_COLUMNS))
     if dry:
         text += (f"\nDry run (python -m finetune.launch +recipe=quickstart_sft launcher.dry_run=true), median of {args.dry_runs}: "
                  f"{dry[0]:.2f} s wall, {dry[1]:.2f} s CPU\n")

@@ -335,7 +335,7 @@ def test_runs_record_the_plan_and_the_report_script_compares(tmp_path):
     rows = read_metrics(tmp_path / "sweep" / "a")
     planned = next(r for r in rows if r["kind"] == "plan")
     assert set(planned) == {"kind", "step", "plan_weights_mib", "plan_gradients_mib", "plan_optimizer_mib",
-                            "plan_activations_mib", "plan_peak_mib", "plan_overhead_mib", "plan_width", "plan_run_width",
+                            "plan_activations_mib", "plan_peak_mib", "plan_overhead_mib", "plan_logits_mib", "plan_width", "plan_run_width",
                             "plan_run_peak_mib"}
     measured = next(r for r in rows if r["kind"] == "memory")
     assert planned["plan_weights_mib"] == pytest.approx(measured["mem_params_mib"], rel=0.01)

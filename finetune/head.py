@@ -1,0 +1,138 @@
+"""`logits=chunked`: the loss without the full `[tokens, vocab]` logits.
+
+The causal LM's own forward still runs (so every engine's hooks, FSDP's root, DeepSpeed's ZeRO-3
+gathers, PEFT and the family's code apply as usual), but its output layer is patched: while the
+objective has handed it the batch's labels, it takes the final hidden states of the positions that
+have a label, applies itself to `chunk_tokens` of them at a time, each chunk's logits in fp32 only
+inside a non-reentrant checkpoint (recomputed in backward), and leaves per-row sums of the label
+log-probs in `ChunkedHead.result`; the model's `.logits` is then an empty tensor. Without labels
+(generation, a reference model) the output layer is itself.
+
+What a family does to its logits after its output layer must be done per chunk too: Gemma-2's soft
+capping, Granite's logits_scaling, Cohere's logit_scale (`post_ops`). A family that does something
+else is caught by `ChunkedHead.check` (the chunked log-probs of a probe batch against the full
+logits' ones) before training and refused in one line, never trained on a wrong loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from finetune.config import ConfigError
+from finetune.data import IGNORE
+
+PROBE_TOKENS = 64
+"""Tokens of the first training row that `ChunkedHead.probe` runs both ways before training."""
+
+PostOp = Callable[[torch.Tensor], torch.Tensor]
+
+
+def post_ops(model: Any) -> list[PostOp]:
+    """What the family's forward does to `lm_head`'s output before returning it as logits."""
+    config = model.config
+    ops: list[PostOp] = []
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap:
+        ops.append(lambda x: torch.tanh(x / cap) * cap)
+    scaling = getattr(config, "logits_scaling", None)
+    if scaling and config.model_type.startswith("granite"):
+        ops.append(lambda x: x / scaling)
+    scale = getattr(config, "logit_scale", None)
+    if scale and config.model_type.startswith("cohere"):
+        ops.append(lambda x: x * scale)
+    return ops
+
+
+class ChunkedHead:
+    """The patch on one causal LM's output layer (see the module docstring)."""
+
+    def __init__(self, model: Any, chunk_tokens: int) -> None:
+        head = model.get_output_embeddings()
+        if head is None:
+            raise ConfigError(f"logits=chunked: {model.config.model_type} has no output layer (get_output_embeddings() is "
+                              "None) to apply per chunk: use logits=full")
+        self.head, self.chunk_tokens, self.ops = head, chunk_tokens, post_ops(model)
+        self.family = model.config.model_type
+        self.labels: torch.Tensor | None = None
+        self.result: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.capture: list[torch.Tensor] | None = None
+        self._forward = head.forward
+        head.forward = self._patched
+
+    def _patched(self, hidden: torch.Tensor) -> torch.Tensor:
+        labels, self.labels = self.labels, None  # the chunks below call the head again: as itself
+        if labels is None:
+            out = self._forward(hidden)
+            capture, self.capture = self.capture, None  # probe: what a chunk makes of the same hidden states
+            if capture is not None:
+                capture.append(self.logits(hidden))
+            return out
+        self.result = self.row_logps(hidden, labels)
+        return hidden[..., :0]
+
+    @contextlib.contextmanager
+    def labelled(self, labels: torch.Tensor) -> Iterator[None]:
+        """Within: the model's next forward leaves the row log-probs of `labels` in `result`."""
+        self.labels, self.result = labels, None
+        try:
+            yield
+        finally:
+            self.labels = None
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per-row summed log-probs [B] in fp32, labelled positions per row [B]) of the last forward."""
+        if self.result is None:
+            raise RuntimeError("logits=chunked: the model's forward did not call its output layer (get_output_embeddings())")
+        result, self.result = self.result, None
+        return result
+
+    def row_logps(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Position t predicts label t+1: only positions with a label go through the head, in chunks."""
+        targets = labels[:, 1:]
+        keep = targets != IGNORE
+        rows = keep.nonzero()[:, 0]
+        selected, wanted = hidden[:, :-1][keep], targets[keep]
+        logps = [checkpoint(self._chunk, selected[i:i + self.chunk_tokens], wanted[i:i + self.chunk_tokens], use_reentrant=False)
+                 for i in range(0, selected.shape[0], self.chunk_tokens)]
+        sums = torch.zeros(labels.shape[0], dtype=torch.float32, device=hidden.device)
+        if not logps:  # no label in this micro-batch: a zero that still reaches the model's graph
+            return sums + hidden.sum().float() * 0, keep.sum(-1)
+        return sums.index_add(0, rows, torch.cat(logps)), keep.sum(-1)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the family's forward returns as logits for these hidden states: the output layer, then its post_ops."""
+        logits = self.head(hidden)
+        for op in self.ops:
+            logits = op(logits)
+        return logits
+
+    def _chunk(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return -F.cross_entropy(self.logits(hidden).float(), targets, reduction="none")
+
+    def probe(self, model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's own logits for `batch` and this patch's for the same hidden states (an engine's
+        `inference` fn: every rank runs it)."""
+        from finetune.objectives import forward
+
+        captured: list[torch.Tensor] = []
+        self.capture = captured  # taken by the output layer's next call
+        try:
+            full = forward(model, batch)
+            mine = captured[0]
+        finally:
+            self.capture = None
+        return full.float(), mine.float()
+
+    def check(self, full: torch.Tensor, mine: torch.Tensor) -> None:
+        """Refuse the family when this patch's logits of a probe batch are not the model's own."""
+        tolerance = 1e-3 * float(full.abs().max())
+        if full.shape == mine.shape and float((full - mine).abs().max()) <= tolerance:
+            return
+        raise ConfigError(f"logits=chunked: {self.family}'s forward changes the logits after its output layer in a way finetune "
+                          f"does not repeat per chunk (largest logit {float(full.abs().max()):.3g} from the model, "
+                          f"{float(mine.abs().max()):.3g} from its output layer and the known post-processing): use logits=full")
