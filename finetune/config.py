@@ -241,6 +241,8 @@ class Optimizer(str, Enum, metaclass=Spelled):
     adamw = "adamw"
     adam = "adam"
     sgd = "sgd"
+    adamw_8bit = "adamw_8bit"
+    adafactor = "adafactor"
 
 
 class Scheduler(str, Enum, metaclass=Spelled):
@@ -496,8 +498,11 @@ class PeftConfig:
 @dataclass
 class OptimConfig:
     name: Optimizer = Optimizer.adamw
-    """adamw (decoupled weight decay), adam (weight decay added to the gradient: L2) or sgd
-    (optim.momentum 0: no optimizer state; > 0: one momentum buffer per parameter)."""
+    """adamw (decoupled weight decay), adam (weight decay added to the gradient: L2), sgd
+    (optim.momentum 0: no optimizer state; > 0: one momentum buffer per parameter), adamw_8bit
+    (bitsandbytes' AdamW8bit: both moments in 8 bits, blockwise-quantized, for tensors of 4,096+
+    elements; smaller ones keep 32-bit states) or adafactor (torch.optim.Adafactor: no first moment, the
+    second factored into a row and a column vector per matrix; betas and eps unused)."""
     lr: float = checked(POSITIVE, 1e-4)
     """Peak learning rate (after warmup)."""
     weight_decay: float = checked(at_least(0), 0.0)

@@ -41,17 +41,19 @@ from finetune.config import (
     AttnImpl,
     Checkpointing,
     Config,
-    Logits,
     ConfigError,
     DpoLoss,
+    Logits,
     Method,
     ModelConfig,
     Offload,
+    Optimizer,
     PeftMethod,
     PipeSchedule,
     Precision,
     Reference,
     Strategy,
+    engine_kind,
 )
 from finetune.disk import config_source, flash_unavailable, local_config
 from finetune.families import Arch, Block, Linear, adapted, arch_from_config, lora_params, pick_attention, targeted
@@ -122,10 +124,56 @@ def model_state_bytes_per_param(optimizer: str, precision: str) -> tuple[int, in
     master copy (4) besides its states: Adam 2+2+12 (the ZeRO paper's K = 12), momentum 2+2+8,
     SGD 2+2+4. This is the textbook (DeepSpeed) layout; the torch engine keeps fp32 in every precision.
     """
-    states = {"sgd": 0, "momentum": 4, "adam": 8, "adamw": 8}[optimizer]
+    states = {"sgd": 0, "momentum": 4, "adam": 8, "adamw": 8, "adamw_8bit": 2, "adafactor": 0}[optimizer]  # 8-bit, factored:
+    # about that for large matrices; the planner counts them per tensor (state_bytes)
     if precision == "fp32":
         return 4, 4, states
     return 2, 2, 4 + states
+
+
+BNB_MIN_8BIT_SIZE = 4096
+"""bitsandbytes keeps 32-bit states for tensors smaller than this (its optimizers' min_8bit_size)."""
+BNB_BLOCK = 256
+"""Elements per blockwise-quantization block of bitsandbytes' 8-bit states (one fp32 absmax each)."""
+
+
+def trainable_shapes(arch: Arch, cfg: Config) -> list[tuple[int, ...]]:
+    """The shape of every trainable tensor (what an optimizer keeps state for): the blocks' weights, biases
+    and norms, the embeddings, the final norm and the head; under LoRA/DoRA the adapters' A (r x in) and
+    B (out x r) per adapted linear (per expert: experts x r rows), DoRA's magnitude, modules_to_save."""
+    peft, h, shapes = cfg.peft, arch.hidden_size, []
+    saved = set(peft.modules_to_save) if peft.name != PeftMethod.none else {"lm_head", "embed_tokens", "*"}
+    for block in arch.layers:
+        for lin in block.linears:
+            if peft.name == PeftMethod.none:
+                shapes += [(lin.experts, lin.outputs, lin.inputs) if lin.experts > 1 else (lin.outputs, lin.inputs)]
+                shapes += [(lin.experts * lin.outputs,)] if lin.bias else []
+            elif adapted(lin, peft.target_modules):
+                shapes += [(lin.experts * peft.r, lin.inputs), (lin.outputs, lin.experts * peft.r)]
+                shapes += [(lin.outputs,)] if peft.name == PeftMethod.dora else []
+        shapes += [(block.norms,)] if peft.name == PeftMethod.none and block.norms else []
+    if "embed_tokens" in saved or "*" in saved:
+        shapes += [(arch.vocab_size, h)]
+    if ("lm_head" in saved or "*" in saved) and arch.head_params:
+        shapes += [(arch.vocab_size, h)]
+    if peft.name == PeftMethod.none:
+        shapes += [(arch.final_norm,)] + ([(arch.positions,)] if arch.positions else [])
+    return shapes
+
+
+def state_bytes(shapes: list[tuple[int, ...]], optimizer: Optimizer) -> float:
+    """Optimizer state bytes over these tensors. adamw_8bit (bitsandbytes): two uint8 moments, an fp32 absmax
+    per BNB_BLOCK elements each and two 256-entry fp32 quantization maps, for tensors of BNB_MIN_8BIT_SIZE
+    elements or more; two fp32 moments below. adafactor (torch): a row and a column fp32 vector per matrix
+    (per leading index of a 3-D stack), the whole fp32 second moment of a vector."""
+    total = 0.0
+    for shape in shapes:
+        n = math.prod(shape)
+        if optimizer == Optimizer.adamw_8bit:
+            total += 2 * n + 2 * 4 * math.ceil(n / BNB_BLOCK) + 2 * 256 * 4 if n >= BNB_MIN_8BIT_SIZE else 8 * n
+        else:
+            total += 4 * (math.prod(shape[:-2]) * (shape[-2] + shape[-1]) if len(shape) >= 2 else n)
+    return total
 
 
 def optimizer_kind(cfg: Config) -> str:
@@ -635,6 +683,8 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
                      "(DeepSpeed's own estimator adds a 4 bytes/param fp32 gradient copy: 18P/N)")
     else:
         weights, grads, opt = w * trainable, g * trainable, k * trainable
+        if cfg.optim.name in (Optimizer.adamw_8bit, Optimizer.adafactor):  # by tensor shape, not per parameter
+            opt = state_bytes(trainable_shapes(arch, cfg), cfg.optim.name) / mp
         frozen_w = frozen * counts.frozen_bytes_per_param
         if p.strategy == Strategy.fsdp:  # FSDP2: like ZeRO-3 over dp, fp32 states, one block gathered at a time
             weights, grads, opt, frozen_w = weights / dp, grads / dp, opt / dp, frozen_w / dp
@@ -804,6 +854,9 @@ def moves(cfg: Config) -> list[list[Move]]:
         axes.append([Move(("model.attn_implementation=sdpa",), 0, 1.0, _set("model.attn_implementation", AttnImpl.sdpa))])
     if cfg.logits.name == Logits.full and cfg.parallelism.pp == 1:  # the head recomputed per chunk: ~one more head matmul
         axes.append([Move(("logits=chunked",), 0, 1.02, _set("logits.name", Logits.chunked))])
+    if cfg.optim.name in (Optimizer.adamw, Optimizer.adam) and engine_kind(cfg) == "torch" and not cfg.zero.enabled:
+        axes.append([Move(("optim=adamw_8bit",), 2, 1.03, _set("optim.name", Optimizer.adamw_8bit)),
+                     Move(("optim=adafactor",), 2, 1.03, _set("optim.name", Optimizer.adafactor))])
     micro, dp, batch = cfg.train.micro_batch_size, cfg.data_parallel_size, cfg.train.global_batch_size
     smaller = [m for m in (micro // 2, micro // 4, micro // 8, micro // 16, 1) if 0 < m < micro and batch % (m * dp) == 0]
     axes.append([Move((f"train.micro_batch_size={m}",), 1, 1.08 ** math.log2(micro / m), _set("train.micro_batch_size", m))

@@ -34,10 +34,17 @@ from finetune.config import (
     Reference,
     Scheduler,
     Strategy,
+    engine_kind,
     launcher_for,
 )
 from finetune.disk import attention, config_source, config_value, local_config, model_config
 from finetune.families import FAMILIES, adapted_outside_linears, arch_from_config, arch_targets, dora_experts, unmatched_targets
+
+
+def layout_words(p: ParallelismConfig) -> str:
+    """The layout as the user spelled it: parallelism=fsdp, parallelism.tp=2, ..."""
+    return ", ".join([*(["parallelism=fsdp"] if p.strategy == Strategy.fsdp else []),
+                      *([f"parallelism.tp={p.tp}"] if p.tp > 1 else []), *([f"parallelism.pp={p.pp}"] if p.pp > 1 else [])])
 
 
 def validate(cfg: Config) -> None:
@@ -110,6 +117,15 @@ def validate(cfg: Config) -> None:
     if p.pp_schedule == PipeSchedule.interleaved_1f1b and p.pp > 1 and cfg.grad_accum_steps % p.pp:
         raise ConfigError(f"parallelism.pp_schedule=interleaved_1f1b needs a micro-batch count per step ({cfg.grad_accum_steps}) "
                           f"that is a multiple of parallelism.pp={p.pp}: change train.micro_batch_size or train.global_batch_size")
+    if cfg.zero.enabled and cfg.optim.name in (Optimizer.adamw_8bit, Optimizer.adafactor):
+        raise ConfigError(f"optim={cfg.optim.name.value} with zero.stage={cfg.zero.stage}: DeepSpeed builds its own optimizer "
+                          "from the JSON (FusedAdam, CPUAdam or a torch.optim class over its flat fp32 partitions): use "
+                          f"optim={cfg.optim.name.value} with zero=none (parallelism=single, ddp or fsdp), or optim=adamw under ZeRO")
+    if engine_kind(cfg) == "mesh" and cfg.optim.name in (Optimizer.adamw_8bit, Optimizer.adafactor):
+        why = ("bitsandbytes' 8-bit kernels take plain tensors" if cfg.optim.name == Optimizer.adamw_8bit else
+               "torch's Adafactor factors each whole matrix's second moment into row and column statistics")
+        raise ConfigError(f"optim={cfg.optim.name.value} with {layout_words(p)}: {why}, and this layout's parameters are "
+                          "DTensor shards (not supported yet): use parallelism=single or ddp with it, or optim=adamw")
     if p.pp > 1 and cfg.logits.name == Logits.chunked:
         raise ConfigError(f"logits=chunked with parallelism.pp={p.pp}: the pipeline's last stage hands the schedule its whole "
                           "logits, which the loss then reads (chunking them there is not built yet): use logits=full, or "

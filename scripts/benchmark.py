@@ -46,6 +46,8 @@ packed 1,024-token rows, the quickstart's tiny Llama otherwise."""
 VOCAB: dict[str, list[str]] = {
     "32k vocab, full logits": REALISTIC,
     "32k vocab, logits=chunked": [*REALISTIC, "logits=chunked"],
+    "32k vocab, optim=adamw_8bit": [*REALISTIC, "optim=adamw_8bit"],
+    "32k vocab, optim=adafactor": [*REALISTIC, "optim=adafactor"],
 }
 
 
@@ -96,7 +98,8 @@ def dry_run_seconds(times: int, root: Path) -> tuple[float, float]:
 MEMORY_COLUMNS = [("peak MiB", "peak", ".1f"), ("planned peak", "planned", ".1f"), ("params", "params", ".2f"),
                   ("grads", "grads", ".2f"), ("optimizer", "optimizer", ".2f"), ("activations", "activations", ".2f"),
                   ("tokens/s", "tokens_per_s", ",.0f"), ("step ms", "step_ms", ".1f")]
-VOCAB_COLUMNS = [("peak MiB", "peak", ".1f"), ("planned peak", "planned", ".1f"), ("planned logits/loss", "planned_logits", ".1f"),
+VOCAB_COLUMNS = [("peak MiB", "peak", ".1f"), ("planned peak", "planned", ".1f"), ("optimizer", "optimizer", ".1f"),
+                 ("planned logits/loss", "planned_logits", ".1f"),
                  ("measured activations in backward", "backward_activations", ".1f"), ("planned", "planned_activations", ".1f"),
                  ("tokens/s", "tokens_per_s", ",.0f")]
 

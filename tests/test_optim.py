@@ -1,4 +1,4 @@
-"""The optimizer axis (optim=adamw|adam|sgd|momentum): the torch optimizer every engine builds,
+"""The optimizer axis (optim=adamw|adam|sgd|momentum|adamw_8bit|adafactor): the torch optimizer every engine builds,
 the DeepSpeed JSON, real runs whose loss falls and whose measured optimizer memory is the
 optimizer's state (none, one momentum buffer, two Adam moments), and the refusals."""
 
@@ -174,3 +174,64 @@ def test_momentum_refusals(compose, overrides, message):
     with pytest.raises(ConfigError) as e:
         compose(overrides)
     assert str(e.value) == message
+
+
+# -- memory-saving optimizer states (issue 18.2) ---------------------------------------------------
+
+
+def test_low_memory_optimizers_are_built_and_keep_their_states(compose):
+    """adamw_8bit: bitsandbytes' AdamW8bit, uint8 moments for a tensor of 4,096+ elements, fp32 below;
+    adafactor: torch's, a row and a column vector per matrix."""
+    import bitsandbytes as bnb
+
+    for option, cls in (("adamw_8bit", bnb.optim.AdamW8bit), ("adafactor", torch.optim.Adafactor)):
+        cfg = compose([f"optim={option}", "optim.weight_decay=0.1"])
+        net, _ = tiny_model()
+        opt = engine.build(cfg, net, CPU).optimizer
+        assert type(opt) is cls and [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+        for p in net.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        embed = net.get_input_embeddings().weight
+        state = opt.state[embed]
+        if option == "adamw_8bit":
+            assert state["state1"].dtype == state["state2"].dtype == torch.uint8 and state["state1"].shape == embed.shape
+            norm = net.model.norm.weight  # 128 elements: below bitsandbytes' min_8bit_size
+            assert opt.state[norm]["state1"].dtype == torch.float32
+        else:
+            assert state["row_var"].shape == (embed.shape[0], 1) and state["col_var"].shape == (1, embed.shape[1])
+
+
+@pytest.mark.parametrize("option,cut", [("adamw_8bit", 3.5), ("adafactor", 50)])
+def test_low_memory_states_measured_and_planned(tmp_path, option, cut):
+    """MemTracker's optimizer memory against the planner's per-tensor count, and the cut against AdamW's 8 bytes
+    per parameter (a 3.2M-parameter Llama, h 256: bitsandbytes keeps the norms' 32-bit states)."""
+    from test_plan import measured_run
+
+    rows = {name: (p, m) for name, p, m in measured_run(tmp_path, f"optim={option}", micro=2, seq=128)}
+    predicted, measured = rows["optimizer"]
+    adamw = 2 * rows["weights"][1]  # fp32 weights: 4 bytes/param; AdamW 8
+    print(f"{option}: optimizer {measured:.3f} MiB measured, {predicted:.3f} planned, AdamW's {adamw:.2f}")
+    assert predicted == pytest.approx(measured, rel=0.05, abs=0.01)
+    assert adamw / measured >= cut
+    assert rows["peak"][0] == pytest.approx(rows["peak"][1], rel=0.15)
+
+
+def test_adamw_8bit_follows_adamw(tmp_path):
+    """Six steps from the same init: 8-bit moments change the loss curve by well under a percent here."""
+    train_here(["optim=adamw_8bit", f"optim.lr={LR['adamw']}", *FEW], tmp_path / "eight")
+    train_here(["optim=adamw", f"optim.lr={LR['adamw']}", *FEW], tmp_path / "fp32")
+    eight, fp32 = train_losses(tmp_path / "eight"), train_losses(tmp_path / "fp32")
+    assert eight[0] == fp32[0] and eight != fp32  # the same start; the states do differ
+    assert eight == pytest.approx(fp32, rel=0.01) and eight[-1] < eight[0] - 0.1
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["optim=adamw_8bit", "zero=stage2"], "optim=adamw_8bit with zero.stage=2: DeepSpeed builds its own optimizer from the JSON"),
+    (["optim=adafactor", "parallelism=fsdp", "launcher.nproc_per_node=2"],
+     "optim=adafactor with parallelism=fsdp: torch's Adafactor factors each whole matrix's second moment"),
+    (["optim=adamw_8bit", "parallelism=tp2", "launcher.nproc_per_node=2"], "optim=adamw_8bit with parallelism.tp=2: bitsandbytes' 8-bit kernels take plain tensors"),
+])
+def test_low_memory_optimizer_refusals(compose, overrides, message):
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        compose(overrides)

@@ -40,11 +40,18 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch
     adamw: decoupled weight decay. adam: torch's Adam adds weight_decay * w to the gradient (L2
     regularisation, scaled by Adam's normalisation), a different regulariser at the same number.
     sgd: optim.momentum 0 keeps no state, > 0 one momentum buffer per parameter; betas/eps unused.
+    adamw_8bit: bitsandbytes' AdamW8bit (runs on CPU too). adafactor: torch's, decoupled weight decay.
     (The DeepSpeed engine builds the same optimizers from `launcher.deepspeed_config`.)
     """
     groups = param_groups(params, cfg.weight_decay)
     if cfg.name == Optimizer.sgd:
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+    if cfg.name == Optimizer.adamw_8bit:
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    if cfg.name == Optimizer.adafactor:
+        return torch.optim.Adafactor(groups, lr=cfg.lr)
     adam = {Optimizer.adamw: torch.optim.AdamW, Optimizer.adam: torch.optim.Adam}[cfg.name]
     return adam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
 
