@@ -89,8 +89,8 @@ def local_config(cfg: ModelConfig) -> dict[str, Any] | None:
 def model_config(cfg: ModelConfig) -> dict[str, Any] | None:
     """The model's config.json keys as this machine can read them without a download: model.init's,
     a local model.path's config.json, or model.architecture; None for a hub id without it."""
-    if cfg.init is not None:
-        return dict(vars(cfg.init))
+    if cfg.init is not None:  # vocab_size null: the tokenizer's, which config.json would state (left out: unknown here)
+        return {k: v for k, v in vars(cfg.init).items() if not (k == "vocab_size" and v is None)}
     return local_config(cfg)
 
 
