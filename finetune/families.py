@@ -117,6 +117,11 @@ class Linear:
         return self.experts * (self.inputs * self.outputs + (self.outputs if self.bias else 0))
 
 
+NORM_TOPK_DEFAULT = {"qwen2_moe": False, "qwen3_moe": False, "olmoe": False}
+"""transformers' default of norm_topk_prob where a family's config has the key (a config.json may leave it
+out); Mixtral has none and always renormalises."""
+
+
 @dataclass(frozen=True)
 class Moe:
     """A sparse MLP: each token goes to top_k of `experts` experts of `width`, chosen by a router."""
@@ -436,7 +441,7 @@ def arch_from_config(arch: dict[str, Any], source: str) -> Arch:
             shared_mlp, shared_roles = mlp("mlp.shared_expert.", shared)
             sparse_mlp += shared_mlp + (Linear("mlp.shared_expert_gate", h, 1),)
             sparse_roles = {role: sparse_roles[role] + shared_roles[role] for role in sparse_roles}
-        moe = Moe(experts, top_k, expert, bool(arch.get("norm_topk_prob", True)))
+        moe = Moe(experts, top_k, expert, bool(arch.get("norm_topk_prob", NORM_TOPK_DEFAULT.get(model_type, True))))
         sparse = Block(attention + sparse_mlp, norms, top_k * expert + shared, roles | sparse_roles, moe)
         dense_only = set(arch.get("mlp_only_layers") or [])
         step = arch.get("decoder_sparse_step") or 1

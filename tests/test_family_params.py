@@ -193,3 +193,18 @@ def test_architecture_with_a_random_init_model_is_refused():
     with pytest.raises(ConfigError) as e:
         preflight(["+recipe=quickstart_sft", "+model.architecture={model_type:llama,hidden_size:64}"])
     assert str(e.value).startswith("model.architecture declares a pretrained model.path's config")
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral"])
+def test_routing_renormalisation_default_is_transformers_when_config_json_leaves_it_out(family):
+    """norm_topk_prob missing from a config.json: the planner takes the family's transformers default
+    (False for Qwen-MoE; Mixtral has no key and always renormalises)."""
+    from transformers import AutoConfig
+
+    from finetune.families import arch_from_config
+
+    keys = dict(model_type=family, vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
+                **({"num_local_experts": 4} if family == "mixtral" else {"num_experts": 4}))
+    moe = next(b.moe for b in arch_from_config(keys, "config.json").layers if b.moe is not None)
+    assert moe.normalized is bool(getattr(AutoConfig.for_model(family), "norm_topk_prob", True))
