@@ -461,3 +461,10 @@ def arch_from_config(arch: dict[str, Any], source: str) -> Arch:
                 embedding_dropout=float(first("embd_pdrop", default=fam.dropout)),
                 attn_softcap=float(first("attn_logit_softcapping", default=fam.softcap[0])),
                 final_softcap=float(first("final_logit_softcapping", default=fam.softcap[1])))
+
+
+def router_loss_under_pp(pp: int) -> str:
+    """The refusal of a MoE whose config adds its router loss to the loss, under pipeline parallel."""
+    return (f"parallelism.pp={pp}: this MoE adds its router loss to the loss (config.json sets output_router_logits), which "
+            "pipeline stages cannot collect (each keeps its routers' logits): set output_router_logits false in config.json, "
+            "or use parallelism=fsdp or tp")

@@ -38,7 +38,8 @@ from finetune.config import (
     launcher_for,
 )
 from finetune.disk import attention, config_source, config_value, local_config, model_config
-from finetune.families import FAMILIES, adapted_outside_linears, arch_from_config, arch_targets, dora_experts, unmatched_targets
+from finetune.families import (FAMILIES, adapted_outside_linears, arch_from_config, arch_targets, dora_experts, router_loss_under_pp,
+                                unmatched_targets)
 
 
 def layout_words(p: ParallelismConfig) -> str:
@@ -157,6 +158,8 @@ def _validate_strategies(cfg: Config) -> None:
     if cfg.precision.name != Precision.fp16:
         _unused(cfg.precision, "precision", ("name",), f"with precision={cfg.precision.name.value} (only with fp16)")
     arch = model_config(cfg.model)
+    if cfg.parallelism.pp > 1 and arch is not None and arch.get("output_router_logits") is True:
+        raise ConfigError(router_loss_under_pp(cfg.parallelism.pp))
     if peft.name != PeftMethod.none and arch is not None:
         _validate_targets(arch, peft.target_modules)
     if peft.name == PeftMethod.dora and arch is not None and adapted_outside_linears(arch, peft.target_modules):

@@ -20,6 +20,7 @@ import torch
 from finetune import checkpoint, config, data, dist, engine, evaluate, flops, logs, loop, model, objectives, reference
 from finetune.config import Config, ConfigError, Logits, PeftConfig, PeftMethod, uses_deepspeed
 from finetune.engine.common import autocast_dtype
+from finetune.families import router_loss_under_pp
 from finetune.head import PROBE_TOKENS, ChunkedHead
 from finetune.launcher import ERROR_FILE, RANKS_DIR, deepspeed_config
 from finetune import plan
@@ -139,6 +140,8 @@ def run(cfg: Config, d: dist.Dist) -> None:
                                 run_dir=run_dir, is_main=d.is_main, barrier=d.barrier)
 
     loaded = load(cfg.peft)
+    if cfg.parallelism.pp > 1 and getattr(loaded.config, "output_router_logits", False):  # a hub config the launcher could not read
+        raise ConfigError(router_loss_under_pp(cfg.parallelism.pp))
     phase("peft" if cfg.peft.name != PeftMethod.none else "model")
     net = model.apply_strategies(loaded, checkpointing=cfg.checkpointing, peft=cfg.peft)
     if d.is_main:
@@ -161,6 +164,10 @@ def run(cfg: Config, d: dist.Dist) -> None:
     ref = reference.setup(cfg, engine=eng, dist=d, splits={"train": train_examples, "eval": eval_examples}, run_dir=run_dir,
                           resume_from=resume_from, load_model=lambda: load(base_peft), pad_id=tokenizer.pad_token_id)
     router = objectives.router_loss(loaded.config)  # a MoE's load-balancing loss, from its config
+    if router and cfg.parallelism.pp > 1:  # stages hand each other hidden states: the routers' logits stay in theirs
+        if d.is_main:
+            print(f"router aux loss: not reported under parallelism.pp={cfg.parallelism.pp} (each stage keeps its routers' logits)")
+        router = None
     if router and d.is_main:
         print(router.describe())
     objective = objectives.build(cfg.method, ref, router, chunked)

@@ -269,3 +269,26 @@ def test_targets_that_match_nothing_name_what_exists_before_launch_and_on_the_ra
     assert str(e.value) == ("peft.target_modules: W_pack matches no module of this mixtral model: its linear layers are "
                             "k_proj, lm_head, o_proj, q_proj, v_proj; its experts' fused weights down_proj, gate_up_proj "
                             "(experts: all of them); its router gate (or use [all-linear])")
+
+
+def test_a_pipeline_says_it_does_not_report_the_router_loss(models, tmp_path):
+    """Pipeline stages hand each other hidden states: the routers' logits stay in their stage, so the loss
+    is not reported (rather than reported as 0), and a config that adds it to the loss is refused."""
+    import json
+    import shutil
+
+    args = [*at(models["mixtral"]), *SHORT[2:], "parallelism=pp2", "train.micro_batch_size=4", "train.global_batch_size=8",
+            "data.max_length=64"]
+    out = run_cli(*args, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "router aux loss: not reported under parallelism.pp=2 (each stage keeps its routers' logits)" in out.stdout
+    assert not any("router_aux_loss" in m for m in read_metrics(tmp_path / "run") if m["kind"] == "train")
+    added = tmp_path / "added"
+    shutil.copytree(models["mixtral"], added)
+    config = json.loads((added / "config.json").read_text())
+    (added / "config.json").write_text(json.dumps({**config, "output_router_logits": True}))
+    out = run_cli(*at(added), *args[3:], f"hydra.run.dir={tmp_path / 'added_run'}", cwd=tmp_path)  # refused before launch
+    assert out.returncode != 0 and not (tmp_path / "added_run" / "ranks").exists()
+    assert last_line(out.stderr) == ("error: parallelism.pp=2: this MoE adds its router loss to the loss (config.json sets "
+                                     "output_router_logits), which pipeline stages cannot collect (each keeps its routers' "
+                                     "logits): set output_router_logits false in config.json, or use parallelism=fsdp or tp")
