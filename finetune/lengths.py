@@ -145,7 +145,7 @@ def row_labelled(examples: list[Any]) -> list[int]:
     """Labelled positions of each training row (a preference pair: both of its rows), what logits=chunked
     puts through the output layer."""
     def count(e: Any) -> int:
-        return sum(1 for t in e.labels[1:] if t != data.IGNORE)
+        return len(e.labels) - 1 - e.labels[1:].count(data.IGNORE) if e.labels else 0
     return [count(e.chosen) + count(e.rejected) if isinstance(e, data.Pair) else count(e) for e in examples]
 
 
