@@ -245,6 +245,10 @@ class Optimizer(str, Enum, metaclass=Spelled):
     adafactor = "adafactor"
 
 
+TORCH_ENGINE_ONLY = (Optimizer.adamw_8bit, Optimizer.adafactor)
+"""Optimizers neither DeepSpeed (it builds its own) nor a DTensor layout (FSDP2, TP, PP) can run."""
+
+
 class Scheduler(str, Enum, metaclass=Spelled):
     cosine = "cosine"
     linear = "linear"

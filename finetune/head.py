@@ -10,8 +10,9 @@ log-probs in `ChunkedHead.result`; the model's `.logits` is then an empty tensor
 
 What a family does to its logits after its output layer must be done per chunk too: Gemma-2's soft
 capping, Granite's logits_scaling, Cohere's logit_scale (`post_ops`). A family that does something
-else is caught by `ChunkedHead.check` (the chunked log-probs of a probe batch against the full
-logits' ones) before training and refused in one line, never trained on a wrong loss.
+else is caught by `ChunkedHead.check` (the model's own logits of a probe batch against what the output
+layer and the known post-processing make of the same hidden states) before training and refused in
+one line, never trained on a wrong loss.
 """
 
 from __future__ import annotations

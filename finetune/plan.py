@@ -53,6 +53,7 @@ from finetune.config import (
     Precision,
     Reference,
     Strategy,
+    TORCH_ENGINE_ONLY,
     engine_kind,
 )
 from finetune.disk import config_source, flash_unavailable, local_config
@@ -142,21 +143,21 @@ def trainable_shapes(arch: Arch, cfg: Config) -> list[tuple[int, ...]]:
     and norms, the embeddings, the final norm and the head; under LoRA/DoRA the adapters' A (r x in) and
     B (out x r) per adapted linear (per expert: experts x r rows), DoRA's magnitude, modules_to_save."""
     peft, h, shapes = cfg.peft, arch.hidden_size, []
-    saved = set(peft.modules_to_save) if peft.name != PeftMethod.none else {"lm_head", "embed_tokens", "*"}
+    full = peft.name == PeftMethod.none
     for block in arch.layers:
         for lin in block.linears:
-            if peft.name == PeftMethod.none:
+            if full:
                 shapes += [(lin.experts, lin.outputs, lin.inputs) if lin.experts > 1 else (lin.outputs, lin.inputs)]
                 shapes += [(lin.experts * lin.outputs,)] if lin.bias else []
             elif adapted(lin, peft.target_modules):
                 shapes += [(lin.experts * peft.r, lin.inputs), (lin.outputs, lin.experts * peft.r)]
                 shapes += [(lin.outputs,)] if peft.name == PeftMethod.dora else []
-        shapes += [(block.norms,)] if peft.name == PeftMethod.none and block.norms else []
-    if "embed_tokens" in saved or "*" in saved:
+        shapes += [(block.norms,)] if full and block.norms else []
+    if full or "embed_tokens" in peft.modules_to_save:
         shapes += [(arch.vocab_size, h)]
-    if ("lm_head" in saved or "*" in saved) and arch.head_params:
+    if (full or "lm_head" in peft.modules_to_save) and arch.head_params:
         shapes += [(arch.vocab_size, h)]
-    if peft.name == PeftMethod.none:
+    if full:
         shapes += [(arch.final_norm,)] + ([(arch.positions,)] if arch.positions else [])
     return shapes
 
@@ -683,7 +684,7 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
                      "(DeepSpeed's own estimator adds a 4 bytes/param fp32 gradient copy: 18P/N)")
     else:
         weights, grads, opt = w * trainable, g * trainable, k * trainable
-        if cfg.optim.name in (Optimizer.adamw_8bit, Optimizer.adafactor):  # by tensor shape, not per parameter
+        if cfg.optim.name in TORCH_ENGINE_ONLY:  # by tensor shape, not per parameter
             opt = state_bytes(trainable_shapes(arch, cfg), cfg.optim.name) / mp
         frozen_w = frozen * counts.frozen_bytes_per_param
         if p.strategy == Strategy.fsdp:  # FSDP2: like ZeRO-3 over dp, fp32 states, one block gathered at a time

@@ -34,6 +34,7 @@ from finetune.config import (
     Reference,
     Scheduler,
     Strategy,
+    TORCH_ENGINE_ONLY,
     engine_kind,
     launcher_for,
 )
@@ -118,11 +119,11 @@ def validate(cfg: Config) -> None:
     if p.pp_schedule == PipeSchedule.interleaved_1f1b and p.pp > 1 and cfg.grad_accum_steps % p.pp:
         raise ConfigError(f"parallelism.pp_schedule=interleaved_1f1b needs a micro-batch count per step ({cfg.grad_accum_steps}) "
                           f"that is a multiple of parallelism.pp={p.pp}: change train.micro_batch_size or train.global_batch_size")
-    if cfg.zero.enabled and cfg.optim.name in (Optimizer.adamw_8bit, Optimizer.adafactor):
+    if cfg.zero.enabled and cfg.optim.name in TORCH_ENGINE_ONLY:
         raise ConfigError(f"optim={cfg.optim.name.value} with zero.stage={cfg.zero.stage}: DeepSpeed builds its own optimizer "
                           "from the JSON (FusedAdam, CPUAdam or a torch.optim class over its flat fp32 partitions): use "
-                          f"optim={cfg.optim.name.value} with zero=none (parallelism=single, ddp or fsdp), or optim=adamw under ZeRO")
-    if engine_kind(cfg) == "mesh" and cfg.optim.name in (Optimizer.adamw_8bit, Optimizer.adafactor):
+                          f"optim={cfg.optim.name.value} with zero=none (parallelism=single or ddp), or optim=adamw under ZeRO")
+    if engine_kind(cfg) == "mesh" and cfg.optim.name in TORCH_ENGINE_ONLY:
         why = ("bitsandbytes' 8-bit kernels take plain tensors" if cfg.optim.name == Optimizer.adamw_8bit else
                "torch's Adafactor factors each whole matrix's second moment into row and column statistics")
         raise ConfigError(f"optim={cfg.optim.name.value} with {layout_words(p)}: {why}, and this layout's parameters are "

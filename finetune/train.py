@@ -201,10 +201,10 @@ def run(cfg: Config, d: dist.Dist) -> None:
 
 
 def probe_batch(examples: list[Any]) -> dict[str, torch.Tensor]:
-    """The first training row's first PROBE_TOKENS tokens, every position labelled (ChunkedHead.check)."""
+    """The first training row's first PROBE_TOKENS tokens (ChunkedHead.probe compares logits: no labels)."""
     first = examples[0].chosen if isinstance(examples[0], data.Pair) else examples[0]
     ids = torch.tensor([first.input_ids[:PROBE_TOKENS]])
-    return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
 def planned(cfg: Config, batches: data.TrainBatches, examples: list[Any]) -> dict[str, float] | str:
