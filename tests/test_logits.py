@@ -184,3 +184,12 @@ def test_planned_within_15_percent_of_measured(tmp_path, precision, chunk):
                         f"logits.chunk_tokens={chunk}", micro=4, seq=256)
     for name, predicted, measured in rows:
         assert predicted == pytest.approx(measured, rel=0.15 if name == "peak" else 0.25), name
+
+
+def test_a_vocabulary_below_the_tokenizer_is_refused_by_the_dry_run(tmp_path):
+    from conftest import last_line
+
+    out = run_cli("+recipe=quickstart_sft", "model.init.vocab_size=100", "launcher.dry_run=true", cwd=tmp_path)
+    assert out.returncode != 0
+    assert last_line(out.stderr) == ("error: model.init.vocab_size=100 is below the tokenizer's 103 token ids (ids from 100 up "
+                                     "would index past the embedding): set it to at least 103, or null for exactly the tokenizer's")
