@@ -193,6 +193,7 @@ class Precision(str, Enum, metaclass=Spelled):
     fp32 = "fp32"
     bf16 = "bf16"
     fp16 = "fp16"
+    bf16_pure = "bf16_pure"
 
 
 class Offload(str, Enum, metaclass=Spelled):
@@ -390,7 +391,13 @@ class MethodConfig:
 @dataclass
 class PrecisionConfig:
     name: Precision = Precision.fp32
-    """fp32; bf16 (autocast, fp32 master weights); fp16 (autocast + dynamic loss scaling)."""
+    """fp32; bf16 (autocast, fp32 master weights); fp16 (autocast + dynamic loss scaling); bf16_pure
+    (weights, gradients and optimizer states all bf16, no fp32 master: 2 + 2 + 4 bytes/param with AdamW,
+    + 2 for the Kahan compensation)."""
+    kahan_sum: bool = True
+    """bf16_pure: each update is added with Kahan summation (optimi's optimizers: a bf16 compensation buffer
+    per parameter, 2 bytes), so updates smaller than bf16's resolution accumulate instead of rounding away;
+    false: plain bf16 updates (torchtune's default, 2 bytes/param less)."""
     initial_scale_power: int = checked(in_range(0, 32, step=1), 16)
     """fp16: the loss scale starts at 2**initial_scale_power."""
     loss_scale_window: int = checked(at_least(1), 1000)
@@ -526,6 +533,10 @@ class OptimConfig:
     """Cosine decays to lr * min_lr_ratio."""
     max_grad_norm: float | None = checked(POSITIVE, 1.0)
     """Clip the global gradient norm to this; null: no clipping."""
+    in_backward: bool = False
+    """Step each parameter inside backward, as soon as its gradient is complete, and free that gradient at
+    once (torch's register_post_accumulate_grad_hook): gradients never exist for the whole model together.
+    Needs one micro-batch per step and no global clipping (optim.max_grad_norm=null); torch engine, one rank."""
 
 
 @dataclass

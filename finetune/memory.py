@@ -57,20 +57,23 @@ class MemoryProbe:
     - params, buffers: as tracked.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                 snapshot: Path | None = None) -> None:
-        """`snapshot`: CUDA only, also record the allocator's history and dump it there in `report()`."""
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
+                 device: torch.device, snapshot: Path | None = None) -> None:
+        """`optimizer`: one, or one per parameter (optim.in_backward). `snapshot`: CUDA only, also record
+        the allocator's history and dump it there in `report()`."""
+        optimizers = optimizer if isinstance(optimizer, list) else [optimizer]
         self.device, self.snapshot = device, snapshot
         if snapshot is not None:
             torch.cuda.memory._record_memory_history(max_entries=200_000)
         self.tracker = _tracker_class()()
-        self.tracker.track_external(model, optimizer)
+        self.tracker.track_external(model, *optimizers)
         self.model = model
         self.peak: dict[str, int] = {}
         self.most: dict[str, int] = {}
         self.active = False
-        optimizer.register_step_pre_hook(lambda *_: self._sample())
-        optimizer.register_step_post_hook(lambda *_: self._sample())
+        for opt in optimizers:
+            opt.register_step_pre_hook(lambda *_: self._sample())
+            opt.register_step_post_hook(lambda *_: self._sample())
 
     @contextlib.contextmanager
     def track(self) -> Iterator[None]:

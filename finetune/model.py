@@ -100,8 +100,9 @@ def published_limits(model_type: str) -> dict[str, str]:
 
 
 def load_model(cfg: ModelConfig, tokenizer: Any, *, attention: str, peft: PeftConfig, compute_dtype: torch.dtype,
-               zero3: bool, run_dir: Path, is_main: bool, barrier: Any) -> torch.nn.Module:
-    """The model with fp32 weights on CPU, the same on every rank (sharded under ZeRO-3).
+               zero3: bool, run_dir: Path, is_main: bool, barrier: Any, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The model on CPU, the same on every rank (sharded under ZeRO-3): a pretrained one loaded in `dtype` (fp32;
+    bf16 for precision=bf16_pure, never an fp32 copy first), a random-init one built in fp32 (the engine casts it).
 
     For QLoRA the base is loaded 4-bit (bitsandbytes NF4/FP4); a random-init base is first saved to
     RUN_DIR/base and loaded from there, which is also where its adapter says its base lives.
@@ -115,7 +116,7 @@ def load_model(cfg: ModelConfig, tokenizer: Any, *, attention: str, peft: PeftCo
         config = AutoConfig.for_model(cfg.init.model_type, vocab_size=cfg.init.vocab_size or len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **arch)
         torch.manual_seed(cfg.init.seed)  # every rank builds the same initial weights
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=torch.float32)  # same init in every precision
         if peft.name == PeftMethod.none:
             return model
         path = str(run_dir / BASE_DIR)  # adapters need a base on disk to be merged into later
@@ -127,7 +128,7 @@ def load_model(cfg: ModelConfig, tokenizer: Any, *, attention: str, peft: PeftCo
         if peft.name != PeftMethod.qlora:
             model.name_or_path = model.config._name_or_path = path  # recorded in adapter_config.json
             return model
-    kwargs: dict[str, Any] = {"dtype": torch.float32}
+    kwargs: dict[str, Any] = {"dtype": dtype}
     if cfg.architecture and cfg.path is not None and not disk.is_local(cfg.path):
         kwargs["config"] = check_architecture(cfg)
     if peft.name == PeftMethod.qlora:

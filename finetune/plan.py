@@ -185,8 +185,17 @@ def optimizer_kind(cfg: Config) -> str:
 
 def engine_state_bytes(cfg: Config) -> tuple[int, int, int]:
     """What our engines hold per trainable parameter: DeepSpeed follows the table for its
-    precision; the torch engine keeps fp32 weights and autocasts, so fp32's row in every precision."""
+    precision; the torch engine keeps fp32 weights and autocasts, so fp32's row in every precision,
+    except bf16_pure: bf16 weights, gradients and states (AdamW 2 + 2 + 4), + 2 for Kahan's compensation."""
+    if cfg.precision.name == Precision.bf16_pure:
+        states = {"sgd": 0, "momentum": 2, "adam": 4, "adamw": 4}[optimizer_kind(cfg)]
+        return 2, 2, states + (2 if cfg.precision.kahan_sum else 0)
     return model_state_bytes_per_param(optimizer_kind(cfg), cfg.precision.name.value if cfg.zero.enabled else "fp32")
+
+
+def module_bytes(cfg: Config) -> int:
+    """Bytes of each weight of the module itself: 2 for DeepSpeed's bf16/fp16 module and for bf16_pure, else 4."""
+    return 2 if (cfg.zero.enabled and cfg.precision.name != Precision.fp32) or cfg.precision.name == Precision.bf16_pure else 4
 
 
 def zero_states(stage: int, params: float, ranks: int, w: int = 2, g: int = 2, k: int = 12) -> tuple[float, float, float]:
@@ -252,7 +261,7 @@ def frozen_weight_bytes(arch: Arch, cfg: Config, frozen: int) -> float:
     """Bytes per frozen base parameter: 4 (torch engine, fp32) or 2 (DeepSpeed bf16/fp16); QLoRA stores
     the block linears in 4 bits (0.5 byte) plus absmax constants (fp32 per 64 weights = 0.0625 byte, or with
     double quantization 1/64 + 4/(64*256) byte), and keeps norms, embeddings and head in fp32."""
-    full = 2 if cfg.zero.enabled and cfg.precision.name != Precision.fp32 else 4
+    full = module_bytes(cfg)
     if cfg.peft.name != PeftMethod.qlora or frozen == 0:
         return full
     consts = (1 / QLORA_BLOCK + 4 / (QLORA_BLOCK * QLORA_DOUBLE_QUANT_BLOCK)) if cfg.peft.double_quant else 4 / QLORA_BLOCK
@@ -300,7 +309,7 @@ class Dtypes:
 
 def dtypes(cfg: Config) -> Dtypes:
     compute = 4 if cfg.precision.name == Precision.fp32 else 2
-    return Dtypes(module=compute if cfg.zero.enabled else 4, compute=compute)
+    return Dtypes(module=module_bytes(cfg), compute=compute)
 
 
 def linear_input_bytes(cfg: Config, d: Dtypes, width: int, linears: tuple[Linear, ...], stored: int, saved: bool) -> float:
@@ -658,7 +667,7 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
     # model states of the trainable parameters, then the frozen base (weights only)
     trainable, frozen = counts.trainable / mp, counts.frozen / mp
     cpu = nvme = 0.0
-    gathered = buckets = 0.0
+    gathered = buckets = one_grad = 0.0
     if z.enabled:
         weights, grads, opt = zero_states(z.stage, trainable, dp, w, g, k)
         frozen_w = frozen * counts.frozen_bytes_per_param / (dp if z.stage == 3 else 1)
@@ -698,8 +707,16 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
         elif p.strategy == Strategy.ddp and dp > 1 and mp == 1:
             buckets = grads  # DDP's flat all-reduce buckets: a second copy of the gradients, held throughout
             notes.append("DDP: gradient buckets counted as a second copy of the gradients")
-        notes.append(f"torch engine: fp32 weights and {optimizer_kind(cfg)} states in every precision "
-                     "(bf16/fp16 autocast the compute only)")
+        if cfg.precision.name == Precision.bf16_pure:
+            notes.append(f"precision=bf16_pure: bf16 weights, gradients and {optimizer_kind(cfg)} states ({w}+{g}+{k} bytes/param"
+                         + (", 2 of them Kahan's compensation)" if cfg.precision.kahan_sum else ")"))
+        else:
+            notes.append(f"torch engine: fp32 weights and {optimizer_kind(cfg)} states in every precision "
+                         "(bf16/fp16 autocast the compute only)")
+        if cfg.optim.in_backward:  # each gradient is stepped and freed in its hook: the largest one is the most held
+            one_grad = g * max(math.prod(shape) for shape in trainable_shapes(arch, cfg)) / mp
+            notes.append("optim.in_backward: each parameter steps in backward and frees its gradient: the largest "
+                         "trainable tensor's gradient counted")
     weights += frozen_w + gathered
 
     if cfg.peft.name == PeftMethod.dora:
@@ -708,7 +725,7 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
 
     # DPO: a live reference model adds its weights (frozen, no gradients, sharded like the policy's frozen part)
     if cfg.method.name == Method.dpo and cfg.method.loss != DpoLoss.simpo and cfg.method.reference == Reference.live:
-        ref_bytes = (2 if z.enabled and cfg.precision.name != Precision.fp32 else 4) * arch.params / mp
+        ref_bytes = module_bytes(cfg) * arch.params / mp
         if (z.enabled and z.stage == 3) or p.strategy == Strategy.fsdp:
             ref_bytes /= dp
         weights += ref_bytes
@@ -731,6 +748,9 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
     resident = grads if (z.enabled or micro_batches > 1 or p.pp > 1) else 0.0
     block_grads = 0.0 if resident else per_param * block_trainable / p.tp
     head_grads = 0.0 if resident else per_param * head_trainable / p.tp
+    if cfg.optim.in_backward:  # stepped and freed in backward: one gradient at a time, never all of them
+        grads = resident = one_grad
+        block_grads = head_grads = 0.0
     acts = activation_bytes(arch, cfg, layers, in_flight, seq, tokens, block_grads, head_grads, moves=on_gpu, masked=masked,
                             labelled=longest.labelled if longest is not None else None)
     # the worst moment of backward: the loss's own backward (everything saved, and its buffers), or

@@ -128,6 +128,8 @@ def validate(cfg: Config) -> None:
                "torch's Adafactor factors each whole matrix's second moment into row and column statistics")
         raise ConfigError(f"optim={cfg.optim.name.value} with {layout_words(p)}: {why}, and this layout's parameters are "
                           "DTensor shards (not supported yet): use parallelism=single or ddp with it, or optim=adamw")
+    _validate_pure(cfg)
+    _validate_in_backward(cfg)
     if p.pp > 1 and cfg.logits.name == Logits.chunked:
         raise ConfigError(f"logits=chunked with parallelism.pp={p.pp}: the pipeline's last stage hands the schedule its whole "
                           "logits, which the loss then reads (chunking them there is not built yet): use logits=full, or "
@@ -136,6 +138,51 @@ def validate(cfg: Config) -> None:
     _validate_method(cfg)
     if t.exact_match_samples and cfg.data.eval is None and cfg.data.eval_size == 0:
         raise ConfigError("train.exact_match_samples needs an eval set: set data.eval or data.eval_size")
+
+
+def _validate_pure(cfg: Config) -> None:
+    """precision=bf16_pure: a bf16 module stepped by optimi's optimizers (Kahan-compensated) on the torch and mesh engines."""
+    if cfg.precision.name != Precision.bf16_pure:
+        return
+    if cfg.zero.enabled:
+        raise ConfigError(f"precision=bf16_pure with zero.stage={cfg.zero.stage}: DeepSpeed's optimizer keeps its own fp32 master "
+                          "copy (its bf16 master mode has no compensated update): use precision=bf16 under ZeRO, or "
+                          "precision=bf16_pure with zero=none (parallelism=single, ddp, fsdp or tp)")
+    if cfg.optim.name not in (Optimizer.adamw, Optimizer.adam, Optimizer.sgd):
+        raise ConfigError(f"precision=bf16_pure with optim={cfg.optim.name.value}: bf16 weights need each update added with "
+                          "Kahan summation (optimi's AdamW, Adam and SGD do it), which this optimizer has not: use optim=adamw, "
+                          "or precision=bf16 with it")
+
+
+def _validate_in_backward(cfg: Config) -> None:
+    """optim.in_backward: each parameter steps in its gradient hook, so nothing may need every gradient first."""
+    o, t = cfg.optim, cfg.train
+    if not o.in_backward:
+        return
+    if cfg.grad_accum_steps > 1:
+        raise ConfigError(f"optim.in_backward=true steps every parameter during each backward, so it cannot accumulate "
+                          f"{cfg.grad_accum_steps} micro-batches per step (train.global_batch_size={t.global_batch_size} / "
+                          f"(train.micro_batch_size={t.micro_batch_size} x data-parallel {cfg.data_parallel_size})): set "
+                          f"train.micro_batch_size={t.global_batch_size // cfg.data_parallel_size} (or train.global_batch_size="
+                          f"{t.micro_batch_size * cfg.data_parallel_size}), or optim.in_backward=false")
+    if o.max_grad_norm is not None:
+        raise ConfigError(f"optim.in_backward=true with optim.max_grad_norm={o.max_grad_norm:g}: clipping by the global norm "
+                          "needs every gradient before the first step: set optim.max_grad_norm=null (the norm is still "
+                          "reported), or optim.in_backward=false")
+    if cfg.precision.name == Precision.fp16:
+        raise ConfigError("optim.in_backward=true with precision=fp16: the loss scaler checks every gradient for overflow "
+                          "before any step: use precision=bf16 or bf16_pure")
+    if t.on_nonfinite == NonFinite.skip:
+        raise ConfigError("optim.in_backward=true with train.on_nonfinite=skip: the parameters have stepped before the loss "
+                          "and the gradient norm can be checked: use train.on_nonfinite=stop")
+    where = (f"zero.stage={cfg.zero.stage} (DeepSpeed steps its own optimizer)" if cfg.zero.enabled else
+             layout_words(cfg.parallelism) + " (the layout reduces its DTensor gradients outside the per-parameter hooks)"
+             if engine_kind(cfg) == "mesh" else
+             f"{cfg.world_size} ranks of parallelism=ddp (DDP averages the gradients after the hook would fire)"
+             if cfg.world_size > 1 else "")
+    if where:
+        raise ConfigError(f"optim.in_backward=true with {where}: it runs on one rank of the torch engine "
+                          "(parallelism=single, launcher.nproc_per_node=1)")
 
 
 def _unused(section: Any, key: str, used: tuple[str, ...], why: str) -> None:
@@ -156,8 +203,11 @@ def _validate_strategies(cfg: Config) -> None:
         _unused(peft, "peft", ("name",), "with peft=none")
     elif peft.name != PeftMethod.qlora:
         _unused(peft, "peft", ("name", "r", "alpha", "dropout", "target_modules", "modules_to_save"), f"with peft={peft.name.value} (only with qlora)")
-    if cfg.precision.name != Precision.fp16:
-        _unused(cfg.precision, "precision", ("name",), f"with precision={cfg.precision.name.value} (only with fp16)")
+    own = {Precision.fp16: ("initial_scale_power", "loss_scale_window"), Precision.bf16_pure: ("kahan_sum",)}
+    for owner, keys in own.items():  # each precision's own keys, refused under the others
+        if owner != cfg.precision.name:
+            _unused(cfg.precision, "precision", tuple(f.name for f in fields(cfg.precision) if f.name not in keys),
+                    f"with precision={cfg.precision.name.value} (only with {owner.value})")
     arch = model_config(cfg.model)
     if cfg.parallelism.pp > 1 and arch is not None and arch.get("output_router_logits") is True:
         raise ConfigError(router_loss_under_pp(cfg.parallelism.pp))

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from finetune.config import Optimizer, OptimConfig, Scheduler
+from finetune.config import ConfigError, Optimizer, OptimConfig, Scheduler
 
 
 @dataclass
@@ -34,7 +35,7 @@ def add_metrics(total: dict[str, float], sums: dict[str, Any]) -> None:
         total[k] = total.get(k, 0.0) + float(v)
 
 
-def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
+def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, kahan: bool | None = None) -> torch.optim.Optimizer:
     """The torch optimizer `optim.name` names, over `param_groups` (no decay on 1-D tensors).
 
     adamw: decoupled weight decay. adam: torch's Adam adds weight_decay * w to the gradient (L2
@@ -42,8 +43,19 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch
     sgd: optim.momentum 0 keeps no state, > 0 one momentum buffer per parameter; betas/eps unused.
     adamw_8bit: bitsandbytes' AdamW8bit (runs on CPU too). adafactor: torch's, decoupled weight decay.
     (The DeepSpeed engine builds the same optimizers from `launcher.deepspeed_config`.)
+
+    kahan (precision=bf16_pure, bf16 parameters): not None selects optimi's AdamW/Adam/SGD, the same updates
+    as torch's, with the states in the parameters' dtype and, when True, Kahan-compensated addition of
+    each update (a bf16 compensation buffer per parameter).
     """
     groups = param_groups(params, cfg.weight_decay)
+    if kahan is not None:
+        import optimi
+
+        if cfg.name == Optimizer.sgd:
+            return optimi.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, torch_init=True, kahan_sum=kahan)
+        adam = {Optimizer.adamw: optimi.AdamW, Optimizer.adam: optimi.Adam}[cfg.name]
+        return adam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, kahan_sum=kahan)
     if cfg.name == Optimizer.sgd:
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
     if cfg.name == Optimizer.adamw_8bit:
@@ -69,7 +81,15 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_step
 
 
 def autocast_dtype(name: Any) -> torch.dtype | None:
-    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name.value]
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "bf16_pure": torch.bfloat16}[name.value]
+
+
+def to_bf16(model: torch.nn.Module) -> None:
+    """precision=bf16_pure: every floating-point parameter in bf16, in place (quantized 4-bit storage and
+    buffers such as the rotary frequencies stay as they are)."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != torch.bfloat16:
+            p.data = p.data.to(torch.bfloat16)
 
 
 def param_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
@@ -78,3 +98,63 @@ def param_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
+
+
+class InBackward:
+    """optim.in_backward: one optimizer per parameter, stepped by that parameter's post-accumulate-grad hook
+    the moment its gradient is complete; the gradient is freed right after, so at most the gradients of
+    the parameters autograd is finishing exist at once, never the whole model's.
+
+    `lead` is an optimizer over every parameter that never steps (torch's optimizers create state on
+    their first step, so it holds none): the learning-rate scheduler drives it, and `begin()` copies its
+    rate to the per-parameter optimizers before each backward. The gradient norm is summed in the hooks
+    (reported, not clipped: a global norm is known only after every parameter has stepped)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], cfg: OptimConfig, kahan: bool | None) -> None:
+        self.params = params
+        self.lead = build_optimizer(params, cfg, kahan)
+        self.optimizers = [build_optimizer([p], cfg, kahan) for p in params]
+        self.handles: list[Any] = []
+        self.squares: torch.Tensor | None = None
+
+    def hook(self) -> None:
+        """Install the hooks (after any memory tracker's own, so that it sees each gradient before it is freed)."""
+        if self.handles:
+            return
+        for p, opt in zip(self.params, self.optimizers):
+            self.handles.append(p.register_post_accumulate_grad_hook(self._stepper(opt)))
+
+    def _stepper(self, opt: torch.optim.Optimizer) -> Any:
+        def step(p: torch.nn.Parameter) -> None:
+            square = p.grad.detach().float().pow(2).sum()
+            self.squares = square if self.squares is None else self.squares + square
+            opt.step()
+            p.grad = None
+        return step
+
+    def begin(self) -> None:
+        self.hook()
+        lr = self.lead.param_groups[0]["lr"]
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = lr
+        self.squares = None
+
+    def end(self) -> None:
+        """After backward: every gradient is gone, so the lead's step changes nothing; it only tells the
+        scheduler that an optimizer step happened (torch warns about the order otherwise)."""
+        self.lead.step()
+
+    def norm(self) -> float:
+        """The global norm of this step's gradients (each read in its hook before the step)."""
+        return math.sqrt(float(self.squares)) if self.squares is not None else 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"per_param": [opt.state_dict() for opt in self.optimizers]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if len(state["per_param"]) != len(self.optimizers):
+            raise ConfigError(f"train.resume: the checkpoint steps {len(state['per_param'])} parameters in backward, "
+                              f"this model trains {len(self.optimizers)}: resume with the same model and peft settings")
+        for opt, s in zip(self.optimizers, state["per_param"]):
+            opt.load_state_dict(s)

@@ -23,9 +23,9 @@ import torch.distributed as tdist
 from torch import nn
 
 from finetune import parallel
-from finetune.config import Config, ConfigError, PipeSchedule, Strategy
+from finetune.config import Config, ConfigError, PipeSchedule, Precision, Strategy
 from finetune.dist import Dist
-from finetune.engine.common import StepResult, add_metrics, autocast_dtype, build_optimizer, build_scheduler
+from finetune.engine.common import StepResult, add_metrics, autocast_dtype, build_optimizer, build_scheduler, to_bf16
 
 STATE_FILE = "trainer_state.pt"  # scheduler and step, beside the DCP shards
 
@@ -55,6 +55,9 @@ class MeshEngine:
         self.dp_size = self.dp
         self.fsdp = p.strategy == Strategy.fsdp
         self.dtype = autocast_dtype(cfg.precision.name)
+        pure = cfg.precision.name == Precision.bf16_pure
+        if pure:
+            to_bf16(model)  # sharded and stepped in bf16: no fp32 master anywhere
         model = model.to(dist.device)
         if p.pp > 1:
             self.stages = parallel.pipeline_stages(model, pp_rank=self.pp_rank, pp=p.pp, per_rank=p.pp_stages_per_rank)
@@ -77,7 +80,7 @@ class MeshEngine:
         self.lockstep = self.fsdp and self.dp > 1  # FSDP gathers parameters collectively over dp
         self.params = [q for m in modules for q in m.parameters() if q.requires_grad]
         self.max_grad_norm = cfg.optim.max_grad_norm
-        self.optimizer = build_optimizer(self.params, cfg.optim)
+        self.optimizer = build_optimizer(self.params, cfg.optim, cfg.precision.kahan_sum if pure else None)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
         self._schedule: Any = None
         if p.pp > 1 and dist.is_main:

@@ -1,5 +1,6 @@
 """The torch engine: one module (DDP-wrapped for data parallel), AdamW/Adam/SGD, warmup + decay,
-clipping, and autocast with a GradScaler for fp16."""
+clipping, and autocast with a GradScaler for fp16; bf16_pure keeps the module itself in bf16 and
+steps optimi's Kahan-compensated optimizers; optim.in_backward steps each parameter in its gradient hook."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from finetune.config import ConfigError, OptimConfig, Precision, PrecisionConfig, Strategy
 from finetune.dist import Dist
-from finetune.engine.common import StepResult, add_metrics, autocast_dtype, build_optimizer, build_scheduler
+from finetune.engine.common import InBackward, StepResult, add_metrics, autocast_dtype, build_optimizer, build_scheduler, to_bf16
 
 Objective = Callable[[Any, dict[str, torch.Tensor]], Any]
 STATE_FILE = "state.pt"
@@ -28,12 +29,17 @@ class TorchEngine:
         self.dist = dist
         self.dp_rank, self.dp_size = dist.rank, dist.world_size
         check_precision(precision.name, dist.device)
-        self.module = model.to(dist.device)  # fp32 master weights whatever the compute precision
+        pure = precision.name == Precision.bf16_pure
+        if pure:
+            to_bf16(model)  # no fp32 master: the weights the optimizer updates are the bf16 ones
+        self.module = model.to(dist.device)  # otherwise fp32 master weights whatever the compute precision
         ddp = strategy == Strategy.ddp and dist.world_size > 1
         self.model: torch.nn.Module = DistributedDataParallel(self.module) if ddp else self.module
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.max_grad_norm = optim.max_grad_norm
-        self.optimizer = build_optimizer(self.params, optim)
+        kahan = precision.kahan_sum if pure else None
+        self.in_backward = InBackward(self.params, optim, kahan) if optim.in_backward else None
+        self.optimizer = self.in_backward.lead if self.in_backward else build_optimizer(self.params, optim, kahan)
         self.scheduler = build_scheduler(self.optimizer, optim, max_steps)
         self.dtype = autocast_dtype(precision.name)
         self.scaler = None
@@ -58,6 +64,8 @@ class TorchEngine:
         self.model.train()
         lr = self.scheduler.get_last_lr()[0]
         loss_sum, metrics = 0.0, {}
+        if self.in_backward:
+            return self._step_in_backward(micro_batches, objective, count, lr)
         for i, batch in enumerate(micro_batches):
             batch = {k: v.to(self.dist.device) for k, v in batch.items()}
             sync = i == len(micro_batches) - 1  # DDP all-reduces gradients on the last micro-batch only
@@ -90,6 +98,22 @@ class TorchEngine:
                           loss_scale=self.scaler.get_scale() if self.scaler else None, skipped=self.skipped, metrics=metrics,
                           applied=applied)
 
+    def _step_in_backward(self, micro_batches: list[dict[str, torch.Tensor]], objective: Objective, count: float,
+                          lr: float) -> StepResult:
+        """optim.in_backward: one micro-batch (the rules refuse accumulation), whose backward steps every parameter."""
+        (batch,) = micro_batches
+        batch = {k: v.to(self.dist.device) for k, v in batch.items()}
+        assert self.in_backward is not None
+        self.in_backward.begin()
+        with self.autocast():
+            loss, sums = objective(self.model, batch)
+        (loss * (self.dist.world_size / count)).backward()  # each parameter steps, and drops its gradient, in here
+        self.in_backward.end()
+        self.scheduler.step()
+        metrics: dict[str, float] = {}
+        add_metrics(metrics, sums)
+        return StepResult(loss_sum=loss.item(), grad_norm=self.in_backward.norm(), lr=lr, metrics=metrics)
+
     @torch.no_grad()
     def inference(self, fn: Objective, batch: dict[str, torch.Tensor]) -> Any:
         """fn(model, batch) in eval mode, without gradients, in the compute precision."""
@@ -106,13 +130,13 @@ class TorchEngine:
         """The unwrapped model, for `generate` (each rank holds it whole under DDP)."""
         return self.module
 
-    def memory_targets(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        return self.module, self.optimizer
+    def memory_targets(self) -> tuple[torch.nn.Module, torch.optim.Optimizer | list[torch.optim.Optimizer]]:
+        return self.module, self.in_backward.optimizers if self.in_backward else self.optimizer
 
     def save(self, directory: Path, step: int) -> None:
         """Model, optimizer, scheduler and scaler into `directory` (ranks hold the same state: rank 0 writes)."""
         if self.dist.is_main:
-            state = {"step": step, "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+            state = {"step": step, "model": self.module.state_dict(), "optimizer": (self.in_backward or self.optimizer).state_dict(),
                      "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else None,
                      "skipped": self.skipped}
             torch.save(state, directory / STATE_FILE)
@@ -122,7 +146,10 @@ class TorchEngine:
             raise ConfigError(f"train.resume: {step_dir} holds no torch-engine checkpoint ({STATE_FILE}); was it saved with zero=none?")
         state = torch.load(step_dir / STATE_FILE, map_location=self.dist.device, weights_only=False)
         self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if ("per_param" in state["optimizer"]) != bool(self.in_backward):
+            raise ConfigError(f"train.resume: {step_dir} was saved with optim.in_backward="
+                              f"{str('per_param' in state['optimizer']).lower()}: resume with the same setting")
+        (self.in_backward or self.optimizer).load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
@@ -139,5 +166,5 @@ class TorchEngine:
 
 def check_precision(name: Precision, device: torch.device) -> None:
     """Refuse a precision this device cannot compute in, naming what it can."""
-    if device.type == "cuda" and name == Precision.bf16 and not torch.cuda.is_bf16_supported():
-        raise ConfigError(f"precision=bf16 needs an Ampere or newer GPU ({torch.cuda.get_device_name(device)} has no bf16): use precision=fp16")
+    if device.type == "cuda" and name in (Precision.bf16, Precision.bf16_pure) and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"precision={name.value} needs an Ampere or newer GPU ({torch.cuda.get_device_name(device)} has no bf16): use precision=fp16")
