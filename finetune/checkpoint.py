@@ -215,6 +215,11 @@ RESUME_UNDER = {  # what a checkpoint of each engine can be resumed under
 }
 
 
+def typed(value: object) -> object:
+    """A setting as it is typed on the command line (true, null), not as Python prints it."""
+    return {True: "true", False: "false", None: "null"}.get(value, value) if isinstance(value, (bool, type(None))) else value
+
+
 def check_compatible(step_dir: Path, cfg: Config) -> None:
     """Refuse to resume a checkpoint of a different run (naming the first difference: a setting, the
     layout, a data file's content) or one with nothing left to do."""
@@ -224,8 +229,8 @@ def check_compatible(step_dir: Path, cfg: Config) -> None:
         theirs = meta["settings"]
         for key in sorted(set(theirs) | set(ours)):
             if theirs.get(key) != ours.get(key):
-                raise ConfigError(f"train.resume: {step_dir} was trained with {key}={theirs.get(key)}, this run has {key}={ours.get(key)}: "
-                                  "resume with the same setting, or start a fresh run")
+                raise ConfigError(f"train.resume: {step_dir} was trained with {key}={typed(theirs.get(key))}, this run has "
+                                  f"{key}={typed(ours.get(key))}: resume with the same setting, or start a fresh run")
     saved, now = meta["layout"], layout(cfg)
     fixed = {"torch": (), "deepspeed": ("world_size", "zero_stage"), "mesh": ("pp", "pp_stages_per_rank")}
     for key in ("engine", *fixed.get(saved["engine"], ())):

@@ -23,7 +23,8 @@ def _tracker_class() -> type:
 
         - the root module runs once per micro-batch: each new forward starts fresh module stats
           (MemTracker refuses a second root forward; the totals we read are unaffected);
-        - frozen parameters (PEFT bases) get no gradient hook (MemTracker would try and fail)."""
+        - frozen parameters (PEFT bases) get no gradient hook (MemTracker would try and fail);
+        - a gradient optim.in_backward already freed is skipped (its hook ran before MemTracker's)."""
 
         def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
             try:
@@ -31,6 +32,11 @@ def _tracker_class() -> type:
             except NotImplementedError:  # the next micro-batch's forward
                 self.reset_mod_stats()
                 super()._pre_fw_hook(module, inputs)
+
+        def _update_and_maybe_create_winfos(self, t: Any, reftype: Any, update_existing: bool = False) -> Any:
+            if t is None:  # optim.in_backward freed the gradient in its own hook first (it was tracked when made)
+                return set()
+            return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
 
         def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True) -> Any:
             for p in module.parameters():

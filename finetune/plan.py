@@ -862,15 +862,18 @@ def _all(*fns: Callable[[Config], None]) -> Callable[[Config], None]:
 
 def moves(cfg: Config) -> list[list[Move]]:
     """The axes a suggestion may change, each a list of alternatives (an empty choice is implied),
-    in docs/memory.md's order: 16-bit precision, fused attention and chunked logits; a smaller micro batch with more
+    in docs/memory.md's order: 16-bit precision, fused attention and chunked logits; low-memory optimizer states,
+    bf16_pure and stepping in backward; a smaller micro batch with more
     accumulation; ZeRO-1/2 (+offload); ZeRO-3 (+offload) or FSDP; activation checkpointing; LoRA,
     then QLoRA; tensor parallel. Costs are rough step-time factors: one extra forward for full
     recompute (~4/3), PCIe-bound offload, ~0.8 for LoRA (no weight gradients)."""
     from finetune.config import Strategy as S
 
     axes: list[list[Move]] = []
-    if cfg.precision.name == Precision.fp32:
-        axes.append([Move(("precision=bf16",), 0, 1.0, _set("precision.name", Precision.bf16))])
+    precision = [Move(("precision=bf16",), 0, 1.0, _set("precision.name", Precision.bf16))] if cfg.precision.name == Precision.fp32 else []
+    if cfg.precision.name in (Precision.fp32, Precision.bf16):  # no fp32 master: a numerics change, like the optimizer's
+        precision.append(Move(("precision=bf16_pure",), 2, 1.0, _set("precision.name", Precision.bf16_pure)))
+    axes.append(precision)
     if cfg.model.attn_implementation == AttnImpl.eager:
         axes.append([Move(("model.attn_implementation=sdpa",), 0, 1.0, _set("model.attn_implementation", AttnImpl.sdpa))])
     if cfg.logits.name == Logits.full and cfg.parallelism.pp == 1:  # the head recomputed per chunk: ~one more head matmul
@@ -878,6 +881,9 @@ def moves(cfg: Config) -> list[list[Move]]:
     if cfg.optim.name in (Optimizer.adamw, Optimizer.adam) and engine_kind(cfg) == "torch" and not cfg.zero.enabled:
         axes.append([Move(("optim=adamw_8bit",), 2, 1.03, _set("optim.name", Optimizer.adamw_8bit)),
                      Move(("optim=adafactor",), 2, 1.03, _set("optim.name", Optimizer.adafactor))])
+    if not cfg.optim.in_backward and cfg.world_size == 1 and engine_kind(cfg) == "torch" and cfg.grad_accum_steps == 1:
+        axes.append([Move(("optim.in_backward=true", "optim.max_grad_norm=null"), 2, 1.0,
+                          _all(_set("optim.in_backward", True), _set("optim.max_grad_norm", None)))])
     micro, dp, batch = cfg.train.micro_batch_size, cfg.data_parallel_size, cfg.train.global_batch_size
     smaller = [m for m in (micro // 2, micro // 4, micro // 8, micro // 16, 1) if 0 < m < micro and batch % (m * dp) == 0]
     axes.append([Move((f"train.micro_batch_size={m}",), 1, 1.08 ** math.log2(micro / m), _set("train.micro_batch_size", m))

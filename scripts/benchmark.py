@@ -48,6 +48,10 @@ VOCAB: dict[str, list[str]] = {
     "32k vocab, logits=chunked": [*REALISTIC, "logits=chunked"],
     "32k vocab, optim=adamw_8bit": [*REALISTIC, "optim=adamw_8bit"],
     "32k vocab, optim=adafactor": [*REALISTIC, "optim=adafactor"],
+    "32k vocab, precision=bf16": [*REALISTIC, "precision=bf16"],
+    "32k vocab, precision=bf16_pure": [*REALISTIC, "precision=bf16_pure"],
+    "32k vocab, bf16_pure without Kahan": [*REALISTIC, "precision=bf16_pure", "precision.kahan_sum=false"],
+    "32k vocab, optim.in_backward=true": [*REALISTIC, "optim.in_backward=true", "optim.max_grad_norm=null"],
 }
 
 
@@ -98,7 +102,8 @@ def dry_run_seconds(times: int, root: Path) -> tuple[float, float]:
 MEMORY_COLUMNS = [("peak MiB", "peak", ".1f"), ("planned peak", "planned", ".1f"), ("params", "params", ".2f"),
                   ("grads", "grads", ".2f"), ("optimizer", "optimizer", ".2f"), ("activations", "activations", ".2f"),
                   ("tokens/s", "tokens_per_s", ",.0f"), ("step ms", "step_ms", ".1f")]
-VOCAB_COLUMNS = [("peak MiB", "peak", ".1f"), ("planned peak", "planned", ".1f"), ("optimizer", "optimizer", ".1f"),
+VOCAB_COLUMNS = [("peak MiB", "peak", ".1f"), ("planned peak", "planned", ".1f"), ("params", "params", ".1f"),
+                 ("grads", "grads", ".1f"), ("optimizer", "optimizer", ".1f"),
                  ("planned logits/loss", "planned_logits", ".1f"),
                  ("measured activations in backward", "backward_activations", ".1f"), ("planned", "planned_activations", ".1f"),
                  ("tokens/s", "tokens_per_s", ",.0f")]

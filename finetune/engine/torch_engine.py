@@ -146,9 +146,6 @@ class TorchEngine:
             raise ConfigError(f"train.resume: {step_dir} holds no torch-engine checkpoint ({STATE_FILE}); was it saved with zero=none?")
         state = torch.load(step_dir / STATE_FILE, map_location=self.dist.device, weights_only=False)
         self.module.load_state_dict(state["model"])
-        if ("per_param" in state["optimizer"]) != bool(self.in_backward):
-            raise ConfigError(f"train.resume: {step_dir} was saved with optim.in_backward="
-                              f"{str('per_param' in state['optimizer']).lower()}: resume with the same setting")
         (self.in_backward or self.optimizer).load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler and state["scaler"]:
