@@ -237,19 +237,36 @@ def collate(examples: list[Any], pad_id: int, width: int | None = None) -> dict[
 
 def first_fit(lengths: list[int], max_length: int, seed: int) -> list[list[int]]:
     """Which samples (by index) share each packed row of at most `max_length` tokens: first fit, in a
-    seeded order (what `pack` packs; the planner reads packed lengths from it without tokens)."""
-    order = np.random.default_rng(seed).permutation(len(lengths))
+    seeded order (what `pack` packs; the planner reads packed lengths from it without tokens).
+
+    Each sample goes to the first row with room for it, found in O(log n) by descending a max-tree of
+    the rows' free room (rows not opened yet are empty, so "no open row fits" lands on the next new one):
+    n log n in all, a million samples in seconds, the same rows the plain scan gives."""
+    order = np.random.default_rng(seed).permutation(len(lengths)).tolist()
+    if lengths and max(lengths) > max_length:
+        raise ValueError(f"a sample of {max(lengths)} tokens does not fit a packed row of {max_length}")
+    cap = 1
+    while cap < len(lengths):
+        cap *= 2
+    room = [max_length] * (2 * cap)  # room[cap + r]: row r's free tokens; room[k]: the most under node k
     rows: list[list[int]] = []
-    room: list[int] = []
     for i in order:
-        n = lengths[int(i)]
-        slot = next((r for r, free in enumerate(room) if free >= n), None)
-        if slot is None:
+        n = lengths[i]
+        node = 1
+        while node < cap:  # the leftmost row with room >= n
+            node = 2 * node if room[2 * node] >= n else 2 * node + 1
+        r = node - cap
+        if r == len(rows):
             rows.append([])
-            room.append(max_length)
-            slot = len(rows) - 1
-        rows[slot].append(int(i))
-        room[slot] -= n
+        rows[r].append(i)
+        room[node] -= n
+        node //= 2
+        while node:  # refresh the maxima above it, up to the first one that does not change
+            most = max(room[2 * node], room[2 * node + 1])
+            if room[node] == most:
+                break
+            room[node] = most
+            node //= 2
     return rows
 
 

@@ -141,3 +141,38 @@ def test_shard_covers_everything_once():
     items = list(range(7))
     parts = [data.shard(items, r, 3) for r in range(3)]
     assert parts == [[0, 1, 2], [3, 4], [5, 6]]
+
+
+def plain_first_fit(lengths, max_length, seed):
+    """The definition: each sample, in the seeded order, into the first row with room (a scan of every row)."""
+    import numpy as np
+
+    rows, room = [], []
+    for i in np.random.default_rng(seed).permutation(len(lengths)):
+        slot = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
+        if slot is None:
+            rows.append([])
+            room.append(max_length)
+            slot = len(rows) - 1
+        rows[slot].append(int(i))
+        room[slot] -= lengths[i]
+    return rows
+
+
+@pytest.mark.parametrize("count,low,high,max_length", [(0, 1, 2, 8), (1, 8, 9, 8), (3000, 5, 300, 512), (3000, 1, 2048, 2048),
+                                                       (2000, 400, 513, 512)])
+def test_packing_is_first_fit_in_n_log_n(count, low, high, max_length):
+    """The max-tree packs exactly the rows the plain scan does (the scan is quadratic: 20,000 samples took 3 s,
+    a million over an hour; the tree packs a million in ~5 s), each row within max_length."""
+    import numpy as np
+
+    lengths = np.random.default_rng(count).integers(low, high, count).tolist()
+    rows = data.first_fit(lengths, max_length, seed=7)
+    assert rows == plain_first_fit(lengths, max_length, seed=7)
+    assert sorted(i for row in rows for i in row) == list(range(count))
+    assert all(sum(lengths[i] for i in row) <= max_length for row in rows)
+
+
+def test_packing_refuses_a_sample_longer_than_a_row():
+    with pytest.raises(ValueError, match="a sample of 9 tokens does not fit a packed row of 8"):
+        data.first_fit([3, 9], 8, seed=0)
