@@ -157,6 +157,9 @@ class DataFormat(str, Enum, metaclass=Spelled):
     auto = "auto"
     alpaca = "alpaca"
     chat = "chat"
+    sharegpt = "sharegpt"
+    completion = "completion"
+    text = "text"
     preference = "preference"
 
 
@@ -344,8 +347,10 @@ class DataConfig:
     eval_split: str = checked(TEXT, "train")
     """Split to read from `eval` when it is a dataset directory or hub id."""
     format: DataFormat = DataFormat.auto
-    """alpaca (instruction/input/output), chat (messages), preference (prompt/chosen/rejected, for
-    method=dpo), or auto: decided per row by its keys."""
+    """alpaca (instruction/input/output), chat (OpenAI-style messages: role/content, other keys ignored),
+    sharegpt (conversations: from/value), completion (prompt/completion or question/answer), text (plain
+    text for continued pre-training: every token is trained on, long rows split into max_length pieces),
+    preference (prompt/chosen/rejected, for method=dpo), or auto: decided per row by its keys."""
     template: Template = Template.auto
     """tokenizer: its chat template; builtin: ours; auto: the tokenizer's if it has one."""
     system_prompt: str | None = checked(ANY_TEXT, None)

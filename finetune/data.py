@@ -1,9 +1,9 @@
 """Datasets -> conversations -> token ids with response-only labels -> per-rank micro-batches.
 
-SFT rows come in two forms: alpaca (`instruction`, optional `input`, `output`) and chat (`messages`:
-a list of `{role, content}` ending with the assistant). Both become a list of messages, rendered
+SFT rows (alpaca, chat, sharegpt, completion: finetune/formats.py) become a list of messages, rendered
 by the tokenizer's chat template or our built-in one, and tokenized segment by segment so that we
-know exactly which tokens are the response: only those carry labels.
+know exactly which tokens are the response: only those carry labels. Text rows (continued
+pre-training) are tokenized whole, every token a label, split into max_length pieces.
 
 Preference rows (DPO) become a `Pair` of two examples, prompt + chosen and prompt + rejected,
 rendered through the same templates; only the final response carries labels. A pair's batch is
@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
-from finetune.config import ConfigError, DataConfig, LongPrompt, Method, Template
-from finetune.formats import Rows, load_rows, to_messages, to_pair
+from finetune.config import ConfigError, DataConfig, DataFormat, LongPrompt, Method, Template
+from finetune.formats import Rows, form_of, load_rows, text_of, to_messages, to_pair
 
 if TYPE_CHECKING:
     import torch
@@ -120,12 +120,22 @@ class Stats:
     truncated: int = 0  # responses cut at max_length
     dropped: int = 0  # prompts that leave no room for a response token
     shortest_dropped_prompt: int = 0
+    split: int = 0  # text rows longer than max_length, split into pieces (none of their tokens lost)
 
     def line(self, name: str, max_length: int) -> str:
         return (
             f"data {name}: {self.rows} rows, {self.truncated} responses truncated at max_length={max_length}, "
-            f"{self.dropped} dropped (prompt too long)"
+            f"{self.dropped} dropped (prompt too long)" + (f", {self.split} text rows split into max_length pieces" if self.split else "")
         )
+
+
+def encode_text(text: str, tokenizer: Any, max_length: int) -> list[Example]:
+    """A text row (continued pre-training): BOS + its tokens + EOS, every token a label, in consecutive
+    pieces of at most `max_length` tokens (a last piece of one token, which predicts nothing, is dropped)."""
+    ids = ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []) + \
+        tokenizer(text, add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+    pieces = [ids[i : i + max_length] for i in range(0, len(ids), max_length)]
+    return [Example(p, list(p), 0, "") for p in pieces if len(p) > 1]
 
 
 def tokenize(rows: Rows, tokenizer: Any, cfg: DataConfig, key: str, method: Method = Method.sft) -> tuple[list[Any], Stats]:
@@ -140,6 +150,11 @@ def tokenize(rows: Rows, tokenizer: Any, cfg: DataConfig, key: str, method: Meth
         if method == Method.dpo:
             item = encode_pair(*to_pair(row, cfg.system_prompt, rows.where(i)), tokenizer, chat)
             parts = [item.chosen, item.rejected]
+        elif form_of(row, cfg.format, rows.where(i)) == DataFormat.text:
+            pieces = encode_text(text_of(row, rows.where(i)), tokenizer, cfg.max_length)
+            stats.split += len(pieces) > 1
+            out += pieces
+            continue
         else:
             item = encode(to_messages(row, cfg.format, cfg.system_prompt, rows.where(i)), tokenizer, chat)
             parts = [item]
@@ -333,8 +348,8 @@ def shard(items: list[Any], rank: int, world: int) -> list[Any]:
 
 
 def for_generation(examples: list[Any]) -> list[Example]:
-    """What exact match generates from: the example, or a pair's chosen response."""
-    return [e.chosen if isinstance(e, Pair) else e for e in examples]
+    """What exact match generates from: the example, or a pair's chosen response; text rows have no prompt."""
+    return [e for e in (e.chosen if isinstance(e, Pair) else e for e in examples) if e.prompt_len > 0]  # not text rows
 
 
 def eval_batches(examples: list[Any], batch_size: int, pad_id: int) -> Iterator[dict[str, torch.Tensor]]:

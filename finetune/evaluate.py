@@ -30,8 +30,8 @@ def evaluate(engine: Any, objective: Any, examples: list[Any], *, dist: Dist, to
         engine.inference(objective, collate(examples[:1], tokenizer.pad_token_id))  # ZeRO-3: match the other ranks' forwards
     loss_sum, count, *values = dist.sum(loss_sum, count, *(metrics.get(k, 0.0) for k in objective.metrics))
     out = {"eval_loss": loss_sum / max(count, 1)} | {f"eval_{k}": v / max(count, 1) for k, v in zip(objective.metrics, values)}
-    if exact_match_samples and engine.generation_model is not None:  # pipeline stages: exact_match_of_export, after training
-        examples = for_generation(examples)
+    examples = for_generation(examples)  # none for text rows: there is no prompt to continue
+    if exact_match_samples and examples and engine.generation_model is not None:  # pipeline stages: exact_match_of_export, after training
         scored = shard(examples[:exact_match_samples], engine.dp_rank, engine.dp_size)
         extra = lockstep_extra(engine, min(exact_match_samples, len(examples)), batch_size)
         correct = exact_match(engine.generation_model, tokenizer, scored + examples[:1] * extra * batch_size, batch_size=batch_size,

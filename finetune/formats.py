@@ -1,8 +1,11 @@
 """Rows -> conversations, with no heavy imports: the launcher checks local data files with it
 before any rank starts, so a missing file or a malformed row is one line naming file and line.
 
-SFT rows come in two forms: alpaca (`instruction`, optional `input`, `output`) and chat
-(`messages`: a list of `{role, content}` ending with the assistant's response).
+SFT rows come in the forms people's datasets have, told apart by their keys (data.format=auto) or named:
+alpaca (`instruction`, optional `input`, `output`); chat (`messages`: a list of `{role, content}`
+ending with the assistant's response, OpenAI-style, other keys such as `name` ignored); sharegpt
+(`conversations`: `{from, value}` with from human/gpt/system); completion (`prompt` + `completion`,
+or `question` + `answer`); text (`text`: continued pre-training, no template, every token trained on).
 
 Preference rows (method=dpo) hold a prompt and two responses, in either form:
 - `{prompt, chosen, rejected}` with text values (the prompt becomes a user message), or `prompt`
@@ -158,16 +161,59 @@ def is_preference(row: dict[str, Any]) -> bool:
     return "chosen" in row and "rejected" in row
 
 
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+                  "model": "assistant", "system": "system"}
+KNOWN_FORMS = ("alpaca (instruction, output), chat (messages), sharegpt (conversations), completion (prompt and completion, "
+               "or question and answer), text (text)")
+
+
+def form_of(row: dict[str, Any], fmt: DataFormat, where: str) -> DataFormat:
+    """The row's form: `fmt` when named, else told by its keys (one line naming the keys when none fits)."""
+    if fmt != DataFormat.auto:
+        return fmt
+    if is_preference(row):
+        return DataFormat.preference
+    for form, keys in ((DataFormat.chat, ("messages",)), (DataFormat.sharegpt, ("conversations",)),
+                       (DataFormat.alpaca, ("instruction",)), (DataFormat.alpaca, ("output",)),
+                       (DataFormat.completion, ("prompt", "completion")), (DataFormat.completion, ("question", "answer")),
+                       (DataFormat.text, ("text",))):
+        if all(k in row for k in keys):
+            return form
+    raise ConfigError(f"{where}: a row of no known form (keys present: {', '.join(sorted(row)) or 'none'}); the forms are "
+                      f"{KNOWN_FORMS}: rename its keys, or fix the row")
+
+
+def text_of(row: dict[str, Any], where: str) -> str:
+    """A text row's text (data.format=text, or auto with a `text` key)."""
+    text = row.get("text")
+    if not isinstance(text, str) or not text.strip():
+        raise ConfigError(f"{where}: text rows need a non-empty string 'text' (keys present: {', '.join(sorted(row)) or 'none'})")
+    return text
+
+
 def to_messages(row: dict[str, Any], fmt: DataFormat, system_prompt: str | None, where: str) -> list[dict[str, str]]:
     """One SFT row -> a conversation ending with the assistant's response.
 
-    Refused (one line naming `where`): a row of neither form, a response with no text, a
+    Refused (one line naming `where`): a row of no known form, a response with no text, a
     conversation with no user message before its response or not ending with the assistant."""
-    if fmt == DataFormat.preference or (fmt == DataFormat.auto and is_preference(row)):
+    fmt = form_of(row, fmt, where)
+    if fmt == DataFormat.preference:
         raise ConfigError(f"{where}: this row is a preference pair (chosen/rejected), which trains with method=dpo: "
                           "add method=dpo, or use alpaca/chat rows for method=sft")
-    if fmt == DataFormat.auto:
-        fmt = DataFormat.chat if "messages" in row else DataFormat.alpaca
+    if fmt == DataFormat.text:
+        raise ConfigError(f"{where}: a text row has no prompt or response (it is tokenized whole): data.tokenize reads it")
+    if fmt == DataFormat.sharegpt:
+        return to_messages({"messages": sharegpt_messages(row, where)}, DataFormat.chat, system_prompt, where)
+    if fmt == DataFormat.completion:
+        prompt, response = ("prompt", "completion") if "prompt" in row or "question" not in row else ("question", "answer")
+        missing = [k for k in (prompt, response) if not isinstance(row.get(k), str)]
+        if missing:
+            raise ConfigError(f"{where}: completion rows need string '{prompt}' and '{response}' (missing or not text: "
+                              f"{', '.join(missing)}; keys present: {', '.join(sorted(row)) or 'none'})")
+        if not row[prompt].strip():
+            raise ConfigError(f"{where}: the prompt '{prompt}' is empty: {FIX}")
+        messages = [{"role": "user", "content": row[prompt]}, {"role": "assistant", "content": _text(row[response], where, f"'{response}'")}]
+        return _with_system(messages, system_prompt)
     if fmt == DataFormat.alpaca:
         missing = [k for k in ("instruction", "output") if not isinstance(row.get(k), str)]
         if missing:
@@ -257,6 +303,20 @@ def _messages(value: Any, where: str, key: str) -> list[dict[str, str]]:
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
+def sharegpt_messages(row: dict[str, Any], where: str) -> list[dict[str, str]]:
+    """ShareGPT's `conversations` ({from, value}) as {role, content} messages."""
+    turns = row.get("conversations")
+    if not isinstance(turns, list) or not turns:
+        raise ConfigError(f"{where}: sharegpt rows need a non-empty 'conversations' list of {{from, value}} turns")
+    out = []
+    for i, t in enumerate(turns):
+        role = SHAREGPT_ROLES.get(t.get("from")) if isinstance(t, dict) else None
+        if role is None or not isinstance(t.get("value"), str):
+            raise ConfigError(f"{where}: conversations[{i}] must be {{from: {'|'.join(SHAREGPT_ROLES)}, value: text}}, got {t!r}")
+        out.append({"role": role, "content": t["value"]})
+    return out
+
+
 def _ends_with_response(messages: list[dict[str, str]], where: str, key: str) -> None:
     if messages[-1]["role"] != "assistant":
         of = "" if key == "messages" else f" of '{key}'"
@@ -321,5 +381,7 @@ def check(cfg: DataConfig, method: Method) -> None:
         for i, row in enumerate(rows.rows):
             if method == Method.dpo:
                 to_pair(row, cfg.system_prompt, rows.where(i))
+            elif form_of(row, cfg.format, rows.where(i)) == DataFormat.text:
+                text_of(row, rows.where(i))
             else:
                 to_messages(row, cfg.format, cfg.system_prompt, rows.where(i))

@@ -41,7 +41,7 @@ def _content(token: Any) -> str | None:
 
 class LightTokenizer:
     """What finetune.data asks of a tokenizer (`__call__`, `apply_chat_template`, `chat_template`,
-    `bos_token`, `eos_token`), from the files transformers saves, without torch or transformers."""
+    `bos_token`, `eos_token` and their ids), from the files transformers saves, without torch or transformers."""
 
     def __init__(self, files: dict[str, Path]) -> None:
         from tokenizers import Tokenizer
@@ -54,6 +54,8 @@ class LightTokenizer:
         self.special = {k: _content(config.get(k)) for k in
                         ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")}
         self.bos_token, self.eos_token = self.special["bos_token"], self.special["eos_token"]
+        ids = [None if t is None else self._tokenizer.token_to_id(t) for t in (self.bos_token, self.eos_token)]
+        self.bos_token_id, self.eos_token_id = ids  # text rows: BOS + text + EOS
         template = files["chat_template.jinja"].read_text() if "chat_template.jinja" in files else config.get("chat_template")
         if isinstance(template, list):  # named templates: transformers uses "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from transformers import AutoTokenizer
@@ -29,6 +30,59 @@ def test_alpaca_row_becomes_user_and_assistant():
         {"role": "assistant", "content": "cba"},
     ]
     assert to_messages({"instruction": "hi", "output": "yo"}, DataFormat.alpaca, "be brief", "f:1")[0] == {"role": "system", "content": "be brief"}
+
+
+PAIR = [{"role": "user", "content": "reverse abc"}, {"role": "assistant", "content": "cba"}]
+
+
+@pytest.mark.parametrize("row", [
+    {"conversations": [{"from": "human", "value": "reverse abc"}, {"from": "gpt", "value": "cba"}]},
+    {"prompt": "reverse abc", "completion": "cba"},
+    {"question": "reverse abc", "answer": "cba"},
+    {"messages": [{"role": "user", "content": "reverse abc", "name": "u1"}, {"role": "assistant", "content": "cba", "weight": 1}]},
+    {"instruction": "reverse abc", "output": "cba"},
+])
+def test_every_common_row_form_is_the_same_conversation(row):
+    """ShareGPT, prompt/completion, question/answer, OpenAI messages with extra keys and alpaca: one conversation."""
+    assert to_messages(row, DataFormat.auto, None, "f:1") == PAIR
+
+
+def test_sharegpt_system_turn_and_named_format():
+    row = {"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "reverse abc"},
+                             {"from": "gpt", "value": "cba"}]}
+    assert to_messages(row, DataFormat.sharegpt, None, "f:1") == [{"role": "system", "content": "be brief"}, *PAIR]
+
+
+@pytest.mark.parametrize("row,fmt,message", [
+    ({"q": "a", "a": "b"}, DataFormat.auto, "f:1: a row of no known form (keys present: a, q); the forms are alpaca (instruction, "
+                                            "output), chat (messages), sharegpt (conversations), completion (prompt and completion, "
+                                            "or question and answer), text (text): rename its keys, or fix the row"),
+    ({"conversations": [{"from": "bot", "value": "x"}]}, DataFormat.auto, "f:1: conversations[0] must be {from: human|user|gpt|"),
+    ({"prompt": "a"}, DataFormat.completion, "f:1: completion rows need string 'prompt' and 'completion' (missing or not text: completion"),
+    ({"question": "", "answer": "b"}, DataFormat.auto, "f:1: the prompt 'question' is empty"),
+])
+def test_row_form_mistakes_are_one_line(row, fmt, message):
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        to_messages(row, fmt, None, "f:1")
+
+
+def test_text_rows_train_on_every_token_in_max_length_pieces(tok):
+    """Continued pre-training: BOS + text + EOS, every token a label, cut into consecutive max_length pieces (none
+    lost; a last piece of one token predicts nothing and is dropped); no prompt, so exact match skips them."""
+    from finetune.formats import Rows
+
+    rows = Rows([{"text": "abcdefghij"}, {"text": "xyz"}], "f")
+    out, stats = data.tokenize(rows, tok, DataConfig(train="f", max_length=5), "data.train")
+    ids = tok("abcdefghij", add_special_tokens=False)["input_ids"]
+    whole = [tok.bos_token_id, *ids, tok.eos_token_id]  # 12 tokens -> 5 + 5 + 2
+    assert [e.input_ids for e in out[:3]] == [whole[:5], whole[5:10], whole[10:]]
+    assert all(e.labels == e.input_ids and e.prompt_len == 0 for e in out[:4])
+    assert out[3].input_ids == [tok.bos_token_id, *tok("xyz", add_special_tokens=False)["input_ids"], tok.eos_token_id]
+    assert stats.split == 1 and "1 text rows split into max_length pieces" in stats.line("train", 5)
+    chat = data.encode(PAIR, tok, chat_template=True)
+    assert len(out) == 4 and data.for_generation([*out, chat]) == [chat]  # only a conversation has a prompt to continue
+    with pytest.raises(ConfigError, match="^f row 0: text rows need a non-empty string 'text'"):
+        data.tokenize(Rows([{"text": " "}], "f"), tok, DataConfig(train="f", format=DataFormat.text), "data.train")
 
 
 def test_builtin_template_segments_and_labels(tok):

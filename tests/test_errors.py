@@ -23,12 +23,12 @@ def cli_error(tmp_path, *args: str) -> str:
     "args,message",
     [
         (["optim.lrr=1e-4"],
-         "error: unknown key 'optim.lrr' in 'optim' (did you mean 'optim.lr'?); known keys: name, lr, weight_decay, betas, eps, momentum, scheduler, warmup_steps, min_lr_ratio, max_grad_norm"),
+         "error: unknown key 'optim.lrr' in 'optim' (did you mean 'optim.lr'?); known keys: name, lr, weight_decay, betas, eps, momentum, scheduler, warmup_steps, min_lr_ratio, max_grad_norm, in_backward"),
         (["+train.max_step=3"],
          "error: unknown key 'train.max_step' in 'train' (did you mean 'train.max_steps'?); known keys: max_steps, micro_batch_size, global_batch_size, seed, eval_every, eval_batch_size, exact_match_samples, max_new_tokens, log_every, progress_bar, tensorboard, memory_report, memory_snapshot, save_every, keep_checkpoints, on_nonfinite, resume, overwrite, device"),
         (["optim.lr=fast"], "error: optim.lr=fast must be a number"),
         (["train.max_steps=1.5"], "error: train.max_steps=1.5 must be an integer"),
-        (["data.format=xml"], "error: data.format=xml must be one of auto, alpaca, chat, preference"),
+        (["data.format=xml"], "error: data.format=xml must be one of auto, alpaca, chat, sharegpt, completion, text, preference"),
         (["model=tinyy"], "error: unknown model option 'tinyy' (did you mean 'tiny'?); available: gemma2_9b, llama3_1_70b, llama3_1_8b, llama3_2_1b, mistral_7b_v0_3, mixtral_8x7b, olmo2_7b, phi3_5_mini, pretrained, qwen2_5_7b, qwen3_30b_a3b, qwen3_8b, tiny"),
         (["parallelism=dp"], "error: unknown parallelism option 'dp' (did you mean 'ddp'?); available: ddp, fsdp, fsdp_offload, pp2, pp2_interleaved, pp4, single, tp2, tp2_pp2, tp4, tp8, tp8_pp16"),
         (["+recipe=quickstart"], "error: unknown recipe 'quickstart' (did you mean 'quickstart_sft'?); available: llama3_70b_qlora_80g, llama3_8b_full_zero3_8x80g, llama3_8b_lora_80g, llama3_8b_qlora_24g, optuna_quickstart, quickstart_dpo, quickstart_sft, qwen3_moe_lora_zero3_8x80g, zero3_offload_fp16 "
@@ -49,9 +49,10 @@ def test_malformed_jsonl_row_names_file_and_line(tmp_path):
 
 def test_row_of_unknown_shape_names_file_line_and_keys(tmp_path):
     path = tmp_path / "train.jsonl"
-    path.write_text(json.dumps({"instruction": "a", "output": "b"}) + "\n" + json.dumps({"question": "q", "answer": "a"}) + "\n")
+    path.write_text(json.dumps({"instruction": "a", "output": "b"}) + "\n" + json.dumps({"q": "q", "a": "a"}) + "\n")
     assert cli_error(tmp_path, "data=jsonl", f"data.train={path}") == (
-        f"error: {path}:2: alpaca rows need string 'instruction' and 'output' (missing or not text: instruction, output; keys present: answer, question)"
+        f"error: {path}:2: a row of no known form (keys present: a, q); the forms are alpaca (instruction, output), chat (messages), "
+        "sharegpt (conversations), completion (prompt and completion, or question and answer), text (text): rename its keys, or fix the row"
     )
 
 
