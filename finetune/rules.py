@@ -356,9 +356,6 @@ def _validate_layout(cfg: Config) -> None:
     if cfg.peft.name == PeftMethod.dora and p.tp > 1:
         raise ConfigError("peft=dora is not supported with tensor parallel (its weight norm spans the sharded dimension): "
                           "use peft=lora with tp, or dora with fsdp/ddp")
-    if cfg.peft.name != PeftMethod.none and p.pp > 1:
-        raise ConfigError(f"peft={cfg.peft.name.value} is not supported with pipeline parallel: use peft=lora with fsdp, ddp or tp, "
-                          "or full fine-tuning with pp")
     if p.pp > 1:
         if cfg.data.packing:
             raise ConfigError("data.packing=true is not supported with pipeline parallel (stages attend causally over the whole row): "

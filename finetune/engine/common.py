@@ -35,7 +35,8 @@ def add_metrics(total: dict[str, float], sums: dict[str, Any]) -> None:
         total[k] = total.get(k, 0.0) + float(v)
 
 
-def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, kahan: bool | None = None) -> torch.optim.Optimizer:
+def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, kahan: bool | None = None,
+                    drop_empty: bool = False) -> torch.optim.Optimizer:
     """The torch optimizer `optim.name` names, over `param_groups` (no decay on 1-D tensors).
 
     adamw: decoupled weight decay. adam: torch's Adam adds weight_decay * w to the gradient (L2
@@ -44,11 +45,14 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, kahan: b
     adamw_8bit: bitsandbytes' AdamW8bit (runs on CPU too). adafactor: torch's, decoupled weight decay.
     (The DeepSpeed engine builds the same optimizers from `launcher.deepspeed_config`.)
 
+    drop_empty: leave out a parameter group with no parameters (the mesh engine's checkpoints need it).
     kahan (precision=bf16_pure, bf16 parameters): not None selects optimi's AdamW/Adam/SGD, the same updates
     as torch's, with the states in the parameters' dtype and, when True, Kahan-compensated addition of
     each update (a bf16 compensation buffer per parameter).
     """
     groups = param_groups(params, cfg.weight_decay)
+    if drop_empty:  # DCP's flattened optimizer state cannot load a group without parameters (LoRA: no 1-D ones)
+        groups = [g for g in groups if g["params"]] or groups[:1]
     if kahan is not None:
         import optimi
 

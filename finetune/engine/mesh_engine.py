@@ -80,7 +80,7 @@ class MeshEngine:
         self.lockstep = self.fsdp and self.dp > 1  # FSDP gathers parameters collectively over dp
         self.params = [q for m in modules for q in m.parameters() if q.requires_grad]
         self.max_grad_norm = cfg.optim.max_grad_norm
-        self.optimizer = build_optimizer(self.params, cfg.optim, cfg.precision.kahan_sum if pure else None)
+        self.optimizer = build_optimizer(self.params, cfg.optim, cfg.precision.kahan_sum if pure else None, drop_empty=True)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
         self._schedule: Any = None
         if p.pp > 1 and dist.is_main:
@@ -312,9 +312,14 @@ class MeshEngine:
         self.dist.barrier()
 
     def _whole_model(self) -> nn.Module:
-        """An empty (meta) model of the full architecture, to write the merged stages with."""
+        """An empty (meta) model of the full architecture (with its adapters under PEFT), to write the merged stages with."""
         from transformers import AutoModelForCausalLM
 
-        config = self.stages[0][1].lm.config
+        lm = self.stages[0][1].lm
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
+            whole = AutoModelForCausalLM.from_config(lm.config)
+            if hasattr(lm, "peft_config"):  # adapters: the whole PEFT model, so that PEFT writes every stage's adapters
+                from peft import get_peft_model
+
+                whole = get_peft_model(whole, lm.peft_config["default"])
+        return whole
