@@ -101,7 +101,7 @@ def ws(tmp_path_factory) -> Path:
     data.mkdir()
     (data / "latin1.jsonl").write_bytes(jsonl(ROW).encode() + '{"instruction": "caf\xe9", "output": "x"}\n'.encode("latin-1"))
     (data / "bad.jsonl").write_text(jsonl(ROW, '{"instruction": "a", "output": '))
-    (data / "wrong_form.jsonl").write_text(jsonl(ROW, {"question": "q", "answer": "a"}))
+    (data / "wrong_form.jsonl").write_text(jsonl(ROW, {"q": "q", "a": "a"}))
     (data / "empty_response.jsonl").write_text(jsonl(ROW, {"instruction": "a", "output": "  "}))
     (data / "no_assistant.jsonl").write_text(jsonl({"messages": [{"role": "user", "content": "hi"}]}))
     (data / "no_user.jsonl").write_text(jsonl({"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]}))
