@@ -159,7 +159,7 @@ def test_in_backward_gradients_measured_and_planned(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["optim.in_backward=true"], "optim.in_backward=true with optim.max_grad_norm=1: clipping by the global norm needs every "
+    (["optim.in_backward=true", "train.global_batch_size=8"], "optim.in_backward=true with optim.max_grad_norm=1: clipping by the global norm needs every "
                                  "gradient before the first step: set optim.max_grad_norm=null"),
     (["optim.in_backward=true", "optim.max_grad_norm=null", "train.micro_batch_size=8", "train.global_batch_size=32"],
      "optim.in_backward=true steps every parameter during each backward, so it cannot accumulate 4 micro-batches per step"),
