@@ -13,11 +13,12 @@ loss every steps/5 steps and the final eval loss is printed and written beside i
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from finetune import logs
 
 
 def launch(recipe: str, overrides: list[str], steps: int, run_dir: Path) -> tuple[list[float], float | None]:
@@ -29,9 +30,9 @@ def launch(recipe: str, overrides: list[str], steps: int, run_dir: Path) -> tupl
     if out.returncode != 0:
         lines = (out.stderr or out.stdout).strip().splitlines()
         sys.exit(f"error: {' '.join(overrides)}: {lines[-1] if lines else 'failed'}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in rows if r.get("kind") == "train"]
-    evals = [r["eval_loss"] for r in rows if r.get("kind") == "eval" and "eval_loss" in r]
+    rows = logs.read(run_dir)
+    losses = [r["loss"] for r in rows if r["kind"] == "train"]
+    evals = [r["eval_loss"] for r in rows if r["kind"] == "eval"]
     return losses, (evals[-1] if evals else None)
 
 
