@@ -362,6 +362,15 @@ class DataConfig:
     """Rows whose prompt leaves no room for a response token: drop (counted) or error."""
     packing: bool = False
     """Train on rows of several samples (up to max_length), each attending only to itself."""
+    cache: bool = True
+    """Tokenize once into Arrow files under `cache_dir`, keyed by everything that changes the tokens,
+    and memory-map them on every rank (later launches with the same key skip tokenizing); false:
+    tokenize in memory on every rank at every launch."""
+    cache_dir: str | None = checked(TEXT, None)
+    """Where tokenized data is cached; null: $FINETUNE_CACHE_DIR if set, else $XDG_CACHE_HOME/finetune/tokens
+    (~/.cache/finetune/tokens)."""
+    num_proc: int | None = checked(at_least(1), None)
+    """Processes that tokenize a dataset into the cache (one per 1,000 rows at most); null: the node's cores."""
 
 
 @dataclass

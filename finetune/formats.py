@@ -35,9 +35,10 @@ class Rows:
     rows: list[dict[str, Any]]
     source: str
     lines: list[int] | None = None  # 1-based line of each row in a JSONL file
+    first: int = 0  # the index of rows[0] in its source, for a slice of it
 
     def where(self, i: int) -> str:
-        return f"{self.source}:{self.lines[i]}" if self.lines else f"{self.source} row {i}"
+        return f"{self.source}:{self.lines[i]}" if self.lines else f"{self.source} row {self.first + i}"
 
     def subset(self, idx: list[int]) -> Rows:
         return Rows([self.rows[i] for i in idx], self.source, [self.lines[i] for i in idx] if self.lines else None)

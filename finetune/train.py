@@ -121,15 +121,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
     phase("tokenizer")
     tokenizer = model.load_tokenizer(cfg.model)
     phase("data")
-    train_examples, eval_examples, stats = data.load_split(cfg.data, tokenizer, cfg.train.seed, cfg.method.name)
-    if cfg.data.packing:
-        samples = len(train_examples)
-        train_examples = data.pack(train_examples, cfg.data.max_length, cfg.train.seed)
-        if d.is_main:
-            print(f"packing: {samples} samples -> {len(train_examples)} rows of up to {cfg.data.max_length} tokens")
-    if d.is_main:
-        for name, s in stats.items():
-            print(s.line(name, cfg.data.max_length))
+    train_examples, eval_examples, stats = load_data(cfg, tokenizer, d)
     phase("model")
     zero3 = model.zero3_context(deepspeed_config(cfg) if uses_deepspeed(cfg) else None)
     attention, attention_why = model.resolve_attention(cfg.model, cfg.precision.name, d.device)
@@ -199,6 +191,28 @@ def run(cfg: Config, d: dist.Dist) -> None:
     if d.is_main:
         report(run_dir, final, result, {k: vars(s) for k, s in stats.items()})
     del zero3  # alive until here: transformers consults it while loading, generating and saving
+
+
+def load_data(cfg: Config, tokenizer: Any, d: dist.Dist) -> tuple[Any, Any, dict[str, data.Stats]]:
+    """The run's train and eval examples: from the token cache (built by each node's local rank 0 when
+    missing; finetune.data.cache), or tokenized in memory by every rank with data.cache=false."""
+    if cfg.data.cache:
+        from finetune.data import cache
+
+        train, evals, stats, samples, _ = cache.load(cfg.data, tokenizer, cfg.train.seed, cfg.method.name,
+                                                     builder=d.local_rank == 0, progress=cfg.train.progress_bar and d.local_rank == 0,
+                                                     say=print if d.is_main else lambda line: None)
+    else:
+        train, evals, stats = data.load_split(cfg.data, tokenizer, cfg.train.seed, cfg.method.name)
+        samples = len(train)
+        if cfg.data.packing:
+            train = data.pack(train, cfg.data.max_length, cfg.train.seed)
+    if d.is_main:
+        if cfg.data.packing:
+            print(f"packing: {samples} samples -> {len(train)} rows of up to {cfg.data.max_length} tokens")
+        for name, s in stats.items():
+            print(s.line(name, cfg.data.max_length))
+    return train, evals, stats
 
 
 def probe_batch(examples: list[Any]) -> dict[str, torch.Tensor]:

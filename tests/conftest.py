@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ import pytest
 # Tests never reach a hub: fail fast instead of retrying the network (set before any HF import).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# The token cache (finetune/data/cache.py) of this test session: shared by its runs, never the user's.
+os.environ.setdefault("FINETUNE_CACHE_DIR", tempfile.mkdtemp(prefix="finetune-tokens-"))
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -100,10 +100,10 @@ def encode(messages: list[dict[str, str]], tokenizer: Any, chat_template: bool, 
     prompt_len = 0
     pieces = segments(messages, tokenizer, chat_template)
     last = max(i for i, (_, is_response) in enumerate(pieces) if is_response)
-    for i, (text, is_response) in enumerate(pieces):
+    tokens = tokenizer([text for text, _ in pieces], add_special_tokens=False)["input_ids"]  # each piece alone, in one call
+    for i, ((_, is_response), piece) in enumerate(zip(pieces, tokens)):
         if is_response:
             prompt_len = len(ids)
-        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
         ids += piece
         labels += piece if is_response and (i == last or not last_only) else [IGNORE] * len(piece)
     return Example(ids, labels, prompt_len, messages[-1]["content"])
@@ -122,6 +122,25 @@ class Stats:
     shortest_dropped_prompt: int = 0
     split: int = 0  # text rows longer than max_length, split into pieces (none of their tokens lost)
 
+    def count(self, encoded: Encoded) -> None:
+        self.truncated += encoded.truncated
+        self.split += encoded.split
+        if encoded.dropped is not None:
+            self.dropped += 1
+            self.shortest_dropped_prompt = min(self.shortest_dropped_prompt or encoded.dropped, encoded.dropped)
+
+    def check(self, key: str, source: str, max_length: int, kept: bool) -> None:
+        """Refuse a split that filtering left empty, saying why."""
+        if kept:
+            return
+        why = (
+            f"all {self.dropped} prompts are longer than data.max_length={max_length} "
+            f"(the shortest is {self.shortest_dropped_prompt} tokens): raise data.max_length"
+            if self.dropped
+            else "it has no rows"
+        )
+        raise ConfigError(f"{key}={source}: the dataset is empty after filtering: {why}")
+
     def line(self, name: str, max_length: int) -> str:
         return (
             f"data {name}: {self.rows} rows, {self.truncated} responses truncated at max_length={max_length}, "
@@ -138,6 +157,42 @@ def encode_text(text: str, tokenizer: Any, max_length: int) -> list[Example]:
     return [Example(p, list(p), 0, "") for p in pieces if len(p) > 1]
 
 
+@dataclass
+class Encoded:
+    """One row, tokenized: its examples (a text row's pieces, or one example or pair), and what happened to it."""
+
+    items: list[Any]
+    truncated: bool = False  # its response was cut at max_length
+    dropped: int | None = None  # the prompt's length, when it leaves no room for a response token (no items)
+    split: bool = False  # a text row longer than max_length, in several pieces
+
+
+def tokenize_row(row: dict[str, Any], where: str, tokenizer: Any, cfg: DataConfig, method: Method, chat: bool) -> Encoded:
+    """One row -> its examples no longer than cfg.max_length (see `tokenize`)."""
+    if method == Method.dpo:
+        item = encode_pair(*to_pair(row, cfg.system_prompt, where), tokenizer, chat)
+        parts = [item.chosen, item.rejected]
+    elif form_of(row, cfg.format, where) == DataFormat.text:
+        pieces = encode_text(text_of(row, where), tokenizer, cfg.max_length)
+        return Encoded(pieces, split=len(pieces) > 1)
+    else:
+        item = encode(to_messages(row, cfg.format, cfg.system_prompt, where), tokenizer, chat)
+        parts = [item]
+    first_label = next((j for j, label in enumerate(parts[0].labels) if label != IGNORE), len(parts[0].labels))
+    if first_label >= cfg.max_length:  # not a single response token would fit
+        if cfg.long_prompt == LongPrompt.error:
+            raise ConfigError(
+                f"{where}: the prompt is {first_label} tokens, data.max_length={cfg.max_length} leaves no "
+                "room for the response: raise data.max_length or set data.long_prompt=drop"
+            )
+        return Encoded([], dropped=first_label)
+    truncated = any(len(ex.input_ids) > cfg.max_length for ex in parts)
+    if truncated:
+        for ex in parts:
+            ex.input_ids, ex.labels = ex.input_ids[: cfg.max_length], ex.labels[: cfg.max_length]
+    return Encoded([item], truncated=truncated)
+
+
 def tokenize(rows: Rows, tokenizer: Any, cfg: DataConfig, key: str, method: Method = Method.sft) -> tuple[list[Any], Stats]:
     """Rows -> examples (or preference pairs) no longer than cfg.max_length, with truncation counted.
 
@@ -147,57 +202,30 @@ def tokenize(rows: Rows, tokenizer: Any, cfg: DataConfig, key: str, method: Meth
     stats = Stats(rows=len(rows.rows))
     out: list[Any] = []
     for i, row in enumerate(rows.rows):
-        if method == Method.dpo:
-            item = encode_pair(*to_pair(row, cfg.system_prompt, rows.where(i)), tokenizer, chat)
-            parts = [item.chosen, item.rejected]
-        elif form_of(row, cfg.format, rows.where(i)) == DataFormat.text:
-            pieces = encode_text(text_of(row, rows.where(i)), tokenizer, cfg.max_length)
-            stats.split += len(pieces) > 1
-            out += pieces
-            continue
-        else:
-            item = encode(to_messages(row, cfg.format, cfg.system_prompt, rows.where(i)), tokenizer, chat)
-            parts = [item]
-        first_label = next((j for j, label in enumerate(parts[0].labels) if label != IGNORE), len(parts[0].labels))
-        if first_label >= cfg.max_length:  # not a single response token would fit
-            if cfg.long_prompt == LongPrompt.error:
-                raise ConfigError(
-                    f"{rows.where(i)}: the prompt is {first_label} tokens, data.max_length={cfg.max_length} leaves no "
-                    "room for the response: raise data.max_length or set data.long_prompt=drop"
-                )
-            stats.dropped += 1
-            stats.shortest_dropped_prompt = min(stats.shortest_dropped_prompt or first_label, first_label)
-            continue
-        if any(len(ex.input_ids) > cfg.max_length for ex in parts):
-            stats.truncated += 1
-            for ex in parts:
-                ex.input_ids, ex.labels = ex.input_ids[: cfg.max_length], ex.labels[: cfg.max_length]
-        out.append(item)
-    if not out:
-        why = (
-            f"all {stats.dropped} prompts are longer than data.max_length={cfg.max_length} "
-            f"(the shortest is {stats.shortest_dropped_prompt} tokens): raise data.max_length"
-            if stats.dropped
-            else "it has no rows"
-        )
-        raise ConfigError(f"{key}={rows.source}: the dataset is empty after filtering: {why}")
+        encoded = tokenize_row(row, rows.where(i), tokenizer, cfg, method, chat)
+        stats.count(encoded)
+        out += encoded.items
+    stats.check(key, rows.source, cfg.max_length, bool(out))
     return out, stats
 
 
-def load_split(cfg: DataConfig, tokenizer: Any, seed: int, method: Method = Method.sft) -> tuple[list[Any], list[Any], dict[str, Stats]]:
-    """The train and eval examples (pairs for DPO), per the data config, with their counts."""
+def split_rows(cfg: DataConfig, seed: int) -> tuple[Rows, Rows | None]:
+    """The train rows and the eval rows (data.eval, or data.eval_size rows of data.train held out by `seed`)."""
     train_rows = load_rows(cfg.train, cfg.train_split, "data.train")
     if cfg.eval is not None:
-        eval_rows = load_rows(cfg.eval, cfg.eval_split, "data.eval")
-    elif cfg.eval_size:
-        if cfg.eval_size >= len(train_rows.rows):
-            raise ConfigError(f"data.eval_size={cfg.eval_size} leaves no training rows out of {len(train_rows.rows)}")
-        order = np.random.default_rng(seed).permutation(len(train_rows.rows))
-        held, kept = sorted(order[: cfg.eval_size]), sorted(order[cfg.eval_size :])
-        eval_rows = train_rows.subset(held)
-        train_rows = train_rows.subset(kept)
-    else:
-        eval_rows = None
+        return train_rows, load_rows(cfg.eval, cfg.eval_split, "data.eval")
+    if not cfg.eval_size:
+        return train_rows, None
+    if cfg.eval_size >= len(train_rows.rows):
+        raise ConfigError(f"data.eval_size={cfg.eval_size} leaves no training rows out of {len(train_rows.rows)}")
+    order = np.random.default_rng(seed).permutation(len(train_rows.rows))
+    held, kept = sorted(order[: cfg.eval_size]), sorted(order[cfg.eval_size :])
+    return train_rows.subset(kept), train_rows.subset(held)
+
+
+def load_split(cfg: DataConfig, tokenizer: Any, seed: int, method: Method = Method.sft) -> tuple[list[Any], list[Any], dict[str, Stats]]:
+    """The train and eval examples (pairs for DPO), per the data config, with their counts, in memory."""
+    train_rows, eval_rows = split_rows(cfg, seed)
     train, train_stats = tokenize(train_rows, tokenizer, cfg, "data.train", method)
     stats = {"train": train_stats}
     evals: list[Any] = []

@@ -1,0 +1,393 @@
+"""Tokenized data as an on-disk Arrow artifact: made once, then memory-mapped by every rank.
+
+The key is a hash of everything that changes the tokens (`key_inputs`): the source files' content (a
+hub dataset: its `datasets` fingerprint), the tokenizer (its whole tokenizer.json and chat template),
+the data settings (form, template, system prompt, max_length, long prompts, packing, the held-out eval
+rows), the method, and the seed where it matters (held-out rows, packing). Under `data.cache_dir`
+(default ~/.cache/finetune/tokens) the directory KEY/ holds `train.arrow` and `eval.arrow` (Arrow IPC
+files) and `meta.json` (the counts the run prints). It is written under a temporary
+name and renamed into place when complete, so a reader never sees half of one, and two processes
+building the same key (sweep trials, nodes on a shared disk) cannot corrupt it.
+
+Who builds it: local rank 0 of each node, inside the run (so any launch, torchrun or deepspeed, one
+node or several with their own disks, gets the same path), with `datasets.map(num_proc=...)` over the
+node's cores while the node's other ranks wait for `meta.json` to appear (a file wait, not a
+collective: a million rows outlast a collective's timeout); or `python -m finetune.prepare`
+beforehand, on a login node, with the same config. The rows are tokenized by finetune.data's own
+`tokenize_row` (so labels are those of the in-memory path, exactly), and packing (first fit, seeded)
+runs on the token columns with numpy, so its result is cached too.
+
+A rank memory-maps the files with pyarrow (no `datasets` import on a cache hit) and reads rows as
+batches need them (`Examples`): its RAM does not grow with the dataset. DPO pairs are materialized (the precomputed reference log-probs are attached to each pair).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from finetune.config import ConfigError, DataConfig, Method
+from finetune.data import IGNORE, Encoded, Example, Pair, Stats, first_fit, split_rows, tokenize_row, uses_chat_template
+from finetune.formats import Rows, fingerprint
+
+if TYPE_CHECKING:
+    import datasets
+    import pyarrow as pa
+
+VERSION = 1  # bump when the layout or the tokenization changes: old entries are then never read
+META = "meta.json"
+ROWS_PER_PROCESS = 1000  # fewer rows than this per process: starting the process costs more than it saves
+SFT_COLUMNS = ("input_ids", "labels")
+PAIR_COLUMNS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
+
+
+def root(cfg: DataConfig) -> Path:
+    """data.cache_dir, else $FINETUNE_CACHE_DIR, else $XDG_CACHE_HOME/finetune/tokens (~/.cache/finetune/tokens)."""
+    if cfg.cache_dir:
+        return Path(cfg.cache_dir).expanduser()
+    if os.environ.get("FINETUNE_CACHE_DIR"):
+        return Path(os.environ["FINETUNE_CACHE_DIR"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "finetune" / "tokens"
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A hash of what decides the tokens: the whole tokenizer (a fast tokenizer's tokenizer.json, else its
+    vocabulary), its special tokens and its chat template."""
+    digest = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
+    digest.update((backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))).encode())
+    digest.update(json.dumps([getattr(tokenizer, "chat_template", None), tokenizer.bos_token, tokenizer.eos_token,
+                              tokenizer.bos_token_id, tokenizer.eos_token_id], default=str).encode())
+    return digest.hexdigest()
+
+
+def key_inputs(cfg: DataConfig, tokenizer: Any, method: Method, seed: int) -> dict[str, Any]:
+    """Everything that changes the tokens of a run's data (what the key hashes; meta.json keeps it)."""
+    sources = fingerprint(cfg)
+    for entry in sources.values():
+        if "hub" in entry:  # the dataset's own fingerprint (revision and content), from its local cache
+            entry["fingerprint"] = _hub_fingerprint(entry["hub"], entry["split"])
+    held_out = cfg.eval is None and cfg.eval_size > 0
+    return {
+        "version": VERSION, "sources": sources, "tokenizer": tokenizer_fingerprint(tokenizer), "method": method.value,
+        "format": cfg.format.value, "template": cfg.template.value, "system_prompt": cfg.system_prompt,
+        "max_length": cfg.max_length, "long_prompt": cfg.long_prompt.value, "packing": cfg.packing,
+        "eval_size": cfg.eval_size if held_out else 0, "seed": seed if held_out or cfg.packing else None,
+    }
+
+
+def _hub_fingerprint(source: str, split: str) -> str | None:
+    try:
+        import datasets
+
+        return datasets.load_dataset(source, split=split)._fingerprint
+    except Exception:  # noqa: BLE001 - loading it for real names the problem (finetune.formats.load_rows)
+        return None
+
+
+def key_of(inputs: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:24]
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+class Examples(Sequence):
+    """A split's examples (or pairs), read row by row from a memory-mapped Arrow table."""
+
+    def __init__(self, table: pa.Table) -> None:
+        self.table = table
+        self.pairs = "chosen_input_ids" in table.column_names
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        row = self.table.slice(int(i) % len(self), 1).to_pylist()[0]
+        if self.pairs:
+            return Pair(*(Example(row[f"{side}_input_ids"], row[f"{side}_labels"], row[f"{side}_prompt_len"], row[f"{side}_reference"])
+                          for side in ("chosen", "rejected")))
+        return Example(row["input_ids"], row["labels"], row["prompt_len"], row["reference"], row.get("position_ids"))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Examples) and self.table.equals(other.table)
+
+    def lengths(self) -> np.ndarray:
+        """Each row's tokens (a pair: its longer side), without reading the rows."""
+        import pyarrow.compute as pc
+
+        columns = ("chosen_input_ids", "rejected_input_ids") if self.pairs else ("input_ids",)
+        table = self.table
+        return np.max([pc.list_value_length(table.column(c)).to_numpy(zero_copy_only=False) for c in columns], axis=0)
+
+    def labelled(self) -> np.ndarray:
+        """Each row's labelled positions after its first token, both sides of a pair summed
+        (finetune.lengths.row_labelled), from the columns."""
+        table = self.table
+        return sum(_labelled(table.column(c).combine_chunks())
+                   for c in (("chosen_labels", "rejected_labels") if self.pairs else ("labels",)))
+
+    def tokens(self) -> int:
+        import pyarrow.compute as pc
+
+        return sum(int(pc.sum(pc.list_value_length(self.table.column(c))).as_py() or 0)
+                   for c in (("chosen_input_ids", "rejected_input_ids") if self.pairs else ("input_ids",)))
+
+
+def _labelled(labels: Any) -> np.ndarray:
+    offsets, values = labels.offsets.to_numpy(), labels.values.to_numpy()
+    marked = np.concatenate([[0], np.cumsum(values != IGNORE)])
+    first = np.zeros(len(offsets) - 1, dtype=np.int64)  # a row's first token predicts nothing
+    nonempty = offsets[1:] > offsets[:-1]
+    first[nonempty] = values[offsets[:-1][nonempty]] != IGNORE
+    return marked[offsets[1:]] - marked[offsets[:-1]] - first
+
+
+def find(cfg: DataConfig, tokenizer: Any, method: Method, seed: int) -> Path | None:
+    """The cache entry of these inputs, if one is complete."""
+    target = root(cfg) / key_of(key_inputs(cfg, tokenizer, method, seed))
+    return target if (target / META).is_file() else None
+
+
+def open_split(path: Path) -> Examples:
+    """A split's Arrow file, memory-mapped (pages are read as rows are; nothing is copied)."""
+    import pyarrow as pa
+
+    with pa.memory_map(str(path)) as source:
+        return Examples(pa.ipc.open_file(source).read_all())
+
+
+def write_split(table: pa.Table, path: Path) -> None:
+    import pyarrow as pa
+
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table, max_chunksize=8192)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building
+
+
+def _features(method: Method, packed: bool = False) -> datasets.Features:
+    from datasets import Features, Sequence, Value
+
+    ids = Sequence(Value("int32"))
+    common = {"kind": Value("int8"), "prompt": Value("int32"), "flags": Value("int8")}
+    if method == Method.dpo:
+        return Features({f"{side}_{name}": ids for side in ("chosen", "rejected") for name in ("input_ids", "labels")}
+                        | {f"{side}_prompt_len": Value("int32") for side in ("chosen", "rejected")}
+                        | {f"{side}_reference": Value("string") for side in ("chosen", "rejected")} | common)
+    return Features({"input_ids": ids, "labels": ids, "prompt_len": Value("int32"), "reference": Value("string")}
+                    | ({"position_ids": ids} if packed else {}) | common)
+
+
+KEPT, DROPPED = 0, 1  # `kind`: a row to train on, or a prompt too long (its length in `prompt`), kept for the counts
+TRUNCATED, SPLIT = 1, 2  # `flags` bits, on a source row's first output
+
+
+def _encode_batch(batch: dict[str, list[Any]], indices: list[int], *, source: str, lines: list[int] | None,
+                  first: int, tokenizer: Any, cfg: DataConfig, method: Method, chat: bool) -> dict[str, list[Any]]:
+    """datasets.map: JSON rows -> token columns, one output per example (and one per dropped row)."""
+    out: dict[str, list[Any]] = {name: [] for name in _features(method)}
+    for raw, i in zip(batch["row"], indices):
+        where = f"{source}:{lines[i]}" if lines else f"{source} row {first + i}"
+        encoded = tokenize_row(json.loads(raw), where, tokenizer, cfg, method, chat)
+        items: list[Any] = encoded.items or [None]
+        for n, item in enumerate(items):
+            flags = (TRUNCATED * encoded.truncated + SPLIT * encoded.split) if n == 0 else 0
+            _append(out, item, method, kind=DROPPED if item is None else KEPT, prompt=encoded.dropped or 0, flags=flags)
+    return out
+
+
+def _append(out: dict[str, list[Any]], item: Any, method: Method, *, kind: int, prompt: int, flags: int) -> None:
+    out["kind"].append(kind)
+    out["prompt"].append(prompt)
+    out["flags"].append(flags)
+    if method == Method.dpo:
+        for side in ("chosen", "rejected"):
+            ex = getattr(item, side) if item is not None else Example([], [], 0, "")
+            out[f"{side}_input_ids"].append(ex.input_ids)
+            out[f"{side}_labels"].append(ex.labels)
+            out[f"{side}_prompt_len"].append(ex.prompt_len)
+            out[f"{side}_reference"].append(ex.reference)
+        return
+    item = item or Example([], [], 0, "")
+    out["input_ids"].append(item.input_ids)
+    out["labels"].append(item.labels)
+    out["prompt_len"].append(item.prompt_len)
+    out["reference"].append(item.reference)
+
+
+def tokenize_split(rows: Rows, tokenizer: Any, cfg: DataConfig, key: str, method: Method, *, num_proc: int,
+                   progress: bool) -> tuple[pa.Table, Stats]:
+    """Rows -> a token table (in `datasets`' temporary files) with `tokenize`'s counts and refusals."""
+    import pyarrow as pa
+
+    import datasets
+
+    chat = uses_chat_template(tokenizer, cfg.template)
+    table = datasets.Dataset.from_dict({"row": [json.dumps(r) for r in rows.rows]})
+    procs = max(1, min(num_proc, len(rows.rows) // ROWS_PER_PROCESS))
+    if procs > 1:  # the workers are forked: the tokenizer's own threads would deadlock or warn in them
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    fn = _bound(_encode_batch, source=rows.source, lines=rows.lines, first=rows.first, tokenizer=tokenizer, cfg=cfg,
+                method=method, chat=chat)
+    (datasets.enable_progress_bars if progress else datasets.disable_progress_bars)()
+    try:
+        ds = table.map(fn, batched=True, batch_size=256, with_indices=True, remove_columns=["row"], features=_features(method),
+                       num_proc=procs if procs > 1 else None, desc=f"tokenizing {key}", new_fingerprint=f"tokens-{os.getpid()}")
+    except ConfigError:
+        raise
+    except Exception as e:  # a worker's ConfigError comes back wrapped by the pool in some versions
+        cause = e.__cause__ or e.__context__
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        raise
+    columns = ds.data.table
+    kind, flags, prompt = (columns.column(c).to_numpy() for c in ("kind", "flags", "prompt"))
+    dropped = kind == DROPPED
+    stats = Stats(rows=len(rows.rows), truncated=int(((flags & TRUNCATED) > 0).sum()), split=int(((flags & SPLIT) > 0).sum()),
+                  dropped=int(dropped.sum()), shortest_dropped_prompt=int(prompt[dropped].min()) if dropped.any() else 0)
+    stats.check(key, rows.source, cfg.max_length, not dropped.all() and len(ds) > 0)
+    if dropped.any():
+        columns = columns.filter(pa.array(~dropped))
+    return columns.drop_columns(["kind", "prompt", "flags"]), stats
+
+
+class _bound:
+    """functools.partial that `datasets` can hash cheaply (we give map its fingerprint ourselves) and pickle."""
+
+    def __init__(self, fn: Callable[..., Any], **kwargs: Any) -> None:
+        self.fn, self.kwargs = fn, kwargs
+
+    def __call__(self, batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
+        return self.fn(batch, indices, **self.kwargs)
+
+
+def pack_split(table: pa.Table, max_length: int, seed: int) -> pa.Table:
+    """Packed rows of at most `max_length` tokens (`first_fit`'s rows, in its seeded order), built from the
+    token columns with numpy: the same rows as finetune.data.pack, for a million samples in seconds."""
+    import pyarrow as pa
+
+    ids, labels = (table.column(c).combine_chunks() for c in SFT_COLUMNS)
+    offsets = ids.offsets.to_numpy()
+    lengths = np.diff(offsets)
+    rows = first_fit(lengths.tolist(), max_length, seed)
+    order = np.fromiter((i for row in rows for i in row), dtype=np.int64, count=len(lengths))
+    sizes = lengths[order]
+    seg_start = np.cumsum(sizes) - sizes  # where each sample starts in the packed token stream
+    total = int(sizes.sum())
+    gather = np.repeat(offsets[:-1][order] - seg_start, sizes) + np.arange(total)
+    position = np.arange(total) - np.repeat(seg_start, sizes)
+    counts = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
+    row_offsets = np.concatenate([[0], np.cumsum(np.add.reduceat(sizes, np.cumsum(counts) - counts))]).astype(np.int32)
+
+    def column(values: np.ndarray) -> pa.ListArray:
+        return pa.ListArray.from_arrays(pa.array(row_offsets), pa.array(values.astype(np.int32)))
+
+    n = len(rows)
+    packed = pa.table({"input_ids": column(ids.values.to_numpy()[gather]), "labels": column(labels.values.to_numpy()[gather]),
+                       "prompt_len": pa.array(np.zeros(n, np.int32)), "reference": pa.array([""] * n, pa.string()),
+                       "position_ids": column(position)})
+    return packed
+
+
+def build(cfg: DataConfig, tokenizer: Any, method: Method, seed: int, target: Path, inputs: dict[str, Any], *,
+          num_proc: int, progress: bool, say: Callable[[str], None]) -> None:
+    """Tokenize (and pack) the run's data into `target`, atomically."""
+    started = time.perf_counter()
+    train_rows, eval_rows = split_rows(cfg, seed)
+    splits: dict[str, Any] = {}
+    stats: dict[str, Stats] = {}
+    for name, rows in (("train", train_rows), ("eval", eval_rows)):
+        if rows is not None:
+            splits[name], stats[name] = tokenize_split(rows, tokenizer, cfg, f"data.{name}", method, num_proc=num_proc, progress=progress)
+    samples = splits["train"].num_rows
+    if cfg.packing and method == Method.sft:
+        splits["train"] = pack_split(splits["train"], cfg.max_length, seed)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temporary = target.with_name(f"{target.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    shutil.rmtree(temporary, ignore_errors=True)
+    temporary.mkdir(parents=True)
+    for name, table in splits.items():
+        write_split(table, temporary / f"{name}.arrow")
+    meta = {"inputs": inputs, "stats": {k: vars(s) for k, s in stats.items()}, "samples": samples,
+            "rows": {k: v.num_rows for k, v in splits.items()}, "seconds": round(time.perf_counter() - started, 3)}
+    (temporary / META).write_text(json.dumps(meta, indent=1) + "\n")
+    try:
+        os.rename(temporary, target)
+    except OSError:  # another process finished the same key first: theirs is as good
+        shutil.rmtree(temporary, ignore_errors=True)
+        if not (target / META).is_file():
+            raise
+    rate = sum(s.rows for s in stats.values()) / max(meta["seconds"], 1e-9)
+    say(f"data: tokenized {' + '.join(f'{s.rows} {k}' for k, s in stats.items())} rows in {meta['seconds']:.1f} s "
+        f"({rate:,.0f} rows/s, {num_proc} processes at most), cached at {target}")
+
+
+def num_processes(cfg: DataConfig) -> int:
+    """data.num_proc, or the cores this process may run on."""
+    if cfg.num_proc:
+        return cfg.num_proc
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def load(cfg: DataConfig, tokenizer: Any, seed: int, method: Method, *, builder: bool, progress: bool,
+         say: Callable[[str], None], wait_s: float = 0.5) -> tuple[Any, Any, dict[str, Stats], int, Path]:
+    """The run's train and eval examples from the cache, built first if missing by the `builder` (local rank 0;
+    the others wait for it). Returns (train, eval, counts, samples before packing, the cache entry)."""
+    inputs = key_inputs(cfg, tokenizer, method, seed)
+    base = root(cfg)
+    target = base / key_of(inputs)
+    if not (target / META).is_file():
+        if builder:
+            try:
+                base.mkdir(parents=True, exist_ok=True)
+                probe = base / f".write-test-{os.getpid()}"
+                probe.touch()
+                probe.unlink()
+            except OSError as e:
+                raise ConfigError(f"data.cache_dir: cannot write the token cache in {base} ({e.strerror}): point data.cache_dir "
+                                  "at a writable directory, or set data.cache=false to tokenize in memory") from None
+            build(cfg, tokenizer, method, seed, target, inputs, num_proc=num_processes(cfg), progress=progress, say=say)
+        else:
+            while not (target / META).is_file():  # local rank 0 is building it (if it fails, the launcher stops us)
+                time.sleep(wait_s)
+        hit = False
+    else:
+        hit = True
+    meta = json.loads((target / META).read_text())
+    train = open_split(target / "train.arrow")
+    evals = open_split(target / "eval.arrow") if (target / "eval.arrow").is_file() else []
+    if hit:
+        say(f"data: cached tokens {target} ({describe(train, evals)})")
+    if method == Method.dpo:  # each pair carries its reference log-probs once computed: materialize
+        train, evals = list(train), list(evals)
+    stats = {k: Stats(**v) for k, v in meta["stats"].items()}
+    return train, evals, stats, meta["samples"], target
+
+
+def describe(train: Any, evals: Any) -> str:
+    """`N rows, T tokens` of the cached splits."""
+    def tokens(split: Any) -> int:
+        return split.tokens() if isinstance(split, Examples) else sum(
+            len(p.chosen.input_ids) + len(p.rejected.input_ids) if isinstance(p, Pair) else len(p.input_ids) for p in split)
+
+    return ", ".join(f"{name} {len(split):,} rows, {tokens(split):,} tokens" for name, split in (("train", train), ("eval", evals)) if len(split))
+
+
+__all__ = ["Encoded", "Examples", "build", "describe", "key_inputs", "key_of", "load", "root"]

@@ -1,0 +1,176 @@
+"""The token cache (finetune/data/cache.py): the same examples as tokenizing in memory, a key that changes
+with every input that changes the tokens, refusals that name the row, and `python -m finetune.prepare`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from conftest import run_cli
+from transformers import AutoTokenizer
+
+from finetune import data
+from finetune.config import ASSETS, ConfigError, DataConfig, LongPrompt, Method, Template
+from finetune.data import cache
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(ASSETS / "tokenizer")
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+MIXED = [  # every SFT form, a multi-turn chat, a response cut at max_length, a prompt too long, a text row split
+    {"instruction": "reverse", "input": "abc", "output": "cba"},
+    {"messages": [{"role": "user", "content": "upper\nab"}, {"role": "assistant", "content": "AB"},
+                  {"role": "user", "content": "lower\nCD"}, {"role": "assistant", "content": "cd"}]},
+    {"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
+    {"prompt": "copy xyz", "completion": "xyz"},
+    {"question": "2+2", "answer": "4"},
+    {"instruction": "r", "output": "abcdefghijklmnopqrstuvwxyz" * 2},
+    {"instruction": "r" * 80, "output": "x"},
+    {"text": "plain text for continued pre-training " * 6},
+]
+
+
+def in_memory_and_cached(cfg: DataConfig, tok, method=Method.sft, seed=0):
+    memory = data.load_split(cfg, tok, seed, method)
+    cached = cache.load(cfg, tok, seed, method, builder=True, progress=False, say=lambda line: None)
+    return memory, cached
+
+
+def same(a, b):
+    assert len(a) == len(b)
+    for i in range(len(a)):
+        assert a[i] == b[i], i
+
+
+@pytest.mark.parametrize("template", [Template.auto, Template.builtin])
+@pytest.mark.parametrize("packing", [False, True])
+def test_cached_examples_equal_in_memory_ones_for_every_form(tok, tmp_path, template, packing):
+    """Labels, positions, prompt lengths, references and the counts: exactly those of finetune.data.tokenize
+    (the cache runs its `tokenize_row` in `datasets.map` workers), packed rows those of finetune.data.pack."""
+    rows = MIXED * 300  # 2,400 rows: two tokenizing processes
+    cfg = DataConfig(train=write_jsonl(tmp_path / "t.jsonl", rows), eval_size=40, template=template, max_length=48,
+                     packing=packing, cache_dir=str(tmp_path / "cache"), num_proc=2)
+    (train, evals, stats), (ctrain, cevals, cstats, samples, target) = in_memory_and_cached(cfg, tok, seed=5)
+    assert samples == len(train)
+    if packing:
+        train = data.pack(train, cfg.max_length, 5)
+    same(train, ctrain)
+    same(evals, cevals)
+    assert {k: vars(s) for k, s in stats.items()} == {k: vars(s) for k, s in cstats.items()}
+    assert stats["train"].dropped > 0 and stats["train"].truncated > 0 and stats["train"].split > 0
+    meta = json.loads((target / "meta.json").read_text())
+    assert meta["rows"] == {"train": len(ctrain), "eval": len(cevals)}
+    from finetune.lengths import row_labelled, row_lengths
+
+    assert row_lengths(ctrain) == row_lengths(train) and row_labelled(ctrain) == row_labelled(train)  # from the columns
+
+
+@pytest.mark.parametrize("shipped,method", [("quickstart", Method.sft), ("quickstart_dpo", Method.dpo)])
+def test_shipped_datasets_cache_to_the_same_examples(tok, tmp_path, shipped, method):
+    folder = ASSETS / "data" / shipped
+    cfg = DataConfig(train=str(folder / "train.jsonl"), eval=str(folder / "eval.jsonl"), max_length=64, cache_dir=str(tmp_path))
+    (train, evals, stats), (ctrain, cevals, cstats, _, _) = in_memory_and_cached(cfg, tok, method)
+    same(train, ctrain)
+    same(evals, cevals)
+    assert isinstance(ctrain, list) == (method == Method.dpo)  # DPO pairs are materialized (they carry reference log-probs)
+
+
+def test_a_second_load_reads_the_cache(tok, tmp_path):
+    cfg = DataConfig(train=write_jsonl(tmp_path / "t.jsonl", MIXED[:5]), cache_dir=str(tmp_path / "c"))
+    said: list[str] = []
+    first = cache.load(cfg, tok, 0, Method.sft, builder=True, progress=False, say=said.append)
+    again = cache.load(cfg, tok, 0, Method.sft, builder=True, progress=False, say=said.append)
+    assert said[0].startswith("data: tokenized 5 train rows in ") and said[0].endswith(f"cached at {first[4]}")
+    assert said[1] == f"data: cached tokens {first[4]} (train 5 rows, {first[0].tokens()} tokens)"
+    same(first[0], again[0])
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == [first[4].name]  # no temporary directory left
+
+
+def test_a_builder_that_loses_the_race_keeps_the_winners_entry(tok, tmp_path):
+    cfg = DataConfig(train=write_jsonl(tmp_path / "t.jsonl", MIXED[:5]), cache_dir=str(tmp_path / "c"))
+    *_, target = cache.load(cfg, tok, 0, Method.sft, builder=True, progress=False, say=lambda line: None)
+    inputs = cache.key_inputs(cfg, tok, Method.sft, 0)
+    said: list[str] = []
+    cache.build(cfg, tok, Method.sft, 0, target, inputs, num_proc=1, progress=False, say=said.append)  # same key again
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == [target.name] and len(said) == 1
+
+
+def test_the_key_changes_with_every_input_that_changes_the_tokens(tok, tmp_path):
+    base = DataConfig(train=write_jsonl(tmp_path / "t.jsonl", MIXED[:4]))
+    key = lambda cfg=base, tokenizer=tok, method=Method.sft, seed=0: cache.key_of(cache.key_inputs(cfg, tokenizer, method, seed))  # noqa: E731
+    other_template = AutoTokenizer.from_pretrained(ASSETS / "tokenizer")
+    other_template.chat_template = other_template.chat_template.replace("<|assistant|>", "<|bot|>")
+    changed = {
+        "file content": key(replace(base, train=write_jsonl(tmp_path / "u.jsonl", MIXED[:3]))),
+        "tokenizer's chat template": key(tokenizer=other_template),
+        "template": key(replace(base, template=Template.builtin)),
+        "system prompt": key(replace(base, system_prompt="be brief")),
+        "max_length": key(replace(base, max_length=256)),
+        "long_prompt": key(replace(base, long_prompt=LongPrompt.error)),
+        "packing": key(replace(base, packing=True)),
+        "held-out eval rows": key(replace(base, eval_size=1)),
+        "method": key(method=Method.dpo),
+        "seed, when rows are held out": key(replace(base, eval_size=1), seed=1),
+    }
+    assert len(set(changed.values()) | {key()}) == len(changed) + 1, changed
+    assert key(seed=1) == key()  # the seed changes nothing without held-out rows or packing
+    assert key(replace(base, cache_dir="/elsewhere", num_proc=7)) == key()  # where and how fast: not what
+    before = key()
+    write_jsonl(tmp_path / "t.jsonl", MIXED[:4][::-1])  # the same path, the rows in another order
+    assert key() != before
+
+
+def test_a_bad_row_in_a_worker_is_one_line_naming_its_line(tok, tmp_path):
+    rows = [{"instruction": "r", "output": "ab"}] * 2500 + [{"instruction": "r" * 80, "output": "x"}]
+    cfg = DataConfig(train=write_jsonl(tmp_path / "t.jsonl", rows), max_length=16, long_prompt=LongPrompt.error,
+                     cache_dir=str(tmp_path / "c"), num_proc=2)
+    with pytest.raises(ConfigError) as e:
+        cache.load(cfg, tok, 0, Method.sft, builder=True, progress=False, say=lambda line: None)
+    assert str(e.value) == (f"{cfg.train}:2501: the prompt is 83 tokens, data.max_length=16 leaves no room for the response: "
+                            "raise data.max_length or set data.long_prompt=drop")
+    assert not any((tmp_path / "c").glob("*/meta.json"))
+
+
+def test_an_unwritable_cache_dir_is_one_line(tok, tmp_path):
+    (tmp_path / "file").write_text("")
+    cfg = DataConfig(train=write_jsonl(tmp_path / "t.jsonl", MIXED[:2]), cache_dir=str(tmp_path / "file" / "cache"))
+    with pytest.raises(ConfigError) as e:
+        cache.load(cfg, tok, 0, Method.sft, builder=True, progress=False, say=lambda line: None)
+    assert str(e.value) == (f"data.cache_dir: cannot write the token cache in {tmp_path / 'file' / 'cache'} (Not a directory): "
+                            "point data.cache_dir at a writable directory, or set data.cache=false to tokenize in memory")
+
+
+def test_default_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.delenv("FINETUNE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache.root(DataConfig(train="x")) == tmp_path / "finetune" / "tokens"
+    monkeypatch.setenv("FINETUNE_CACHE_DIR", str(tmp_path / "mine"))
+    assert cache.root(DataConfig(train="x")) == tmp_path / "mine"
+    assert cache.root(DataConfig(train="x", cache_dir="~/c")) == cache.Path("~/c").expanduser()
+
+
+def test_prepare_then_launch_starts_from_the_cache(tmp_path):
+    """`python -m finetune.prepare` tokenizes; the launch of the same recipe reads the cache, and trains."""
+    env_dir = tmp_path / "tokens"
+    overrides = ["+recipe=quickstart_sft", "train.max_steps=1", "optim.warmup_steps=0", "launcher.nproc_per_node=1",
+                 "parallelism=single", "train.progress_bar=false", "train.exact_match_samples=0", f"data.cache_dir={env_dir}"]
+    prep = run_cli(*overrides, cwd=tmp_path, module="finetune.prepare")
+    assert prep.returncode == 0, prep.stderr
+    entry = next(env_dir.iterdir())
+    assert prep.stdout.splitlines()[-1] == f"prepared: {entry} (train 4,000 rows, 87,395 tokens, eval 256 rows, 5,557 tokens)"
+    run = run_cli(*overrides, f"run_dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert f"data: cached tokens {entry} (train 4,000 rows, 87,395 tokens, eval 256 rows, 5,557 tokens)" in run.stdout
+    assert "data: tokenized" not in run.stdout
+    no_cache = run_cli(*overrides, "data.cache=false", cwd=tmp_path, module="finetune.prepare")
+    assert no_cache.returncode == 2 and no_cache.stderr.strip() == (
+        "error: data.cache=false: the run tokenizes in memory at every launch, so there is nothing to prepare "
+        "(drop data.cache=false to cache the tokens)")
