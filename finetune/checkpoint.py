@@ -60,12 +60,13 @@ def trajectory(cfg: Config) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for group, keys in TRAJECTORY.items():
         for key, value in _flatten(plain[group], group).items():
-            if keys is None or key.split(".", 1)[1] in keys:
+            if (keys is None or key.split(".", 1)[1] in keys) and key not in HOW:
                 out[key] = _same_path(value) if key in PATHS else value
     return out
 
 
 PATHS = ("data.train", "data.eval", "model.path", "model.tokenizer")
+HOW = ("data.cache", "data.cache_dir", "data.num_proc")  # how the tokens are made and kept, not what they are
 
 
 def _same_path(value: Any) -> Any:

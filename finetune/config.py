@@ -64,6 +64,8 @@ POSITIVE = Accepts("positive", lambda v: v > 0, ("0",))
 PROBABILITY = in_range(0, 1, hi_open=True)
 PORT = Accepts("a port in [1, 65535]", lambda v: 0 < v < 65536, ("0", "65536"))
 TEXT = Accepts("non-empty text", lambda v: bool(str(v).strip()), ("''",))
+SOURCES = Accepts("a path or hub id, or a list of sources", lambda v: isinstance(v, list) and bool(v) or isinstance(v, str) and bool(v.strip()),
+                  ("''", "[]"))
 ANY_TEXT = Accepts("any text", lambda v: True)
 NAMES = Accepts("a list of names", lambda v: all(str(x).strip() for x in v), ("['']",))
 SOME_NAMES = Accepts("a non-empty list of names", lambda v: len(v) > 0 and NAMES.ok(v), ("[]",))
@@ -336,9 +338,12 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train: str = checked(TEXT, MISSING)
-    """A local .jsonl/.json file, a local dataset directory, or a hub dataset id."""
-    eval: str | None = checked(TEXT, None)
+    train: Any = checked(SOURCES, MISSING)
+    """A local .jsonl/.json file, a local dataset directory, or a hub dataset id; or a mixture: a list of
+    those, each optionally {path, split, weight, rows}. `rows`: exactly that many rows of it (seeded
+    sample; repeated past its size); `weight`: the weighted sources share their part of the mixture
+    in these proportions, as many rows as that allows without repeating one."""
+    eval: Any = checked(SOURCES, None)
     """The same forms as `train`; null: hold out `eval_size` rows of `train` instead."""
     eval_size: int = checked(at_least(0), 0)
     """Rows of `train` held out for evaluation when `eval` is null (0: no evaluation)."""

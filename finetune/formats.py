@@ -36,12 +36,115 @@ class Rows:
     source: str
     lines: list[int] | None = None  # 1-based line of each row in a JSONL file
     first: int = 0  # the index of rows[0] in its source, for a slice of it
+    wheres: list[str] | None = None  # each row's origin, for rows mixed from several sources
+    note: str = ""  # how a mixture was drawn, for the log
 
     def where(self, i: int) -> str:
+        if self.wheres:
+            return self.wheres[i]
         return f"{self.source}:{self.lines[i]}" if self.lines else f"{self.source} row {self.first + i}"
 
     def subset(self, idx: list[int]) -> Rows:
-        return Rows([self.rows[i] for i in idx], self.source, [self.lines[i] for i in idx] if self.lines else None)
+        pick = lambda values: [values[i] for i in idx] if values else None  # noqa: E731
+        return Rows([self.rows[i] for i in idx], self.source, pick(self.lines), 0, pick(self.wheres) or
+                    (None if self.lines else [self.where(i) for i in idx]), self.note)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources: one path or hub id, or a mixture
+
+
+@dataclass(frozen=True)
+class Source:
+    path: str
+    split: str
+    key: str  # the config key that names it, e.g. data.train[1]
+    weight: float | None = None
+    rows: int | None = None
+
+
+SOURCE_KEYS = ("path", "split", "weight", "rows")
+SOURCE_FORM = ("a path or hub id, or a list of sources, each a path or {path, split, weight, rows}, "
+               "e.g. data.train=[a.jsonl,{path:b.jsonl,weight:0.3}]")
+
+
+def sources(value: Any, split: str, key: str) -> list[Source]:
+    """data.train / data.eval as a list of sources; one line naming the entry for a malformed one."""
+    if isinstance(value, str):
+        return [Source(value, split, key)]
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ConfigError(f"{key} must be {SOURCE_FORM}")
+    out = []
+    for i, entry in enumerate(value):
+        at = f"{key}[{i}]"
+        entry = {"path": entry} if isinstance(entry, str) else entry
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{at}={entry!r}: a source is a path or {{path, split, weight, rows}}")
+        unknown = sorted(set(entry) - set(SOURCE_KEYS))
+        if unknown:
+            raise ConfigError(f"{at}: unknown key {unknown[0]!r}: a source has path, and optionally split, weight or rows")
+        path, weight, rows = entry.get("path"), entry.get("weight"), entry.get("rows")
+        if not isinstance(path, str) or not path.strip():
+            raise ConfigError(f"{at}.path must be a path or hub id (got {path!r})")
+        if weight is not None and rows is not None:
+            raise ConfigError(f"{at}: set weight (its share of the mixture) or rows (an exact count), not both")
+        if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0):
+            raise ConfigError(f"{at}.weight={weight} must be a number above 0")
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+            raise ConfigError(f"{at}.rows={rows} must be an integer of at least 1")
+        out.append(Source(path, str(entry.get("split", split)), at, None if weight is None else float(weight), rows))
+    return out
+
+
+def samples_rows(cfg: DataConfig) -> bool:
+    """Whether drawing the rows depends on the seed (a source with a weight or a row count)."""
+    return any(s.weight is not None or s.rows is not None
+               for value, split, key in _keys(cfg) for s in sources(value, split, key))
+
+
+def _keys(cfg: DataConfig) -> list[tuple[Any, str, str]]:
+    return [(v, split, k) for v, split, k in ((cfg.train, cfg.train_split, "data.train"), (cfg.eval, cfg.eval_split, "data.eval"))
+            if v is not None]
+
+
+def mixture_counts(srcs: list[Source], sizes: list[int]) -> list[int]:
+    """Rows drawn from each source: `rows` exactly (repeating rows past the source's size); all of a source
+    with neither; and the sources with a `weight` in those shares of their part, as many rows as that
+    allows without repeating one (the source that runs out first is used whole)."""
+    weighted = [(s.weight, n) for s, n in zip(srcs, sizes) if s.weight is not None]
+    total = sum(w for w, _ in weighted)
+    scale = min((n / (w / total) for w, n in weighted), default=0.0)
+    return [s.rows if s.rows is not None else n if s.weight is None else min(n, int(scale * s.weight / total + 1e-9))
+            for s, n in zip(srcs, sizes)]
+
+
+def draw(size: int, count: int, seed: int, index: int) -> list[int]:
+    """`count` row indices of a source of `size`, in file order: a seeded sample, or every row
+    count // size times plus a sample of the rest."""
+    import numpy as np
+
+    whole, rest = divmod(count, size)
+    picked = np.random.default_rng([seed, 7919, index]).permutation(size)[:rest]
+    return sorted([*range(size)] * whole + picked.tolist())
+
+
+def load_sources(value: Any, split: str, key: str, seed: int) -> Rows:
+    """The rows of data.train or data.eval: one source's, or a mixture's (drawn per `mixture_counts`, seeded)."""
+    srcs = sources(value, split, key)
+    if len(srcs) == 1 and srcs[0].weight is None and srcs[0].rows is None:
+        return load_rows(srcs[0].path, srcs[0].split, srcs[0].key)
+    loaded = [load_rows(s.path, s.split, s.key) for s in srcs]
+    counts = mixture_counts(srcs, [len(r.rows) for r in loaded])
+    rows: list[dict[str, Any]] = []
+    wheres: list[str] = []
+    parts = []
+    for i, (s, r, n) in enumerate(zip(srcs, loaded, counts)):
+        idx = draw(len(r.rows), n, seed, i)
+        rows += [r.rows[j] for j in idx]
+        wheres += [r.where(j) for j in idx]
+        how = f", weight {s.weight:g}" if s.weight is not None else f", rows={s.rows}" if s.rows is not None else ""
+        parts.append(f"{s.path} {n:,} of {len(r.rows):,}{how}")
+    return Rows(rows, key, wheres=wheres, note=f"{key}: {len(rows):,} rows from {len(srcs)} sources ({'; '.join(parts)})")
 
 
 def load_rows(source: str, split: str, key: str) -> Rows:
@@ -331,18 +434,19 @@ def _with_system(messages: list[dict[str, str]], system_prompt: str | None) -> l
 
 
 def fingerprint(cfg: DataConfig) -> dict[str, dict[str, Any]]:
-    """What the data of a run is, for a resume to compare: per key (data.train, data.eval), the
-    sha256 of each local file (a directory: each file in it), or a hub dataset's id and split."""
+    """What the data of a run is, for a resume to compare: per source (data.train, data.eval, or
+    data.train[i] of a mixture, with its weight or row count), the sha256 of each local file (a
+    directory: each file in it), or a hub dataset's id and split."""
     out: dict[str, dict[str, Any]] = {}
-    for key, source, split in (("data.train", cfg.train, cfg.train_split), ("data.eval", cfg.eval, cfg.eval_split)):
-        if source is None:
-            continue
-        path = Path(source).expanduser()
-        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else None
-        if files is None:
-            out[key] = {"hub": source, "split": split}
-        else:
-            out[key] = {"files": {str(p): _sha256(p.resolve(), *_stamp(p)) for p in files}}
+    for value, split, key in _keys(cfg):
+        for s in sources(value, split, key):
+            path = Path(s.path).expanduser()
+            files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else None
+            if files is None:
+                out[s.key] = {"hub": s.path, "split": s.split}
+            else:
+                out[s.key] = {"files": {str(p): _sha256(p.resolve(), *_stamp(p)) for p in files}}
+            out[s.key] |= {k: v for k, v in (("weight", s.weight), ("rows", s.rows)) if v is not None}
     return out
 
 
@@ -371,9 +475,9 @@ def check(cfg: DataConfig, method: Method) -> None:
 
     A local directory is only checked to hold a dataset; its rows, and hub datasets, are checked by
     the ranks (that needs `datasets`)."""
-    for key, source in (("data.train", cfg.train), ("data.eval", cfg.eval)):
-        path = Path(source).expanduser() if source is not None else None
-        if path is None or not (looks_local(source) or path.exists()):
+    for s in (s for value, split, key in _keys(cfg) for s in sources(value, split, key)):
+        key, source, path = s.key, s.path, Path(s.path).expanduser()
+        if not (looks_local(source) or path.exists()):
             continue
         if path.is_dir():
             _check_directory(path, key)

@@ -20,6 +20,7 @@ directory nor in the Hugging Face cache leaves the plan at data.max_length (an u
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ import numpy as np
 
 from finetune import data
 from finetune.config import Config, ConfigError, Method, ModelConfig
-from finetune.formats import load_rows
+from finetune.formats import sources
 from finetune.plan import Longest
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -189,9 +190,9 @@ def _from_cache(cfg: Config, files: dict[str, Path]) -> Longest | None:
 
 def longest_batch(cfg: Config) -> Longest | str:
     """The longest batch the run will see, read from its data; or why the data was not read."""
-    source = Path(cfg.data.train).expanduser()
-    if not source.is_file():
-        return f"data.train={cfg.data.train} is not a local .jsonl/.json file"
+    not_files = [s for s in sources(cfg.data.train, cfg.data.train_split, "data.train") if not Path(s.path).expanduser().is_file()]
+    if not_files:
+        return f"{not_files[0].key}={not_files[0].path} is not a local .jsonl/.json file"
     files = tokenizer_files(cfg.model)
     if files is None:
         return f"no tokenizer.json for {cfg.model.tokenizer or cfg.model.path} here (in its directory or the Hugging Face cache)"
@@ -199,10 +200,7 @@ def longest_batch(cfg: Config) -> Longest | str:
     if cached is not None:
         return cached
     try:
-        rows = load_rows(cfg.data.train, cfg.data.train_split, "data.train")
-        if cfg.data.eval is None and 0 < cfg.data.eval_size < len(rows.rows):  # the rows load_split holds out
-            order = np.random.default_rng(cfg.train.seed).permutation(len(rows.rows))
-            rows = rows.subset(sorted(order[cfg.data.eval_size:]))
+        rows = data.split_rows(replace(cfg.data, eval=None) if cfg.data.eval is not None else cfg.data, cfg.train.seed)[0]
         examples, _ = data.tokenize(rows, LightTokenizer(files), cfg.data, "data.train", cfg.method.name)
     except ConfigError as e:  # the launcher names data mistakes itself
         return f"data.train could not be read ({e})"

@@ -38,6 +38,7 @@ from finetune.config import (
     engine_kind,
     launcher_for,
 )
+from finetune.formats import sources
 from finetune.disk import attention, config_source, config_value, local_config, model_config
 from finetune.families import (FAMILIES, adapted_outside_linears, arch_from_config, arch_targets, dora_experts, router_loss_under_pp,
                                 unmatched_targets)
@@ -67,6 +68,9 @@ def validate(cfg: Config) -> None:
     if m.path is None and m.tokenizer is None:
         raise ConfigError("model.tokenizer: a random-init model needs a tokenizer path or hub id")
     _validate_context(cfg)
+    for value, split, key in ((cfg.data.train, cfg.data.train_split, "data.train"), (cfg.data.eval, cfg.data.eval_split, "data.eval")):
+        if value is not None:
+            sources(value, split, key)  # a mixture's entries, each named when malformed
     if m.attn_implementation != AttnImpl.auto:
         attention(cfg, gpu=True)  # refuses a kernel this model cannot run (the device is disk.check_device's)
     if launch.node_rank >= launch.nnodes:

@@ -174,3 +174,68 @@ def test_prepare_then_launch_starts_from_the_cache(tmp_path):
     assert no_cache.returncode == 2 and no_cache.stderr.strip() == (
         "error: data.cache=false: the run tokenizes in memory at every launch, so there is nothing to prepare "
         "(drop data.cache=false to cache the tokens)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixtures: data.train as a list of sources
+
+
+def numbered(tmp_path, name, n):
+    return write_jsonl(tmp_path / f"{name}.jsonl", [{"instruction": f"{name} {i}", "output": f"{name}{i}"} for i in range(n)])
+
+
+def test_mixture_proportions_and_exact_counts(tmp_path):
+    from finetune.formats import load_sources, mixture_counts, sources
+
+    a, b, c = numbered(tmp_path, "a", 100), numbered(tmp_path, "b", 1000), numbered(tmp_path, "c", 4000)
+    spec = [{"path": a, "rows": 250}, {"path": b, "weight": 0.25}, {"path": c, "weight": 0.75}, c]
+    assert mixture_counts(sources(spec, "train", "data.train"), [100, 1000, 4000, 4000]) == [250, 1000, 3000, 4000]
+    rows = load_sources(spec, "train", "data.train", seed=3)
+    drawn = [r["instruction"].split()[0] for r in rows.rows]
+    assert [drawn.count(x) for x in "abc"] == [250, 1000, 7000]
+    from_a = [int(r["instruction"].split()[1]) for r in rows.rows if r["instruction"].startswith("a ")]
+    assert all(from_a.count(i) in (2, 3) for i in range(100))  # 250 of 100 rows: every row twice, 50 of them thrice
+    from_c = {r["instruction"] for r in rows.rows[1250:4250]}
+    assert len(from_c) == 3000  # the weighted draw repeats no row
+    again, other = load_sources(spec, "train", "data.train", seed=3), load_sources(spec, "train", "data.train", seed=4)
+    assert again.rows == rows.rows and other.rows != rows.rows  # a function of the seed
+    assert rows.where(0) == f"{a}:1" and rows.where(1250) == f"{c}:{int(rows.rows[1250]['instruction'].split()[1]) + 1}"
+    assert rows.note == (f"data.train: 8,250 rows from 4 sources ({a} 250 of 100, rows=250; {b} 1,000 of 1,000, weight 0.25; "
+                         f"{c} 3,000 of 4,000, weight 0.75; {c} 4,000 of 4,000)")
+
+
+def test_a_bad_row_in_a_mixture_names_its_own_file_and_line(tok, tmp_path):
+    a = numbered(tmp_path, "a", 5)
+    b = write_jsonl(tmp_path / "b.jsonl", [{"instruction": "x", "output": "y"}, {"instruction": "r" * 80, "output": "x"}])
+    cfg = DataConfig(train=[a, {"path": b, "rows": 2}], max_length=16, long_prompt=LongPrompt.error, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(ConfigError, match=f"^{b}:2: the prompt is 83 tokens"):
+        cache.load(cfg, tok, 0, Method.sft, builder=True, progress=False, say=lambda line: None)
+    with pytest.raises(ConfigError, match=f"^{b}:2: the prompt is 83 tokens"):
+        data.load_split(cfg, tok, 0)
+
+
+def test_a_mixture_caches_like_it_tokenizes_and_its_key_follows_the_draw(tok, tmp_path):
+    a, b = numbered(tmp_path, "a", 30), numbered(tmp_path, "b", 60)
+    cfg = DataConfig(train=[{"path": a, "weight": 1}, {"path": b, "weight": 1}], eval_size=5, cache_dir=str(tmp_path / "c"))
+    (train, evals, stats), (ctrain, cevals, cstats, _, _) = in_memory_and_cached(cfg, tok, seed=2)
+    same(train, ctrain)
+    same(evals, cevals)
+    assert cstats["train"].line("train", 512).endswith(f"\ndata.train: 60 rows from 2 sources ({a} 30 of 30, weight 1; {b} 30 of 60, weight 1)")
+    key = lambda c, seed=2: cache.key_of(cache.key_inputs(c, tok, Method.sft, seed))  # noqa: E731
+    assert key(cfg, seed=3) != key(cfg)  # the draw depends on the seed
+    assert key(replace(cfg, train=[{"path": a, "weight": 1}, {"path": b, "weight": 2}])) != key(cfg)
+    assert key(replace(cfg, eval_size=0, train=[a, b]), seed=3) == key(replace(cfg, eval_size=0, train=[a, b]))  # all rows: no draw
+
+
+@pytest.mark.parametrize("value,message", [
+    ("[a.jsonl,{path:b.jsonl,wieght:0.5}]", "data.train[1]: unknown key 'wieght': a source has path, and optionally split, weight or rows"),
+    ("[{path:a.jsonl,weight:0.5,rows:3}]", "data.train[0]: set weight (its share of the mixture) or rows (an exact count), not both"),
+    ("[{path:a.jsonl,weight:0}]", "data.train[0].weight=0 must be a number above 0"),
+    ("[{path:a.jsonl,rows:1.5}]", "data.train[0].rows=1.5 must be an integer of at least 1"),
+    ("[{weight:1}]", "data.train[0].path must be a path or hub id (got None)"),
+    ("[]", "data.train=[] must be a path or hub id, or a list of sources"),
+])
+def test_malformed_mixtures_are_one_line_at_compose(compose, value, message):
+    with pytest.raises(ConfigError) as e:
+        compose(["+recipe=quickstart_sft", f"data.train={value}"])
+    assert str(e.value) == message

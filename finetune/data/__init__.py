@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import numpy as np
 
 from finetune.config import ConfigError, DataConfig, DataFormat, LongPrompt, Method, Template
-from finetune.formats import Rows, form_of, load_rows, text_of, to_messages, to_pair
+from finetune.formats import Rows, form_of, load_sources, text_of, to_messages, to_pair
 
 if TYPE_CHECKING:
     import torch
@@ -121,6 +121,7 @@ class Stats:
     dropped: int = 0  # prompts that leave no room for a response token
     shortest_dropped_prompt: int = 0
     split: int = 0  # text rows longer than max_length, split into pieces (none of their tokens lost)
+    sources: str = ""  # a mixture: the rows drawn from each source
 
     def count(self, encoded: Encoded) -> None:
         self.truncated += encoded.truncated
@@ -145,6 +146,7 @@ class Stats:
         return (
             f"data {name}: {self.rows} rows, {self.truncated} responses truncated at max_length={max_length}, "
             f"{self.dropped} dropped (prompt too long)" + (f", {self.split} text rows split into max_length pieces" if self.split else "")
+            + (f"\n{self.sources}" if self.sources else "")
         )
 
 
@@ -199,7 +201,7 @@ def tokenize(rows: Rows, tokenizer: Any, cfg: DataConfig, key: str, method: Meth
     A pair keeps its prompt whole and cuts each response at the end, so the prompt/response
     boundary (and the prompt both responses share) is never lost."""
     chat = uses_chat_template(tokenizer, cfg.template)
-    stats = Stats(rows=len(rows.rows))
+    stats = Stats(rows=len(rows.rows), sources=rows.note)
     out: list[Any] = []
     for i, row in enumerate(rows.rows):
         encoded = tokenize_row(row, rows.where(i), tokenizer, cfg, method, chat)
@@ -211,9 +213,9 @@ def tokenize(rows: Rows, tokenizer: Any, cfg: DataConfig, key: str, method: Meth
 
 def split_rows(cfg: DataConfig, seed: int) -> tuple[Rows, Rows | None]:
     """The train rows and the eval rows (data.eval, or data.eval_size rows of data.train held out by `seed`)."""
-    train_rows = load_rows(cfg.train, cfg.train_split, "data.train")
+    train_rows = load_sources(cfg.train, cfg.train_split, "data.train", seed)
     if cfg.eval is not None:
-        return train_rows, load_rows(cfg.eval, cfg.eval_split, "data.eval")
+        return train_rows, load_sources(cfg.eval, cfg.eval_split, "data.eval", seed)
     if not cfg.eval_size:
         return train_rows, None
     if cfg.eval_size >= len(train_rows.rows):

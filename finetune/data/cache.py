@@ -37,7 +37,7 @@ import numpy as np
 
 from finetune.config import ConfigError, DataConfig, Method
 from finetune.data import IGNORE, Encoded, Example, Pair, Stats, first_fit, split_rows, tokenize_row, uses_chat_template
-from finetune.formats import Rows, fingerprint
+from finetune.formats import Rows, fingerprint, samples_rows
 
 if TYPE_CHECKING:
     import datasets
@@ -77,11 +77,12 @@ def key_inputs(cfg: DataConfig, tokenizer: Any, method: Method, seed: int) -> di
         if "hub" in entry:  # the dataset's own fingerprint (revision and content), from its local cache
             entry["fingerprint"] = _hub_fingerprint(entry["hub"], entry["split"])
     held_out = cfg.eval is None and cfg.eval_size > 0
+    seeded = held_out or cfg.packing or samples_rows(cfg)
     return {
         "version": VERSION, "sources": sources, "tokenizer": tokenizer_fingerprint(tokenizer), "method": method.value,
         "format": cfg.format.value, "template": cfg.template.value, "system_prompt": cfg.system_prompt,
         "max_length": cfg.max_length, "long_prompt": cfg.long_prompt.value, "packing": cfg.packing,
-        "eval_size": cfg.eval_size if held_out else 0, "seed": seed if held_out or cfg.packing else None,
+        "eval_size": cfg.eval_size if held_out else 0, "seed": seed if seeded else None,
     }
 
 
@@ -199,13 +200,12 @@ KEPT, DROPPED = 0, 1  # `kind`: a row to train on, or a prompt too long (its len
 TRUNCATED, SPLIT = 1, 2  # `flags` bits, on a source row's first output
 
 
-def _encode_batch(batch: dict[str, list[Any]], indices: list[int], *, source: str, lines: list[int] | None,
-                  first: int, tokenizer: Any, cfg: DataConfig, method: Method, chat: bool) -> dict[str, list[Any]]:
+def _encode_batch(batch: dict[str, list[Any]], indices: list[int], *, origin: Rows, tokenizer: Any, cfg: DataConfig,
+                  method: Method, chat: bool) -> dict[str, list[Any]]:
     """datasets.map: JSON rows -> token columns, one output per example (and one per dropped row)."""
     out: dict[str, list[Any]] = {name: [] for name in _features(method)}
     for raw, i in zip(batch["row"], indices):
-        where = f"{source}:{lines[i]}" if lines else f"{source} row {first + i}"
-        encoded = tokenize_row(json.loads(raw), where, tokenizer, cfg, method, chat)
+        encoded = tokenize_row(json.loads(raw), origin.where(i), tokenizer, cfg, method, chat)
         items: list[Any] = encoded.items or [None]
         for n, item in enumerate(items):
             flags = (TRUNCATED * encoded.truncated + SPLIT * encoded.split) if n == 0 else 0
@@ -244,8 +244,8 @@ def tokenize_split(rows: Rows, tokenizer: Any, cfg: DataConfig, key: str, method
     procs = max(1, min(num_proc, len(rows.rows) // ROWS_PER_PROCESS))
     if procs > 1:  # the workers are forked: the tokenizer's own threads would deadlock or warn in them
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    fn = _bound(_encode_batch, source=rows.source, lines=rows.lines, first=rows.first, tokenizer=tokenizer, cfg=cfg,
-                method=method, chat=chat)
+    origin = Rows([], rows.source, rows.lines, rows.first, rows.wheres)  # where each row is from, for refusals
+    fn = _bound(_encode_batch, origin=origin, tokenizer=tokenizer, cfg=cfg, method=method, chat=chat)
     (datasets.enable_progress_bars if progress else datasets.disable_progress_bars)()
     try:
         ds = table.map(fn, batched=True, batch_size=256, with_indices=True, remove_columns=["row"], features=_features(method),
@@ -260,7 +260,7 @@ def tokenize_split(rows: Rows, tokenizer: Any, cfg: DataConfig, key: str, method
     columns = ds.data.table
     kind, flags, prompt = (columns.column(c).to_numpy() for c in ("kind", "flags", "prompt"))
     dropped = kind == DROPPED
-    stats = Stats(rows=len(rows.rows), truncated=int(((flags & TRUNCATED) > 0).sum()), split=int(((flags & SPLIT) > 0).sum()),
+    stats = Stats(rows=len(rows.rows), sources=rows.note, truncated=int(((flags & TRUNCATED) > 0).sum()), split=int(((flags & SPLIT) > 0).sum()),
                   dropped=int(dropped.sum()), shortest_dropped_prompt=int(prompt[dropped].min()) if dropped.any() else 0)
     stats.check(key, rows.source, cfg.max_length, not dropped.all() and len(ds) > 0)
     if dropped.any():
