@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import numpy as np
 
 from finetune.config import ConfigError, DataConfig, DataFormat, LongPrompt, Method, Template
-from finetune.formats import Rows, form_of, load_sources, text_of, to_messages, to_pair
+from finetune.formats import Rows, form_of, load_rows, load_sources, text_of, to_messages, to_pair  # noqa: F401 (load_rows: re-exported)
 
 if TYPE_CHECKING:
     import torch
