@@ -11,8 +11,10 @@ Per N, each measured in a fresh process:
   `datasets.map` over every core, with the Arrow files written: seconds, rows/s and rows/s per core;
 - cached start: a new process that finds the cache entry (hashing the data file for the key) and
   opens it: seconds from its start to the data being ready, imports included;
-- peak RSS per rank: 2 processes reading their share of 20 steps of batches (dp_size=2), from the
-  cache vs in memory (each rank tokenizing everything, as before the cache);
+- RSS per rank: 2 processes reading their share of 20 steps of batches (dp_size=2), from the cache vs
+  in memory (each rank tokenizing everything, as before the cache): the peak (ru_maxrss), and the
+  private part (RssAnon). A cached rank's RSS also counts the pages of the memory-mapped Arrow file it
+  has touched: page cache, shared by the node's ranks and dropped by the kernel under pressure;
 - packing: first fit over the N samples plus building the packed Arrow rows.
 """
 
@@ -86,6 +88,8 @@ if spec.get("steps"):
     for step in range(spec["steps"]):
         batches.micro_batches(step)
 out["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
+out["anon_mib"] = int(status["RssAnon"].split()[0]) / 1024  # private memory; the rest of RSS is shared file pages
 print(json.dumps(out))
 '''
 
@@ -98,10 +102,12 @@ def child(spec: dict) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def two_ranks(spec: dict) -> float:
+def two_ranks(spec: dict) -> tuple[float, float]:
+    """(peak RSS, private RSS) of the larger of 2 ranks, in MiB."""
     procs = [subprocess.Popen([sys.executable, "-c", CHILD, json.dumps({**spec, "rank": r, "steps": 20})], stdout=subprocess.PIPE,
                               text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}) for r in range(2)]
-    return max(json.loads(p.communicate()[0].strip().splitlines()[-1])["rss_mib"] for p in procs)
+    outs = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
+    return max(o["rss_mib"] for o in outs), max(o["anon_mib"] for o in outs)
 
 
 def packing_seconds(spec: dict) -> float:
@@ -122,7 +128,7 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     lines = [f"Data benchmark: {cores} cores, synthetic chat rows (1-3 turns, ~200 tokens), 8k BPE tokenizer, max_length 1024.", "",
              "| conversations | in memory rows/s (1 core) | first preparation s | rows/s | rows/s/core | cached start s (data ready, imports incl.) "
-             "| RSS/rank in memory MiB | RSS/rank cached MiB | packing s |",
+             "| RSS/rank in memory MiB (private) | RSS/rank cached MiB (private) | packing s |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -139,11 +145,11 @@ def main() -> None:
             cached = child({**spec, "what": "cached"})
             rss_cached = two_ranks({**spec, "what": "cached"})
             rss_memory = None if args.no_baseline else two_ranks({**spec, "what": "memory"})
+            rss = lambda pair: f"{pair[0]:,.0f} ({pair[1]:,.0f})" if pair else "-"  # noqa: E731
             packing = packing_seconds(spec)
             rate = n / built["seconds"]
             cells = [f"{n:,}", f"{n / memory['seconds']:,.0f}" if memory else "-", f"{built['seconds']:.1f}", f"{rate:,.0f}",
-                     f"{rate / cores:,.0f}", f"{cached['since_start']:.1f}", f"{rss_memory:,.0f}" if rss_memory else "-",
-                     f"{rss_cached:,.0f}", f"{packing:.2f}"]
+                     f"{rate / cores:,.0f}", f"{cached['since_start']:.1f}", rss(rss_memory), rss(rss_cached), f"{packing:.2f}"]
             lines.append("| " + " | ".join(cells) + " |")
             print(lines[-1], file=sys.stderr, flush=True)
     table = "\n".join(lines)
