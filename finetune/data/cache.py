@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from finetune.config import ConfigError, DataConfig, Method
-from finetune.data import IGNORE, Encoded, Example, Pair, Stats, first_fit, split_rows, tokenize_row, uses_chat_template
+from finetune.data import IGNORE, Example, Pair, Stats, first_fit, split_rows, tokenize_row, uses_chat_template
 from finetune.formats import Rows, fingerprint, samples_rows
 
 if TYPE_CHECKING:
@@ -47,7 +47,6 @@ VERSION = 1  # bump when the layout or the tokenization changes: old entries are
 META = "meta.json"
 ROWS_PER_PROCESS = 1000  # fewer rows than this per process: starting the process costs more than it saves
 SFT_COLUMNS = ("input_ids", "labels")
-PAIR_COLUMNS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
 
 
 def root(cfg: DataConfig) -> Path:
@@ -183,7 +182,7 @@ def write_split(table: pa.Table, path: Path) -> None:
 # Building
 
 
-def _features(method: Method, packed: bool = False) -> datasets.Features:
+def _features(method: Method) -> datasets.Features:
     from datasets import Features, Sequence, Value
 
     ids = Sequence(Value("int32"))
@@ -193,7 +192,7 @@ def _features(method: Method, packed: bool = False) -> datasets.Features:
                         | {f"{side}_prompt_len": Value("int32") for side in ("chosen", "rejected")}
                         | {f"{side}_reference": Value("string") for side in ("chosen", "rejected")} | common)
     return Features({"input_ids": ids, "labels": ids, "prompt_len": Value("int32"), "reference": Value("string")}
-                    | ({"position_ids": ids} if packed else {}) | common)
+                    | common)
 
 
 KEPT, DROPPED = 0, 1  # `kind`: a row to train on, or a prompt too long (its length in `prompt`), kept for the counts
@@ -389,5 +388,3 @@ def describe(train: Any, evals: Any) -> str:
 
     return ", ".join(f"{name} {len(split):,} rows, {tokens(split):,} tokens" for name, split in (("train", train), ("eval", evals)) if len(split))
 
-
-__all__ = ["Encoded", "Examples", "build", "describe", "key_inputs", "key_of", "load", "root"]
