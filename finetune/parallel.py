@@ -21,6 +21,7 @@ pipeline stages are furthest apart (across nodes), as in the 70B tp8 x pp16 layo
 from __future__ import annotations
 
 import copy
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -250,6 +251,32 @@ def fully_shard(model: nn.Module, dp_mesh: Any, *, reshard_after_forward: bool, 
     for block in [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]:
         shard(block, **kwargs)
     shard(model, **kwargs)
+    keep_quant_states(model, dp_mesh.device_type)
+
+
+def keep_quant_states(model: nn.Module, device_type: str) -> None:
+    """QLoRA under FSDP2: bitsandbytes' 4-bit weights are sharded like any tensor (their packed bytes split
+    over dp), but the weight FSDP gathers for a forward is a plain tensor without the Params4bit's quantization
+    constants (absmax, code), which stay whole on every rank. bitsandbytes would then wrap the gathered weight in
+    a new Params4bit, which FSDP does not track (measured: every forward after the first computes with stale
+    bytes). So each 4-bit layer hands its constants to the gathered weight before it runs. bitsandbytes' CPU
+    repack for inference is off, as for every 4-bit model (model.keep_4bit_layout): here it would rewrite FSDP's
+    gathered buffer (a frozen DPO reference too, which never goes through PEFT)."""
+    if "bitsandbytes" not in sys.modules:  # nothing was quantized in this process
+        return
+    from bitsandbytes.nn import Linear4bit
+
+    for module in model.modules():
+        if not isinstance(module, Linear4bit):  # (PEFT's LoRA wrapper of one is also named Linear4bit)
+            continue
+        module.quant_state.to(torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else device_type)
+        module.support_avx512bf16_for_cpu = False
+        module.register_forward_pre_hook(_hand_quant_state)
+
+
+def _hand_quant_state(module: nn.Module, _args: Any) -> None:
+    if getattr(module.weight, "quant_state", None) is None:
+        module.weight.quant_state = module.quant_state
 
 
 # -- pipeline parallel ----------------------------------------------------------------------------

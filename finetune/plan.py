@@ -260,13 +260,41 @@ def adapter_params_per_block(arch: Arch, cfg: Config) -> int:
 def frozen_weight_bytes(arch: Arch, cfg: Config, frozen: int) -> float:
     """Bytes per frozen base parameter: 4 (torch engine, fp32) or 2 (DeepSpeed bf16/fp16); QLoRA stores
     the block linears in 4 bits (0.5 byte) plus absmax constants (fp32 per 64 weights = 0.0625 byte, or with
-    double quantization 1/64 + 4/(64*256) byte), and keeps norms, embeddings and head in fp32."""
+    double quantization 1/64 + 4/(64*256) byte), and keeps norms, embeddings and head in fp32 (bf16 under
+    precision=bf16_pure)."""
     full = module_bytes(cfg)
     if cfg.peft.name != PeftMethod.qlora or frozen == 0:
         return full
-    consts = (1 / QLORA_BLOCK + 4 / (QLORA_BLOCK * QLORA_DOUBLE_QUANT_BLOCK)) if cfg.peft.double_quant else 4 / QLORA_BLOCK
     quantized = arch.quantized_params
-    return (quantized * (0.5 + consts) + (frozen - quantized) * 4) / frozen
+    return (quantized * (0.5 + qlora_constants(cfg)) + (frozen - quantized) * qlora_rest_bytes(cfg)) / frozen
+
+
+def qlora_rest_bytes(cfg: Config) -> int:
+    """Bytes per weight QLoRA does not quantize (embeddings, head, norms): PEFT's preparation makes them fp32,
+    and precision=bf16_pure casts them back to bf16."""
+    return 2 if cfg.precision.name == Precision.bf16_pure else 4
+
+
+def qlora_constants(cfg: Config) -> float:
+    """Bytes of quantization constants per 4-bit weight: an fp32 absmax per 64 weights, or with double
+    quantization an 8-bit one plus an fp32 constant per 256 of those."""
+    return (1 / QLORA_BLOCK + 4 / (QLORA_BLOCK * QLORA_DOUBLE_QUANT_BLOCK)) if cfg.peft.double_quant else 4 / QLORA_BLOCK
+
+
+def fsdp_frozen_and_gathered(arch: Arch, cfg: Config, frozen_w: float, w: int, g: int) -> tuple[float, float]:
+    """FSDP2's per-rank frozen base and the most it gathers at a time (one block's weights and gradients, or
+    the root's embeddings and head). QLoRA: the 4-bit bytes are sharded, their constants stay whole on
+    every rank (bitsandbytes keeps them beside the weight, outside what FSDP shards), and a gathered block
+    is 4-bit."""
+    p, dp = cfg.parallelism, cfg.data_parallel_size
+    if cfg.peft.name != PeftMethod.qlora:
+        return frozen_w / dp, (w + g) * max(arch.block_params / p.tp, arch.largest_layer_params / p.tp)
+    constants = arch.quantized_params * qlora_constants(cfg) / (p.tp * p.pp)
+    quantized = sum(lin.inputs * lin.outputs for lin in arch.block.linears if lin.adaptable)
+    rest = qlora_rest_bytes(cfg)
+    block = 0.5 * quantized + rest * (arch.block_params - quantized) + (w + g) * adapter_params(arch.block, cfg)
+    root = rest * max(arch.embedding_params, arch.head_params)
+    return (frozen_w - constants) / dp + constants, max(block, root) / p.tp
 
 
 def moe_notes(arch: Arch, cfg: Config) -> list[str]:
@@ -697,8 +725,8 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
             opt = state_bytes(trainable_shapes(arch, cfg), cfg.optim.name) / mp
         frozen_w = frozen * counts.frozen_bytes_per_param
         if p.strategy == Strategy.fsdp:  # FSDP2: like ZeRO-3 over dp, fp32 states, one block gathered at a time
-            weights, grads, opt, frozen_w = weights / dp, grads / dp, opt / dp, frozen_w / dp
-            gathered = (w + g) * max(arch.block_params / p.tp, arch.largest_layer_params / p.tp)
+            weights, grads, opt = weights / dp, grads / dp, opt / dp
+            frozen_w, gathered = fsdp_frozen_and_gathered(arch, cfg, frozen_w, w, g)
             if p.fsdp_offload and on_gpu:
                 cpu += weights + grads + opt + frozen_w
                 weights = grads = opt = frozen_w = 0.0
@@ -769,6 +797,12 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
 
     ranks_per_node = cfg.launcher.nproc_per_node
     cpu = (cpu + acts.cpu) * ranks_per_node  # per rank -> per node
+    if cfg.peft.name == PeftMethod.qlora and p.strategy == Strategy.fsdp and on_gpu:
+        # each rank quantizes the whole base in host memory before fully_shard moves its shard to the GPU
+        loading = counts.frozen * counts.frozen_bytes_per_param * ranks_per_node
+        notes.append(f"QLoRA under FSDP: each rank loads the whole 4-bit base into host memory before sharding it: "
+                     f"{loading / ranks_per_node / GIB:.2f} GiB per rank, {loading / GIB:.2f} GiB per node at start")
+        cpu = max(cpu, loading)
     nvme *= ranks_per_node
     budget = hw.gpu_memory_gib * GIB if on_gpu else hw.cpu_memory_gib * GIB / ranks_per_node
     return Plan(params=counts.total, trainable=counts.trainable, weights=weights, gradients=grads, optimizer=opt,
@@ -1007,7 +1041,7 @@ def render(cfg: Config, pl: Plan) -> str:
     lines.append(f"  {'total':<12}{gib(pl.total)}   of {pl.budget / GIB:.2f}  (the peak, at {when}: gradients fill in as "
                  "activations are freed, so the categories do not all peak together)")
     if pl.cpu_bytes:
-        lines.append(f"cpu RAM per node (offload) {pl.cpu_bytes / GIB:.2f} GiB of {hw.cpu_memory_gib:g}")
+        lines.append(f"cpu RAM per node (offload, loading) {pl.cpu_bytes / GIB:.2f} GiB of {hw.cpu_memory_gib:g}")
     if pl.nvme_bytes:
         lines.append(f"NVMe per node (offload)    {pl.nvme_bytes / GIB:.2f} GiB of {hw.nvme_gib:g}")
     lines += [f"note: {n}" for n in pl.notes]

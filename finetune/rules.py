@@ -355,8 +355,10 @@ def _validate_layout(cfg: Config) -> None:
     layout = f"parallelism.strategy={p.strategy.value} tp={p.tp} pp={p.pp}"
     if cfg.precision.name == Precision.fp16:
         raise ConfigError(f"precision=fp16 is not supported with {layout} (no sharded loss scaler here): use precision=bf16")
-    if cfg.peft.name == PeftMethod.qlora:
-        raise ConfigError(f"peft=qlora is not supported with {layout} (4-bit weights cannot be sharded): use peft=lora, or ddp")
+    if cfg.peft.name == PeftMethod.qlora and p.tp > 1:
+        raise ConfigError(f"peft=qlora is not supported with tensor parallel (parallelism.tp={p.tp}): bitsandbytes keeps a 4-bit "
+                          "weight as one flat buffer of packed pairs with per-block constants, which has no rows or columns to "
+                          "split (no maintained library splits it): use peft=qlora with parallelism=fsdp or pp, or peft=lora with tp")
     if cfg.peft.name == PeftMethod.dora and p.tp > 1:
         raise ConfigError("peft=dora is not supported with tensor parallel (its weight norm spans the sharded dimension): "
                           "use peft=lora with tp, or dora with fsdp/ddp")

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from finetune import checkpoint, config, data, dist, engine, evaluate, flops, logs, loop, model, objectives, reference
-from finetune.config import Config, ConfigError, Logits, PeftConfig, PeftMethod, Precision, uses_deepspeed
+from finetune.config import Config, ConfigError, Logits, PeftConfig, PeftMethod, Precision, Strategy, uses_deepspeed
 from finetune.engine.common import autocast_dtype
 from finetune.families import router_loss_under_pp
 from finetune.head import PROBE_TOKENS, ChunkedHead
@@ -130,7 +130,8 @@ def run(cfg: Config, d: dist.Dist) -> None:
         return model.load_model(cfg.model, tokenizer, attention=attention, peft=peft,
                                 compute_dtype=autocast_dtype(cfg.precision.name) or torch.float32, zero3=cfg.zero.stage == 3,
                                 run_dir=run_dir, is_main=d.is_main, barrier=d.barrier,
-                                dtype=torch.bfloat16 if cfg.precision.name == Precision.bf16_pure else torch.float32)
+                                dtype=torch.bfloat16 if cfg.precision.name == Precision.bf16_pure else torch.float32,
+                                fsdp=cfg.parallelism.strategy == Strategy.fsdp)
 
     loaded = load(cfg.peft)
     if cfg.parallelism.pp > 1 and getattr(loaded.config, "output_router_logits", False):  # a hub config the launcher could not read

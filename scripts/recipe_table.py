@@ -19,7 +19,7 @@ from pathlib import Path
 
 from finetune import plan
 from finetune.compose import RECIPES, preflight
-from finetune.config import Config, ConfigError, Offload, PeftMethod, engine_kind
+from finetune.config import Config, ConfigError, Logits, Offload, PeftMethod, engine_kind
 
 START = "<!-- recipe-table:start -->"
 END = "<!-- recipe-table:end -->"
@@ -37,8 +37,11 @@ def strategies(cfg: Config) -> str:
                                                 if where != Offload.none))
     elif engine_kind(cfg) == "mesh":
         p = cfg.parallelism
-        words.append(" x ".join(f"{k}{v}" for k, v in (("tp", p.tp), ("pp", p.pp)) if v > 1) or p.strategy.value)
+        words.append((" x ".join(f"{k}{v}" for k, v in (("tp", p.tp), ("pp", p.pp)) if v > 1) or p.strategy.value)
+                     + (" + offload to cpu" if p.fsdp_offload else ""))
     words.append(f"checkpointing {cfg.checkpointing.name.value}")
+    if cfg.logits.name != Logits.full:
+        words.append(f"{cfg.logits.name.value} logits")
     words.append(f"{cfg.data.max_length} tokens x {cfg.train.micro_batch_size}")
     return ", ".join(words)
 

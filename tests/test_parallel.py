@@ -65,6 +65,10 @@ def test_block_split_and_bubble():
          "(train.global_batch_size=32 / (train.micro_batch_size=32 x data-parallel 1)): lower train.micro_batch_size"),
         (["parallelism=ddp", "parallelism.fsdp_offload=true"],
          "parallelism.fsdp_offload=true has no effect with strategy=ddp (only with fsdp): remove it or change the option"),
+        (["parallelism=tp2", "peft=qlora"],
+         "peft=qlora is not supported with tensor parallel (parallelism.tp=2): bitsandbytes keeps a 4-bit weight as one flat "
+         "buffer of packed pairs with per-block constants, which has no rows or columns to split (no maintained library splits "
+         "it): use peft=qlora with parallelism=fsdp or pp, or peft=lora with tp"),
         (["parallelism=tp2", "peft=dora"],
          "peft=dora is not supported with tensor parallel (its weight norm spans the sharded dimension): use peft=lora with tp, "
          "or dora with fsdp/ddp"),
@@ -128,8 +132,8 @@ def test_layout_follows_the_single_process_run_and_exports_one_checkpoint(layout
 @pytest.mark.slow
 @pytest.mark.parametrize("layout,resume_with", [("fsdp", ["launcher.nproc_per_node=1"]), ("pp2", []),
                                                  ("tp2", ["parallelism=fsdp", "launcher.nproc_per_node=1"]),
-                                                 ("pp2 peft=lora", [])],
-                         ids=["fsdp-2-ranks-resumed-on-1", "pp2", "tp2-resumed-on-1", "pp2-lora"])
+                                                 ("pp2 peft=lora", []), ("fsdp peft=qlora peft.dropout=0", ["launcher.nproc_per_node=1"])],
+                         ids=["fsdp-2-ranks-resumed-on-1", "pp2", "tp2-resumed-on-1", "pp2-lora", "fsdp-qlora-resumed-on-1"])
 def test_resume_from_the_layouts_distributed_checkpoint(layout, resume_with, tmp_path):
     """DCP shards reshard on load: FSDP saved on 2 ranks resumes on 1, tensor-parallel shards resume
     on one process (the refusal under parallelism=single says so); the same trajectory. LoRA's optimizer
@@ -162,6 +166,7 @@ SINGLE_RUNS = {  # the one-process runs the layouts are compared with (made once
     "bf16": ["precision=bf16"],
     "dora": ["peft=dora", "peft.dropout=0.0"],
     "dpo": ["method=dpo", "data=quickstart_dpo"],
+    "qlora": ["peft=qlora", "peft.dropout=0.0"],
 }
 _single: dict[str, Path] = {}
 
@@ -183,29 +188,44 @@ def single_run(name: str, tmp_path_factory) -> Path:
     (["parallelism=pp2", "peft=lora", "peft.dropout=0.0"], "lora", 1e-5),
     (["parallelism=pp2", "peft=dora", "peft.dropout=0.0"], "dora", 1e-5),
     (["parallelism=pp2", "method=dpo", "data=quickstart_dpo", "checkpointing=selective"], "dpo", 1e-4),
+    # the 4-bit base sharded by FSDP2 (its packed bytes; the constants whole on each rank), or split into stages
+    (["parallelism=fsdp", "peft=qlora", "peft.dropout=0.0"], "qlora", 1e-5),
+    (["parallelism=pp2", "peft=qlora", "peft.dropout=0.0"], "qlora", 1e-5),
     # bf16 autocast rounds each matmul to 8 bits of mantissa; splitting them over 2 ranks changes only
     # which partial products are rounded (measured: within 1e-3 relative), while a broken TP or
     # recompute would be off by far more
     (["parallelism=tp2", "precision=bf16", "checkpointing=full"], "bf16", 2e-3),
-], ids=["fsdp_lora", "tp2_lora", "pp2_lora", "pp2_dora", "pp2_dpo", "tp2_bf16_ckpt"])
+], ids=["fsdp_lora", "tp2_lora", "pp2_lora", "pp2_dora", "pp2_dpo", "fsdp_qlora", "pp2_qlora", "tp2_bf16_ckpt"])
 def test_memory_strategies_combine_with_layouts(tmp_path, tmp_path_factory, layout, single, rel):
-    """LoRA under FSDP2, TP and a pipeline, DoRA under a pipeline, bf16 + full checkpointing under TP, DPO under a pipeline:
-    they run and match one process (the adapters exported in PEFT form, whole)."""
+    """LoRA under FSDP2, TP and a pipeline, DoRA under a pipeline, QLoRA under FSDP2 and a pipeline, bf16 + full
+    checkpointing under TP, DPO under a pipeline: they run and match one process (the adapters exported in PEFT form, whole)."""
     reference = single_run(single, tmp_path_factory)
     out = run_cli(*STEPS, "train.max_steps=3", *layout, f"hydra.run.dir={tmp_path}", cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert losses(tmp_path) == pytest.approx(losses(reference), rel=rel)
-    if single in ("lora", "dora"):  # gathered from FSDP/TP shards; merged from the pipeline's stages
+    if single in ("lora", "dora", "qlora"):  # gathered from FSDP/TP shards; merged from the pipeline's stages
         from safetensors.torch import load_file
 
         ours, ref = (load_file(run / "final/adapter_model.safetensors") for run in (tmp_path, reference))
         assert set(ours) == set(ref)
         if single == "dora":
             assert any("lora_magnitude_vector" in k for k in ref)
-        elif "parallelism=fsdp" not in layout:
+        elif "parallelism=fsdp" not in layout or single == "qlora":
             assert all(torch.allclose(ours[k], ref[k], atol=1e-5) for k in ref)
     if single == "dpo":
         assert losses(tmp_path)[0] == pytest.approx(0.6931472, abs=1e-5)
+    if layout[:2] == ["parallelism=fsdp", "peft=qlora"]:  # planned: 4-bit shards, constants whole, one 4-bit block gathered
+        from finetune import config, plan
+
+        rows = read_metrics(tmp_path)
+        planned, measured = (next(r for r in rows if r["kind"] == kind) for kind in ("plan", "memory"))
+        cfg = config.load(tmp_path / "config.yaml")
+        _, gathered = plan.fsdp_frozen_and_gathered(plan.architecture(cfg.model), cfg, 0.0, 4, 4)
+        # MemTracker's peak is the loss's backward, when no block is gathered: the shards alone
+        assert planned["plan_weights_mib"] - gathered / plan.MIB == pytest.approx(measured["mem_params_mib"], rel=0.05)
+        assert planned["plan_gradients_mib"] == pytest.approx(measured["mem_grads_mib"], rel=0.01)
+        assert planned["plan_optimizer_mib"] == pytest.approx(measured["mem_optimizer_mib"], rel=0.01)
+        assert planned["plan_peak_mib"] == pytest.approx(measured["mem_peak_total_mib"], rel=0.15)
 
 
 def test_pipeline_scores_exact_match_on_the_exported_model(tmp_path):

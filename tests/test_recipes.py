@@ -18,7 +18,7 @@ JOBS = [name for name in RECIPES if not name.startswith(("quickstart", "optuna",
 
 
 def test_the_real_model_jobs_are_there():
-    assert JOBS == ["llama3_70b_qlora_80g", "llama3_8b_full_zero3_8x80g", "llama3_8b_lora_80g", "llama3_8b_qlora_24g",
+    assert JOBS == ["llama3_70b_qlora_80g", "llama3_70b_qlora_fsdp_2x24g", "llama3_8b_full_zero3_8x80g", "llama3_8b_lora_80g", "llama3_8b_qlora_24g",
                     "qwen3_moe_lora_zero3_8x80g"]
 
 

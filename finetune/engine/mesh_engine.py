@@ -58,7 +58,8 @@ class MeshEngine:
         pure = cfg.precision.name == Precision.bf16_pure
         if pure:
             to_bf16(model)  # sharded and stepped in bf16: no fp32 master anywhere
-        model = model.to(dist.device)
+        if not (self.fsdp and p.tp == p.pp == 1):  # fully_shard moves each block's shard to the device itself: a model
+            model = model.to(dist.device)          # larger than one GPU (QLoRA's 4-bit base, on the host) then fits
         if p.pp > 1:
             self.stages = parallel.pipeline_stages(model, pp_rank=self.pp_rank, pp=p.pp, per_rank=p.pp_stages_per_rank)
             self.num_stages = p.pp * p.pp_stages_per_rank
