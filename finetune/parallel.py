@@ -346,19 +346,31 @@ class Stage(nn.Module):
                 _replace(inner, path, Skipped())
         self.lm, self.layout, self.blocks, self.is_first, self.is_last = lm, layout, blocks, is_first, is_last
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Token ids (the first stage) or the previous stage's hidden states, and the rows' position ids, which
+        every stage passes on with its output: they place each token for the rotary embeddings and, in packed
+        rows (restarting at 0 for each sample), give the family's causal mask its per-sample blocks. Plain rows
+        are right-padded: the causal mask alone keeps every real token from seeing padding."""
         inner = causal_lm(self.lm)
-        # Rows are right-padded: the family's causal mask alone keeps every real token from seeing padding.
         inputs = {"input_ids": x} if self.is_first else {"inputs_embeds": x}
         if self.handoff is not None:
             self.handoff.incoming = x
         try:
             if self.is_last:  # the whole head: final norm, LM head, the family's logit soft-capping
-                return inner(**inputs, use_cache=False).logits
-            return inner.get_submodule(self.layout.body)(**inputs, use_cache=False).last_hidden_state
+                return inner(**inputs, position_ids=position_ids, use_cache=False).logits
+            body = inner.get_submodule(self.layout.body)
+            return body(**inputs, position_ids=position_ids, use_cache=False).last_hidden_state, position_ids
         finally:
             if self.handoff is not None:
                 self.handoff.incoming = None
+
+
+def position_ids(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A batch's position ids: its own (packed rows), else 0..width-1 on every row (right-padded rows)."""
+    if "position_ids" in batch:
+        return batch["position_ids"]
+    ids = batch["input_ids"]
+    return torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
 
 
 def _replace(root: nn.Module, path: str, module: nn.Module) -> None:

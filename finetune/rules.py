@@ -363,9 +363,6 @@ def _validate_layout(cfg: Config) -> None:
         raise ConfigError("peft=dora is not supported with tensor parallel (its weight norm spans the sharded dimension): "
                           "use peft=lora with tp, or dora with fsdp/ddp")
     if p.pp > 1:
-        if cfg.data.packing:
-            raise ConfigError("data.packing=true is not supported with pipeline parallel (stages attend causally over the whole row): "
-                              "set data.packing=false")
         if cfg.method.name == Method.dpo and cfg.method.loss != DpoLoss.simpo and cfg.method.reference != Reference.precomputed:
             raise ConfigError(f"method.reference={cfg.method.reference.value} is not supported with pipeline parallel: "
                               "use method.reference=precomputed")

@@ -55,8 +55,6 @@ def test_block_split_and_bubble():
          "(FSDP2 / DTensor / pipelining): use parallelism=ddp with zero, or zero=none"),
         (["parallelism=fsdp", "precision=fp16"],
          "precision=fp16 is not supported with parallelism.strategy=fsdp tp=1 pp=1 (no sharded loss scaler here): use precision=bf16"),
-        (["parallelism=pp2", "data.packing=true"],
-         "data.packing=true is not supported with pipeline parallel (stages attend causally over the whole row): set data.packing=false"),
         (["parallelism=pp2", "parallelism.pp_schedule=interleaved_1f1b"],
          "parallelism.pp_schedule=interleaved_1f1b with pp_stages_per_rank=1: interleaved_1f1b needs 2 or more stages per rank, "
          "gpipe and 1f1b exactly 1"),
@@ -167,6 +165,7 @@ SINGLE_RUNS = {  # the one-process runs the layouts are compared with (made once
     "dora": ["peft=dora", "peft.dropout=0.0"],
     "dpo": ["method=dpo", "data=quickstart_dpo"],
     "qlora": ["peft=qlora", "peft.dropout=0.0"],
+    "packed": ["data.packing=true"],
 }
 _single: dict[str, Path] = {}
 
@@ -191,14 +190,16 @@ def single_run(name: str, tmp_path_factory) -> Path:
     # the 4-bit base sharded by FSDP2 (its packed bytes; the constants whole on each rank), or split into stages
     (["parallelism=fsdp", "peft=qlora", "peft.dropout=0.0"], "qlora", 1e-5),
     (["parallelism=pp2", "peft=qlora", "peft.dropout=0.0"], "qlora", 1e-5),
+    # packed rows: every stage hands the rows' position ids on with its hidden states (per-sample causal blocks)
+    (["parallelism=pp2", "data.packing=true"], "packed", 1e-5),
     # bf16 autocast rounds each matmul to 8 bits of mantissa; splitting them over 2 ranks changes only
     # which partial products are rounded (measured: within 1e-3 relative), while a broken TP or
     # recompute would be off by far more
     (["parallelism=tp2", "precision=bf16", "checkpointing=full"], "bf16", 2e-3),
-], ids=["fsdp_lora", "tp2_lora", "pp2_lora", "pp2_dora", "pp2_dpo", "fsdp_qlora", "pp2_qlora", "tp2_bf16_ckpt"])
+], ids=["fsdp_lora", "tp2_lora", "pp2_lora", "pp2_dora", "pp2_dpo", "fsdp_qlora", "pp2_qlora", "pp2_packed", "tp2_bf16_ckpt"])
 def test_memory_strategies_combine_with_layouts(tmp_path, tmp_path_factory, layout, single, rel):
-    """LoRA under FSDP2, TP and a pipeline, DoRA under a pipeline, QLoRA under FSDP2 and a pipeline, bf16 + full
-    checkpointing under TP, DPO under a pipeline: they run and match one process (the adapters exported in PEFT form, whole)."""
+    """LoRA under FSDP2, TP and a pipeline, DoRA under a pipeline, QLoRA under FSDP2 and a pipeline, packed rows under
+    a pipeline, bf16 + full checkpointing under TP, DPO under a pipeline: they run and match one process (the adapters exported in PEFT form, whole)."""
     reference = single_run(single, tmp_path_factory)
     out = run_cli(*STEPS, "train.max_steps=3", *layout, f"hydra.run.dir={tmp_path}", cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]

@@ -136,12 +136,13 @@ class MeshEngine:
 
         schedule = self._pipeline_schedule(len(batches), loss_fn)
         ids = torch.cat([b["input_ids"] for b in batches])
+        positions = torch.cat([parallel.position_ids(b) for b in batches])  # each stage hands them on with its output
         target = torch.arange(len(batches), device=self.dist.device)
         has_first = any(s == 0 for s, _ in self.stages)
         has_last = any(s == self.num_stages - 1 for s, _ in self.stages)
         with self.autocast():
             if has_first:
-                schedule.step(ids, target=target if has_last else None)
+                schedule.step(ids, positions, target=target if has_last else None)
             elif has_last:
                 schedule.step(target=target)
             else:
@@ -217,6 +218,7 @@ class MeshEngine:
         ranks = tdist.get_process_group_ranks(group)
         mine = dict(self.stages)
         x, result = batch["input_ids"], [None]
+        positions = parallel.position_ids(batch)  # every rank has the batch: no need to send them
         hidden = (x.shape[0], x.shape[1], self.cfg_hidden())
         for s in range(self.num_stages):
             if s % self.pp != self.pp_rank:
@@ -224,8 +226,9 @@ class MeshEngine:
             if s > 0:  # from the previous stage's rank
                 x = torch.empty(hidden, dtype=torch.float32, device=self.dist.device)
                 tdist.recv(x, src=ranks[(s - 1) % self.pp], group=group)
-            x = mine[s](x)
+            x = mine[s](x, positions)
             if s < self.num_stages - 1:
+                x = x[0]
                 tdist.send(x.float().contiguous(), dst=ranks[(s + 1) % self.pp], group=group)
             else:
                 result = [fn.loss(x, batch)]
