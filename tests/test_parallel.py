@@ -186,6 +186,7 @@ def single_run(name: str, tmp_path_factory) -> Path:
     (["parallelism=tp2", "peft=lora", "peft.dropout=0.0"], "lora", 1e-4),
     (["parallelism=pp2", "peft=lora", "peft.dropout=0.0"], "lora", 1e-5),
     (["parallelism=pp2", "peft=dora", "peft.dropout=0.0"], "dora", 1e-5),
+    (["parallelism=tp2_pp2", "launcher.nproc_per_node=4", "peft=lora", "peft.dropout=0.0"], "lora", 1e-5),
     (["parallelism=pp2", "method=dpo", "data=quickstart_dpo", "checkpointing=selective"], "dpo", 1e-4),
     # the 4-bit base sharded by FSDP2 (its packed bytes; the constants whole on each rank), or split into stages
     (["parallelism=fsdp", "peft=qlora", "peft.dropout=0.0"], "qlora", 1e-5),
@@ -196,9 +197,9 @@ def single_run(name: str, tmp_path_factory) -> Path:
     # which partial products are rounded (measured: within 1e-3 relative), while a broken TP or
     # recompute would be off by far more
     (["parallelism=tp2", "precision=bf16", "checkpointing=full"], "bf16", 2e-3),
-], ids=["fsdp_lora", "tp2_lora", "pp2_lora", "pp2_dora", "pp2_dpo", "fsdp_qlora", "pp2_qlora", "pp2_packed", "tp2_bf16_ckpt"])
+], ids=["fsdp_lora", "tp2_lora", "pp2_lora", "pp2_dora", "tp2_pp2_lora", "pp2_dpo", "fsdp_qlora", "pp2_qlora", "pp2_packed", "tp2_bf16_ckpt"])
 def test_memory_strategies_combine_with_layouts(tmp_path, tmp_path_factory, layout, single, rel):
-    """LoRA under FSDP2, TP and a pipeline, DoRA under a pipeline, QLoRA under FSDP2 and a pipeline, packed rows under
+    """LoRA under FSDP2, TP, a pipeline and TP x PP (4 ranks), DoRA under a pipeline, QLoRA under FSDP2 and a pipeline, packed rows under
     a pipeline, bf16 + full checkpointing under TP, DPO under a pipeline: they run and match one process (the adapters exported in PEFT form, whole)."""
     reference = single_run(single, tmp_path_factory)
     out = run_cli(*STEPS, "train.max_steps=3", *layout, f"hydra.run.dir={tmp_path}", cwd=tmp_path)
