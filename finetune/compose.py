@@ -56,15 +56,42 @@ def preflight(overrides: list[str], *, config_dir: str | None = None, config_nam
     from hydra import compose, initialize_config_dir
 
     overrides = _with_config_dir(overrides, config_dir)
-    try:
-        if GlobalHydra.instance().is_initialized():  # inside the launcher's Hydra app: its search path holds already
-            dcfg = compose(config_name, overrides=overrides)
-        else:
-            with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
-                dcfg = compose(config_name, overrides=overrides)
-    except COMPOSITION_ERRORS as e:
-        raise ConfigError(explain(e)) from None
+
+    def composed(items: list[str]) -> DictConfig:
+        try:
+            return compose(config_name, overrides=items)
+        except AssertionError as e:  # OmegaConf's, for a key set inside a null node
+            raise ConfigError(_explain_null_parent(items, e, composed)) from None
+        except COMPOSITION_ERRORS as e:
+            raise ConfigError(explain(e)) from None
+
+    if GlobalHydra.instance().is_initialized():  # inside the launcher's Hydra app: its search path holds already
+        return typed(composed(overrides), rules=rules)
+    with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
+        dcfg = composed(overrides)
     return typed(dcfg, rules=rules)
+
+
+def _explain_null_parent(overrides: list[str], e: AssertionError, compose: Callable[[list[str]], DictConfig]) -> str:
+    """OmegaConf asserts (no error of its own) when an override sets a key inside a node that is null once the
+    groups are chosen (model.init.num_hidden_layers=4 with model=pretrained): find that override by composing
+    the group choices and recipes alone, and say which node is null."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    if "Unexpected type for root" not in str(e):
+        raise e
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    dotted = [o for o in parsed if "." in o.key_or_group and not o.key_or_group.startswith("hydra.") and not o.is_delete()]
+    base = compose([text for text, o in zip(overrides, parsed) if o not in dotted])
+    for o in dotted:
+        parts = o.key_or_group.split(".")
+        for end in range(1, len(parts)):
+            parent = ".".join(parts[:end])
+            if OmegaConf.select(base, parent, default=0) is None:
+                return (f"{o.input_line}: '{parent}' is null with the options chosen, so it has no '{parts[end]}' to set: "
+                        f"remove the override, or choose an option that sets {parent}")
+    raise e
 
 
 COMPOSITION_ERRORS = (ConfigCompositionException, MissingConfigException, OverrideParseException, OmegaConfBaseException)
@@ -92,12 +119,17 @@ def run_once(overrides: list[str], task: Callable[[DictConfig, Config, bool], An
 
     with initialize_config_dir(config_dir=str(RECIPES), job_name=job_name, version_base="1.3"):
         hydra = GlobalHydra.instance().hydra
-        try:
-            dcfg = hydra.compose_config(config_name, [*_with_config_dir(overrides, config_dir), "hydra.mode=RUN"],
-                                        run_mode=RunMode.RUN, from_shell=True, with_log_configuration=True)
-            job = OmegaConf.masked_copy(dcfg, [k for k in dcfg if k != "hydra"])  # what the task function sees
-        except COMPOSITION_ERRORS as e:
-            raise ConfigError(explain(e)) from None
+        def composed(items: list[str]) -> DictConfig:
+            try:
+                return hydra.compose_config(config_name, [*items, "hydra.mode=RUN"], run_mode=RunMode.RUN, from_shell=True,
+                                            with_log_configuration=True)
+            except AssertionError as e:  # OmegaConf's, for a key set inside a null node
+                raise ConfigError(_explain_null_parent(items, e, composed)) from None
+            except COMPOSITION_ERRORS as e:
+                raise ConfigError(explain(e)) from None
+
+        dcfg = composed(_with_config_dir(overrides, config_dir))
+        job = OmegaConf.masked_copy(dcfg, [k for k in dcfg if k != "hydra"])  # what the task function sees
         cfg = typed(job)
         with open_dict(dcfg):  # the directory is named once: a ${now:...} resolved again could differ
             dcfg.hydra.run.dir = str(Path(dcfg.hydra.run.dir).resolve())

@@ -490,7 +490,12 @@ class ParallelismConfig:
     (DTensor); must divide the attention heads and key/value heads. Ranks of one TP group are adjacent."""
     pp: int = checked(at_least(1), 1)
     """Pipeline-parallel degree: the blocks split into `pp` stages (torch.distributed.pipelining);
-    the data-parallel degree is world size / (tp x pp)."""
+    the data-parallel degree is world size / (tp x pp x cp)."""
+    cp: int = checked(at_least(1), 1)
+    """Context-parallel degree: every sequence's tokens split over `cp` ranks (DeepSpeed-Ulysses: an
+    all-to-all gives each rank the whole sequence for 1/cp of the heads inside attention; everything else
+    holds 1/cp of the tokens): for sequences whose activations do not fit one GPU. Must divide each tp
+    rank's attention and key/value heads; the data-parallel degree is world size / (tp x pp x cp)."""
     pp_schedule: PipeSchedule = PipeSchedule.one_f_one_b
     """gpipe (all forwards, then all backwards), 1f1b (one forward one backward: less activation
     memory), interleaved_1f1b (`pp_stages_per_rank` stages per rank: a smaller bubble)."""
@@ -696,7 +701,8 @@ class Config:
 
     @property
     def data_parallel_size(self) -> int:
-        return max(1, self.world_size // (self.parallelism.tp * self.parallelism.pp))
+        p = self.parallelism
+        return max(1, self.world_size // (p.tp * p.pp * p.cp))
 
     @property
     def grad_accum_steps(self) -> int:
@@ -730,7 +736,7 @@ def engine_kind(cfg: Config) -> str:
     p = cfg.parallelism
     if uses_deepspeed(cfg):
         return "deepspeed"
-    return "mesh" if p.strategy == Strategy.fsdp or p.tp * p.pp > 1 else "torch"
+    return "mesh" if p.strategy == Strategy.fsdp or p.tp * p.pp * p.cp > 1 else "torch"
 
 
 def register() -> None:

@@ -463,6 +463,13 @@ def arch_from_config(arch: dict[str, Any], source: str) -> Arch:
                 final_softcap=float(first("final_logit_softcapping", default=fam.softcap[1])))
 
 
+def router_loss_split(layout: str) -> str:
+    """The refusal of a MoE whose config adds its router loss to the loss, under context parallel."""
+    return (f"{layout}: this MoE adds its router loss to the loss (config.json sets output_router_logits), and the load-balancing "
+            "loss of each rank's slice of the tokens is not the sequence's (it multiplies the routers' token fractions): set "
+            "output_router_logits false in config.json (the loss is then reported, not added), or use parallelism.cp=1")
+
+
 def router_loss_under_pp(pp: int) -> str:
     """The refusal of a MoE whose config adds its router loss to the loss, under pipeline parallel."""
     return (f"parallelism.pp={pp}: this MoE adds its router loss to the loss (config.json sets output_router_logits), which "

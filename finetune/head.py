@@ -97,7 +97,7 @@ class ChunkedHead:
         targets = labels[:, 1:]
         keep = targets != IGNORE
         rows = keep.nonzero()[:, 0]
-        selected, wanted = hidden[:, :-1][keep], targets[keep]
+        selected, wanted = hidden[:, : labels.shape[1] - 1][keep], targets[keep]  # (objectives.predicting)
         logps = [checkpoint(self._chunk, selected[i:i + self.chunk_tokens], wanted[i:i + self.chunk_tokens], use_reentrant=False)
                  for i in range(0, selected.shape[0], self.chunk_tokens)]
         sums = torch.zeros(labels.shape[0], dtype=torch.float32, device=hidden.device)

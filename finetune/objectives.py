@@ -181,7 +181,7 @@ def sequence_logps(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Te
 
 
 def logits_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = logits[:, :-1].float()
+    logits = predicting(logits, labels).float()
     targets = labels[:, 1:]
     token_logps = -F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE,
                                    reduction="none").view_as(targets)  # 0 where ignored
@@ -210,9 +210,15 @@ def tie(logits: torch.Tensor) -> torch.Tensor:
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum of -log p(label) over labelled positions; position t predicts label t+1."""
-    logits = logits[:, :-1].float()  # fp32 for a stable log-softmax
+    logits = predicting(logits, labels).float()  # fp32 for a stable log-softmax
     targets = labels[:, 1:]
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE, reduction="sum")
+
+
+def predicting(positions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The positions that predict `labels[:, 1:]`: all but the last of a row, or all of them when the labels
+    are one longer (a context-parallel slice, whose last position predicts the next slice's first label)."""
+    return positions[:, : labels.shape[1] - 1]
 
 
 def build(method: MethodConfig, reference: Reference | None = None, router: RouterLoss | None = None,

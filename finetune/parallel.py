@@ -14,8 +14,9 @@ laid out from what transformers publishes about each family:
   (`config.base_model_pp_plan`, the model class's `_pp_plan`), and each stage runs the family's own
   forward (its rotary embeddings, masks, scaling, soft-capping), with the blocks it lacks skipped.
 
-Ranks are laid out tp fastest, then dp, then pp: a TP group is adjacent ranks (one node),
-pipeline stages are furthest apart (across nodes), as in the 70B tp8 x pp16 layout.
+Ranks are laid out tp fastest, then cp (context parallel, finetune/context.py), then dp, then pp: a TP
+group is adjacent ranks (one node), pipeline stages are furthest apart (across nodes), as in the 70B
+tp8 x pp16 layout.
 """
 
 from __future__ import annotations
@@ -44,10 +45,12 @@ PARTIAL_GRADIENT = "replicated_with_grad_allreduce"
 """A replicated parameter that sees only this rank's heads (Qwen3's per-head q/k norms): its gradient is summed over tp."""
 
 
-def build_mesh(device: torch.device, world_size: int, pp: int, tp: int) -> Any:
+def build_mesh(device: torch.device, world_size: int, pp: int, tp: int, cp: int = 1) -> Any:
+    """The (pp, dp, cp, tp) mesh: tp fastest, then cp (a context-parallel group exchanges every block's
+    attention: near ranks), then dp, then pp."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device.type, (pp, world_size // (pp * tp), tp), mesh_dim_names=("pp", "dp", "tp"))
+    return init_device_mesh(device.type, (pp, world_size // (pp * tp * cp), cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
 
 
 def causal_lm(model: nn.Module) -> nn.Module:

@@ -286,7 +286,8 @@ def fsdp_frozen_and_gathered(arch: Arch, cfg: Config, frozen_w: float, w: int, g
     the root's embeddings and head). QLoRA: the 4-bit bytes are sharded, their constants stay whole on
     every rank (bitsandbytes keeps them beside the weight, outside what FSDP shards), and a gathered block
     is 4-bit."""
-    p, dp = cfg.parallelism, cfg.data_parallel_size
+    p = cfg.parallelism
+    dp = cfg.data_parallel_size * p.cp  # FSDP shards over the context-parallel ranks too
     if cfg.peft.name != PeftMethod.qlora:
         return frozen_w / dp, (w + g) * max(arch.block_params / p.tp, arch.largest_layer_params / p.tp)
     constants = arch.quantized_params * qlora_constants(cfg) / (p.tp * p.pp)
@@ -516,7 +517,7 @@ class Activations:
 
 def activation_bytes(arch: Arch, cfg: Config, layers: int, in_flight: int, seq: int, tokens: int,
                      block_grads: float = 0.0, head_grads: float = 0.0, moves: bool = True, masked: bool = False,
-                     labelled: int | None = None) -> Activations:
+                     labelled: int | None = None, exchange: float = 0.0) -> Activations:
     """Saved activations for `layers` blocks and `in_flight` micro-batches, through backward;
     `block_grads` per block and `head_grads` are the gradients that fill in as backward goes down.
 
@@ -526,13 +527,14 @@ def activation_bytes(arch: Arch, cfg: Config, layers: int, in_flight: int, seq: 
     everything; offload: everything saved goes to CPU RAM (one block's worth in flight on the
     device). Under pipeline parallel the earlier micro-batches in flight hold their stored
     activations while the current one peaks. `moves`: False when the ranks run on CPU, where
-    offloading to CPU RAM moves nothing (counted as none)."""
+    offloading to CPU RAM moves nothing (counted as none). `exchange`: context parallel's all-to-all buffers,
+    live while a block runs."""
     d = dtypes(cfg)
     block = max(block_activation_bytes(arch, cfg, seq, tokens, b, masked) for b in set(arch.layers))
     # differentiating a block: the gradient of the residual stream (m h) and about one MLP-wide
     # gradient at a time while its saved tensors are freed one by one (measured with MemTracker)
     width = max(b.mlp_width * (d.module if b.moe else d.compute) for b in arch.layers)
-    working = tokens * (width / cfg.parallelism.tp + d.module * arch.hidden_size)
+    working = tokens * (width / cfg.parallelism.tp + d.module * arch.hidden_size) + exchange
     layer_input = tokens * arch.hidden_size * d.module
     ck = cfg.checkpointing
     if ck.name == Checkpointing.offload and moves:
@@ -724,15 +726,15 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
         if cfg.optim.name in TORCH_ENGINE_ONLY:  # by tensor shape, not per parameter
             opt = state_bytes(trainable_shapes(arch, cfg), cfg.optim.name) / mp
         frozen_w = frozen * counts.frozen_bytes_per_param
-        if p.strategy == Strategy.fsdp:  # FSDP2: like ZeRO-3 over dp, fp32 states, one block gathered at a time
-            weights, grads, opt = weights / dp, grads / dp, opt / dp
+        if p.strategy == Strategy.fsdp:  # FSDP2: like ZeRO-3 over dp (x cp), fp32 states, one block gathered at a time
+            weights, grads, opt = weights / (dp * p.cp), grads / (dp * p.cp), opt / (dp * p.cp)
             frozen_w, gathered = fsdp_frozen_and_gathered(arch, cfg, frozen_w, w, g)
             if p.fsdp_offload and on_gpu:
                 cpu += weights + grads + opt + frozen_w
                 weights = grads = opt = frozen_w = 0.0
             elif not p.fsdp_reshard_after_forward:  # gathered blocks kept from forward to backward
                 gathered += w * arch.params / mp
-        elif p.strategy == Strategy.ddp and dp > 1 and mp == 1:
+        elif p.strategy == Strategy.ddp and dp > 1 and mp == 1 and p.cp == 1:
             buckets = grads  # DDP's flat all-reduce buckets: a second copy of the gradients, held throughout
             notes.append("DDP: gradient buckets counted as a second copy of the gradients")
         if cfg.precision.name == Precision.bf16_pure:
@@ -755,7 +757,7 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
     if cfg.method.name == Method.dpo and cfg.method.loss != DpoLoss.simpo and cfg.method.reference == Reference.live:
         ref_bytes = module_bytes(cfg) * arch.params / mp
         if (z.enabled and z.stage == 3) or p.strategy == Strategy.fsdp:
-            ref_bytes /= dp
+            ref_bytes /= dp * p.cp
         weights += ref_bytes
         notes.append("DPO reference=live: a frozen copy of the model's weights")
 
@@ -763,8 +765,17 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
     seq, said = batch_width(cfg, longest)
     notes.append(said)
     rows = cfg.train.micro_batch_size * (2 if cfg.method.name == Method.dpo else 1)
-    tokens = seq * rows
-    masked = cfg.data.packing or rows > 1  # padding (rows of different lengths) or packed samples: sdpa gets a mask
+    tokens = -(-seq // p.cp) * rows  # context parallel: this rank's slice of every row (attention: all of it, 1/cp of the heads)
+    labelled = longest.labelled if longest is not None else None
+    exchange = 0.0
+    if p.cp > 1:  # one block's all-to-all buffers in flight: q, k, v as sent and as received
+        exchange = tokens * 2 * dtypes(cfg).compute * (arch.q_dim + 2 * arch.kv_dim) / p.tp
+        labelled = -(-labelled // p.cp) if labelled is not None else None
+        notes.append(f"context parallel: {tokens // rows} of each row's {seq} tokens on each of {p.cp} ranks; attention over all "
+                     f"{seq} for 1/{p.cp} of the heads (the score terms stay per token x {seq}); one block's all-to-all "
+                     "buffers added")
+    # padding (rows of different lengths) or packed samples: sdpa gets a mask (context parallel's own: packed rows only)
+    masked = cfg.data.packing or (rows > 1 and p.cp == 1)
     layers = math.ceil(arch.num_hidden_layers / p.pp)
     micro_batches = max(1, cfg.grad_accum_steps)
     in_flight = 1 if p.pp == 1 else (micro_batches if p.pp_schedule == PipeSchedule.gpipe else min(p.pp, micro_batches))
@@ -780,7 +791,7 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
         grads = resident = one_grad
         block_grads = head_grads = 0.0
     acts = activation_bytes(arch, cfg, layers, in_flight, seq, tokens, block_grads, head_grads, moves=on_gpu, masked=masked,
-                            labelled=longest.labelled if longest is not None else None)
+                            labelled=labelled, exchange=exchange)
     # the worst moment of backward: the loss's own backward (everything saved, and its buffers), or
     # inside the blocks (the gradients filled in by then)
     backward = buckets + resident + max(acts.stored + acts.loss, acts.filled)
@@ -792,7 +803,7 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
     # tensor per trainable parameter held here; on CPU it runs tensor by tensor (the largest one's worth)
     step_temp = 0.0
     if optimizer_kind(cfg) in ("adam", "adamw") and not (z.enabled and z.offload_optimizer != Offload.none):
-        step_temp = 4 * (trainable / (dp if (z.enabled or p.strategy == Strategy.fsdp) else 1) if on_gpu
+        step_temp = 4 * (trainable / (dp * p.cp if (z.enabled or p.strategy == Strategy.fsdp) else 1) if on_gpu
                          else min(counts.trainable, arch.largest_layer_params))
 
     ranks_per_node = cfg.launcher.nproc_per_node
@@ -899,7 +910,7 @@ def moves(cfg: Config) -> list[list[Move]]:
     in docs/memory.md's order: 16-bit precision, fused attention and chunked logits; low-memory optimizer states,
     bf16_pure and stepping in backward; a smaller micro batch with more
     accumulation; ZeRO-1/2 (+offload); ZeRO-3 (+offload) or FSDP; activation checkpointing; LoRA,
-    then QLoRA; tensor parallel. Costs are rough step-time factors: one extra forward for full
+    then QLoRA; tensor parallel; context parallel. Costs are rough step-time factors: one extra forward for full
     recompute (~4/3), PCIe-bound offload, ~0.8 for LoRA (no weight gradients)."""
     from finetune.config import Strategy as S
 
@@ -949,6 +960,11 @@ def moves(cfg: Config) -> list[list[Move]]:
     if p.tp == 1 and p.pp == 1 and not z.enabled:
         axes.append([Move((f"parallelism=tp{t}",), 7, 1 + 0.1 * math.log2(t), _all(_set("parallelism.tp", t), _set("parallelism.strategy", S.ddp)))
                      for t in (2, 4, 8) if cfg.world_size % t == 0])
+    if p.pp == 1 and p.cp == 1 and not z.enabled:  # the last resort: a sequence's activations split over ranks
+        to_fsdp = p.strategy == S.single  # parallelism=cpN is FSDP over the cp ranks; keep the user's dp strategy otherwise
+        axes.append([Move((f"parallelism=cp{n}",) if to_fsdp else (f"parallelism.cp={n}",), 8, 1 + 0.15 * math.log2(n),
+                          _all(_set("parallelism.cp", n), *([_set("parallelism.strategy", S.fsdp)] if to_fsdp else [])))
+                     for n in (2, 4, 8) if cfg.world_size % (n * p.tp) == 0])
     return [axis for axis in axes if axis]
 
 
@@ -1032,7 +1048,8 @@ def render(cfg: Config, pl: Plan) -> str:
     where = f"{hw.gpu_memory_gib:g} GiB per GPU" if hw.gpu_memory_gib > 0 else \
         f"no GPU: {hw.cpu_memory_gib:g} GiB RAM shared by {cfg.launcher.nproc_per_node} rank(s)"
     lines = [f"memory plan per rank, GiB (2^30 bytes) -- hardware={hw.name} ({where}); {cfg.world_size} rank(s), "
-             f"tp={cfg.parallelism.tp} pp={cfg.parallelism.pp} dp={cfg.data_parallel_size}",
+             f"tp={cfg.parallelism.tp} pp={cfg.parallelism.pp} dp={cfg.data_parallel_size}"
+             + (f" cp={cfg.parallelism.cp}" if cfg.parallelism.cp > 1 else ""),
              f"parameters   {pl.params:,} ({pl.trainable:,} trainable)"]
     for name, value in (("weights", pl.weights), ("gradients", pl.gradients), ("optimizer", pl.optimizer),
                         ("activations", pl.activations), ("logits/loss", pl.logits), ("overhead", pl.overhead)):

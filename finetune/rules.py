@@ -40,14 +40,15 @@ from finetune.config import (
 )
 from finetune.formats import sources
 from finetune.disk import attention, config_source, config_value, local_config, model_config
-from finetune.families import (FAMILIES, adapted_outside_linears, arch_from_config, arch_targets, dora_experts, router_loss_under_pp,
-                                unmatched_targets)
+from finetune.families import (FAMILIES, adapted_outside_linears, arch_from_config, arch_targets, dora_experts, router_loss_split,
+                                router_loss_under_pp, unmatched_targets)
 
 
 def layout_words(p: ParallelismConfig) -> str:
     """The layout as the user spelled it: parallelism=fsdp, parallelism.tp=2, ..."""
     return ", ".join([*(["parallelism=fsdp"] if p.strategy == Strategy.fsdp else []),
-                      *([f"parallelism.tp={p.tp}"] if p.tp > 1 else []), *([f"parallelism.pp={p.pp}"] if p.pp > 1 else [])])
+                      *([f"parallelism.tp={p.tp}"] if p.tp > 1 else []), *([f"parallelism.pp={p.pp}"] if p.pp > 1 else []),
+                      *([f"parallelism.cp={p.cp}"] if p.cp > 1 else [])])
 
 
 def validate(cfg: Config) -> None:
@@ -305,6 +306,12 @@ def check_layout_fits_model(p: ParallelismConfig, shape: dict[str, Any]) -> None
         if p.tp > 1 and shape.get(key) and shape[key] % p.tp:
             raise ConfigError(f"parallelism.tp={p.tp} must divide the model's {key}={shape[key]}: "
                               f"use a tp that divides {shape[key]}")
+    for key in ("num_attention_heads", "num_key_value_heads"):  # the all-to-all hands each cp rank whole heads
+        heads = shape.get(key) or (shape.get("num_attention_heads") if key == "num_key_value_heads" else None)
+        if p.cp > 1 and heads and heads % p.tp == 0 and (heads // p.tp) % p.cp:
+            per = f"{heads // p.tp} per tensor-parallel rank ({key}={heads} / parallelism.tp={p.tp})" if p.tp > 1 else f"the model's {key}={heads}"
+            raise ConfigError(f"parallelism.cp={p.cp} must divide {per}: each context-parallel rank attends over whole heads; "
+                              f"use a cp that divides {heads // p.tp}")
     stages, blocks = p.pp * p.pp_stages_per_rank, shape.get("num_hidden_layers")
     if p.pp > 1 and blocks and stages > blocks:
         raise ConfigError(f"parallelism.pp={p.pp} x pp_stages_per_rank={p.pp_stages_per_rank} = {stages} pipeline stages, but the "
@@ -329,20 +336,22 @@ def _validate_context(cfg: Config) -> None:
 
 def _validate_layout(cfg: Config) -> None:
     p, launch, world = cfg.parallelism, cfg.launcher, cfg.world_size
-    model_parallel = p.tp * p.pp
+    model_parallel = p.tp * p.pp * p.cp
     if model_parallel > 1 and world % model_parallel:
+        cp = f" x parallelism.cp={p.cp}" if p.cp > 1 else ""
         raise ConfigError(
-            f"parallelism.tp={p.tp} x parallelism.pp={p.pp} = {model_parallel} ranks per model replica does not divide the "
+            f"parallelism.tp={p.tp} x parallelism.pp={p.pp}{cp} = {model_parallel} ranks per model replica does not divide the "
             f"launch size {world} (launcher.nproc_per_node={launch.nproc_per_node} x launcher.nnodes={launch.nnodes}): "
             f"launch a multiple of {model_parallel} ranks"
         )
     if model_parallel > 1 and p.strategy == Strategy.single:
-        raise ConfigError(f"parallelism.tp={p.tp}/pp={p.pp} need parallelism.strategy=ddp or fsdp (data parallel over "
-                          "world / (tp x pp) replicas), not single")
+        cp = f"/cp={p.cp}" if p.cp > 1 else ""
+        raise ConfigError(f"parallelism.tp={p.tp}/pp={p.pp}{cp} need parallelism.strategy=ddp or fsdp (data parallel over "
+                          f"world / (tp x pp{' x cp' if cp else ''}) replicas), not single")
     if p.pp == 1:
-        _unused(p, "parallelism", ("strategy", "tp", "pp", "fsdp_reshard_after_forward", "fsdp_offload"), "without pipeline parallel (pp=1)")
+        _unused(p, "parallelism", ("strategy", "tp", "pp", "cp", "fsdp_reshard_after_forward", "fsdp_offload"), "without pipeline parallel (pp=1)")
     if p.strategy != Strategy.fsdp:
-        _unused(p, "parallelism", ("strategy", "tp", "pp", "pp_schedule", "pp_stages_per_rank"), f"with strategy={p.strategy.value} (only with fsdp)")
+        _unused(p, "parallelism", ("strategy", "tp", "pp", "cp", "pp_schedule", "pp_stages_per_rank"), f"with strategy={p.strategy.value} (only with fsdp)")
     interleaved = p.pp_schedule == PipeSchedule.interleaved_1f1b
     if p.pp > 1 and interleaved != (p.pp_stages_per_rank > 1):
         raise ConfigError(f"parallelism.pp_schedule={p.pp_schedule.value} with pp_stages_per_rank={p.pp_stages_per_rank}: "
@@ -359,6 +368,8 @@ def _validate_layout(cfg: Config) -> None:
         raise ConfigError(f"peft=qlora is not supported with tensor parallel (parallelism.tp={p.tp}): bitsandbytes keeps a 4-bit "
                           "weight as one flat buffer of packed pairs with per-block constants, which has no rows or columns to "
                           "split (no maintained library splits it): use peft=qlora with parallelism=fsdp or pp, or peft=lora with tp")
+    if p.cp > 1:
+        _validate_context_parallel(cfg)
     if cfg.peft.name == PeftMethod.dora and p.tp > 1:
         raise ConfigError("peft=dora is not supported with tensor parallel (its weight norm spans the sharded dimension): "
                           "use peft=lora with tp, or dora with fsdp/ddp")
@@ -368,6 +379,21 @@ def _validate_layout(cfg: Config) -> None:
                               "use method.reference=precomputed")
         if cfg.checkpointing.name == Checkpointing.offload:
             raise ConfigError("checkpointing=offload is not supported with pipeline parallel: use checkpointing=full or selective")
+
+
+def _validate_context_parallel(cfg: Config) -> None:
+    """What context parallel (finetune/context.py) does not combine with, and why."""
+    p = cfg.parallelism
+    if p.pp > 1:
+        raise ConfigError(f"parallelism.cp={p.cp} with pipeline parallel (parallelism.pp={p.pp}) is not supported (a stage hands "
+                          "whole sequences to the next): use cp with fsdp or ddp, and tp")
+    if cfg.method.name == Method.dpo:
+        raise ConfigError(f"method=dpo with parallelism.cp={p.cp} is not supported: the DPO loss needs each response's whole "
+                          "log-probability before it is computed, and each rank holds a slice of the tokens; use parallelism.cp=1 "
+                          "(with checkpointing=full and logits=chunked for long pairs)")
+    arch = model_config(cfg.model)
+    if arch is not None and arch.get("output_router_logits") is True:
+        raise ConfigError(router_loss_split(f"parallelism.cp={p.cp}"))
 
 
 def _validate_hardware(cfg: Config) -> None:
@@ -415,7 +441,7 @@ def _validate_zero(cfg: Config) -> None:
     else:  # offload_param below stage 3 gets its own message further down
         stage3_knobs = [f.name for f in fields(z) if f.name.startswith("stage3_") or f.name == "sub_group_size"]
         _unused(z, "zero", tuple(f.name for f in fields(z) if f.name not in stage3_knobs), f"with ZeRO stage {z.stage} (stage 3 only)")
-    if cfg.parallelism.strategy not in (Strategy.single, Strategy.ddp) or cfg.parallelism.tp * cfg.parallelism.pp > 1:
+    if cfg.parallelism.strategy not in (Strategy.single, Strategy.ddp) or cfg.parallelism.tp * cfg.parallelism.pp * cfg.parallelism.cp > 1:
         p = cfg.parallelism
         raise ConfigError(
             f"zero=stage{z.stage} shards over data-parallel ranks; parallelism strategy={p.strategy.value} tp={p.tp} pp={p.pp} is "

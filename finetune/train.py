@@ -20,7 +20,7 @@ import torch
 from finetune import checkpoint, config, data, dist, engine, evaluate, flops, logs, loop, model, objectives, reference
 from finetune.config import Config, ConfigError, Logits, PeftConfig, PeftMethod, Precision, Strategy, uses_deepspeed
 from finetune.engine.common import autocast_dtype
-from finetune.families import router_loss_under_pp
+from finetune.families import router_loss_split, router_loss_under_pp
 from finetune.head import PROBE_TOKENS, ChunkedHead
 from finetune.launcher import ERROR_FILE, RANKS_DIR, deepspeed_config
 from finetune import plan
@@ -134,8 +134,11 @@ def run(cfg: Config, d: dist.Dist) -> None:
                                 fsdp=cfg.parallelism.strategy == Strategy.fsdp)
 
     loaded = load(cfg.peft)
-    if cfg.parallelism.pp > 1 and getattr(loaded.config, "output_router_logits", False):  # a hub config the launcher could not read
-        raise ConfigError(router_loss_under_pp(cfg.parallelism.pp))
+    if getattr(loaded.config, "output_router_logits", False):  # a hub config the launcher could not read
+        if cfg.parallelism.pp > 1:
+            raise ConfigError(router_loss_under_pp(cfg.parallelism.pp))
+        if cfg.parallelism.cp > 1:
+            raise ConfigError(router_loss_split(f"parallelism.cp={cfg.parallelism.cp}"))
     phase("peft" if cfg.peft.name != PeftMethod.none else "model")
     net = model.apply_strategies(loaded, checkpointing=cfg.checkpointing, peft=cfg.peft)
     if d.is_main:

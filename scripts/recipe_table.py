@@ -37,7 +37,7 @@ def strategies(cfg: Config) -> str:
                                                 if where != Offload.none))
     elif engine_kind(cfg) == "mesh":
         p = cfg.parallelism
-        words.append((" x ".join(f"{k}{v}" for k, v in (("tp", p.tp), ("pp", p.pp)) if v > 1) or p.strategy.value)
+        words.append((" x ".join(f"{k}{v}" for k, v in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp)) if v > 1) or p.strategy.value)
                      + (" + offload to cpu" if p.fsdp_offload else ""))
     words.append(f"checkpointing {cfg.checkpointing.name.value}")
     if cfg.logits.name != Logits.full:

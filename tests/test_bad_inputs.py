@@ -143,6 +143,8 @@ CASES: list[tuple[str, list[str], str, bool]] = [
     ("plus_on_chosen_group", [*QUICK, "+precision=bf16", *DRY], "precision", False),
     ("unknown_key", [*QUICK, "optim.lrr=1e-4", *DRY], "optim.lrr", False),
     ("unknown_nested_key", [*QUICK, "train.max_step=3", *DRY], "train.max_step", False),
+    ("key_inside_a_null_node", [*QUICK, "model=pretrained", "model.path={ws}/model", "model.init.num_hidden_layers=4", *DRY],
+     "'model.init' is null", False),
     ("unknown_option", [*QUICK, "parallelism=fsdpp", *DRY], "fsdpp", False),
     ("unknown_recipe", ["+recipe=quickstart", *DRY], "quickstart", False),
     ("no_recipe_and_no_data", ["data=jsonl", *DRY], "data.train", False),

@@ -23,6 +23,8 @@ NEEDS = {
                                          "train.micro_batch_size=8"],
     ("parallelism", "pp4"): ["launcher.nproc_per_node=4", "model.init.num_hidden_layers=4", "train.micro_batch_size=8"],
     ("parallelism", "tp2_pp2"): ["launcher.nproc_per_node=4", "train.micro_batch_size=8"],
+    ("parallelism", "cp4"): ["launcher.nproc_per_node=4", "model.init.num_key_value_heads=4"],
+    ("parallelism", "cp8"): ["launcher.nproc_per_node=8", "model.init.num_attention_heads=8", "model.init.num_key_value_heads=8"],
     ("parallelism", "tp4"): ["launcher.nproc_per_node=4", "model.init.num_hidden_layers=16", "model.init.num_attention_heads=8", "model.init.num_key_value_heads=8"],
     ("parallelism", "tp8"): ["launcher.nproc_per_node=8", "model.init.num_hidden_layers=16", "model.init.num_attention_heads=8", "model.init.num_key_value_heads=8"],
     ("parallelism", "tp8_pp16"): ["launcher.nproc_per_node=8", "launcher.nnodes=16", "model.init.num_hidden_layers=16", "model.init.num_attention_heads=8", "model.init.num_key_value_heads=8", "train.micro_batch_size=2",

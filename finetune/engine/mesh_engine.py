@@ -23,6 +23,7 @@ import torch.distributed as tdist
 from torch import nn
 
 from finetune import parallel
+from finetune.context import ContextParallel
 from finetune.config import Config, ConfigError, PipeSchedule, Precision, Strategy
 from finetune.dist import Dist
 from finetune.engine.common import StepResult, add_metrics, autocast_dtype, build_optimizer, build_scheduler, to_bf16
@@ -49,10 +50,13 @@ class MeshEngine:
         p = cfg.parallelism
         self.dist, self.cfg = dist, cfg
         parallel.check_model(model, p)
-        self.mesh = parallel.build_mesh(dist.device, dist.world_size, p.pp, p.tp)
-        self.pp, self.tp, self.dp = p.pp, p.tp, dist.world_size // (p.pp * p.tp)
-        self.pp_rank, self.dp_rank, self.tp_rank = (self.mesh[d].get_local_rank() for d in ("pp", "dp", "tp"))
+        self.mesh = parallel.build_mesh(dist.device, dist.world_size, p.pp, p.tp, p.cp)
+        self.pp, self.tp, self.cp, self.dp = p.pp, p.tp, p.cp, dist.world_size // (p.pp * p.tp * p.cp)
+        self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank = (self.mesh[d].get_local_rank() for d in ("pp", "dp", "cp", "tp"))
         self.dp_size = self.dp
+        # The ranks that hold the same parameters and see different tokens: data parallel's, and a context-parallel
+        # group's (each has a slice of every sequence): FSDP shards over both, their gradients are summed over both.
+        self.replicas = self.mesh["dp", "cp"]._flatten("dp_cp") if p.cp > 1 else self.mesh["dp"]
         self.fsdp = p.strategy == Strategy.fsdp
         self.dtype = autocast_dtype(cfg.precision.name)
         pure = cfg.precision.name == Precision.bf16_pure
@@ -71,14 +75,15 @@ class MeshEngine:
             partial = parallel.tensor_parallel(m, self.mesh["tp"]) if p.tp > 1 else []
             names = [n for n, q in m.named_parameters() if any(q is r for r in partial)]  # FSDP replaces the objects
             if self.fsdp:
-                parallel.fully_shard(m, self.mesh["dp"], reshard_after_forward=p.fsdp_reshard_after_forward, offload=p.fsdp_offload)
+                parallel.fully_shard(m, self.replicas, reshard_after_forward=p.fsdp_reshard_after_forward, offload=p.fsdp_offload)
             self.partial += [m.get_parameter(n) for n in names]
         self.modules = modules
         self.model = modules[0] if p.pp == 1 else None
         # What the checkpoint and export see: the causal LM(s) with their original parameter names.
         self.container: nn.Module = self.model if p.pp == 1 else nn.ModuleList([s.lm for _, s in self.stages])
-        self.owner = self.tp_rank == 0 and self.pp_rank == self.pp - 1  # counts this replica's data once in global sums
-        self.lockstep = self.fsdp and self.dp > 1  # FSDP gathers parameters collectively over dp
+        self.owner = self.tp_rank == 0 and self.pp_rank == self.pp - 1 and self.cp_rank == 0  # counts a replica's data once
+        self.lockstep = self.fsdp and self.dp * self.cp > 1  # FSDP gathers parameters collectively over dp (and cp)
+        self.context = ContextParallel(model, self.mesh["cp"].get_group(), self.cp_rank, self.cp) if self.cp > 1 else None
         self.params = [q for m in modules for q in m.parameters() if q.requires_grad]
         self.max_grad_norm = cfg.optim.max_grad_norm
         self.optimizer = build_optimizer(self.params, cfg.optim, cfg.precision.kahan_sum if pure else None, drop_empty=True)
@@ -98,24 +103,29 @@ class MeshEngine:
         for m in self.modules:
             m.train()
         lr = self.scheduler.get_last_lr()[0]
-        # FSDP's reduce-scatter averages over dp (hence * dp); replicas' gradients are summed below.
-        scale = (self.dp if self.fsdp else 1) / count
+        # FSDP's reduce-scatter averages over dp x cp (hence * dp * cp); replicas' gradients are summed below.
+        scale = (self.dp * self.cp if self.fsdp else 1) / count
         batches = [{k: v.to(self.dist.device) for k, v in b.items()} for b in micro_batches]
         if self.pp > 1:
             loss_sum, metrics = self._pipeline_step(batches, objective, scale)
         else:
             loss_sum, metrics = 0.0, {}
-            for i, batch in enumerate(batches):
-                if self.fsdp:
-                    self.model.set_requires_gradient_sync(i == len(batches) - 1)  # reduce-scatter once per step
-                with self.autocast():
-                    loss, sums = objective(self.model, batch)
-                (loss * scale).backward()
-                loss_sum += loss.item()
-                add_metrics(metrics, sums)
+            with self.context.split_attention() if self.context else contextlib.nullcontext():
+                for i, batch in enumerate(batches):
+                    if self.fsdp:
+                        self.model.set_requires_gradient_sync(i == len(batches) - 1)  # reduce-scatter once per step
+                    if self.context:  # this rank's slice of every row's tokens
+                        batch = self.context.split(batch)
+                    with self.autocast():
+                        loss, sums = objective(self.model, batch)
+                    (loss * scale).backward()
+                    loss_sum += loss.item()
+                    add_metrics(metrics, sums)
+            if self.context:  # each rank's sums cover its slice of the tokens
+                loss_sum, metrics = self._sum_over_cp((loss_sum, metrics))
         if self.partial:
             self._sum_over_tp()
-        if not self.fsdp and self.dp > 1:
+        if not self.fsdp and self.dp * self.cp > 1:
             self._sum_over_dp()
         norm = self._clip()
         if math.isfinite(norm):  # never step on inf/nan gradients (the loop stops or skips)
@@ -178,8 +188,9 @@ class MeshEngine:
                 tdist.all_reduce(q.grad._local_tensor if hasattr(q.grad, "_local_tensor") else q.grad, group=group)
 
     def _sum_over_dp(self) -> None:
-        """Replicas' gradients summed over the data-parallel dimension (the loss is already / count)."""
-        group = self.mesh["dp"].get_group()
+        """Replicas' gradients summed over the data-parallel dimension and the context-parallel one (the loss
+        is already / count)."""
+        group = self.replicas.get_group()
         for q in self.params:
             if q.grad is not None:
                 g = q.grad._local_tensor if hasattr(q.grad, "_local_tensor") else q.grad
@@ -209,9 +220,22 @@ class MeshEngine:
         for m in self.modules:
             m.eval()
         with self.autocast():
+            if self.context and "labels" in batch:  # a loss or log-probs: sums over the tokens, each rank's slice of them
+                with self.context.split_attention():
+                    return self._sum_over_cp(fn(self.model, self.context.split(batch)))
             if self.pp == 1:
                 return fn(self.model, batch)
             return self._pipeline_forward(fn, batch)
+
+    def _sum_over_cp(self, value: Any) -> Any:
+        """A (nested tuple / dict of) tensor or number result summed over the context-parallel group."""
+        if isinstance(value, dict):
+            return dict(zip(value, self._sum_over_cp(tuple(value.values()))))
+        if isinstance(value, tuple):
+            return tuple(self._sum_over_cp(v) for v in value)
+        total = torch.as_tensor(value, dtype=torch.float64 if not torch.is_tensor(value) else value.dtype, device=self.dist.device).clone()
+        tdist.all_reduce(total, group=self.mesh["cp"].get_group())
+        return total if torch.is_tensor(value) else total.item()
 
     def _pipeline_forward(self, fn: Any, batch: dict[str, torch.Tensor]) -> Any:
         group = self.mesh["pp"].get_group()
