@@ -20,6 +20,22 @@ os.environ.setdefault("FINETUNE_CACHE_DIR", tempfile.mkdtemp(prefix="finetune-to
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(scope="module")
+def tok():
+    """The shipped test tokenizer (a chat template; one token per character of plain text)."""
+    from transformers import AutoTokenizer
+
+    from finetune.config import ASSETS
+
+    return AutoTokenizer.from_pretrained(ASSETS / "tokenizer")
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    """Rows as a .jsonl file; returns its path as data.train takes it."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
 @pytest.fixture
 def compose():
     """compose(overrides) -> validated Config, through the same path as `finetune.launch`."""

@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
+from conftest import write_jsonl
 from transformers import AutoTokenizer
 
 from finetune import data
 from finetune.config import ASSETS, ConfigError, DataConfig, DataFormat, LongPrompt, Template
 from finetune.data import IGNORE
 from finetune.formats import load_rows, to_messages
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return AutoTokenizer.from_pretrained(ASSETS / "tokenizer")
 
 
 def labelled(tok, ex) -> str:
@@ -123,11 +118,6 @@ def test_template_choice(tok):
     assert not data.uses_chat_template(bare, Template.auto)
     with pytest.raises(ConfigError, match="the tokenizer has no chat template: use data.template=builtin or auto"):
         data.uses_chat_template(bare, Template.tokenizer)
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
 
 
 def test_truncation_and_drops_are_counted(tok, tmp_path):

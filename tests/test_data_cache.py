@@ -7,22 +7,12 @@ import json
 from dataclasses import replace
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, write_jsonl
 from transformers import AutoTokenizer
 
 from finetune import data
 from finetune.config import ASSETS, ConfigError, DataConfig, LongPrompt, Method, Template
 from finetune.data import cache
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return AutoTokenizer.from_pretrained(ASSETS / "tokenizer")
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
 
 
 MIXED = [  # every SFT form, a multi-turn chat, a response cut at max_length, a prompt too long, a text row split
