@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from finetune.config import ConfigError, DataConfig, DataFormat, Method
 
@@ -161,32 +162,42 @@ def load_rows(source: str, split: str, key: str) -> Rows:
     """
     path = Path(source).expanduser()
     if path.is_file():
-        if path.suffix not in (".jsonl", ".json"):
-            raise ConfigError(f"{key}: {source} is a {path.suffix or 'suffix-less'} file: data files are .jsonl (one JSON object "
-                              "per line) or .json (a list of objects); for other formats use a dataset directory")
-        rows = _read_jsonl(path) if path.suffix == ".jsonl" else _read_json(path)
+        rows = _read_jsonl(path) if _data_file(path, source, key) == ".jsonl" else _read_json(path)
         if not rows.rows:
             raise ConfigError(f"{key}: {source} has no rows ({'the file is empty' if not path.stat().st_size else 'only blank lines'})")
         return rows
+    return Rows(rows=list(_open_dataset(source, split, key, streaming=False)), source=source)
+
+
+def _data_file(path: Path, source: str, key: str) -> str:
+    """A data file's suffix, .jsonl or .json (anything else refused in one line)."""
+    if path.suffix not in (".jsonl", ".json"):
+        raise ConfigError(f"{key}: {source} is a {path.suffix or 'suffix-less'} file: data files are .jsonl (one JSON object "
+                          "per line) or .json (a list of objects); for other formats use a dataset directory")
+    return path.suffix
+
+
+def _open_dataset(source: str, split: str, key: str, *, streaming: bool) -> Any:
+    """A local dataset directory (data files or save_to_disk output) or a hub id, through `datasets`: a Dataset, or
+    with `streaming` an IterableDataset read as it is iterated (save_to_disk output is memory-mapped either way)."""
+    path = Path(source).expanduser()
     if looks_local(source) and not path.exists():
         raise ConfigError(f"{key}: no such file or directory: {source}")
     if path.is_dir():
         _check_directory(path, key)
     import datasets
 
-    try:  # a local dataset directory (data files or save_to_disk output) or a hub id
+    try:
         if path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()):
             ds = datasets.load_from_disk(str(path))
-            ds = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
-        else:
-            ds = datasets.load_dataset(str(path) if path.is_dir() else source, split=split)
+            return ds[split] if isinstance(ds, datasets.DatasetDict) else ds
+        return datasets.load_dataset(str(path) if path.is_dir() else source, split=split, streaming=streaming)
     except Exception as e:  # noqa: BLE001 - whatever `datasets` raises, the user needs one line
         if path.is_dir():
             raise ConfigError(f"{key}: could not load the local dataset directory {source} (split {split!r}): "
                               f"{str(e).splitlines()[0]}") from None
         raise ConfigError(f"{key}: could not load {source!r}: as a local path: no such file or directory; as a hub dataset "
                           f"(split {split!r}): {_hub_failure(e)}") from None
-    return Rows(rows=list(ds), source=source)
 
 
 DATA_FILES = (".jsonl", ".json", ".csv", ".parquet", ".arrow", ".txt")  # what `datasets` reads from a directory
@@ -214,20 +225,30 @@ def _hub_failure(e: Exception) -> str:
 
 def _read_jsonl(path: Path) -> Rows:
     rows, lines = [], []
+    for n, line in _jsonl_lines(path):
+        rows.append(parse_row(line, f"{path}:{n}"))
+        lines.append(n)
+    return Rows(rows=rows, source=str(path), lines=lines)
+
+
+def _jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of each non-blank line, read one at a time; a line that is not UTF-8 is refused."""
     with open(path, "rb") as f:
         for n, raw in enumerate(f, start=1):
             line = _decode(raw[3:] if n == 1 and raw.startswith(b"\xef\xbb\xbf") else raw, path, n)  # a UTF-8 BOM is fine
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise ConfigError(f"{path}:{n}: each line must be a JSON object, got {type(row).__name__}")
-            rows.append(row)
-            lines.append(n)
-    return Rows(rows=rows, source=str(path), lines=lines)
+            if line.strip():
+                yield n, line
+
+
+def parse_row(line: str, where: str) -> dict[str, Any]:
+    """One JSONL line as a row (a JSON object), or one line naming `where`."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(row, dict):
+        raise ConfigError(f"{where}: each line must be a JSON object, got {type(row).__name__}")
+    return row
 
 
 def _read_json(path: Path) -> Rows:
@@ -255,6 +276,63 @@ def _decode(raw: bytes, path: Path, line: int | None) -> str:
             why, was = f"byte 0x{raw[e.start]:02x} at column {column}", "latin1"
         raise ConfigError(f"{path}:{line}: not UTF-8 text ({why}): save the file as UTF-8, "
                           f"e.g. iconv -f {was} -t utf-8 {path.name} > {path.stem}.utf8{path.suffix}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Streams: data.train read as it is needed (data.streaming=true)
+
+
+def records(source: str, split: str, key: str, start: int = 0) -> Iterator[dict[str, str]]:
+    """One source's rows in its own order from its row `start` on, read as they are needed, each as
+    {"row": its JSON text, "where": FILE:LINE or SOURCE row I} (rows travel as text: `datasets` would give rows of
+    different forms each other's keys, as nulls). A .jsonl file is read line by line, a dataset directory or a hub
+    id through `datasets` streaming (save_to_disk output memory-mapped), a .json file (one list) whole.
+
+    Raises:
+        ConfigError: a source that cannot be read, or one with no rows from `start` on (data.eval_size held them out).
+    """
+    path = Path(source).expanduser()
+    if path.is_file() and _data_file(path, source, key) == ".jsonl":
+        found = ({"row": line, "where": f"{path}:{n}"} for n, line in _jsonl_lines(path))
+    elif path.is_file():
+        found = ({"row": json.dumps(row), "where": f"{path} row {i}"} for i, row in enumerate(_read_json(path).rows))
+    else:
+        found = ({"row": json.dumps(row, default=str), "where": f"{source} row {i}"}
+                 for i, row in enumerate(_open_dataset(source, split, key, streaming=True)))
+    empty = True
+    for record in itertools.islice(found, start, None):
+        empty = False
+        yield record
+    if empty:
+        raise ConfigError(f"data.eval_size={start} leaves no training rows in {source}" if start else f"{key}: {source} has no rows")
+
+
+def stream(cfg: DataConfig, seed: int, buffer: int) -> Any:
+    """One pass over data.train as a `datasets.IterableDataset` of `records`: each source read in its own order
+    (after the data.eval_size rows held out), through a shuffle buffer of `buffer` rows drawn by the seed; a mixture
+    draws each next row from a source with its weight's probability (seeded) and ends when a source runs out, so no
+    row repeats within a pass. `set_epoch(e)` gives pass e its own order, a function of (seed, e)."""
+    import datasets
+    import numpy as np
+
+    srcs = sources(cfg.train, cfg.train_split, "data.train")
+    start = cfg.eval_size if cfg.eval is None else 0
+    parts = [datasets.IterableDataset.from_generator(records, gen_kwargs={"source": s.path, "split": s.split, "key": s.key, "start": start})
+             .shuffle(generator=np.random.default_rng([seed, 7919, i]), buffer_size=buffer) for i, s in enumerate(srcs)]
+    if len(parts) == 1:
+        return parts[0]
+    total = sum(s.weight for s in srcs)  # every source of a streamed mixture has one (finetune.rules)
+    return datasets.interleave_datasets(parts, probabilities=[s.weight / total for s in srcs], seed=seed,
+                                        stopping_strategy="first_exhausted")
+
+
+def first_rows(cfg: DataConfig) -> Rows:
+    """The eval rows of a streamed data.train: its first data.eval_size rows, in the source's order."""
+    (s,) = sources(cfg.train, cfg.train_split, "data.train")  # one source (finetune.rules)
+    held = list(itertools.islice(records(s.path, s.split, s.key), cfg.eval_size))
+    if len(held) < cfg.eval_size:
+        raise ConfigError(f"data.eval_size={cfg.eval_size} leaves no training rows in {s.path}")
+    return Rows([parse_row(r["row"], r["where"]) for r in held], s.path, wheres=[r["where"] for r in held])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -474,13 +552,19 @@ def check(cfg: DataConfig, method: Method) -> None:
     """Read every local data file and convert every row; raises ConfigError at the first bad one.
 
     A local directory is only checked to hold a dataset; its rows, and hub datasets, are checked by
-    the ranks (that needs `datasets`)."""
+    the ranks (that needs `datasets`). A streamed data.train is only checked to exist: reading it
+    whole is what streaming avoids (the ranks name a bad row when the stream reaches it)."""
     for s in (s for value, split, key in _keys(cfg) for s in sources(value, split, key)):
         key, source, path = s.key, s.path, Path(s.path).expanduser()
         if not (looks_local(source) or path.exists()):
             continue
+        if looks_local(source) and not path.exists():
+            raise ConfigError(f"{key}: no such file or directory: {source}")
         if path.is_dir():
             _check_directory(path, key)
+            continue
+        if cfg.streaming and key.startswith("data.train"):
+            _data_file(path, source, key)
             continue
         rows = load_rows(source, "train", key)
         for i, row in enumerate(rows.rows):
