@@ -60,13 +60,16 @@ def trajectory(cfg: Config) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for group, keys in TRAJECTORY.items():
         for key, value in _flatten(plain[group], group).items():
-            if (keys is None or key.split(".", 1)[1] in keys) and key not in HOW:
+            at_added_default = key in ADDED and value == ADDED[key]
+            if (keys is None or key.split(".", 1)[1] in keys) and key not in HOW and not at_added_default:
                 out[key] = _same_path(value) if key in PATHS else value
     return out
 
 
 PATHS = ("data.train", "data.eval", "model.path", "model.tokenizer")
 HOW = ("data.cache", "data.cache_dir", "data.num_proc")  # how the tokens are made and kept, not what they are
+ADDED = {"data.streaming": False, "data.shuffle_buffer": None}
+"""Settings added after checkpoints were written: left out at their default, which is what those checkpoints ran."""
 
 
 def _same_path(value: Any) -> Any:

@@ -13,8 +13,9 @@ prompts dropped, the eval rows held out), with `LightTokenizer`: the tokenizer's
 read by the `tokenizers` library (the Rust tokenizer transformers wraps) and its chat template
 rendered with jinja2 as transformers renders it. No torch, no transformers: the quickstart's 4,000
 rows take about a second (time.perf_counter in tests/test_lengths.py). Only local data files
-(.jsonl, .json) are read; a hub dataset, a dataset directory, or a tokenizer that is neither a local
-directory nor in the Hugging Face cache leaves the plan at data.max_length (an upper bound).
+(.jsonl, .json) are read; a hub dataset, a dataset directory, a stream (data.streaming=true: it is read
+once, by the run), or a tokenizer that is neither a local directory nor in the Hugging Face cache leaves
+the plan at data.max_length (an upper bound).
 """
 
 from __future__ import annotations
@@ -188,8 +189,14 @@ def _from_cache(cfg: Config, files: dict[str, Path]) -> Longest | None:
     return longest_of(train.lengths().tolist(), cfg, train.labelled().tolist())
 
 
+STREAMED = "data.streaming=true: a stream's lengths are known only as the run reads it"
+
+
 def longest_batch(cfg: Config) -> Longest | str:
-    """The longest batch the run will see, read from its data; or why the data was not read."""
+    """The longest batch the run will see, read from its data; or why the data was not read (the plan is then
+    at data.max_length, an upper bound)."""
+    if cfg.data.streaming:
+        return STREAMED
     not_files = [s for s in sources(cfg.data.train, cfg.data.train_split, "data.train") if not Path(s.path).expanduser().is_file()]
     if not_files:
         return f"{not_files[0].key}={not_files[0].path} is not a local .jsonl/.json file"
