@@ -38,7 +38,7 @@ from finetune.config import (
     engine_kind,
     launcher_for,
 )
-from finetune.formats import sources
+from finetune.data.sources import sources
 from finetune.disk import attention, config_source, config_value, local_config, model_config
 from finetune.families import (FAMILIES, adapted_outside_linears, arch_from_config, arch_targets, dora_experts, router_loss_under_pp,
                                 unmatched_targets)

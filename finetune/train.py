@@ -17,14 +17,16 @@ from typing import Any
 
 import torch
 
-from finetune import checkpoint, config, data, dist, engine, evaluate, flops, logs, loop, model, objectives, reference
+from finetune import checkpoint, config, dist, engine, evaluate, flops, logs, loop, model, objectives, plan, reference
 from finetune.config import Config, ConfigError, Logits, PeftConfig, PeftMethod, Precision, Strategy, uses_deepspeed
 from finetune.data import stream
+from finetune.data.batches import TrainBatches
+from finetune.data.pack import pack
+from finetune.data.tokenize import IGNORE, Pair, Stats, load_split
 from finetune.engine.common import autocast_dtype
 from finetune.families import router_loss_under_pp
 from finetune.head import PROBE_TOKENS, ChunkedHead
 from finetune.launcher import ERROR_FILE, RANKS_DIR, deepspeed_config
-from finetune import plan
 from finetune.memory import MemoryProbe
 
 
@@ -197,7 +199,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
     del zero3  # alive until here: transformers consults it while loading, generating and saving
 
 
-def load_data(cfg: Config, tokenizer: Any, d: dist.Dist) -> tuple[Any, Any, dict[str, data.Stats]]:
+def load_data(cfg: Config, tokenizer: Any, d: dist.Dist) -> tuple[Any, Any, dict[str, Stats]]:
     """The run's train and eval examples: from the token cache (built by each node's local rank 0 when
     missing; finetune.data.cache), or tokenized in memory by every rank with data.cache=false; with
     data.streaming=true, the train set is a stream (finetune.data.stream) and the eval set is in memory."""
@@ -212,10 +214,10 @@ def load_data(cfg: Config, tokenizer: Any, d: dist.Dist) -> tuple[Any, Any, dict
                                                      builder=d.local_rank == 0, progress=cfg.train.progress_bar and d.local_rank == 0,
                                                      say=print if d.is_main else lambda line: None)
     else:
-        train, evals, stats = data.load_split(cfg.data, tokenizer, cfg.train.seed, cfg.method.name)
+        train, evals, stats = load_split(cfg.data, tokenizer, cfg.train.seed, cfg.method.name)
         samples = len(train)
         if cfg.data.packing:
-            train = data.pack(train, cfg.data.max_length, cfg.train.seed)
+            train = pack(train, cfg.data.max_length, cfg.train.seed)
     if d.is_main:
         if cfg.data.packing and not cfg.data.streaming:
             print(f"packing: {samples} samples -> {len(train)} rows of up to {cfg.data.max_length} tokens")
@@ -227,7 +229,7 @@ def load_data(cfg: Config, tokenizer: Any, d: dist.Dist) -> tuple[Any, Any, dict
 def probe_batch(examples: Any) -> dict[str, torch.Tensor]:
     """The first training row's first PROBE_TOKENS tokens (ChunkedHead.probe compares logits: no labels)."""
     first = examples.first() if isinstance(examples, stream.Streamed) else examples[0]
-    first = first.chosen if isinstance(first, data.Pair) else first
+    first = first.chosen if isinstance(first, Pair) else first
     ids = torch.tensor([first.input_ids[:PROBE_TOKENS]])
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
@@ -240,7 +242,7 @@ def make_batches(cfg: Config, examples: Any, eng: Any, pad_id: int, resume_from:
              "pad_to": cfg.data.max_length if cfg.parallelism.pp > 1 else None}  # a pipeline needs one shape
     if cfg.data.streaming:
         return stream.StreamBatches(examples, **shape, resume_from=resume_from)
-    return data.TrainBatches(examples, **shape, seed=cfg.train.seed)
+    return TrainBatches(examples, **shape, seed=cfg.train.seed)
 
 
 def planned(cfg: Config, batches: Any, examples: Any) -> dict[str, float] | str:
@@ -253,7 +255,7 @@ def planned(cfg: Config, batches: Any, examples: Any) -> dict[str, float] | str:
         return plan.record(cfg, plan.Longest(None, STREAMED))
     measured = [mb for step in range(loop.MEMORY_STEPS) for mb in batches.micro_batches(step)]
     widest = max(mb["input_ids"].shape[1] for mb in measured)
-    labelled = max(int((mb["labels"][:, 1:] != data.IGNORE).sum()) for mb in measured)
+    labelled = max(int((mb["labels"][:, 1:] != IGNORE).sum()) for mb in measured)
     predicted = plan.record(cfg, plan.Longest(widest, f"the widest micro-batch of the first {loop.MEMORY_STEPS} steps, which "
                                                       "the memory probe measures", labelled))
     if isinstance(predicted, str):

@@ -9,11 +9,12 @@ from dataclasses import replace
 import pytest
 from conftest import last_line, read_metrics, run_cli, train_here, write_jsonl
 
-from finetune import data
 from finetune.config import ASSETS, ConfigError, DataConfig, Method
-from finetune.data import Stats, stream
+from finetune.data import stream
+from finetune.data.batches import collate
+from finetune.data.sources import load_rows
 from finetune.data.stream import Position, StreamBatches
-from finetune.formats import load_rows
+from finetune.data.tokenize import Stats, tokenize
 
 
 ROWS = [  # forms, a multi-turn chat, a response cut at max_length, a prompt too long (dropped), a text row split in pieces
@@ -53,16 +54,16 @@ def served(b, steps):
 
 
 def collated(examples, micro_batch=2):
-    return [{k: v.tolist() for k, v in data.collate(examples[i : i + micro_batch], 0).items()} for i in range(0, len(examples), micro_batch)]
+    return [{k: v.tolist() for k, v in collate(examples[i : i + micro_batch], 0).items()} for i in range(0, len(examples), micro_batch)]
 
 
 @pytest.mark.parametrize("shipped,method,rows", [(None, Method.sft, ROWS * 3), ("quickstart_dpo", Method.dpo, None)])
 def test_a_buffer_of_one_streams_the_in_memory_examples_in_file_order_pass_after_pass(tok, tmp_path, shipped, method, rows):
     """data.shuffle_buffer=1: the source's own order, every pass alike; each example (ids, labels, prompt length,
-    reference; a text row's pieces; no dropped row) is exactly what data.tokenize makes of the same rows."""
+    reference; a text row's pieces; no dropped row) is exactly what tokenize makes of the same rows."""
     path = str(ASSETS / "data" / shipped / "train.jsonl") if shipped else write_jsonl(tmp_path / "t.jsonl", rows)
     cfg = DataConfig(train=path, max_length=48, streaming=True, shuffle_buffer=1)
-    memory, stats = data.tokenize(load_rows(path, "train", "data.train"), tok, cfg, "data.train", method)
+    memory, stats = tokenize(load_rows(path, "train", "data.train"), tok, cfg, "data.train", method)
     counts = Stats()
     out = taken(streamed(cfg, tok, method=method).examples(Position(), counts), len(memory) + 3)
     assert [example for *_, example in out] == memory + memory[:3]
@@ -77,7 +78,7 @@ def test_the_steps_are_consecutive_global_batches_of_the_stream(tok, tmp_path):
     """Step k is examples [kG, (k+1)G) of the stream, in micro-batches; the DataLoader worker serves them in order."""
     path = write_jsonl(tmp_path / "t.jsonl", ROWS * 3)
     cfg = DataConfig(train=path, max_length=48, streaming=True, shuffle_buffer=1)
-    memory, _ = data.tokenize(load_rows(path, "train", "data.train"), tok, cfg, "data.train")
+    memory, _ = tokenize(load_rows(path, "train", "data.train"), tok, cfg, "data.train")
     order = memory * 3
     b = batches(streamed(cfg, tok))
     assert served(b, range(12)) == [collated(order[4 * k : 4 * k + 4]) for k in range(12)]  # crosses two pass boundaries
@@ -141,7 +142,7 @@ def test_a_local_dataset_directory_streams_through_datasets(tok, tmp_path):
     datasets.Dataset.from_list(rows).save_to_disk(str(saved))
     for folder in (files, saved):
         cfg = DataConfig(train=str(folder), streaming=True, shuffle_buffer=1)
-        memory, _ = data.tokenize(load_rows(str(folder), "train", "data.train"), tok, cfg, "data.train")
+        memory, _ = tokenize(load_rows(str(folder), "train", "data.train"), tok, cfg, "data.train")
         assert [e for *_, e in taken(streamed(cfg, tok).examples(Position(), Stats()), 6)] == memory
     bad = tmp_path / "bad"
     bad.mkdir()

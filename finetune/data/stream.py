@@ -1,7 +1,7 @@
 """A streamed training set (data.streaming=true): data.train read as it is needed, tokenized on the fly by a
 DataLoader worker on every rank, and cut into steps as `TrainBatches` cuts a set held whole. No token cache.
 
-The order. One pass over the data is `finetune.formats.stream`: each source in its own order through a shuffle
+The order. One pass over the data is `finetune.data.sources.stream`: each source in its own order through a shuffle
 buffer of data.shuffle_buffer rows drawn by the seed (a mixture: each next row from a source by weight, seeded);
 pass e has its own order, a function of (seed, e), and the passes follow each other without end (epochs). Each row
 is tokenized by `tokenize_row`, the in-memory path's own (so its labels are those), into its examples: one, none when
@@ -30,8 +30,10 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from finetune.config import ConfigError, DataConfig, Method
-from finetune.data import Stats, collate, pack, tokenize, tokenize_row, uses_chat_template
-from finetune.formats import first_rows, load_sources, parse_row, sources, stream
+from finetune.data.batches import collate
+from finetune.data.pack import pack
+from finetune.data.sources import first_rows, load_sources, parse_row, sources, stream
+from finetune.data.tokenize import Stats, tokenize, tokenize_row, uses_chat_template
 
 BUFFER = 10_000  # data.shuffle_buffer's default
 PACK_WINDOW = 1_000  # rows whose examples are packed together (first fit over a thousand samples already fills rows well)
