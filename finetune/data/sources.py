@@ -300,7 +300,7 @@ def records(source: str, split: str, key: str, start: int = 0) -> Iterator[dict[
         raise ConfigError(f"data.eval_size={start} leaves no training rows in {source}" if start else f"{key}: {source} has no rows")
 
 
-def stream(cfg: DataConfig, seed: int, buffer: int) -> Any:
+def one_pass(cfg: DataConfig, seed: int, buffer: int) -> Any:
     """One pass over data.train as a `datasets.IterableDataset` of `records`: each source read in its own order
     (after the data.eval_size rows held out), through a shuffle buffer of `buffer` rows drawn by the seed; a mixture
     draws each next row from a source with its weight's probability (seeded) and ends when a source runs out, so no

@@ -1,7 +1,7 @@
 """A streamed training set (data.streaming=true): data.train read as it is needed, tokenized on the fly by a
 DataLoader worker on every rank, and cut into steps as `TrainBatches` cuts a set held whole. No token cache.
 
-The order. One pass over the data is `finetune.data.sources.stream`: each source in its own order through a shuffle
+The order. One pass over the data is `finetune.data.sources.one_pass`: each source in its own order through a shuffle
 buffer of data.shuffle_buffer rows drawn by the seed (a mixture: each next row from a source by weight, seeded);
 pass e has its own order, a function of (seed, e), and the passes follow each other without end (epochs). Each row
 is tokenized by `tokenize_row`, the in-memory path's own (so its labels are those), into its examples: one, none when
@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from finetune.config import ConfigError, DataConfig, Method
 from finetune.data.batches import collate
 from finetune.data.pack import pack
-from finetune.data.sources import first_rows, load_sources, parse_row, sources, stream
+from finetune.data.sources import first_rows, load_sources, one_pass, parse_row, sources
 from finetune.data.tokenize import Stats, tokenize, tokenize_row, uses_chat_template
 
 BUFFER = 10_000  # data.shuffle_buffer's default
@@ -105,7 +105,7 @@ class Streamed:
     def _runs(self, start: int) -> Iterator[tuple[int, int, bool, list[dict[str, str]]]]:
         """(first row, pass, whether it begins its pass, rows) of each run of `window` rows of a pass, from the run
         beginning at row `start` on. The rows before it are read (the shuffle buffer needs them), not tokenized."""
-        ds = stream(self.cfg, self.seed, self.buffer)
+        ds = one_pass(self.cfg, self.seed, self.buffer)
         row = 0
         for epoch in itertools.count():
             ds.set_epoch(epoch)
@@ -178,7 +178,9 @@ class StreamBatches:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the worker is forked after the tokenizer ran here: no threads in it
         dataset = Stream(streamed, first_step=self.step, start=self.position, stats=self.stats, global_batch=global_batch,
                          micro_batch=micro_batch, dp_rank=dp_rank, dp_size=dp_size, pad_id=pad_id, pad_to=pad_to)
-        self._steps = iter(DataLoader(dataset, batch_size=None, num_workers=1, prefetch_factor=PREFETCH, collate_fn=_as_is))
+        loader = DataLoader(dataset, batch_size=None, num_workers=1, prefetch_factor=PREFETCH, collate_fn=_as_is,
+                            generator=torch.Generator())  # the workers' seed is drawn from it, not from training's random stream
+        self._steps = iter(loader)
 
     def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
         if step != self.step:
