@@ -4,6 +4,7 @@ the in-memory path, a resume that continues exactly, the same samples on any lay
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -190,6 +191,21 @@ def test_a_bad_row_met_by_the_worker_is_one_line_naming_its_line(tok, tmp_path):
     with pytest.raises(ConfigError) as e:
         b.micro_batches(1)
     assert str(e.value) == f"{path}:6: the response 'output' is empty (only whitespace): fix the row or remove it"
+
+
+def test_the_launcher_checks_only_that_a_streamed_file_exists(tmp_path):
+    """Reading a stream whole before launch is what streaming avoids: its rows are checked as the stream reaches them."""
+    from finetune.data.forms import check
+
+    bad = write_jsonl(tmp_path / "t.jsonl", [{"instruction": "x", "output": " "}])
+    check(DataConfig(train=bad, streaming=True), Method.sft)
+    with pytest.raises(ConfigError, match=f"^{bad}:1: the response 'output' is empty"):
+        check(DataConfig(train=bad), Method.sft)
+    for name, message in (("missing.jsonl", "data.train: no such file or directory: {}"),
+                          ("rows.csv", "data.train: {} is a .csv file: data files are .jsonl")):
+        (tmp_path / "rows.csv").write_text("a,b\n")
+        with pytest.raises(ConfigError, match="^" + re.escape(message.format(tmp_path / name))):
+            check(DataConfig(train=str(tmp_path / name), streaming=True), Method.sft)
 
 
 def test_a_pass_that_keeps_nothing_is_refused(tok, tmp_path):
