@@ -26,8 +26,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from finetune import formats
 from finetune.config import Config, ConfigError, engine_kind
+from finetune.data.sources import fingerprint, looks_local
 from finetune.rundir import CHECKPOINTS
 
 LATEST = "latest"
@@ -60,19 +60,22 @@ def trajectory(cfg: Config) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for group, keys in TRAJECTORY.items():
         for key, value in _flatten(plain[group], group).items():
-            if (keys is None or key.split(".", 1)[1] in keys) and key not in HOW:
+            at_added_default = key in ADDED and value == ADDED[key]
+            if (keys is None or key.split(".", 1)[1] in keys) and key not in HOW and not at_added_default:
                 out[key] = _same_path(value) if key in PATHS else value
     return out
 
 
 PATHS = ("data.train", "data.eval", "model.path", "model.tokenizer")
 HOW = ("data.cache", "data.cache_dir", "data.num_proc")  # how the tokens are made and kept, not what they are
+ADDED = {"data.streaming": False, "data.shuffle_buffer": None}
+"""Settings added after checkpoints were written: left out at their default, which is what those checkpoints ran."""
 
 
 def _same_path(value: Any) -> Any:
     """A local path as one spelling (data0//eval.jsonl, ./eval.jsonl and its absolute path are one
-    file); a hub id as given. What the files hold is compared separately (`formats.fingerprint`)."""
-    if isinstance(value, str) and (formats.looks_local(value) or Path(value).expanduser().exists()):
+    file); a hub id as given. What the files hold is compared separately (`finetune.data.sources.fingerprint`)."""
+    if isinstance(value, str) and (looks_local(value) or Path(value).expanduser().exists()):
         return str(Path(value).expanduser().resolve())
     return value
 
@@ -116,7 +119,7 @@ def writing(root: Path, step: int, cfg: Config, dist: Any, keep: int = 0) -> Ite
         settings = trajectory(cfg)
         files = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
         meta = {"step": step, "config_hash": config_hash(settings), "settings": settings, "layout": layout(cfg),
-                "data": formats.fingerprint(cfg.data), "files": files}
+                "data": fingerprint(cfg.data), "files": files}
         (tmp / META).write_text(json.dumps(meta, indent=2, default=str) + "\n")
         shutil.rmtree(final, ignore_errors=True)  # an older save of the same step (a resumed run passing it again)
         os.replace(tmp, final)
@@ -238,7 +241,7 @@ def check_compatible(step_dir: Path, cfg: Config) -> None:
         if saved[key] != now[key]:
             raise ConfigError(f"train.resume: {step_dir} was saved with {key}={saved[key]} ({saved['engine']} engine), this run has "
                               f"{key}={now[key]}: that checkpoint format cannot change it; {RESUME_UNDER[saved['engine']]}")
-    change = data_change(meta.get("data"), formats.fingerprint(cfg.data)) if "data" in meta else None
+    change = data_change(meta.get("data"), fingerprint(cfg.data)) if "data" in meta else None
     if change:
         raise ConfigError(f"train.resume: {change} since {step_dir} was saved: the resumed run would train on other data; "
                           "restore it, or start a fresh run")
@@ -248,7 +251,7 @@ def check_compatible(step_dir: Path, cfg: Config) -> None:
 
 
 def data_change(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
-    """The first data file whose content differs between two fingerprints (formats.fingerprint), in words."""
+    """The first data file whose content differs between two fingerprints (finetune.data.sources.fingerprint), in words."""
     for key in sorted(set(saved) | set(now)):
         old, new = saved.get(key, {}), now.get(key, {})
         if "files" not in old or "files" not in new:

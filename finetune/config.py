@@ -376,6 +376,15 @@ class DataConfig:
     (~/.cache/finetune/tokens)."""
     num_proc: int | None = checked(at_least(1), None)
     """Processes that tokenize a dataset into the cache (one per 1,000 rows at most); null: the node's cores."""
+    streaming: bool = False
+    """Read `train` as a stream, for a set larger than the disk cache: rows in a seeded shuffle-buffer order,
+    tokenized on the fly by a DataLoader worker on every rank, no token cache (`cache` does not apply; the eval
+    set, `eval` or the first `eval_size` rows of `train`, is tokenized in memory). Step k is still examples
+    [kG, (k+1)G) of one order, a function of the seed, on any layout; a resume continues it. A mixture needs
+    a weight on every source; packing packs each 1,000 rows."""
+    shuffle_buffer: int | None = checked(at_least(1), None)
+    """streaming: rows held in the shuffle buffer, each next row drawn from it by the seed; null: 10,000;
+    1: the source's own order."""
 
 
 @dataclass

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from finetune.config import TrainConfig
-from finetune.data import Example, collate, eval_batches, for_generation, shard
+from finetune.data.batches import collate, eval_batches, for_generation, shard
+from finetune.data.tokenize import Example
 from finetune.dist import Dist
 from finetune.engine.common import add_metrics
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from finetune.config import ConfigError
-from finetune.data import IGNORE
+from finetune.data.tokenize import IGNORE
 
 PROBE_TOKENS = 64
 """Tokens of the first training row that `ChunkedHead.probe` runs both ways before training."""

@@ -28,9 +28,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from finetune import disk, formats, plan, rundir, sweep
+from finetune import disk, plan, rundir, sweep
 from finetune.compose import RECIPES, _first_line, fail, preflight, run_once, sweep_trials, typed
 from finetune.config import Config, ConfigError
+from finetune.data import forms
 from finetune.launcher import ERROR_FILE, RANKS_DIR, LaunchSpec, build
 
 
@@ -115,7 +116,7 @@ def launch_once(dcfg: DictConfig, cfg: Config | None = None) -> float | None:
     the launch and run it. Returns the final eval loss (None for a dry run); raises TrialFailed."""
     try:
         cfg = cfg or typed(dcfg)
-        formats.check(cfg.data, cfg.method.name)  # missing file or malformed row: one line now, not N ranks later
+        forms.check(cfg.data, cfg.method.name)  # missing file or malformed row: one line now, not N ranks later
         make_model_first(cfg)
         disk.check(cfg)  # the model, tokenizer and device as files on this machine: one line now, not in each rank
     except ConfigError as e:

@@ -1,7 +1,7 @@
 """How long a run's batches are, read from its data before anything starts, so that the planner
 plans the peak for the longest batch the run will see rather than for data.max_length.
 
-How batches are formed (finetune.data.TrainBatches): step k takes positions [kG, (k+1)G) of an
+How batches are formed (finetune.data.batches.TrainBatches): step k takes positions [kG, (k+1)G) of an
 endless stream made of one seeded permutation of the training rows per epoch, cut into
 micro-batches, each padded to its longest row (collate). Nothing sorts or buckets rows by length,
 so the longest micro-batch is as long as the longest row the run's steps reach (rows are already
@@ -13,8 +13,9 @@ prompts dropped, the eval rows held out), with `LightTokenizer`: the tokenizer's
 read by the `tokenizers` library (the Rust tokenizer transformers wraps) and its chat template
 rendered with jinja2 as transformers renders it. No torch, no transformers: the quickstart's 4,000
 rows take about a second (time.perf_counter in tests/test_lengths.py). Only local data files
-(.jsonl, .json) are read; a hub dataset, a dataset directory, or a tokenizer that is neither a local
-directory nor in the Hugging Face cache leaves the plan at data.max_length (an upper bound).
+(.jsonl, .json) are read; a hub dataset, a dataset directory, a stream (data.streaming=true: it is read
+once, by the run), or a tokenizer that is neither a local directory nor in the Hugging Face cache leaves
+the plan at data.max_length (an upper bound).
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from typing import Any
 
 import numpy as np
 
-from finetune import data
 from finetune.config import Config, ConfigError, Method, ModelConfig
-from finetune.formats import sources
+from finetune.data.pack import first_fit
+from finetune.data.sources import sources, split_rows
+from finetune.data.tokenize import IGNORE, Pair, tokenize
 from finetune.plan import Longest
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -144,7 +146,7 @@ def row_lengths(examples: list[Any]) -> list[int]:
     """Tokens of each training row as collate pads it (a preference pair: its longer response)."""
     if hasattr(examples, "lengths"):  # the token cache's rows: read from its columns, not row by row
         return examples.lengths().tolist()
-    return [max(len(e.chosen.input_ids), len(e.rejected.input_ids)) if isinstance(e, data.Pair) else len(e.input_ids)
+    return [max(len(e.chosen.input_ids), len(e.rejected.input_ids)) if isinstance(e, Pair) else len(e.input_ids)
             for e in examples]
 
 
@@ -155,8 +157,8 @@ def row_labelled(examples: list[Any]) -> list[int]:
         return examples.labelled().tolist()
 
     def count(e: Any) -> int:
-        return len(e.labels) - 1 - e.labels[1:].count(data.IGNORE) if e.labels else 0
-    return [count(e.chosen) + count(e.rejected) if isinstance(e, data.Pair) else count(e) for e in examples]
+        return len(e.labels) - 1 - e.labels[1:].count(IGNORE) if e.labels else 0
+    return [count(e.chosen) + count(e.rejected) if isinstance(e, Pair) else count(e) for e in examples]
 
 
 def longest_of(lengths: list[int], cfg: Config, labelled: list[int] | None = None) -> Longest:
@@ -188,8 +190,14 @@ def _from_cache(cfg: Config, files: dict[str, Path]) -> Longest | None:
     return longest_of(train.lengths().tolist(), cfg, train.labelled().tolist())
 
 
+STREAMED = "data.streaming=true: a stream's lengths are known only as the run reads it"
+
+
 def longest_batch(cfg: Config) -> Longest | str:
-    """The longest batch the run will see, read from its data; or why the data was not read."""
+    """The longest batch the run will see, read from its data; or why the data was not read (the plan is then
+    at data.max_length, an upper bound)."""
+    if cfg.data.streaming:
+        return STREAMED
     not_files = [s for s in sources(cfg.data.train, cfg.data.train_split, "data.train") if not Path(s.path).expanduser().is_file()]
     if not_files:
         return f"{not_files[0].key}={not_files[0].path} is not a local .jsonl/.json file"
@@ -200,14 +208,14 @@ def longest_batch(cfg: Config) -> Longest | str:
     if cached is not None:
         return cached
     try:
-        rows = data.split_rows(replace(cfg.data, eval=None) if cfg.data.eval is not None else cfg.data, cfg.train.seed)[0]
-        examples, _ = data.tokenize(rows, LightTokenizer(files), cfg.data, "data.train", cfg.method.name)
+        rows = split_rows(replace(cfg.data, eval=None) if cfg.data.eval is not None else cfg.data, cfg.train.seed)[0]
+        examples, _ = tokenize(rows, LightTokenizer(files), cfg.data, "data.train", cfg.method.name)
     except ConfigError as e:  # the launcher names data mistakes itself
         return f"data.train could not be read ({e})"
     except Exception as e:  # a tokenizer or template this light reader cannot handle
         return f"the tokenizer could not be read without transformers ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
     lengths, labelled = row_lengths(examples), row_labelled(examples)
     if cfg.data.packing and cfg.method.name == Method.sft:
-        packed = data.first_fit(lengths, cfg.data.max_length, cfg.train.seed)
+        packed = first_fit(lengths, cfg.data.max_length, cfg.train.seed)
         lengths, labelled = [sum(lengths[i] for i in row) for row in packed], [sum(labelled[i] for i in row) for row in packed]
     return longest_of(lengths, cfg, labelled)

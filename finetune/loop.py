@@ -12,12 +12,12 @@ from typing import Any, Callable
 
 from finetune import checkpoint
 from finetune.config import NonFinite, TrainConfig
-from finetune.data import Example, TrainBatches
+from finetune.data.batches import TrainBatches
+from finetune.data.tokenize import Example
 from finetune.dist import Dist
 from finetune.evaluate import evaluate
 from finetune.logs import MetricsLog
-from finetune.memory import MemoryProbe
-from finetune.memory import line as mem_line
+from finetune.memory import MemoryProbe, line as mem_line
 
 MEMORY_STEPS = 2  # the second step has optimizer states and gradients: the steady-state peak
 

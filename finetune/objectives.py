@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune.config import DpoLoss, Method, MethodConfig
-from finetune.data import IGNORE
+from finetune.data.tokenize import IGNORE
 from finetune.head import ChunkedHead
 
 Output = tuple[torch.Tensor, dict[str, torch.Tensor]]  # (summed loss, summed metrics)

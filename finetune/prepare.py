@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         cfg = preflight(args)
+        if cfg.data.streaming:
+            raise ConfigError("data.streaming=true: the stream is tokenized on the fly while the run trains, so there is nothing "
+                              "to prepare (drop data.streaming=true to cache the tokens)")
         if not cfg.data.cache:
             raise ConfigError("data.cache=false: the run tokenizes in memory at every launch, so there is nothing to prepare "
                               "(drop data.cache=false to cache the tokens)")

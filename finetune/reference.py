@@ -21,7 +21,8 @@ from typing import Any, Callable
 import torch
 
 from finetune.config import Config, ConfigError, DpoLoss, Method, Reference
-from finetune.data import Pair, collate, shard
+from finetune.data.batches import collate, shard
+from finetune.data.tokenize import Pair
 from finetune.dist import Dist
 from finetune.evaluate import lockstep_extra
 from finetune.objectives import logits_logps, sequence_logps

@@ -38,7 +38,7 @@ from finetune.config import (
     engine_kind,
     launcher_for,
 )
-from finetune.formats import sources
+from finetune.data.sources import sources
 from finetune.disk import attention, config_source, config_value, local_config, model_config
 from finetune.families import (FAMILIES, adapted_outside_linears, arch_from_config, arch_targets, dora_experts, router_loss_split,
                                 router_loss_under_pp, unmatched_targets)
@@ -72,6 +72,7 @@ def validate(cfg: Config) -> None:
     for value, split, key in ((cfg.data.train, cfg.data.train_split, "data.train"), (cfg.data.eval, cfg.data.eval_split, "data.eval")):
         if value is not None:
             sources(value, split, key)  # a mixture's entries, each named when malformed
+    _validate_streaming(cfg)
     if m.attn_implementation != AttnImpl.auto:
         attention(cfg, gpu=True)  # refuses a kernel this model cannot run (the device is disk.check_device's)
     if launch.node_rank >= launch.nnodes:
@@ -246,6 +247,35 @@ def _validate_targets(arch: dict[str, Any], targets: list[str]) -> None:
         refusal = unmatched_targets(structure.model_type, [t for t in targets if "." not in t], *arch_targets(structure))
         if refusal:
             raise ConfigError(refusal)
+
+
+def _validate_streaming(cfg: Config) -> None:
+    """What a stream (data.streaming=true) cannot do, each refused with what to do instead; and its
+    shuffle buffer set without one."""
+    d, m = cfg.data, cfg.method
+    if not d.streaming:
+        if d.shuffle_buffer is not None:
+            raise ConfigError(f"data.shuffle_buffer={d.shuffle_buffer} applies to data.streaming=true only (otherwise the whole set is "
+                              "shuffled by train.seed): remove it, or set data.streaming=true")
+        return
+    for name in ("cache_dir", "num_proc"):
+        if getattr(d, name) is not None:
+            raise ConfigError(f"data.{name}={getattr(d, name)} has no effect with data.streaming=true (a stream is tokenized on the fly, "
+                              "with no token cache): remove it, or set data.streaming=false")
+    srcs = sources(d.train, d.train_split, "data.train")
+    for s in srcs:
+        if s.rows is not None:
+            raise ConfigError(f"{s.key}.rows={s.rows} is an exact count of the source's rows, whose number data.streaming=true does "
+                              "not read ahead: give the source a weight instead")
+        if s.weight is None and len(srcs) > 1:
+            raise ConfigError(f"{s.key}: a streamed mixture draws each next row from a source by its weight (data.streaming=true): "
+                              "give every source a weight")
+    if len(srcs) > 1 and d.eval is None and d.eval_size:
+        raise ConfigError(f"data.eval_size={d.eval_size} with a streamed mixture: data.streaming=true holds out the first rows of one "
+                          "source, and a mixture has several: set data.eval")
+    if m.name == Method.dpo and m.loss != DpoLoss.simpo and m.reference == Reference.precomputed:
+        raise ConfigError("method.reference=precomputed scores every train pair before training, which a stream cannot "
+                          "(data.streaming=true): use method.reference=live (or adapter_disabled with peft), or data.streaming=false")
 
 
 def _validate_method(cfg: Config) -> None:

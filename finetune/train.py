@@ -17,13 +17,16 @@ from typing import Any
 
 import torch
 
-from finetune import checkpoint, config, data, dist, engine, evaluate, flops, logs, loop, model, objectives, reference
+from finetune import checkpoint, config, dist, engine, evaluate, flops, logs, loop, model, objectives, plan, reference
 from finetune.config import Config, ConfigError, Logits, PeftConfig, PeftMethod, Precision, Strategy, uses_deepspeed
+from finetune.data import stream
+from finetune.data.batches import TrainBatches
+from finetune.data.pack import pack
+from finetune.data.tokenize import IGNORE, Pair, Stats, load_split
 from finetune.engine.common import autocast_dtype
 from finetune.families import router_loss_split, router_loss_under_pp
 from finetune.head import PROBE_TOKENS, ChunkedHead
 from finetune.launcher import ERROR_FILE, RANKS_DIR, deepspeed_config
-from finetune import plan
 from finetune.memory import MemoryProbe
 
 
@@ -168,9 +171,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
     if router and d.is_main:
         print(router.describe())
     objective = objectives.build(cfg.method, ref, router, chunked)
-    batches = data.TrainBatches(train_examples, global_batch=cfg.train.global_batch_size, micro_batch=cfg.train.micro_batch_size,
-                                dp_rank=eng.dp_rank, dp_size=eng.dp_size, seed=cfg.train.seed, pad_id=tokenizer.pad_token_id,
-                                pad_to=cfg.data.max_length if cfg.parallelism.pp > 1 else None)  # a pipeline needs one shape
+    batches = make_batches(cfg, train_examples, eng, tokenizer.pad_token_id, resume_from)
     phase("training")
     loop.STOP["defer"] = True  # from here a signal saves a checkpoint at the next step boundary
     log = logs.MetricsLog(run_dir, enabled=d.is_main, tensorboard=cfg.train.tensorboard)
@@ -182,11 +183,15 @@ def run(cfg: Config, d: dist.Dist) -> None:
             log.write("plan", 0, predicted)
     try:
         result = loop.train(cfg.train, engine=eng, objective=objective, batches=batches, evals=eval_examples,
-                            tokenizer=tokenizer, dist=d, log=log, save=saver(cfg, eng, d, run_dir / "checkpoints"),
+                            tokenizer=tokenizer, dist=d, log=log, save=saver(cfg, eng, d, run_dir / "checkpoints", batches),
                             resume_from=resume_from, probe=probe(cfg, eng, d, run_dir),
                             **mfu_inputs(cfg, net, d))
     finally:
         log.close()
+        if cfg.data.streaming:
+            batches.close()
+    if cfg.data.streaming:  # the counts of the rows the stream read
+        stats["train"] = batches.stats
     phase("export")
     final = run_dir / "final"
     eng.export(final, tokenizer)
@@ -197,43 +202,63 @@ def run(cfg: Config, d: dist.Dist) -> None:
     del zero3  # alive until here: transformers consults it while loading, generating and saving
 
 
-def load_data(cfg: Config, tokenizer: Any, d: dist.Dist) -> tuple[Any, Any, dict[str, data.Stats]]:
+def load_data(cfg: Config, tokenizer: Any, d: dist.Dist) -> tuple[Any, Any, dict[str, Stats]]:
     """The run's train and eval examples: from the token cache (built by each node's local rank 0 when
-    missing; finetune.data.cache), or tokenized in memory by every rank with data.cache=false."""
-    if cfg.data.cache:
+    missing; finetune.data.cache), or tokenized in memory by every rank with data.cache=false; with
+    data.streaming=true, the train set is a stream (finetune.data.stream) and the eval set is in memory."""
+    if cfg.data.streaming:
+        train, evals, stats = stream.load(cfg.data, tokenizer, cfg.train.seed, cfg.method.name)
+        if d.is_main:
+            print(train.line())
+    elif cfg.data.cache:
         from finetune.data import cache
 
         train, evals, stats, samples, _ = cache.load(cfg.data, tokenizer, cfg.train.seed, cfg.method.name,
                                                      builder=d.local_rank == 0, progress=cfg.train.progress_bar and d.local_rank == 0,
                                                      say=print if d.is_main else lambda line: None)
     else:
-        train, evals, stats = data.load_split(cfg.data, tokenizer, cfg.train.seed, cfg.method.name)
+        train, evals, stats = load_split(cfg.data, tokenizer, cfg.train.seed, cfg.method.name)
         samples = len(train)
         if cfg.data.packing:
-            train = data.pack(train, cfg.data.max_length, cfg.train.seed)
+            train = pack(train, cfg.data.max_length, cfg.train.seed)
     if d.is_main:
-        if cfg.data.packing:
+        if cfg.data.packing and not cfg.data.streaming:
             print(f"packing: {samples} samples -> {len(train)} rows of up to {cfg.data.max_length} tokens")
         for name, s in stats.items():
             print(s.line(name, cfg.data.max_length))
     return train, evals, stats
 
 
-def probe_batch(examples: list[Any]) -> dict[str, torch.Tensor]:
+def probe_batch(examples: Any) -> dict[str, torch.Tensor]:
     """The first training row's first PROBE_TOKENS tokens (ChunkedHead.probe compares logits: no labels)."""
-    first = examples[0].chosen if isinstance(examples[0], data.Pair) else examples[0]
+    first = examples.first() if isinstance(examples, stream.Streamed) else examples[0]
+    first = first.chosen if isinstance(first, Pair) else first
     ids = torch.tensor([first.input_ids[:PROBE_TOKENS]])
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-def planned(cfg: Config, batches: data.TrainBatches, examples: list[Any]) -> dict[str, float] | str:
-    """The plan record: at the widest of the micro-batches the memory probe measures (rank 0's first
-    loop.MEMORY_STEPS steps), for the comparison; and the peak planned at the longest batch of the whole run."""
-    from finetune.lengths import longest_of, row_labelled, row_lengths
+def make_batches(cfg: Config, examples: Any, eng: Any, pad_id: int, resume_from: Path | None) -> Any:
+    """Step -> this rank's micro-batches: TrainBatches over the examples held, or StreamBatches over a stream
+    (whose DataLoader worker starts reading now, where the checkpoint says when resuming)."""
+    shape = {"global_batch": cfg.train.global_batch_size, "micro_batch": cfg.train.micro_batch_size, "dp_rank": eng.dp_rank,
+             "dp_size": eng.dp_size, "pad_id": pad_id,
+             "pad_to": cfg.data.max_length if cfg.parallelism.pp > 1 else None}  # a pipeline needs one shape
+    if cfg.data.streaming:
+        return stream.StreamBatches(examples, **shape, resume_from=resume_from)
+    return TrainBatches(examples, **shape, seed=cfg.train.seed)
 
+
+def planned(cfg: Config, batches: Any, examples: Any) -> dict[str, float] | str:
+    """The plan record: at the widest of the micro-batches the memory probe measures (rank 0's first
+    loop.MEMORY_STEPS steps), for the comparison; and the peak planned at the longest batch of the whole run.
+    A stream is read once, in order, by the loop: planned at data.max_length (an upper bound)."""
+    from finetune.lengths import STREAMED, longest_of, row_labelled, row_lengths
+
+    if cfg.data.streaming:
+        return plan.record(cfg, plan.Longest(None, STREAMED))
     measured = [mb for step in range(loop.MEMORY_STEPS) for mb in batches.micro_batches(step)]
     widest = max(mb["input_ids"].shape[1] for mb in measured)
-    labelled = max(int((mb["labels"][:, 1:] != data.IGNORE).sum()) for mb in measured)
+    labelled = max(int((mb["labels"][:, 1:] != IGNORE).sum()) for mb in measured)
     predicted = plan.record(cfg, plan.Longest(widest, f"the widest micro-batch of the first {loop.MEMORY_STEPS} steps, which "
                                                       "the memory probe measures", labelled))
     if isinstance(predicted, str):
@@ -242,11 +267,14 @@ def planned(cfg: Config, batches: data.TrainBatches, examples: list[Any]) -> dic
     return predicted | {"plan_run_width": run.width, "plan_run_peak_mib": (run.total - run.overhead) / plan.MIB}
 
 
-def saver(cfg: Config, eng: Any, d: dist.Dist, root: Path) -> Any:
-    """step -> the complete checkpoint directory written for it (atomically; keep-K applied)."""
+def saver(cfg: Config, eng: Any, d: dist.Dist, root: Path, batches: Any) -> Any:
+    """step -> the complete checkpoint directory written for it (atomically; keep-K applied), with where
+    a stream's next step starts."""
     def save(step: int) -> Path:
         with checkpoint.writing(root, step, cfg, d, keep=cfg.train.keep_checkpoints) as directory:
             eng.save(directory, step)
+            if cfg.data.streaming and d.is_main:
+                batches.save(directory)
         return root / checkpoint.tag(step)
 
     return save

@@ -6,7 +6,7 @@
 Everything is made here, with no download: N synthetic multi-turn conversations (chat rows of random
 pseudo-words), and a BPE tokenizer (8k vocabulary) with a chat template, trained by `tokenizers` on them.
 Per N, each measured in a fresh process:
-- in memory (before the cache; `data.cache=false`): finetune.data.load_split, rows/s on one core;
+- in memory (before the cache; `data.cache=false`): finetune.data.tokenize.load_split, rows/s on one core;
 - first preparation: finetune.data.cache (what `python -m finetune.prepare` and a first launch run),
   `datasets.map` over every core, with the Arrow files written: seconds, rows/s and rows/s per core;
 - cached start: a new process that finds the cache entry (hashing the data file for the key) and
@@ -70,13 +70,14 @@ import json, os, resource, sys, time
 t0 = time.perf_counter()
 from transformers import AutoTokenizer
 from finetune.config import DataConfig, Method
-from finetune import data
+from finetune.data.batches import TrainBatches
+from finetune.data.tokenize import load_split
 spec = json.loads(sys.argv[1])
 cfg = DataConfig(train=spec["train"], max_length=1024, cache_dir=spec["cache"], num_proc=spec.get("num_proc"), packing=spec.get("packing", False))
 tok = AutoTokenizer.from_pretrained(spec["tokenizer"])
 out = {}
 if spec["what"] == "memory":
-    t = time.perf_counter(); train, _, _ = data.load_split(cfg, tok, 0, Method.sft); out["seconds"] = time.perf_counter() - t
+    t = time.perf_counter(); train, _, _ = load_split(cfg, tok, 0, Method.sft); out["seconds"] = time.perf_counter() - t
 else:
     from finetune.data import cache
     t = time.perf_counter()
@@ -84,7 +85,7 @@ else:
     out["seconds"] = time.perf_counter() - t
 out["since_start"] = time.perf_counter() - t0
 if spec.get("steps"):
-    batches = data.TrainBatches(train, global_batch=16, micro_batch=4, dp_rank=spec["rank"], dp_size=2, seed=0, pad_id=0)
+    batches = TrainBatches(train, global_batch=16, micro_batch=4, dp_rank=spec["rank"], dp_size=2, seed=0, pad_id=0)
     for step in range(spec["steps"]):
         batches.micro_batches(step)
 out["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -20,6 +20,22 @@ os.environ.setdefault("FINETUNE_CACHE_DIR", tempfile.mkdtemp(prefix="finetune-to
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(scope="module")
+def tok():
+    """The shipped test tokenizer (a chat template; one token per character of plain text)."""
+    from transformers import AutoTokenizer
+
+    from finetune.config import ASSETS
+
+    return AutoTokenizer.from_pretrained(ASSETS / "tokenizer")
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    """Rows as a .jsonl file; returns its path as data.train takes it."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
 @pytest.fixture
 def compose():
     """compose(overrides) -> validated Config, through the same path as `finetune.launch`."""
@@ -40,8 +56,8 @@ def train_here(overrides: list[str], run_dir: Path) -> dict:
     import torch
 
     from finetune import train
-    from finetune.dist import Dist
     from finetune.compose import preflight
+    from finetune.dist import Dist
 
     cfg = preflight([*overrides, "train.progress_bar=false", "train.tensorboard=false"])
     cfg.run_dir = str(run_dir)
@@ -79,16 +95,19 @@ def reload_and_evaluate(final: Path, run_dir: Path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from finetune import config, data
+    from finetune import config
+    from finetune.data.batches import eval_batches
+    from finetune.data.sources import load_rows
+    from finetune.data.tokenize import tokenize
     from finetune.objectives import SFT
 
     cfg = config.load(run_dir / "config.yaml")
     tok = AutoTokenizer.from_pretrained(final)
     model = AutoModelForCausalLM.from_pretrained(final).eval()
-    evals, _ = data.tokenize(data.load_rows(cfg.data.eval, "train", "data.eval"), tok, cfg.data, "data.eval")
+    evals, _ = tokenize(load_rows(cfg.data.eval, "train", "data.eval"), tok, cfg.data, "data.eval")
     loss_sum = count = 0.0
     with torch.no_grad():
-        for batch in data.eval_batches(evals, 32, tok.pad_token_id):
+        for batch in eval_batches(evals, 32, tok.pad_token_id):
             loss_sum += SFT()(model, batch)[0].item()
             count += SFT().count(batch)
     return loss_sum / count, model, tok, evals

@@ -7,22 +7,13 @@ import json
 from dataclasses import replace
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, write_jsonl
 from transformers import AutoTokenizer
 
-from finetune import data
 from finetune.config import ASSETS, ConfigError, DataConfig, LongPrompt, Method, Template
 from finetune.data import cache
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return AutoTokenizer.from_pretrained(ASSETS / "tokenizer")
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
+from finetune.data.pack import pack
+from finetune.data.tokenize import load_split
 
 
 MIXED = [  # every SFT form, a multi-turn chat, a response cut at max_length, a prompt too long, a text row split
@@ -39,7 +30,7 @@ MIXED = [  # every SFT form, a multi-turn chat, a response cut at max_length, a 
 
 
 def in_memory_and_cached(cfg: DataConfig, tok, method=Method.sft, seed=0):
-    memory = data.load_split(cfg, tok, seed, method)
+    memory = load_split(cfg, tok, seed, method)
     cached = cache.load(cfg, tok, seed, method, builder=True, progress=False, say=lambda line: None)
     return memory, cached
 
@@ -53,15 +44,15 @@ def same(a, b):
 @pytest.mark.parametrize("template", [Template.auto, Template.builtin])
 @pytest.mark.parametrize("packing", [False, True])
 def test_cached_examples_equal_in_memory_ones_for_every_form(tok, tmp_path, template, packing):
-    """Labels, positions, prompt lengths, references and the counts: exactly those of finetune.data.tokenize
-    (the cache runs its `tokenize_row` in `datasets.map` workers), packed rows those of finetune.data.pack."""
+    """Labels, positions, prompt lengths, references and the counts: exactly those of finetune.data.tokenize.tokenize
+    (the cache runs its `tokenize_row` in `datasets.map` workers), packed rows those of finetune.data.pack.pack."""
     rows = MIXED * 300  # 2,400 rows: two tokenizing processes
     cfg = DataConfig(train=write_jsonl(tmp_path / "t.jsonl", rows), eval_size=40, template=template, max_length=48,
                      packing=packing, cache_dir=str(tmp_path / "cache"), num_proc=2)
     (train, evals, stats), (ctrain, cevals, cstats, samples, target) = in_memory_and_cached(cfg, tok, seed=5)
     assert samples == len(train)
     if packing:
-        train = data.pack(train, cfg.max_length, 5)
+        train = pack(train, cfg.max_length, 5)
     same(train, ctrain)
     same(evals, cevals)
     assert {k: vars(s) for k, s in stats.items()} == {k: vars(s) for k, s in cstats.items()}
@@ -185,7 +176,7 @@ def numbered(tmp_path, name, n):
 
 
 def test_mixture_proportions_and_exact_counts(tmp_path):
-    from finetune.formats import load_sources, mixture_counts, sources
+    from finetune.data.sources import load_sources, mixture_counts, sources
 
     a, b, c = numbered(tmp_path, "a", 100), numbered(tmp_path, "b", 1000), numbered(tmp_path, "c", 4000)
     spec = [{"path": a, "rows": 250}, {"path": b, "weight": 0.25}, {"path": c, "weight": 0.75}, c]
@@ -211,7 +202,7 @@ def test_a_bad_row_in_a_mixture_names_its_own_file_and_line(tok, tmp_path):
     with pytest.raises(ConfigError, match=f"^{b}:2: the prompt is 83 tokens"):
         cache.load(cfg, tok, 0, Method.sft, builder=True, progress=False, say=lambda line: None)
     with pytest.raises(ConfigError, match=f"^{b}:2: the prompt is 83 tokens"):
-        data.load_split(cfg, tok, 0)
+        load_split(cfg, tok, 0)
 
 
 def test_a_mixture_caches_like_it_tokenizes_and_its_key_follows_the_draw(tok, tmp_path):

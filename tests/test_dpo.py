@@ -9,9 +9,11 @@ import math
 import pytest
 import torch
 
-from finetune import data
 from finetune.config import ASSETS, ConfigError, DataConfig, DpoLoss, Method, MethodConfig
-from finetune.formats import Rows, to_pair
+from finetune.data.batches import collate
+from finetune.data.forms import to_pair
+from finetune.data.sources import Rows
+from finetune.data.tokenize import IGNORE, tokenize
 from finetune.objectives import DPO, dpo_loss, sequence_logps, token_loss_sum
 
 from conftest import last_line, read_metrics, run_cli, tiny_model, train_here
@@ -122,25 +124,25 @@ def test_three_row_forms_give_the_same_pair(tok):
         {"chosen": [{"role": "user", "content": "reverse\nabc"}, {"role": "assistant", "content": "cba"}],
          "rejected": [{"role": "user", "content": "reverse\nabc"}, {"role": "assistant", "content": "cab"}]},
     ]
-    pairs, stats = data.tokenize(Rows(rows, "mem"), tok, DataConfig(train="mem"), "data.train", Method.dpo)
+    pairs, stats = tokenize(Rows(rows, "mem"), tok, DataConfig(train="mem"), "data.train", Method.dpo)
     assert stats.rows == 3 and stats.truncated == stats.dropped == 0
     assert all(p.chosen.input_ids == pairs[0].chosen.input_ids and p.rejected.input_ids == pairs[0].rejected.input_ids for p in pairs)
     p = pairs[0]
     # The prompt is shared and carries no labels; the labels are exactly the response and EOS.
     n = p.chosen.prompt_len
     assert p.chosen.input_ids[:n] == p.rejected.input_ids[:n] and n == p.rejected.prompt_len
-    assert set(p.chosen.labels[:n]) == {data.IGNORE}
+    assert set(p.chosen.labels[:n]) == {IGNORE}
     assert tok.decode(p.chosen.labels[n:]) == "cba</s>" and tok.decode(p.rejected.labels[n:]) == "cab</s>"
     # The SFT row with the same prompt renders the same prompt tokens.
-    sft, _ = data.tokenize(Rows([{"instruction": "reverse", "input": "abc", "output": "cba"}], "mem"), tok, DataConfig(train="mem"), "x")
+    sft, _ = tokenize(Rows([{"instruction": "reverse", "input": "abc", "output": "cba"}], "mem"), tok, DataConfig(train="mem"), "x")
     assert sft[0].input_ids == p.chosen.input_ids
 
 
 def test_multi_turn_prompt_labels_only_the_final_response(tok):
     prompt = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "reverse\nab"}]
-    (pair,), _ = data.tokenize(Rows([{"prompt": prompt, "chosen": "ba", "rejected": "ab"}], "mem"), tok, DataConfig(train="mem"),
+    (pair,), _ = tokenize(Rows([{"prompt": prompt, "chosen": "ba", "rejected": "ab"}], "mem"), tok, DataConfig(train="mem"),
                                "data.train", Method.dpo)
-    labelled = [t for t in pair.chosen.labels if t != data.IGNORE]
+    labelled = [t for t in pair.chosen.labels if t != IGNORE]
     assert tok.decode(labelled) == "ba</s>"
 
 
@@ -148,14 +150,14 @@ def test_truncation_keeps_the_prompt_and_is_counted(tok):
     rows = Rows([{"prompt": "p", "chosen": "x" * 40, "rejected": "y"}, {"prompt": "q" * 40, "chosen": "a", "rejected": "b"},
                  {"prompt": "r", "chosen": "c", "rejected": "d"}], "mem.jsonl", lines=[1, 2, 3])
     cfg = DataConfig(train="mem", max_length=30)
-    pairs, stats = data.tokenize(rows, tok, cfg, "data.train", Method.dpo)
+    pairs, stats = tokenize(rows, tok, cfg, "data.train", Method.dpo)
     assert (stats.rows, stats.truncated, stats.dropped) == (3, 1, 1)
     first = pairs[0]
     assert len(first.chosen.input_ids) == 30 and len(first.rejected.input_ids) < 30
     assert first.chosen.input_ids[: first.chosen.prompt_len] == first.rejected.input_ids[: first.rejected.prompt_len]
     cfg.long_prompt = "error"
     with pytest.raises(ConfigError) as e:
-        data.tokenize(rows, tok, cfg, "data.train", Method.dpo)
+        tokenize(rows, tok, cfg, "data.train", Method.dpo)
     # <|user|> + 40 characters + newline + <|assistant|>
     assert str(e.value) == ("mem.jsonl:2: the prompt is 43 tokens, data.max_length=30 leaves no room for the response: "
                             "raise data.max_length or set data.long_prompt=drop")
@@ -198,8 +200,8 @@ def test_data_and_method_must_agree_through_the_cli(tmp_path):
 
 def pairs_batch(tok, n=4):
     rows = Rows([json.loads(line) for line in (ASSETS / "data/quickstart_dpo/train.jsonl").read_text().splitlines()[:n]], "train")
-    pairs, _ = data.tokenize(rows, tok, DataConfig(train="x", max_length=64), "data.train", Method.dpo)
-    return data.collate(pairs, tok.pad_token_id), pairs
+    pairs, _ = tokenize(rows, tok, DataConfig(train="x", max_length=64), "data.train", Method.dpo)
+    return collate(pairs, tok.pad_token_id), pairs
 
 
 @pytest.mark.parametrize("loss", list(DpoLoss))
@@ -231,7 +233,7 @@ def test_sft_weight_adds_the_chosen_per_token_nll():
         batch["reference_logps"] = sequence_logps(net, batch)[0].double()
         plain, _ = DPO(method())(net, batch)
         weighted, _ = DPO(method(sft_weight=0.5))(net, batch)
-        chosen = data.collate([p.chosen for p in pairs], tok.pad_token_id)
+        chosen = collate([p.chosen for p in pairs], tok.pad_token_id)
         logits = net(input_ids=chosen["input_ids"], attention_mask=chosen["attention_mask"]).logits
         per_pair = [token_loss_sum(logits[i : i + 1], chosen["labels"][i : i + 1]) / (chosen["labels"][i, 1:] != -100).sum()
                     for i in range(len(pairs))]

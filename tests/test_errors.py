@@ -255,7 +255,7 @@ def test_a_source_that_cannot_be_loaded_says_what_was_tried(tmp_path):
 def test_a_hub_id_that_cannot_be_loaded_says_what_was_tried():
     """A hub id is loaded by the ranks (it needs `datasets`); offline, as tests run, it is not in the cache."""
     from finetune.config import ConfigError
-    from finetune.formats import load_rows
+    from finetune.data.sources import load_rows
 
     with pytest.raises(ConfigError) as e:
         load_rows("nobody/no-such-set", "train", "data.train")

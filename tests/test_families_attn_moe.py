@@ -95,7 +95,7 @@ def test_the_dry_run_refuses_sdpa_on_gemma2_and_says_what_auto_picks(models, tmp
 
 
 def test_the_plan_says_which_attention_and_counts_eager(models):
-    from finetune.plan import block_activation_bytes, architecture, plan
+    from finetune.plan import architecture, block_activation_bytes, plan
 
     cfg = preflight(at(models["gemma2"]))
     assert "attention: eager (auto: gemma2 soft-caps attention logits (attn_logit_softcapping=50.0), which sdpa cannot; " \
@@ -168,7 +168,9 @@ def test_the_router_loss_is_added_when_the_config_asks(models):
     """transformers' rule: router_aux_loss_coef x the load-balancing loss joins the loss when output_router_logits is true."""
     from transformers import AutoModelForCausalLM
 
-    from finetune.data import collate, load_rows, tokenize
+    from finetune.data.batches import collate
+    from finetune.data.sources import load_rows
+    from finetune.data.tokenize import tokenize
     from finetune.model import load_tokenizer
     from finetune.objectives import SFT, router_loss
 

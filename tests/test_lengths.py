@@ -16,25 +16,28 @@ from conftest import REPO, run_cli
 
 
 def real_examples(cfg):
-    from finetune import data, model
+    from finetune import model
+    from finetune.data.tokenize import load_split
 
     tokenizer = model.load_tokenizer(cfg.model)
-    train, _, _ = data.load_split(cfg.data, tokenizer, cfg.train.seed, cfg.method.name)
+    train, _, _ = load_split(cfg.data, tokenizer, cfg.train.seed, cfg.method.name)
     return train, tokenizer
 
 
 @pytest.mark.parametrize("overrides", [[], ["data=quickstart_dpo", "method=dpo"]], ids=["sft", "dpo"])
 def test_light_tokenizer_gives_the_ranks_token_ids(compose, overrides):
     """Chat template, response labels and truncation through finetune.data's code: identical ids."""
-    from finetune import data, lengths
+    from finetune import lengths
+    from finetune.data.sources import load_rows
+    from finetune.data.tokenize import Pair, tokenize
 
     cfg = compose(["+recipe=quickstart_sft", *overrides])
     train, _ = real_examples(cfg)
-    rows = data.load_rows(cfg.data.train, cfg.data.train_split, "data.train")
+    rows = load_rows(cfg.data.train, cfg.data.train_split, "data.train")
     if cfg.data.eval is None and cfg.data.eval_size:
         pytest.skip("held-out rows: compared in test_the_longest_batch_is_the_one_the_steps_reach")
-    light, _ = data.tokenize(rows, lengths.LightTokenizer(lengths.tokenizer_files(cfg.model)), cfg.data, "data.train", cfg.method.name)
-    flat = lambda items: [(e.chosen.input_ids, e.rejected.input_ids) if isinstance(e, data.Pair) else e.input_ids for e in items]  # noqa: E731
+    light, _ = tokenize(rows, lengths.LightTokenizer(lengths.tokenizer_files(cfg.model)), cfg.data, "data.train", cfg.method.name)
+    flat = lambda items: [(e.chosen.input_ids, e.rejected.input_ids) if isinstance(e, Pair) else e.input_ids for e in items]  # noqa: E731
     assert flat(light) == flat(train)
 
 
@@ -58,17 +61,18 @@ def test_reading_lengths_imports_no_torch():
 ])
 def test_the_longest_batch_is_the_one_the_steps_reach(compose, overrides):
     """Against the rank's own batches: TrainBatches over every step, each micro-batch as collate pads it."""
-    from finetune import data
+    from finetune.data.batches import TrainBatches
+    from finetune.data.pack import pack
     from finetune.lengths import longest_batch
 
     cfg = compose(["+recipe=quickstart_sft", "optim.warmup_steps=0", *overrides])
     train, tokenizer = real_examples(cfg)
     if cfg.data.packing:
-        train = data.pack(train, cfg.data.max_length, cfg.train.seed)
+        train = pack(train, cfg.data.max_length, cfg.train.seed)
     widest = 0
     for rank in range(cfg.data_parallel_size):
-        batches = data.TrainBatches(train, global_batch=cfg.train.global_batch_size, micro_batch=cfg.train.micro_batch_size,
-                                    dp_rank=rank, dp_size=cfg.data_parallel_size, seed=cfg.train.seed, pad_id=tokenizer.pad_token_id)
+        batches = TrainBatches(train, global_batch=cfg.train.global_batch_size, micro_batch=cfg.train.micro_batch_size,
+                               dp_rank=rank, dp_size=cfg.data_parallel_size, seed=cfg.train.seed, pad_id=tokenizer.pad_token_id)
         for step in range(cfg.train.max_steps):
             idx = batches.indices(step)
             widest = max(widest, max(len(train[i].input_ids) for i in idx))

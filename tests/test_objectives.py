@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from finetune.config import OptimConfig, PrecisionConfig, Scheduler, Strategy
-from finetune.data import IGNORE
+from finetune.data.tokenize import IGNORE
 from finetune.dist import Dist
 from finetune.engine.torch_engine import TorchEngine, build_scheduler
 from finetune.objectives import SFT, token_loss_sum

@@ -65,22 +65,24 @@ def batches(kind: str) -> list[dict]:
     shorter one; packed, rows of random-length samples (position ids, no attention mask)."""
     import torch
 
-    from finetune import data
+    from finetune.data.batches import collate
+    from finetune.data.pack import pack
+    from finetune.data.tokenize import IGNORE, Example
 
     g = torch.Generator().manual_seed(0)
 
-    def examples(lengths: list[int]) -> list[data.Example]:
+    def examples(lengths: list[int]) -> list[Example]:
         out = []
         for n in lengths:
             ids = torch.randint(3, V, (n,), generator=g).tolist()
-            out.append(data.Example(ids, [data.IGNORE] * (n // 3) + ids[n // 3:], n // 3, ""))
+            out.append(Example(ids, [IGNORE] * (n // 3) + ids[n // 3:], n // 3, ""))
         return out
 
     if kind == "padded":
         rows = examples([SEQ, SEQ - 40] * 2)
     else:
-        rows = data.pack(examples(torch.randint(SEQ // 8, SEQ // 2, (MICRO * 8,), generator=g).tolist()), SEQ, 0)[:2 * MICRO]
-    return [data.collate(rows[i:i + MICRO], 0) for i in (0, MICRO)]
+        rows = pack(examples(torch.randint(SEQ // 8, SEQ // 2, (MICRO * 8,), generator=g).tolist()), SEQ, 0)[:2 * MICRO]
+    return [collate(rows[i:i + MICRO], 0) for i in (0, MICRO)]
 
 
 def measure(directory: Path, cfg, kind: str) -> dict[str, tuple[float, float]]:

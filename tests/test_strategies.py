@@ -13,8 +13,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from finetune import data, model
+from finetune import model
 from finetune.config import ASSETS, ConfigError, DataConfig, OptimConfig, Precision, PrecisionConfig, Scheduler, Strategy
+from finetune.data.batches import collate
+from finetune.data.pack import pack
+from finetune.data.sources import load_rows
+from finetune.data.tokenize import tokenize
 from finetune.dist import Dist
 from finetune.engine.torch_engine import TorchEngine
 from finetune.objectives import SFT
@@ -110,8 +114,8 @@ def test_lora_cuts_gradient_and_optimizer_memory_and_qlora_cuts_weights(tmp_path
 def test_packing_fills_rows_and_keeps_the_loss(tmp_path):
     tok = AutoTokenizer.from_pretrained(ASSETS / "tokenizer")
     cfg = DataConfig(train=str(ASSETS / "data/quickstart/train.jsonl"), max_length=64)
-    examples, _ = data.tokenize(data.load_rows(cfg.train, "train", "data.train"), tok, cfg, "data.train")
-    packed = data.pack(examples, 64, seed=0)
+    examples, _ = tokenize(load_rows(cfg.train, "train", "data.train"), tok, cfg, "data.train")
+    packed = pack(examples, 64, seed=0)
     fraction = lambda rows: sum(len(e.input_ids) for e in rows) / (64 * len(rows))  # noqa: E731
     print(f"non-pad fraction of 64-token rows: packed {fraction(packed):.3f}")
     assert fraction(packed) > 0.9
@@ -119,15 +123,15 @@ def test_packing_fills_rows_and_keeps_the_loss(tmp_path):
 
     # The same samples give the same loss packed or not: no sample attends to another.
     subset = examples[:40]
-    rows = data.pack(subset, 64, seed=1)
+    rows = pack(subset, 64, seed=1)
     net, _ = tiny_model()
     sft = SFT()
     with torch.no_grad():
-        plain = sum(sft(net, data.collate(subset[i : i + 8], tok.pad_token_id))[0].item() for i in range(0, 40, 8))
-        batch = data.collate(rows, tok.pad_token_id)
+        plain = sum(sft(net, collate(subset[i : i + 8], tok.pad_token_id))[0].item() for i in range(0, 40, 8))
+        batch = collate(rows, tok.pad_token_id)
         assert "attention_mask" not in batch and batch["position_ids"][0, 0] == 0
         packed_loss = sft(net, batch)[0].item()
-        assert sft.count(batch) == sum(sft.count(data.collate([e], tok.pad_token_id)) for e in subset)
+        assert sft.count(batch) == sum(sft.count(collate([e], tok.pad_token_id)) for e in subset)
     assert packed_loss == pytest.approx(plain, rel=1e-5)
 
     train_here(["train.max_steps=2", "data.packing=true"], tmp_path / "packed")
@@ -154,9 +158,9 @@ def test_fp16_scaler_skips_an_overflowing_step_and_recovers():
     net, tok = tiny_model(torch.float16)
     engine = TorchEngine(net, optim=OptimConfig(lr=1e-3, scheduler=Scheduler.constant), precision=PrecisionConfig(name=Precision.fp16),
                          max_steps=10, strategy=Strategy.single, dist=Dist(0, 0, 1, torch.device("cpu")))
-    examples, _ = data.tokenize(data.load_rows(str(ASSETS / "data/quickstart/eval.jsonl"), "train", "d"), tok,
+    examples, _ = tokenize(load_rows(str(ASSETS / "data/quickstart/eval.jsonl"), "train", "d"), tok,
                                 DataConfig(train="x", max_length=64), "d")
-    batch = data.collate(examples[:8], tok.pad_token_id)
+    batch = collate(examples[:8], tok.pad_token_id)
     objective = _Overflow(bad_calls={2})
     weights = lambda: torch.cat([p.detach().flatten().clone() for p in net.parameters()])  # noqa: E731
 

@@ -13,7 +13,7 @@ Who builds it: local rank 0 of each node, inside the run (so any launch, torchru
 node or several with their own disks, gets the same path), with `datasets.map(num_proc=...)` over the
 node's cores while the node's other ranks wait for `meta.json` to appear (a file wait, not a
 collective: a million rows outlast a collective's timeout); or `python -m finetune.prepare`
-beforehand, on a login node, with the same config. The rows are tokenized by finetune.data's own
+beforehand, on a login node, with the same config. The rows are tokenized by finetune.data.tokenize's own
 `tokenize_row` (so labels are those of the in-memory path, exactly), and packing (first fit, seeded)
 runs on the token columns with numpy, so its result is cached too.
 
@@ -36,8 +36,9 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from finetune.config import ConfigError, DataConfig, Method
-from finetune.data import IGNORE, Example, Pair, Stats, first_fit, split_rows, tokenize_row, uses_chat_template
-from finetune.formats import Rows, fingerprint, samples_rows
+from finetune.data.pack import first_fit
+from finetune.data.sources import Rows, fingerprint, samples_rows, split_rows
+from finetune.data.tokenize import IGNORE, Example, Pair, Stats, tokenize_row, uses_chat_template
 
 if TYPE_CHECKING:
     import datasets
@@ -90,7 +91,7 @@ def _hub_fingerprint(source: str, split: str) -> str | None:
         import datasets
 
         return datasets.load_dataset(source, split=split)._fingerprint
-    except Exception:  # noqa: BLE001 - loading it for real names the problem (finetune.formats.load_rows)
+    except Exception:  # noqa: BLE001 - loading it for real names the problem (finetune.data.sources.load_rows)
         return None
 
 
@@ -279,7 +280,7 @@ class _bound:
 
 def pack_split(table: pa.Table, max_length: int, seed: int) -> pa.Table:
     """Packed rows of at most `max_length` tokens (`first_fit`'s rows, in its seeded order), built from the
-    token columns with numpy: the same rows as finetune.data.pack, for a million samples in seconds."""
+    token columns with numpy: the same rows as finetune.data.pack.pack, for a million samples in seconds."""
     import pyarrow as pa
 
     ids, labels = (table.column(c).combine_chunks() for c in SFT_COLUMNS)

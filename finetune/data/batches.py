@@ -1,0 +1,111 @@
+"""Examples -> batches: step -> this rank's micro-batches for training, and evaluation's shards and batches.
+
+The batch order is a pure function of (seed, step): step k uses the same global batch of samples on any
+number of ranks, so runs with different layouts (and a resumed run) see the same data. (A stream keeps
+this with its own order: finetune.data.stream.)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterator
+
+import numpy as np
+
+from finetune.data.tokenize import IGNORE, Example, Pair
+
+if TYPE_CHECKING:
+    import torch
+
+
+def collate(examples: list[Any], pad_id: int, width: int | None = None) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest example; padding carries no loss.
+
+    Preference pairs become 2B rows: the B chosen, then the B rejected, and their precomputed
+    reference log-probs (if any) as `reference_logps` in the same order.
+
+    Plain rows get an attention mask. Packed rows get position ids instead, restarting at 0 for
+    every sample (and for the padding tail): transformers then attends only within each sample
+    (a block-diagonal causal mask with sdpa/eager, varlen kernels with flash-attn).
+    `real_tokens` counts the non-pad tokens of each row. `width` pads to a fixed length
+    (pipeline parallel: every micro-batch has one shape).
+    """
+    import torch  # here, not at the top: the planner reads lengths through this module without torch
+
+    if isinstance(examples[0], Pair):
+        batch = collate([p.chosen for p in examples] + [p.rejected for p in examples], pad_id, width)
+        if examples[0].reference is not None:
+            batch["reference_logps"] = torch.tensor([p.reference[0] for p in examples] + [p.reference[1] for p in examples],
+                                                    dtype=torch.float64)
+        return batch
+    width = width or max(len(e.input_ids) for e in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
+    real = torch.tensor([len(e.input_ids) for e in examples])
+    for row, e in enumerate(examples):
+        ids[row, : len(e.input_ids)] = torch.tensor(e.input_ids)
+        labels[row, : len(e.input_ids)] = torch.tensor(e.labels)
+    batch = {"input_ids": ids, "labels": labels, "real_tokens": real}
+    if examples[0].position_ids is None:
+        batch["attention_mask"] = (torch.arange(width)[None, :] < real[:, None]).long()
+    else:
+        pos = torch.zeros((len(examples), width), dtype=torch.long)
+        for row, e in enumerate(examples):
+            n = len(e.input_ids)
+            pos[row, :n] = torch.tensor(e.position_ids)
+            pos[row, n:] = torch.arange(width - n)  # the padding tail is a separate "sample"
+        batch["position_ids"] = pos
+    return batch
+
+
+class TrainBatches:
+    """Step -> this rank's micro-batches. Pure in (seed, step): any layout sees the same samples.
+
+    The global batch of step k is positions [k*G, (k+1)*G) of an endless stream made of one
+    seeded permutation of the dataset per epoch. It is split into contiguous blocks, one per
+    data-parallel rank, and each block into micro-batches.
+    """
+
+    def __init__(
+        self, examples: list[Example], *, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int, seed: int, pad_id: int,
+        pad_to: int | None = None,
+    ) -> None:
+        self.examples, self.global_batch, self.micro_batch = examples, global_batch, micro_batch
+        self.dp_rank, self.dp_size, self.seed, self.pad_id, self.pad_to = dp_rank, dp_size, seed, pad_id, pad_to
+        self._perm: dict[int, np.ndarray] = {}
+
+    def indices(self, step: int) -> list[int]:
+        """Dataset indices of this rank's share of the global batch of `step` (0-based)."""
+        n, per_rank = len(self.examples), self.global_batch // self.dp_size
+        start = step * self.global_batch + self.dp_rank * per_rank
+        return [int(self._permutation(p // n)[p % n]) for p in range(start, start + per_rank)]
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perm:
+            self._perm = {e: p for e, p in self._perm.items() if e == epoch - 1}  # a step spans <= 2 epochs
+            self._perm[epoch] = np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
+        return self._perm[epoch]
+
+    def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
+        idx = self.indices(step)
+        chunks = [idx[i : i + self.micro_batch] for i in range(0, len(idx), self.micro_batch)]
+        return [collate([self.examples[i] for i in chunk], self.pad_id, self.pad_to) for chunk in chunks]
+
+    def epoch(self, step: int) -> float:
+        return step * self.global_batch / len(self.examples)
+
+
+def shard(items: list[Any], rank: int, world: int) -> list[Any]:
+    """This rank's contiguous share of an evaluation list (sizes differ by at most one)."""
+    per, extra = divmod(len(items), world)
+    start = rank * per + min(rank, extra)
+    return items[start : start + per + (rank < extra)]
+
+
+def for_generation(examples: list[Any]) -> list[Example]:
+    """What exact match generates from: the example, or a pair's chosen response; text rows have no prompt."""
+    return [e for e in (e.chosen if isinstance(e, Pair) else e for e in examples) if e.prompt_len > 0]  # not text rows
+
+
+def eval_batches(examples: list[Any], batch_size: int, pad_id: int) -> Iterator[dict[str, torch.Tensor]]:
+    for i in range(0, len(examples), batch_size):
+        yield collate(examples[i : i + batch_size], pad_id)

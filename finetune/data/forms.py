@@ -1,0 +1,214 @@
+"""Row forms -> conversations (SFT), preference pairs (DPO) or text, with no heavy imports: the launcher
+converts every row of the local data files with it before any rank starts (`check`), so a malformed row
+is one line naming file and line.
+
+SFT rows come in the forms people's datasets have, told apart by their keys (data.format=auto) or named:
+alpaca (`instruction`, optional `input`, `output`); chat (`messages`: a list of `{role, content}`
+ending with the assistant's response, OpenAI-style, other keys such as `name` ignored); sharegpt
+(`conversations`: `{from, value}` with from human/gpt/system); completion (`prompt` + `completion`,
+or `question` + `answer`); text (`text`: continued pre-training, no template, every token trained on).
+
+Preference rows (method=dpo) hold a prompt and two responses, in either form:
+- `{prompt, chosen, rejected}` with text values (the prompt becomes a user message), or `prompt`
+  a message list and `chosen`/`rejected` one assistant message each (as lists or dicts);
+- `{chosen, rejected}` as whole conversations that share every message but the last (the
+  assistant's response): the shared messages are the prompt.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from finetune.config import ConfigError, DataConfig, DataFormat, Method
+from finetune.data.sources import all_sources, local_rows
+
+ROLES = ("system", "user", "assistant")
+
+
+def is_preference(row: dict[str, Any]) -> bool:
+    return "chosen" in row and "rejected" in row
+
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+                  "model": "assistant", "system": "system"}
+KNOWN_FORMS = ("alpaca (instruction, output), chat (messages), sharegpt (conversations), completion (prompt and completion, "
+               "or question and answer), text (text)")
+
+
+def form_of(row: dict[str, Any], fmt: DataFormat, where: str) -> DataFormat:
+    """The row's form: `fmt` when named, else told by its keys (one line naming the keys when none fits)."""
+    if fmt != DataFormat.auto:
+        return fmt
+    if is_preference(row):
+        return DataFormat.preference
+    for form, keys in ((DataFormat.chat, ("messages",)), (DataFormat.sharegpt, ("conversations",)),
+                       (DataFormat.alpaca, ("instruction",)), (DataFormat.alpaca, ("output",)),
+                       (DataFormat.completion, ("prompt", "completion")), (DataFormat.completion, ("question", "answer")),
+                       (DataFormat.text, ("text",))):
+        if all(k in row for k in keys):
+            return form
+    raise ConfigError(f"{where}: a row of no known form (keys present: {', '.join(sorted(row)) or 'none'}); the forms are "
+                      f"{KNOWN_FORMS}: rename its keys, or fix the row")
+
+
+def text_of(row: dict[str, Any], where: str) -> str:
+    """A text row's text (data.format=text, or auto with a `text` key)."""
+    text = row.get("text")
+    if not isinstance(text, str) or not text.strip():
+        raise ConfigError(f"{where}: text rows need a non-empty string 'text' (keys present: {', '.join(sorted(row)) or 'none'})")
+    return text
+
+
+def to_messages(row: dict[str, Any], fmt: DataFormat, system_prompt: str | None, where: str) -> list[dict[str, str]]:
+    """One SFT row -> a conversation ending with the assistant's response.
+
+    Refused (one line naming `where`): a row of no known form, a response with no text, a
+    conversation with no user message before its response or not ending with the assistant."""
+    fmt = form_of(row, fmt, where)
+    if fmt == DataFormat.preference:
+        raise ConfigError(f"{where}: this row is a preference pair (chosen/rejected), which trains with method=dpo: "
+                          "add method=dpo, or use alpaca/chat rows for method=sft")
+    if fmt == DataFormat.text:
+        raise ConfigError(f"{where}: a text row has no prompt or response (it is tokenized whole): data.tokenize reads it")
+    if fmt == DataFormat.sharegpt:
+        return to_messages({"messages": sharegpt_messages(row, where)}, DataFormat.chat, system_prompt, where)
+    if fmt == DataFormat.completion:
+        prompt, response = ("prompt", "completion") if "prompt" in row or "question" not in row else ("question", "answer")
+        missing = [k for k in (prompt, response) if not isinstance(row.get(k), str)]
+        if missing:
+            raise ConfigError(f"{where}: completion rows need string '{prompt}' and '{response}' (missing or not text: "
+                              f"{', '.join(missing)}; keys present: {', '.join(sorted(row)) or 'none'})")
+        if not row[prompt].strip():
+            raise ConfigError(f"{where}: the prompt '{prompt}' is empty: {FIX}")
+        messages = [{"role": "user", "content": row[prompt]}, {"role": "assistant", "content": _text(row[response], where, f"'{response}'")}]
+        return _with_system(messages, system_prompt)
+    if fmt == DataFormat.alpaca:
+        missing = [k for k in ("instruction", "output") if not isinstance(row.get(k), str)]
+        if missing:
+            raise ConfigError(
+                f"{where}: alpaca rows need string 'instruction' and 'output' (missing or not text: "
+                f"{', '.join(missing)}; keys present: {', '.join(sorted(row)) or 'none'})"
+            )
+        user = row["instruction"] + (f"\n{row['input']}" if row.get("input") else "")
+        if not user.strip():
+            raise ConfigError(f"{where}: the prompt is empty ('instruction' and 'input' hold no text): {FIX}")
+        messages = [{"role": "user", "content": user}, {"role": "assistant", "content": _text(row["output"], where, "'output'")}]
+    else:
+        messages = _messages(row.get("messages"), where, "messages")
+        if not messages:
+            raise ConfigError(f"{where}: chat rows need a non-empty 'messages' list (keys present: {', '.join(sorted(row))})")
+        _ends_with_response(messages, where, "messages")
+        for i, m in enumerate(messages):  # every assistant turn is trained on
+            if m["role"] == "assistant":
+                _text(m["content"], where, f"the assistant's messages[{i}]")
+        _has_prompt(messages[:-1], where)
+    return _with_system(messages, system_prompt)
+
+
+def to_pair(row: dict[str, Any], system_prompt: str | None, where: str) -> tuple[list[dict[str, str]], str, str]:
+    """One preference row -> (prompt messages, chosen response text, rejected response text).
+
+    Refused as for SFT rows, and a pair whose two responses are the same text (it prefers nothing)."""
+    if not is_preference(row):
+        raise ConfigError(f"{where}: method=dpo needs preference rows with 'chosen' and 'rejected' (and 'prompt' unless they are "
+                          f"whole conversations); keys present: {', '.join(sorted(row)) or 'none'}")
+    if "prompt" in row:
+        prompt = row["prompt"]
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        else:
+            prompt = _messages(prompt, where, "prompt")
+            if not prompt or prompt[-1]["role"] == "assistant":
+                raise ConfigError(f"{where}: 'prompt' must be text or a non-empty message list that ends before the response")
+        chosen, rejected = (_response(row[k], where, k) for k in ("chosen", "rejected"))
+    else:
+        whole = [_messages(row[k], where, k) for k in ("chosen", "rejected")]
+        for key, conv in zip(("chosen", "rejected"), whole):
+            if len(conv) < 2:
+                raise ConfigError(f"{where}: without a 'prompt', '{key}' must be a whole conversation (prompt messages, then the response)")
+            _ends_with_response(conv, where, key)
+        if whole[0][:-1] != whole[1][:-1]:
+            raise ConfigError(f"{where}: 'chosen' and 'rejected' must share every message but the last (the prompt); they differ before it")
+        prompt, chosen, rejected = whole[0][:-1], whole[0][-1]["content"], whole[1][-1]["content"]
+    _has_prompt(prompt, where)
+    chosen, rejected = _text(chosen, where, "'chosen'"), _text(rejected, where, "'rejected'")
+    if chosen.strip() == rejected.strip():
+        raise ConfigError(f"{where}: 'chosen' and 'rejected' are the same response, so the pair prefers nothing: {FIX}")
+    return _with_system(prompt, system_prompt), chosen, rejected
+
+
+FIX = "fix the row or remove it"
+
+
+def _text(text: str, where: str, what: str) -> str:
+    """A response to train on: refused when it holds nothing but whitespace."""
+    if not text.strip():
+        raise ConfigError(f"{where}: the response {what} is empty{' (only whitespace)' if text else ''}: {FIX}")
+    return text
+
+
+def _has_prompt(messages: list[dict[str, str]], where: str) -> None:
+    if not any(m["role"] == "user" and m["content"].strip() for m in messages):
+        raise ConfigError(f"{where}: no user message with text before the response (a response to nothing): {FIX}")
+
+
+def _response(value: Any, where: str, key: str) -> str:
+    """A response given as text, one assistant message, or a one-message list."""
+    if isinstance(value, str):
+        return value
+    messages = _messages([value] if isinstance(value, dict) else value, where, key)
+    if len(messages) != 1 or messages[0]["role"] != "assistant":
+        raise ConfigError(f"{where}: '{key}' must be the response: text or one assistant message, got {len(messages)} message(s)")
+    return messages[0]["content"]
+
+
+def _messages(value: Any, where: str, key: str) -> list[dict[str, str]]:
+    if not isinstance(value, list):
+        raise ConfigError(f"{where}: '{key}' must be a list of {{role, content}} messages, got {type(value).__name__}")
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise ConfigError(f"{where}: {key}[{i}] must be {{role: system|user|assistant, content: text}}, got {m!r}")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def sharegpt_messages(row: dict[str, Any], where: str) -> list[dict[str, str]]:
+    """ShareGPT's `conversations` ({from, value}) as {role, content} messages."""
+    turns = row.get("conversations")
+    if not isinstance(turns, list) or not turns:
+        raise ConfigError(f"{where}: sharegpt rows need a non-empty 'conversations' list of {{from, value}} turns")
+    out = []
+    for i, t in enumerate(turns):
+        role = SHAREGPT_ROLES.get(t.get("from")) if isinstance(t, dict) else None
+        if role is None or not isinstance(t.get("value"), str):
+            raise ConfigError(f"{where}: conversations[{i}] must be {{from: {'|'.join(SHAREGPT_ROLES)}, value: text}}, got {t!r}")
+        out.append({"role": role, "content": t["value"]})
+    return out
+
+
+def _ends_with_response(messages: list[dict[str, str]], where: str, key: str) -> None:
+    if messages[-1]["role"] != "assistant":
+        of = "" if key == "messages" else f" of '{key}'"
+        raise ConfigError(f"{where}: the last message{of} must be the assistant's response, got role {messages[-1]['role']!r}")
+
+
+def _with_system(messages: list[dict[str, str]], system_prompt: str | None) -> list[dict[str, str]]:
+    if system_prompt and messages[0]["role"] != "system":
+        return [{"role": "system", "content": system_prompt}, *messages]
+    return messages
+
+
+def check(cfg: DataConfig, method: Method) -> None:
+    """Read every local data file and convert every row; raises ConfigError at the first bad one.
+
+    A local directory is only checked to hold a dataset; its rows, and hub datasets, are checked by
+    the ranks (that needs `datasets`). A streamed data.train is only checked to exist: reading it
+    whole is what streaming avoids (the ranks name a bad row when the stream reaches it)."""
+    for s in all_sources(cfg):
+        rows = local_rows(s, streamed=cfg.streaming and s.key.startswith("data.train"))
+        for i, row in enumerate(rows.rows if rows is not None else []):
+            if method == Method.dpo:
+                to_pair(row, cfg.system_prompt, rows.where(i))
+            elif form_of(row, cfg.format, rows.where(i)) == DataFormat.text:
+                text_of(row, rows.where(i))
+            else:
+                to_messages(row, cfg.format, cfg.system_prompt, rows.where(i))
