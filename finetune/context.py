@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from finetune.config import ConfigError
-from finetune.data import IGNORE
+from finetune.data.tokenize import IGNORE
 
 NAME = "finetune_context_parallel"
 """The attention implementation a model runs under while its batch is split (AttentionInterface key)."""

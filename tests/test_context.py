@@ -15,7 +15,7 @@ import torch
 from conftest import last_line, read_metrics, reload_and_evaluate, run_cli
 from finetune.config import ASSETS, ConfigError
 from finetune.context import split_batch, whole_mask
-from finetune.data import IGNORE
+from finetune.data.tokenize import IGNORE
 from finetune.objectives import logits_logps, token_loss_sum
 
 BASE = ["+recipe=quickstart_sft", "train.max_steps=3", "optim.warmup_steps=1", "train.micro_batch_size=8",
