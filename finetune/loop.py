@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import time
 from pathlib import Path
@@ -38,8 +39,17 @@ stops at once (a rank whose peer failed is stopped by torchrun within seconds, n
 
 def handle_signals() -> None:
     """SIGTERM (Slurm, kill, torchrun when another rank failed) and SIGINT (Ctrl-C): before training,
-    stop now; during it, note the signal, and the loop saves at the next step boundary."""
+    stop now; during it, note the signal, and the loop saves at the next step boundary.
+
+    A process forked from this one (a tokenizing worker of `datasets.map`) inherits the handler; there
+    SIGTERM must end the process as it would by default: its pool terminates it with one SIGTERM, and
+    an exception raised in the middle of a task is caught as the task's failure, leaving the worker
+    waiting for the next task and the rank hung in the pool's join."""
+    owner = os.getpid()
+
     def note(signum: int, _frame: Any) -> None:
+        if os.getpid() != owner:
+            os._exit(128 + signum)
         STOP["signal"] = STOP["signal"] or signum  # the first one names the cause (torchrun relays Ctrl-C as SIGTERM)
         if not STOP["defer"]:
             raise Stopped(f"stopped by {signal.Signals(signum).name} before training began: nothing to save", 128 + signum)

@@ -88,7 +88,9 @@ def run_cell(model: Path, strategy: str, run_dir: Path, timeout: int = 600) -> d
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         loss = [r["loss"] for r in rows if r["kind"] == "train"][-1]
         return {"status": "ok" if math.isfinite(loss) else "failed", "detail": loss}
-    return {"status": "refused" if out.returncode == 2 else "failed", "detail": last.removeprefix("error: ")}
+    if out.returncode == 2:
+        return {"status": "refused", "detail": last.removeprefix("error: ")}
+    return {"status": "failed", "detail": last.removeprefix("error: "), "output": out.stderr[-4000:]}
 
 
 def run_matrix(families: list[str], strategies: list[str], root: Path) -> dict[str, dict[str, dict]]:
@@ -100,6 +102,8 @@ def run_matrix(families: list[str], strategies: list[str], root: Path) -> dict[s
             run_dir.parent.mkdir(parents=True, exist_ok=True)
             cell = run_cell(models[family], strategy, run_dir)
             print(f"{family:10} {strategy:20} {cell['status']:8} {cell['detail']}", flush=True)
+            if "output" in cell:
+                print(cell.pop("output"), flush=True)
             results.setdefault(family, {})[strategy] = cell
     return results
 

@@ -190,6 +190,30 @@ def test_sigterm_saves_a_resumable_checkpoint_and_stops_cleanly(tmp_path):
     assert f"resumed from {tmp_path / 'run/checkpoints'}/step_{step} at step {step}" in resumed.stdout
 
 
+POOL_TERMINATES = """
+import time
+import multiprocess
+from finetune import loop
+
+loop.handle_signals()
+with multiprocess.get_context("fork").Pool(2) as pool:
+    pending = [pool.apply_async(time.sleep, (600,)) for _ in range(2)]
+    time.sleep(1)  # both workers are inside a task, as when one tokenizing shard fails and the other still runs
+tic = time.time()
+pool.join()
+print(f"terminated in {time.time() - tic:.1f}s")
+"""
+
+
+def test_a_forked_worker_is_ended_by_sigterm_not_caught_as_its_tasks_failure():
+    """datasets.map's pool ends its workers with one SIGTERM when a shard raises (a bad row). Our handler,
+    inherited by the fork, raised Stopped inside the other worker's task: the pool counted it as that
+    task's failure, the worker waited for more work, and the rank hung in the pool's join (seen in CI)."""
+    out = subprocess.run([sys.executable, "-c", POOL_TERMINATES], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("terminated in ")
+
+
 @pytest.mark.slow
 def test_killing_one_rank_ends_the_job_in_bounded_time_naming_the_rank(tmp_path):
     proc = start(["train.max_steps=2000"], tmp_path, "run")
