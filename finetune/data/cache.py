@@ -232,24 +232,54 @@ def _append(out: dict[str, list[Any]], item: Any, method: Method, *, kind: int, 
     out["reference"].append(item.reference)
 
 
+ROWS_PER_WRITE = 10_000
+
+
+def row_file(rows: Rows, path: Path) -> datasets.Dataset:
+    """The rows as one JSON string each, written to an Arrow file that `datasets` memory-maps: the forked
+    tokenizing workers share its pages instead of each copying the parent's row objects (a million rows'
+    dicts are gigabytes, and a child's garbage collector touches every one). `rows.rows` is emptied as
+    it is written: the caller's rows are consumed."""
+    import pyarrow as pa
+
+    import datasets
+
+    schema = pa.schema([("row", pa.string())])
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        for start in range(0, len(rows.rows), ROWS_PER_WRITE):
+            end = min(start + ROWS_PER_WRITE, len(rows.rows))
+            writer.write_batch(pa.record_batch([pa.array([json.dumps(r) for r in rows.rows[start:end]], pa.string())], schema=schema))
+            rows.rows[start:end] = [None] * (end - start)
+    rows.rows.clear()
+    return datasets.Dataset.from_file(str(path))
+
+
 def tokenize_split(rows: Rows, tokenizer: Any, cfg: DataConfig, key: str, method: Method, *, num_proc: int,
-                   progress: bool) -> tuple[pa.Table, Stats]:
-    """Rows -> a token table (in `datasets`' temporary files) with `tokenize`'s counts and refusals."""
+                   progress: bool, scratch: Path) -> tuple[pa.Table, Stats]:
+    """Rows -> a token table (memory-mapped from `datasets`' files in `scratch`) with `tokenize`'s counts and
+    refusals. The rows are consumed (`row_file`)."""
+    import gc
+
     import pyarrow as pa
 
     import datasets
 
     chat = uses_chat_template(tokenizer, cfg.template)
-    table = datasets.Dataset.from_dict({"row": [json.dumps(r) for r in rows.rows]})
-    procs = max(1, min(num_proc, len(rows.rows) // ROWS_PER_PROCESS))
+    count = len(rows.rows)
+    scratch = scratch / key  # a split's own directory: `datasets` names its output files by the fingerprint
+    scratch.mkdir(parents=True)
+    table = row_file(rows, scratch / "rows.arrow")
+    procs = max(1, min(num_proc, count // ROWS_PER_PROCESS))
     if procs > 1:  # the workers are forked: the tokenizer's own threads would deadlock or warn in them
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     origin = Rows([], rows.source, rows.lines, rows.first, rows.wheres)  # where each row is from, for refusals
     fn = _bound(_encode_batch, origin=origin, tokenizer=tokenizer, cfg=cfg, method=method, chat=chat)
     (datasets.enable_progress_bars if progress else datasets.disable_progress_bars)()
+    gc.collect()
+    gc.freeze()  # the objects alive now are never collected in the forked workers, so their pages stay shared
     try:
         ds = table.map(fn, batched=True, batch_size=256, with_indices=True, remove_columns=["row"], features=_features(method),
-                       num_proc=procs if procs > 1 else None, desc=f"tokenizing {key}", new_fingerprint=f"tokens-{os.getpid()}")
+                       num_proc=procs if procs > 1 else None, desc=f"tokenizing {key}", new_fingerprint=f"tokens-{os.getpid()}", load_from_cache_file=False)
     except ConfigError:
         raise
     except Exception as e:  # a worker's ConfigError comes back wrapped by the pool in some versions
@@ -257,10 +287,12 @@ def tokenize_split(rows: Rows, tokenizer: Any, cfg: DataConfig, key: str, method
         if isinstance(cause, ConfigError):
             raise cause from None
         raise
+    finally:
+        gc.unfreeze()
     columns = ds.data.table
     kind, flags, prompt = (columns.column(c).to_numpy() for c in ("kind", "flags", "prompt"))
     dropped = kind == DROPPED
-    stats = Stats(rows=len(rows.rows), sources=rows.note, truncated=int(((flags & TRUNCATED) > 0).sum()), split=int(((flags & SPLIT) > 0).sum()),
+    stats = Stats(rows=count, sources=rows.note, truncated=int(((flags & TRUNCATED) > 0).sum()), split=int(((flags & SPLIT) > 0).sum()),
                   dropped=int(dropped.sum()), shortest_dropped_prompt=int(prompt[dropped].min()) if dropped.any() else 0)
     stats.check(key, rows.source, cfg.max_length, not dropped.all() and len(ds) > 0)
     if dropped.any():
@@ -310,23 +342,32 @@ def build(cfg: DataConfig, tokenizer: Any, method: Method, seed: int, target: Pa
           num_proc: int, progress: bool, say: Callable[[str], None]) -> None:
     """Tokenize (and pack) the run's data into `target`, atomically."""
     started = time.perf_counter()
-    train_rows, eval_rows = split_rows(cfg, seed)
-    splits: dict[str, Any] = {}
-    stats: dict[str, Stats] = {}
-    for name, rows in (("train", train_rows), ("eval", eval_rows)):
-        if rows is not None:
-            splits[name], stats[name] = tokenize_split(rows, tokenizer, cfg, f"data.{name}", method, num_proc=num_proc, progress=progress)
-    samples = splits["train"].num_rows
-    if cfg.packing and method == Method.sft:
-        splits["train"] = pack_split(splits["train"], cfg.max_length, seed)
     target.parent.mkdir(parents=True, exist_ok=True)
     temporary = target.with_name(f"{target.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     shutil.rmtree(temporary, ignore_errors=True)
     temporary.mkdir(parents=True)
-    for name, table in splits.items():
-        write_split(table, temporary / f"{name}.arrow")
+    scratch = temporary / "scratch"  # the rows and `datasets.map`'s output, removed before the entry is complete
+    try:
+        rows = dict(zip(("train", "eval"), split_rows(cfg, seed)))
+        splits: dict[str, Any] = {}
+        stats: dict[str, Stats] = {}
+        for name in ("train", "eval"):
+            if rows[name] is not None:
+                splits[name], stats[name] = tokenize_split(rows.pop(name), tokenizer, cfg, f"data.{name}", method,
+                                                           num_proc=num_proc, progress=progress, scratch=scratch)
+        samples = splits["train"].num_rows
+        if cfg.packing and method == Method.sft:
+            splits["train"] = pack_split(splits["train"], cfg.max_length, seed)
+        for name, table in splits.items():
+            write_split(table, temporary / f"{name}.arrow")
+        counts = {k: v.num_rows for k, v in splits.items()}
+        del splits, table
+        shutil.rmtree(scratch, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
     meta = {"inputs": inputs, "stats": {k: vars(s) for k, s in stats.items()}, "samples": samples,
-            "rows": {k: v.num_rows for k, v in splits.items()}, "seconds": round(time.perf_counter() - started, 3)}
+            "rows": counts, "seconds": round(time.perf_counter() - started, 3)}
     (temporary / META).write_text(json.dumps(meta, indent=1) + "\n")
     try:
         os.rename(temporary, target)
