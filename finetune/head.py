@@ -64,6 +64,13 @@ class ChunkedHead:
         self.capture: list[torch.Tensor] | None = None
         self._forward = head.forward
         head.forward = self._patched
+        head.chunked_head = self  # found again by `of` (a pipeline's last stage)
+
+    @staticmethod
+    def of(model: Any) -> ChunkedHead | None:
+        """The patch on `model`'s output layer (a copy of the model carries a copy of it), or None."""
+        head = model.get_output_embeddings()
+        return getattr(head, "chunked_head", None)
 
     def _patched(self, hidden: torch.Tensor) -> torch.Tensor:
         labels, self.labels = self.labels, None  # the chunks below call the head again: as itself
@@ -129,6 +136,10 @@ class ChunkedHead:
             self.capture = None
         return full.float(), mine.float()
 
+    def prober(self) -> Prober:
+        """`probe` as an engine's `inference` fn that also works under pipeline parallel (see Prober)."""
+        return Prober(self)
+
     def check(self, full: torch.Tensor, mine: torch.Tensor) -> None:
         """Refuse the family when this patch's logits of a probe batch are not the model's own."""
         tolerance = 1e-3 * float(full.abs().max())
@@ -137,3 +148,19 @@ class ChunkedHead:
         raise ConfigError(f"logits=chunked: {self.family}'s forward changes the logits after its output layer in a way finetune "
                           f"does not repeat per chunk (largest logit {float(full.abs().max()):.3g} from the model, "
                           f"{float(mine.abs().max()):.3g} from its output layer and the known post-processing): use logits=full")
+
+
+class Prober:
+    """`ChunkedHead.probe` for `engine.inference`: called with the whole model, or, under pipeline parallel,
+    `loss` of the last stage's logits, whose output layer has just run with the capture armed here."""
+
+    def __init__(self, head: ChunkedHead) -> None:
+        self.head, self.captured = head, []
+        head.capture = self.captured  # armed now: a pipeline's last stage calls its output layer before `loss`
+
+    def __call__(self, model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.head.probe(model, batch)
+
+    def loss(self, logits: torch.Tensor, _batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        self.head.capture = None
+        return logits.float(), self.captured[0].float()

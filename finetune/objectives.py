@@ -83,6 +83,10 @@ class SFT:
         """The loss from logits (what a pipeline's last stage computes)."""
         return token_loss_sum(logits, batch["labels"]), {}
 
+    def rows_loss(self, logps: torch.Tensor, batch: dict[str, torch.Tensor]) -> Output:
+        """The loss from each row's summed label log-probs (a pipeline's last stage under logits=chunked)."""
+        return -logps.sum(), {}
+
 
 class DPO:
     """A DPO-family loss on preference pairs; a batch holds B chosen rows, then B rejected rows.
@@ -122,6 +126,11 @@ class DPO:
         """The loss from logits (what a pipeline's last stage computes; reference log-probs from
         `reference` or the batch)."""
         return self.pairs(*logits_logps(logits, batch["labels"]), batch, reference)
+
+    def rows_loss(self, logps: torch.Tensor, batch: dict[str, torch.Tensor]) -> Output:
+        """The loss from each row's summed label log-probs (a pipeline's last stage under logits=chunked; the
+        reference log-probs precomputed, in the batch)."""
+        return self.pairs(logps, (batch["labels"][:, 1:] != IGNORE).sum(-1), batch, None)
 
     def pairs(self, logps: torch.Tensor, lengths: torch.Tensor, batch: dict[str, torch.Tensor],
               reference: torch.Tensor | None) -> Output:

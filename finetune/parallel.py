@@ -349,16 +349,30 @@ class Stage(nn.Module):
                 _replace(inner, path, Skipped())
         self.lm, self.layout, self.blocks, self.is_first, self.is_last = lm, layout, blocks, is_first, is_last
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor,
+                labels: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Token ids (the first stage) or the previous stage's hidden states, and the rows' position ids, which
         every stage passes on with its output: they place each token for the rotary embeddings and, in packed
         rows (restarting at 0 for each sample), give the family's causal mask its per-sample blocks. Plain rows
-        are right-padded: the causal mask alone keeps every real token from seeing padding."""
+        are right-padded: the causal mask alone keeps every real token from seeing padding.
+
+        `labels` (logits=chunked; the schedule hands every stage its micro-batch's keyword arguments): the last
+        stage returns each row's summed label log-probs [B] in fp32 instead of the logits (finetune.head)."""
         inner = causal_lm(self.lm)
         inputs = {"input_ids": x} if self.is_first else {"inputs_embeds": x}
         if self.handoff is not None:
             self.handoff.incoming = x
         try:
+            if self.is_last and labels is not None:
+                from finetune.head import ChunkedHead
+                from finetune.objectives import tie
+
+                head = ChunkedHead.of(self.lm)
+                if head is None:
+                    raise RuntimeError("pipeline: labels were given to the last stage, but its output layer is not chunked")
+                with head.labelled(labels):
+                    logits = inner(**inputs, position_ids=position_ids, use_cache=False).logits
+                return head.take()[0] + tie(logits)
             if self.is_last:  # the whole head: final norm, LM head, the family's logit soft-capping
                 return inner(**inputs, position_ids=position_ids, use_cache=False).logits
             body = inner.get_submodule(self.layout.body)

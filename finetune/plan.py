@@ -921,7 +921,7 @@ def moves(cfg: Config) -> list[list[Move]]:
     axes.append(precision)
     if cfg.model.attn_implementation == AttnImpl.eager:
         axes.append([Move(("model.attn_implementation=sdpa",), 0, 1.0, _set("model.attn_implementation", AttnImpl.sdpa))])
-    if cfg.logits.name == Logits.full and cfg.parallelism.pp == 1:  # the head recomputed per chunk: ~one more head matmul
+    if cfg.logits.name == Logits.full:  # the head recomputed per chunk: ~one more head matmul
         axes.append([Move(("logits=chunked",), 0, 1.02, _set("logits.name", Logits.chunked))])
     if cfg.optim.name in (Optimizer.adamw, Optimizer.adam) and engine_kind(cfg) == "torch" and not cfg.zero.enabled:
         axes.append([Move(("optim=adamw_8bit",), 2, 1.03, _set("optim.name", Optimizer.adamw_8bit)),

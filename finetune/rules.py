@@ -21,7 +21,6 @@ from finetune.config import (
     DpoLoss,
     LauncherConfig,
     LauncherName,
-    Logits,
     Method,
     ModelConfig,
     NonFinite,
@@ -136,10 +135,6 @@ def validate(cfg: Config) -> None:
                           "DTensor shards (not supported yet): use parallelism=single or ddp with it, or optim=adamw")
     _validate_pure(cfg)
     _validate_in_backward(cfg)
-    if p.pp > 1 and cfg.logits.name == Logits.chunked:
-        raise ConfigError(f"logits=chunked with parallelism.pp={p.pp}: the pipeline's last stage hands the schedule its whole "
-                          "logits, which the loss then reads (chunking them there is not built yet): use logits=full, or "
-                          "parallelism=fsdp or tp with logits=chunked")
     _validate_strategies(cfg)
     _validate_method(cfg)
     if t.exact_match_samples and cfg.data.eval is None and cfg.data.eval_size == 0:

@@ -151,7 +151,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
     phase("engine")
     eng = engine.build(cfg, net, d)
     if chunked is not None:  # a family that changes its logits in a way we do not repeat per chunk: refused here
-        chunked.check(*eng.inference(chunked.probe, probe_batch(train_examples)))
+        chunked.check(*eng.inference(chunked.prober(), probe_batch(train_examples)))
     phase("resume")
     resume_from = checkpoint.resolve(cfg.train.resume, run_dir, warn=lambda line: d.is_main and print(f"warning: {line}", file=sys.stderr))
     if resume_from is not None:

@@ -187,7 +187,8 @@ def single_run(name: str, tmp_path_factory) -> Path:
     (["parallelism=pp2", "peft=lora", "peft.dropout=0.0"], "lora", 1e-5),
     (["parallelism=pp2", "peft=dora", "peft.dropout=0.0"], "dora", 1e-5),
     (["parallelism=tp2_pp2", "launcher.nproc_per_node=4", "peft=lora", "peft.dropout=0.0"], "lora", 1e-5),
-    (["parallelism=pp2", "method=dpo", "data=quickstart_dpo", "checkpointing=selective"], "dpo", 1e-4),
+    # DPO with chunked logits under a pipeline: the last stage returns each row's log-probs (reference scoring too)
+    (["parallelism=pp2", "method=dpo", "data=quickstart_dpo", "checkpointing=selective", "logits=chunked"], "dpo", 1e-4),
     # the 4-bit base sharded by FSDP2 (its packed bytes; the constants whole on each rank), or split into stages
     (["parallelism=fsdp", "peft=qlora", "peft.dropout=0.0"], "qlora", 1e-5),
     (["parallelism=pp2", "peft=qlora", "peft.dropout=0.0"], "qlora", 1e-5),
@@ -200,7 +201,7 @@ def single_run(name: str, tmp_path_factory) -> Path:
 ], ids=["fsdp_lora", "tp2_lora", "pp2_lora", "pp2_dora", "tp2_pp2_lora", "pp2_dpo", "fsdp_qlora", "pp2_qlora", "pp2_packed", "tp2_bf16_ckpt"])
 def test_memory_strategies_combine_with_layouts(tmp_path, tmp_path_factory, layout, single, rel):
     """LoRA under FSDP2, TP, a pipeline and TP x PP (4 ranks), DoRA under a pipeline, QLoRA under FSDP2 and a pipeline, packed rows under
-    a pipeline, bf16 + full checkpointing under TP, DPO under a pipeline: they run and match one process (the adapters exported in PEFT form, whole)."""
+    a pipeline, bf16 + full checkpointing under TP, DPO with chunked logits under a pipeline: they run and match one process (the adapters exported in PEFT form, whole)."""
     reference = single_run(single, tmp_path_factory)
     out = run_cli(*STEPS, "train.max_steps=3", *layout, f"hydra.run.dir={tmp_path}", cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]

@@ -24,7 +24,7 @@ from torch import nn
 
 from finetune import parallel
 from finetune.context import ContextParallel
-from finetune.config import Config, ConfigError, PipeSchedule, Precision, Strategy
+from finetune.config import Config, ConfigError, Logits, PipeSchedule, Precision, Strategy
 from finetune.dist import Dist
 from finetune.engine.common import StepResult, add_metrics, autocast_dtype, build_optimizer, build_scheduler, to_bf16
 
@@ -58,6 +58,7 @@ class MeshEngine:
         # group's (each has a slice of every sequence): FSDP shards over both, their gradients are summed over both.
         self.replicas = self.mesh["dp", "cp"]._flatten("dp_cp") if p.cp > 1 else self.mesh["dp"]
         self.fsdp = p.strategy == Strategy.fsdp
+        self.chunked = cfg.logits.name == Logits.chunked  # under pp: the last stage returns rows' log-probs, not logits
         self.dtype = autocast_dtype(cfg.precision.name)
         pure = cfg.precision.name == Precision.bf16_pure
         if pure:
@@ -138,9 +139,10 @@ class MeshEngine:
     def _pipeline_step(self, batches: list[dict[str, torch.Tensor]], objective: Any, scale: float) -> tuple[float, dict]:
         records: dict[int, tuple[torch.Tensor, dict]] = {}  # by micro-batch: the first step may call twice
 
-        def loss_fn(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        def loss_fn(output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
             i = int(index[0])
-            loss, sums = objective.loss(logits, batches[i])  # the micro-batch this output belongs to
+            batch = batches[i]  # the micro-batch this output belongs to: its logits, or its rows' log-probs (chunked)
+            loss, sums = objective.rows_loss(output, batch) if self.chunked else objective.loss(output, batch)
             records[i] = (loss.detach(), sums)
             return loss * scale
 
@@ -150,11 +152,13 @@ class MeshEngine:
         target = torch.arange(len(batches), device=self.dist.device)
         has_first = any(s == 0 for s, _ in self.stages)
         has_last = any(s == self.num_stages - 1 for s, _ in self.stages)
+        # logits=chunked: the last stage takes its micro-batch's labels as a keyword (each rank splits its own copy)
+        labels = {"labels": torch.cat([b["labels"] for b in batches])} if self.chunked and has_last else {}
         with self.autocast():
             if has_first:
-                schedule.step(ids, positions, target=target if has_last else None)
+                schedule.step(ids, positions, target=target if has_last else None, **labels)
             elif has_last:
-                schedule.step(target=target)
+                schedule.step(target=target, **labels)
             else:
                 schedule.step()
         metrics: dict[str, float] = {}
@@ -250,12 +254,14 @@ class MeshEngine:
             if s > 0:  # from the previous stage's rank
                 x = torch.empty(hidden, dtype=torch.float32, device=self.dist.device)
                 tdist.recv(x, src=ranks[(s - 1) % self.pp], group=group)
-            x = mine[s](x, positions)
-            if s < self.num_stages - 1:
+            last = s == self.num_stages - 1
+            rows = last and self.chunked and "labels" in batch and hasattr(fn, "rows_loss")  # a loss or log-probs: chunked
+            x = mine[s](x, positions, labels=batch["labels"]) if rows else mine[s](x, positions)
+            if not last:
                 x = x[0]
                 tdist.send(x.float().contiguous(), dst=ranks[(s + 1) % self.pp], group=group)
             else:
-                result = [fn.loss(x, batch)]
+                result = [fn.rows_loss(x, batch) if rows else fn.loss(x, batch)]
         tdist.broadcast_object_list(result, src=ranks[(self.num_stages - 1) % self.pp], group=group)
         return result[0]
 
