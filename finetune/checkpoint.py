@@ -241,7 +241,7 @@ def check_compatible(step_dir: Path, cfg: Config) -> None:
         if saved[key] != now[key]:
             raise ConfigError(f"train.resume: {step_dir} was saved with {key}={saved[key]} ({saved['engine']} engine), this run has "
                               f"{key}={now[key]}: that checkpoint format cannot change it; {RESUME_UNDER[saved['engine']]}")
-    change = data_change(meta.get("data"), fingerprint(cfg.data)) if "data" in meta else None
+    change = data_change(meta["data"], fingerprint(cfg.data)) if "data" in meta else None
     if change:
         raise ConfigError(f"train.resume: {change} since {step_dir} was saved: the resumed run would train on other data; "
                           "restore it, or start a fresh run")
