@@ -37,24 +37,44 @@ has begun, a signal waits for the step boundary; before it there is nothing to s
 stops at once (a rank whose peer failed is stopped by torchrun within seconds, not at a timeout)."""
 
 
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+FORK_HOOKS: list[bool] = []  # os.register_at_fork cannot unregister: the hooks are registered once per process
+
+
+def _fork_child() -> None:
+    """In a forked child: our handlers back to the default, then the signals blocked across the fork unblocked."""
+    for s in SIGNALS:
+        if getattr(signal.getsignal(s), "stops_rank", False):
+            signal.signal(s, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+
+
 def handle_signals() -> None:
     """SIGTERM (Slurm, kill, torchrun when another rank failed) and SIGINT (Ctrl-C): before training,
     stop now; during it, note the signal, and the loop saves at the next step boundary.
 
-    A process forked from this one (a tokenizing worker of `datasets.map`) inherits the handler; there
-    SIGTERM must end the process as it would by default: its pool terminates it with one SIGTERM, and
-    an exception raised in the middle of a task is caught as the task's failure, leaving the worker
-    waiting for the next task and the rank hung in the pool's join."""
+    A process forked from this one (a tokenizing worker of `datasets.map`) must end on SIGTERM, as it would
+    by default: its pool terminates it with one SIGTERM. Two ways our handler broke that, both seen in CI as
+    a rank hung in the pool's join: raised in the middle of a task, `Stopped` was caught as the task's
+    failure and the worker waited for the next task; and a SIGTERM that reaches a child before the
+    interpreter's after-fork reset is dropped by it (a worker still starting when another one's shard
+    raised). So the signals are blocked across every fork, and the child resets them to the default before
+    unblocking them: one that arrived in between is then delivered, and ends it."""
     owner = os.getpid()
 
     def note(signum: int, _frame: Any) -> None:
-        if os.getpid() != owner:
+        if os.getpid() != owner:  # a child forked without the hooks below (os.fork from C): end as by default
             os._exit(128 + signum)
         STOP["signal"] = STOP["signal"] or signum  # the first one names the cause (torchrun relays Ctrl-C as SIGTERM)
         if not STOP["defer"]:
             raise Stopped(f"stopped by {signal.Signals(signum).name} before training began: nothing to save", 128 + signum)
 
-    for s in (signal.SIGTERM, signal.SIGINT):
+    note.stops_rank = True  # type: ignore[attr-defined]
+    if not FORK_HOOKS:
+        os.register_at_fork(before=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS),
+                            after_in_parent=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS), after_in_child=_fork_child)
+        FORK_HOOKS.append(True)
+    for s in SIGNALS:
         signal.signal(s, note)
 
 
