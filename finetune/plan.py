@@ -52,6 +52,7 @@ from finetune.config import (
     PipeSchedule,
     Precision,
     Reference,
+    StateDtype,
     Strategy,
     TORCH_ENGINE_ONLY,
     engine_kind,
@@ -186,10 +187,13 @@ def optimizer_kind(cfg: Config) -> str:
 def engine_state_bytes(cfg: Config) -> tuple[int, int, int]:
     """What our engines hold per trainable parameter: DeepSpeed follows the table for its
     precision; the torch engine keeps fp32 weights and autocasts, so fp32's row in every precision,
-    except bf16_pure: bf16 weights, gradients and states (AdamW 2 + 2 + 4), + 2 for Kahan's compensation."""
+    except bf16_pure: bf16 weights, gradients and states (AdamW 2 + 2 + 4), + 2 for Kahan's compensation,
+    and optim.state_dtype=bf16: AdamW 4 + 4 + 4."""
     if cfg.precision.name == Precision.bf16_pure:
         states = {"sgd": 0, "momentum": 2, "adam": 4, "adamw": 4}[optimizer_kind(cfg)]
         return 2, 2, states + (2 if cfg.precision.kahan_sum else 0)
+    if cfg.optim.state_dtype == StateDtype.bf16:  # adam/adamw's two moments in bf16 over fp32 weights
+        return 4, 4, 4
     return model_state_bytes_per_param(optimizer_kind(cfg), cfg.precision.name.value if cfg.zero.enabled else "fp32")
 
 
@@ -741,7 +745,8 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
             notes.append(f"precision=bf16_pure: bf16 weights, gradients and {optimizer_kind(cfg)} states ({w}+{g}+{k} bytes/param"
                          + (", 2 of them Kahan's compensation)" if cfg.precision.kahan_sum else ")"))
         else:
-            notes.append(f"torch engine: fp32 weights and {optimizer_kind(cfg)} states in every precision "
+            states = "bf16 states (optim.state_dtype=bf16: 4 bytes/param)" if cfg.optim.state_dtype == StateDtype.bf16 else "states"
+            notes.append(f"torch engine: fp32 weights and {optimizer_kind(cfg)} {states} in every precision "
                          "(bf16/fp16 autocast the compute only)")
         if cfg.optim.in_backward:  # each gradient is stepped and freed in its hook: the largest one is the most held
             one_grad = g * max(math.prod(shape) for shape in trainable_shapes(arch, cfg)) / mp
@@ -801,8 +806,11 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
                      "the logits (last stage) are added too: a conservative worst rank")
     # Adam/AdamW's step: on GPU torch's foreach implementation makes torch._foreach_sqrt(exp_avg_sq), one fp32
     # tensor per trainable parameter held here; on CPU it runs tensor by tensor (the largest one's worth)
+    # optim.state_dtype=bf16 steps tensor by tensor everywhere, with the moments and the denominator in fp32
     step_temp = 0.0
-    if optimizer_kind(cfg) in ("adam", "adamw") and not (z.enabled and z.offload_optimizer != Offload.none):
+    if cfg.optim.state_dtype == StateDtype.bf16 and cfg.precision.name != Precision.bf16_pure:
+        step_temp = 12 * min(counts.trainable, arch.largest_layer_params) / (dp * p.cp if p.strategy == Strategy.fsdp else 1) / mp
+    elif optimizer_kind(cfg) in ("adam", "adamw") and not (z.enabled and z.offload_optimizer != Offload.none):
         step_temp = 4 * (trainable / (dp * p.cp if (z.enabled or p.strategy == Strategy.fsdp) else 1) if on_gpu
                          else min(counts.trainable, arch.largest_layer_params))
 
@@ -923,9 +931,13 @@ def moves(cfg: Config) -> list[list[Move]]:
         axes.append([Move(("model.attn_implementation=sdpa",), 0, 1.0, _set("model.attn_implementation", AttnImpl.sdpa))])
     if cfg.logits.name == Logits.full:  # the head recomputed per chunk: ~one more head matmul
         axes.append([Move(("logits=chunked",), 0, 1.02, _set("logits.name", Logits.chunked))])
-    if cfg.optim.name in (Optimizer.adamw, Optimizer.adam) and engine_kind(cfg) == "torch" and not cfg.zero.enabled:
-        axes.append([Move(("optim=adamw_8bit",), 2, 1.03, _set("optim.name", Optimizer.adamw_8bit)),
-                     Move(("optim=adafactor",), 2, 1.03, _set("optim.name", Optimizer.adafactor))])
+    if cfg.optim.name in (Optimizer.adamw, Optimizer.adam) and not cfg.zero.enabled:
+        states = [Move(("optim.state_dtype=bf16",), 2, 1.02, _set("optim.state_dtype", StateDtype.bf16))] \
+            if cfg.precision.name != Precision.bf16_pure and cfg.optim.state_dtype != StateDtype.bf16 else []
+        if engine_kind(cfg) == "torch":
+            states += [Move(("optim=adamw_8bit",), 2, 1.03, _set("optim.name", Optimizer.adamw_8bit)),
+                       Move(("optim=adafactor",), 2, 1.03, _set("optim.name", Optimizer.adafactor))]
+        axes.append(states)
     if not cfg.optim.in_backward and cfg.world_size == 1 and engine_kind(cfg) == "torch" and cfg.grad_accum_steps == 1:
         axes.append([Move(("optim.in_backward=true", "optim.max_grad_norm=null"), 2, 1.0,
                           _all(_set("optim.in_backward", True), _set("optim.max_grad_norm", None)))])

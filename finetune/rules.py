@@ -32,6 +32,7 @@ from finetune.config import (
     Precision,
     Reference,
     Scheduler,
+    StateDtype,
     Strategy,
     TORCH_ENGINE_ONLY,
     engine_kind,
@@ -134,6 +135,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"optim={cfg.optim.name.value} with {layout_words(p)}: {why}, and this layout's parameters are "
                           "DTensor shards (not supported yet): use parallelism=single or ddp with it, or optim=adamw")
     _validate_pure(cfg)
+    _validate_state_dtype(cfg)
     _validate_in_backward(cfg)
     _validate_strategies(cfg)
     _validate_method(cfg)
@@ -153,6 +155,26 @@ def _validate_pure(cfg: Config) -> None:
         raise ConfigError(f"precision=bf16_pure with optim={cfg.optim.name.value}: bf16 weights need each update added with "
                           "Kahan summation (optimi's AdamW, Adam and SGD do it), which this optimizer has not: use optim=adamw, "
                           "or precision=bf16 with it")
+
+
+def _validate_state_dtype(cfg: Config) -> None:
+    """optim.state_dtype: adam/adamw's moments in the dtype named, on the torch and mesh engines."""
+    o = cfg.optim
+    if o.state_dtype is None:
+        return
+    if o.name not in (Optimizer.adamw, Optimizer.adam):
+        held = {Optimizer.sgd: "its momentum buffer in the parameters' dtype" if o.momentum else "no state",
+                Optimizer.adamw_8bit: "its moments in 8 bits", Optimizer.adafactor: "factored fp32 statistics"}[o.name]
+        raise ConfigError(f"optim.state_dtype={o.state_dtype.value} with optim={o.name.value}: it sets the dtype of adam/adamw's two "
+                          f"moments, and optim={o.name.value} keeps {held}: use optim=adamw with it, or optim.state_dtype=null")
+    if cfg.zero.enabled:
+        raise ConfigError(f"optim.state_dtype={o.state_dtype.value} with zero.stage={cfg.zero.stage}: DeepSpeed builds its own "
+                          "optimizer (FusedAdam or CPUAdam over its fp32 partitions, fp32 moments): use zero=none "
+                          "(parallelism=single, ddp, fsdp or tp) with it, or optim.state_dtype=null under ZeRO")
+    if o.state_dtype == StateDtype.fp32 and cfg.precision.name == Precision.bf16_pure:
+        raise ConfigError("optim.state_dtype=fp32 with precision=bf16_pure: its Kahan-compensated optimizers (optimi) keep the "
+                          "moments in the parameters' dtype, bf16: use precision=bf16 for fp32 moments over fp32 weights, or "
+                          "optim.state_dtype=null")
 
 
 def _validate_in_backward(cfg: Config) -> None:

@@ -48,6 +48,7 @@ VOCAB: dict[str, list[str]] = {
     "32k vocab, logits=chunked": [*REALISTIC, "logits=chunked"],
     "32k vocab, optim=adamw_8bit": [*REALISTIC, "optim=adamw_8bit"],
     "32k vocab, optim=adafactor": [*REALISTIC, "optim=adafactor"],
+    "32k vocab, optim.state_dtype=bf16": [*REALISTIC, "optim.state_dtype=bf16"],
     "32k vocab, precision=bf16": [*REALISTIC, "precision=bf16"],
     "32k vocab, precision=bf16_pure": [*REALISTIC, "precision=bf16_pure"],
     "32k vocab, bf16_pure without Kahan": [*REALISTIC, "precision=bf16_pure", "precision.kahan_sum=false"],

@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 # Two workers (pytest-xdist), a test file per worker: the machines this runs on have 2 cores, and much
 # of a CLI test is process start-up and waiting; FINETUNE_TEST_WORKERS=0 runs in one process.
-exec "${PYTHON:-python3}" -m pytest -q -n "${FINETUNE_TEST_WORKERS:-2}" --dist loadfile "$@"
+exec "${PYTHON:-python3}" -m pytest -q -n "${FINETUNE_TEST_WORKERS:-2}" --dist loadfile --durations=30 "$@"

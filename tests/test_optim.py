@@ -235,3 +235,125 @@ def test_adamw_8bit_follows_adamw(tmp_path):
 def test_low_memory_optimizer_refusals(compose, overrides, message):
     with pytest.raises(ConfigError, match="^" + re.escape(message)):
         compose(overrides)
+
+
+@pytest.mark.parametrize("option,reference", [("adamw", torch.optim.AdamW), ("adam", torch.optim.Adam)])
+def test_low_precision_adam_is_torchs_update_with_its_moments_rounded(option, reference):
+    """optim.state_dtype: with fp32 moments the update is torch's, bit for bit; with bf16 moments the moments
+    are stored in bf16 and the weights follow torch's within rounding; a saved state loads back in bf16
+    (torch's load_state_dict casts floating-point states to the parameter's dtype) and steps on identically."""
+    from finetune.engine.common import LowPrecisionAdam
+
+    torch.manual_seed(0)
+    start, grads = torch.randn(64, 32), [torch.randn(64, 32) for _ in range(12)]
+
+    def run(make, steps):
+        w = torch.nn.Parameter(start.clone())
+        opt = make([{"params": [w], "weight_decay": 0.1}])
+        for g in grads[:steps]:
+            w.grad = g.clone()
+            opt.step()
+        return w, opt
+
+    kw = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8}
+    torch_w, _ = run(lambda groups: reference(groups, **kw), 12)
+    same, _ = run(lambda groups: LowPrecisionAdam(groups, **kw, decoupled=option == "adamw", state_dtype=torch.float32), 12)
+    assert torch.equal(same, torch_w)
+    low, opt = run(lambda groups: LowPrecisionAdam(groups, **kw, decoupled=option == "adamw"), 12)
+    assert {k: v.dtype for k, v in opt.state[low].items()} == {"step": torch.float32, "exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16}
+    moved, moved_low = torch_w - start, low - start
+    assert not torch.equal(low, torch_w)
+    assert (moved_low - moved).norm() / moved.norm() < 0.01
+
+    half, opt = run(lambda groups: LowPrecisionAdam(groups, **kw, decoupled=option == "adamw"), 6)
+    saved = opt.state_dict()
+    w = torch.nn.Parameter(half.detach().clone())
+    again = LowPrecisionAdam([{"params": [w], "weight_decay": 0.1}], **kw, decoupled=option == "adamw")
+    again.load_state_dict(saved)
+    assert again.state[w]["exp_avg"].dtype == again.state[w]["exp_avg_sq"].dtype == torch.bfloat16
+    for g in grads[6:]:
+        w.grad = g.clone()
+        again.step()
+    assert torch.equal(w, low)
+
+
+def test_bf16_states_measured_and_planned(tmp_path):
+    """optim.state_dtype=bf16 over fp32 weights: MemTracker's optimizer memory is half of AdamW's 8 bytes per
+    parameter (the weights' own 4), and the planner counts 4."""
+    from test_plan import measured_run
+
+    rows = {name: (p, m) for name, p, m in measured_run(tmp_path, "optim.state_dtype=bf16", micro=2, seq=128)}
+    predicted, measured = rows["optimizer"]
+    weights = rows["weights"][1]
+    print(f"bf16 states: optimizer {measured:.3f} MiB measured, {predicted:.3f} planned, fp32 weights {weights:.3f}")
+    assert measured == pytest.approx(weights, rel=0.01)  # 2 x 2 bytes = the fp32 weights' 4
+    assert predicted == pytest.approx(measured, rel=0.05)
+    assert rows["peak"][0] == pytest.approx(rows["peak"][1], rel=0.15)
+
+
+@pytest.mark.slow
+def test_bf16_states_under_fsdp_follow_one_process_and_resume(tmp_path):
+    """The same optimizer steps DTensor shards: FSDP2 on 2 ranks follows one process with bf16 moments, and its
+    distributed checkpoint resumes on 1 rank with the same trajectory (the moments come back in bf16)."""
+    common = ["+recipe=quickstart_sft", "optim.state_dtype=bf16", "train.max_steps=4", "optim.warmup_steps=1", "train.micro_batch_size=8",
+              "train.exact_match_samples=0", "train.progress_bar=false", "train.eval_every=0", "train.save_every=2"]
+    one = run_cli(*common, "parallelism=single", "launcher.nproc_per_node=1", f"hydra.run.dir={tmp_path / 'one'}", cwd=tmp_path)
+    assert one.returncode == 0, one.stderr[-3000:]
+    fsdp = run_cli(*common, "parallelism=fsdp", f"hydra.run.dir={tmp_path / 'fsdp'}", cwd=tmp_path)
+    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
+    assert train_losses(tmp_path / "fsdp") == pytest.approx(train_losses(tmp_path / "one"), rel=1e-4)
+    step_2 = tmp_path / "fsdp/checkpoints/step_2"
+    resumed = run_cli(*common, "parallelism=fsdp", "launcher.nproc_per_node=1", f"train.resume={step_2}",
+                      f"hydra.run.dir={tmp_path / 'resumed'}", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert train_losses(tmp_path / "resumed") == pytest.approx(train_losses(tmp_path / "fsdp")[2:], rel=1e-6)
+
+
+def test_bf16_states_follow_adamw(tmp_path):
+    """Six steps from the same init: bf16 moments (rounded to nearest each step) keep the loss curve within a
+    percent of fp32 moments'."""
+    train_here(["optim.state_dtype=bf16", f"optim.lr={LR['adamw']}", *FEW], tmp_path / "bf16")
+    train_here(["optim=adamw", f"optim.lr={LR['adamw']}", *FEW], tmp_path / "fp32")
+    low, fp32 = train_losses(tmp_path / "bf16"), train_losses(tmp_path / "fp32")
+    assert low[0] == fp32[0] and low != fp32
+    assert low == pytest.approx(fp32, rel=0.01) and low[-1] < low[0] - 0.1
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["optim.state_dtype=bf16", "optim=sgd"], "optim.state_dtype=bf16 with optim=sgd: it sets the dtype of adam/adamw's two moments, "
+                                              "and optim=sgd keeps no state: use optim=adamw with it, or optim.state_dtype=null"),
+    (["optim.state_dtype=bf16", "optim=adamw_8bit"], "optim.state_dtype=bf16 with optim=adamw_8bit: it sets the dtype of adam/adamw's "
+                                                     "two moments, and optim=adamw_8bit keeps its moments in 8 bits"),
+    (["optim.state_dtype=bf16", "zero=stage2"], "optim.state_dtype=bf16 with zero.stage=2: DeepSpeed builds its own optimizer "
+                                                "(FusedAdam or CPUAdam over its fp32 partitions, fp32 moments)"),
+    (["optim.state_dtype=fp32", "precision=bf16_pure"], "optim.state_dtype=fp32 with precision=bf16_pure: its Kahan-compensated "
+                                                        "optimizers (optimi) keep the moments in the parameters' dtype, bf16"),
+])
+def test_state_dtype_refusals(compose, overrides, message):
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        compose(overrides)
+
+
+def test_state_dtype_builds_its_optimizer_on_each_engine(compose):
+    from finetune.engine.common import LowPrecisionAdam
+
+    net, _ = tiny_model()
+    opt = engine.build(compose(["optim.state_dtype=bf16", "optim=adam"]), net, CPU).optimizer
+    assert type(opt) is LowPrecisionAdam and not opt.decoupled and opt.state_dtype == torch.bfloat16
+    assert type(engine.build(compose(["optim.state_dtype=fp32"]), tiny_model()[0], CPU).optimizer) is torch.optim.AdamW
+
+
+def test_bf16_states_are_planned_and_offered_on_sharded_layouts(compose):
+    """The planner halves the optimizer's bytes; plan.suggest offers bf16 moments under FSDP and TP too, where
+    the 8-bit and factored optimizers are refused, and not where the moments are bf16 already."""
+    from finetune.plan import moves, plan
+
+    for layout in (["parallelism=fsdp", "launcher.nproc_per_node=2"], ["parallelism=tp2", "launcher.nproc_per_node=2"],
+                   ["parallelism=single", "launcher.nproc_per_node=1"]):
+        fp32, low = plan(compose(layout)), plan(compose([*layout, "optim.state_dtype=bf16"]))
+        assert low.optimizer == pytest.approx(fp32.optimizer / 2) and low.weights == fp32.weights
+        offered = [m.overrides for axis in moves(compose(layout)) for m in axis]
+        assert ("optim.state_dtype=bf16",) in offered
+        assert (("optim=adamw_8bit",) in offered) == ("parallelism=single" in layout)
+    offered = [m.overrides for axis in moves(compose(["precision=bf16_pure"])) for m in axis]
+    assert ("optim.state_dtype=bf16",) not in offered

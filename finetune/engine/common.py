@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from finetune.config import ConfigError, Optimizer, OptimConfig, Scheduler
+from finetune.config import ConfigError, Optimizer, OptimConfig, Scheduler, StateDtype
 
 
 @dataclass
@@ -43,6 +43,8 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, kahan: b
     regularisation, scaled by Adam's normalisation), a different regulariser at the same number.
     sgd: optim.momentum 0 keeps no state, > 0 one momentum buffer per parameter; betas/eps unused.
     adamw_8bit: bitsandbytes' AdamW8bit (runs on CPU too). adafactor: torch's, decoupled weight decay.
+    optim.state_dtype=bf16 (adam/adamw over fp32 weights): `LowPrecisionAdam`, the same update with the
+    moments stored in bf16.
     (The DeepSpeed engine builds the same optimizers from `launcher.deepspeed_config`.)
 
     drop_empty: leave out a parameter group with no parameters (the mesh engine's checkpoints need it).
@@ -62,6 +64,8 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, kahan: b
         return adam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, kahan_sum=kahan)
     if cfg.name == Optimizer.sgd:
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+    if cfg.state_dtype == StateDtype.bf16:
+        return LowPrecisionAdam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, decoupled=cfg.name == Optimizer.adamw)
     if cfg.name == Optimizer.adamw_8bit:
         import bitsandbytes as bnb
 
@@ -70,6 +74,59 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, kahan: b
         return torch.optim.Adafactor(groups, lr=cfg.lr)
     adam = {Optimizer.adamw: torch.optim.AdamW, Optimizer.adam: torch.optim.Adam}[cfg.name]
     return adam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+
+
+class LowPrecisionAdam(torch.optim.Optimizer):
+    """Adam/AdamW (torch's update, step for step) whose two moments are stored in `state_dtype` (bf16: 4
+    bytes per parameter instead of 8) whatever the parameters' dtype. Each parameter's step reads its
+    moments up to fp32, updates them and the weight in fp32, and rounds the moments back (to nearest): the
+    fp32 copies exist for one parameter at a time. Plain tensor ops, so DTensor shards (FSDP2, TP) step too.
+    No maintained library keeps low-precision moments over fp32 weights (torch's and optimi's keep them in
+    the parameters' dtype; bitsandbytes' and torchao's quantize them to 8 bits)."""
+
+    def __init__(self, params: Any, lr: float, betas: tuple[float, float], eps: float, decoupled: bool = True,
+                 state_dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
+        self.decoupled, self.state_dtype = decoupled, state_dtype
+        # torch's load_state_dict casts floating-point states to the parameter's dtype: cast them back
+        self.register_load_state_dict_post_hook(lambda opt: opt._restore_dtype())
+
+    def _restore_dtype(self) -> None:
+        for state in self.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state and state[key].dtype != self.state_dtype:
+                    state[key] = state[key].to(self.state_dtype)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            (beta1, beta2), lr, eps, decay = group["betas"], group["lr"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
+                state["step"] += 1
+                step = float(state["step"])
+                grad = p.grad.float()
+                if decay and not self.decoupled:  # adam: L2, added to the gradient
+                    grad = grad.add(p, alpha=decay)
+                mean = state["exp_avg"].float().lerp_(grad, 1 - beta1)
+                square = state["exp_avg_sq"].float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                state["exp_avg"].copy_(mean)
+                state["exp_avg_sq"].copy_(square)
+                if decay and self.decoupled:
+                    p.mul_(1 - lr * decay)
+                denom = square.sqrt().div_(math.sqrt(1 - beta2 ** step)).add_(eps)
+                p.addcdiv_(mean, denom, value=-lr / (1 - beta1 ** step))
+        return loss
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int) -> Any:
