@@ -60,11 +60,7 @@ def handle_signals() -> None:
     interpreter's after-fork reset is dropped by it (a worker still starting when another one's shard
     raised). So the signals are blocked across every fork, and the child resets them to the default before
     unblocking them: one that arrived in between is then delivered, and ends it."""
-    owner = os.getpid()
-
     def note(signum: int, _frame: Any) -> None:
-        if os.getpid() != owner:  # a child forked without the hooks below (os.fork from C): end as by default
-            os._exit(128 + signum)
         STOP["signal"] = STOP["signal"] or signum  # the first one names the cause (torchrun relays Ctrl-C as SIGTERM)
         if not STOP["defer"]:
             raise Stopped(f"stopped by {signal.Signals(signum).name} before training began: nothing to save", 128 + signum)
