@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from finetune.config import Config, ConfigError, engine_kind
+from finetune.config import Config, ConfigError, Optimizer, engine_kind
 from finetune.data.sources import fingerprint, looks_local
 from finetune.rundir import CHECKPOINTS
 
@@ -49,7 +49,7 @@ def tag(step: int) -> str:
 def layout(cfg: Config) -> dict[str, Any]:
     p = cfg.parallelism
     return {"engine": engine_kind(cfg), "world_size": cfg.world_size, "zero_stage": cfg.zero.stage, "strategy": p.strategy.value,
-            "tp": p.tp, "pp": p.pp, "pp_stages_per_rank": p.pp_stages_per_rank}
+            "tp": p.tp, "pp": p.pp, "pp_stages_per_rank": p.pp_stages_per_rank, "cp": p.cp}
 
 
 def trajectory(cfg: Config) -> dict[str, Any]:
@@ -241,6 +241,12 @@ def check_compatible(step_dir: Path, cfg: Config) -> None:
         if saved[key] != now[key]:
             raise ConfigError(f"train.resume: {step_dir} was saved with {key}={saved[key]} ({saved['engine']} engine), this run has "
                               f"{key}={now[key]}: that checkpoint format cannot change it; {RESUME_UNDER[saved['engine']]}")
+    if saved["engine"] == "mesh" and cfg.optim.name == Optimizer.adamw_8bit and (saved["strategy"] == "fsdp" or saved["tp"] > 1):
+        for key in ("world_size", "strategy", "tp", "cp"):  # engine.sharded.ShardedAdamW8bit
+            if saved.get(key, 1) != now[key]:
+                raise ConfigError(f"train.resume: {step_dir} was saved with {key}={saved.get(key, 1)}, this run has {key}={now[key]}: "
+                                  "optim=adamw_8bit's block scales cover each rank's own shard of a weight, so its checkpoint "
+                                  "resumes on the same layout only: resume with the saved parallelism and launcher.nproc_per_node")
     change = data_change(meta["data"], fingerprint(cfg.data)) if "data" in meta else None
     if change:
         raise ConfigError(f"train.resume: {change} since {step_dir} was saved: the resumed run would train on other data; "

@@ -256,8 +256,8 @@ class StateDtype(str, Enum, metaclass=Spelled):
     bf16 = "bf16"
 
 
-TORCH_ENGINE_ONLY = (Optimizer.adamw_8bit, Optimizer.adafactor)
-"""Optimizers neither DeepSpeed (it builds its own) nor a DTensor layout (FSDP2, TP, PP) can run."""
+NOT_DEEPSPEED = (Optimizer.adamw_8bit, Optimizer.adafactor)
+"""Optimizers DeepSpeed cannot run (it builds its own from the JSON); the torch and mesh engines run them."""
 
 
 class Scheduler(str, Enum, metaclass=Spelled):
@@ -551,7 +551,8 @@ class OptimConfig:
     (optim.momentum 0: no optimizer state; > 0: one momentum buffer per parameter), adamw_8bit
     (bitsandbytes' AdamW8bit: both moments in 8 bits, blockwise-quantized, for tensors of 4,096+
     elements; smaller ones keep 32-bit states) or adafactor (torch.optim.Adafactor: no first moment, the
-    second factored into a row and a column vector per matrix; betas and eps unused)."""
+    second factored into a row and a column vector per matrix; betas and eps unused). Both run on every
+    layout but DeepSpeed's: under FSDP/TP each rank steps its own shard (finetune.engine.sharded)."""
     lr: float = checked(POSITIVE, 1e-4)
     """Peak learning rate (after warmup)."""
     weight_decay: float = checked(at_least(0), 0.0)

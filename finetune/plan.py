@@ -54,7 +54,7 @@ from finetune.config import (
     Reference,
     StateDtype,
     Strategy,
-    TORCH_ENGINE_ONLY,
+    NOT_DEEPSPEED,
     engine_kind,
 )
 from finetune.disk import config_source, flash_unavailable, local_config
@@ -727,7 +727,7 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
                      "(DeepSpeed's own estimator adds a 4 bytes/param fp32 gradient copy: 18P/N)")
     else:
         weights, grads, opt = w * trainable, g * trainable, k * trainable
-        if cfg.optim.name in TORCH_ENGINE_ONLY:  # by tensor shape, not per parameter
+        if cfg.optim.name in NOT_DEEPSPEED:  # by tensor shape, not per parameter
             opt = state_bytes(trainable_shapes(arch, cfg), cfg.optim.name) / mp
         frozen_w = frozen * counts.frozen_bytes_per_param
         if p.strategy == Strategy.fsdp:  # FSDP2: like ZeRO-3 over dp (x cp), fp32 states, one block gathered at a time
@@ -806,10 +806,14 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
                      "the logits (last stage) are added too: a conservative worst rank")
     # Adam/AdamW's step: on GPU torch's foreach implementation makes torch._foreach_sqrt(exp_avg_sq), one fp32
     # tensor per trainable parameter held here; on CPU it runs tensor by tensor (the largest one's worth)
-    # optim.state_dtype=bf16 steps tensor by tensor everywhere, with the moments and the denominator in fp32
+    # optim.state_dtype=bf16 steps tensor by tensor everywhere, with the moments and the denominator in fp32;
+    # adafactor too, with one fp32 temporary of the tensor's size (its second-moment estimate, then the update)
     step_temp = 0.0
+    shard = (dp * p.cp if p.strategy == Strategy.fsdp else 1) * mp
     if cfg.optim.state_dtype == StateDtype.bf16 and cfg.precision.name != Precision.bf16_pure:
-        step_temp = 12 * min(counts.trainable, arch.largest_layer_params) / (dp * p.cp if p.strategy == Strategy.fsdp else 1) / mp
+        step_temp = 12 * min(counts.trainable, arch.largest_layer_params) / shard
+    elif cfg.optim.name == Optimizer.adafactor and not z.enabled:
+        step_temp = 4 * min(counts.trainable, arch.largest_layer_params) / shard
     elif optimizer_kind(cfg) in ("adam", "adamw") and not (z.enabled and z.offload_optimizer != Offload.none):
         step_temp = 4 * (trainable / (dp * p.cp if (z.enabled or p.strategy == Strategy.fsdp) else 1) if on_gpu
                          else min(counts.trainable, arch.largest_layer_params))
@@ -934,7 +938,7 @@ def moves(cfg: Config) -> list[list[Move]]:
     if cfg.optim.name in (Optimizer.adamw, Optimizer.adam) and not cfg.zero.enabled:
         states = [Move(("optim.state_dtype=bf16",), 2, 1.02, _set("optim.state_dtype", StateDtype.bf16))] \
             if cfg.precision.name != Precision.bf16_pure and cfg.optim.state_dtype != StateDtype.bf16 else []
-        if engine_kind(cfg) == "torch":
+        if cfg.precision.name != Precision.bf16_pure:  # its bf16 weights need a compensated update (optimi's)
             states += [Move(("optim=adamw_8bit",), 2, 1.03, _set("optim.name", Optimizer.adamw_8bit)),
                        Move(("optim=adafactor",), 2, 1.03, _set("optim.name", Optimizer.adafactor))]
         axes.append(states)

@@ -34,7 +34,7 @@ from finetune.config import (
     Scheduler,
     StateDtype,
     Strategy,
-    TORCH_ENGINE_ONLY,
+    NOT_DEEPSPEED,
     engine_kind,
     launcher_for,
 )
@@ -125,15 +125,10 @@ def validate(cfg: Config) -> None:
     if p.pp_schedule == PipeSchedule.interleaved_1f1b and p.pp > 1 and cfg.grad_accum_steps % p.pp:
         raise ConfigError(f"parallelism.pp_schedule=interleaved_1f1b needs a micro-batch count per step ({cfg.grad_accum_steps}) "
                           f"that is a multiple of parallelism.pp={p.pp}: change train.micro_batch_size or train.global_batch_size")
-    if cfg.zero.enabled and cfg.optim.name in TORCH_ENGINE_ONLY:
+    if cfg.zero.enabled and cfg.optim.name in NOT_DEEPSPEED:
         raise ConfigError(f"optim={cfg.optim.name.value} with zero.stage={cfg.zero.stage}: DeepSpeed builds its own optimizer "
                           "from the JSON (FusedAdam, CPUAdam or a torch.optim class over its flat fp32 partitions): use "
                           f"optim={cfg.optim.name.value} with zero=none (parallelism=single or ddp), or optim=adamw under ZeRO")
-    if engine_kind(cfg) == "mesh" and cfg.optim.name in TORCH_ENGINE_ONLY:
-        why = ("bitsandbytes' 8-bit kernels take plain tensors" if cfg.optim.name == Optimizer.adamw_8bit else
-               "torch's Adafactor factors each whole matrix's second moment into row and column statistics")
-        raise ConfigError(f"optim={cfg.optim.name.value} with {layout_words(p)}: {why}, and this layout's parameters are "
-                          "DTensor shards (not supported yet): use parallelism=single or ddp with it, or optim=adamw")
     _validate_pure(cfg)
     _validate_state_dtype(cfg)
     _validate_in_backward(cfg)

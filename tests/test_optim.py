@@ -235,9 +235,7 @@ def test_adamw_8bit_follows_adamw(tmp_path, adamw_losses):
 
 @pytest.mark.parametrize("overrides,message", [
     (["optim=adamw_8bit", "zero=stage2"], "optim=adamw_8bit with zero.stage=2: DeepSpeed builds its own optimizer from the JSON"),
-    (["optim=adafactor", "parallelism=fsdp", "launcher.nproc_per_node=2"],
-     "optim=adafactor with parallelism=fsdp: torch's Adafactor factors each whole matrix's second moment"),
-    (["optim=adamw_8bit", "parallelism=tp2", "launcher.nproc_per_node=2"], "optim=adamw_8bit with parallelism.tp=2: bitsandbytes' 8-bit kernels take plain tensors"),
+    (["optim=adafactor", "zero=stage3"], "optim=adafactor with zero.stage=3: DeepSpeed builds its own optimizer from the JSON"),
 ])
 def test_low_memory_optimizer_refusals(compose, overrides, message):
     with pytest.raises(ConfigError, match="^" + re.escape(message)):
@@ -299,21 +297,33 @@ def test_bf16_states_measured_and_planned(tmp_path):
 
 
 @pytest.mark.slow
-def test_bf16_states_under_fsdp_follow_one_process_and_resume(tmp_path):
-    """The same optimizer steps DTensor shards: FSDP2 on 2 ranks follows one process with bf16 moments, and its
-    distributed checkpoint resumes on 1 rank with the same trajectory (the moments come back in bf16)."""
-    common = ["+recipe=quickstart_sft", "optim.state_dtype=bf16", "train.max_steps=4", "optim.warmup_steps=1", "train.micro_batch_size=8",
+@pytest.mark.parametrize("option", ["optim.state_dtype=bf16", "optim=adafactor", "optim=adamw_8bit"])
+def test_low_memory_states_under_fsdp_follow_one_process_and_resume(tmp_path, option):
+    """Each low-memory optimizer steps DTensor shards: FSDP2 on 2 ranks follows one process, and its distributed
+    checkpoint resumes with the same trajectory: on 1 rank (DCP reshards the moments, the factored statistics),
+    or, for the 8-bit moments, whose block scales cover each rank's shard, on the same layout, with a refusal
+    naming why on another."""
+    common = ["+recipe=quickstart_sft", option, "train.max_steps=4", "optim.warmup_steps=1", "train.micro_batch_size=8",
               "train.exact_match_samples=0", "train.progress_bar=false", "train.eval_every=0", "train.save_every=2"]
     one = run_cli(*common, "parallelism=single", "launcher.nproc_per_node=1", f"hydra.run.dir={tmp_path / 'one'}", cwd=tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
     fsdp = run_cli(*common, "parallelism=fsdp", f"hydra.run.dir={tmp_path / 'fsdp'}", cwd=tmp_path)
     assert fsdp.returncode == 0, fsdp.stderr[-3000:]
     assert train_losses(tmp_path / "fsdp") == pytest.approx(train_losses(tmp_path / "one"), rel=1e-4)
+    assert train_losses(tmp_path / "one")[-1] < train_losses(tmp_path / "one")[0] - 0.02
     step_2 = tmp_path / "fsdp/checkpoints/step_2"
-    resumed = run_cli(*common, "parallelism=fsdp", "launcher.nproc_per_node=1", f"train.resume={step_2}",
-                      f"hydra.run.dir={tmp_path / 'resumed'}", cwd=tmp_path)
+    ranks = "launcher.nproc_per_node=2" if option == "optim=adamw_8bit" else "launcher.nproc_per_node=1"
+    resumed = run_cli(*common, "parallelism=fsdp", ranks, f"train.resume={step_2}", f"hydra.run.dir={tmp_path / 'resumed'}", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert train_losses(tmp_path / "resumed") == pytest.approx(train_losses(tmp_path / "fsdp")[2:], rel=1e-6)
+    if option == "optim=adamw_8bit":
+        other = run_cli(*common, "parallelism=fsdp", "launcher.nproc_per_node=1", f"train.resume={step_2}",
+                        f"hydra.run.dir={tmp_path / 'other'}", cwd=tmp_path)
+        assert other.returncode != 0
+        assert other.stderr.strip().splitlines()[-1] == (
+            f"error: resume: train.resume: {step_2} was saved with world_size=2, this run has world_size=1: optim=adamw_8bit's "
+            "block scales cover each rank's own shard of a weight, so its checkpoint resumes on the same layout only: resume "
+            "with the saved parallelism and launcher.nproc_per_node")
 
 
 def test_bf16_states_follow_adamw(tmp_path, adamw_losses):
@@ -350,8 +360,9 @@ def test_state_dtype_builds_its_optimizer_on_each_engine(compose):
 
 
 def test_bf16_states_are_planned_and_offered_on_sharded_layouts(compose):
-    """The planner halves the optimizer's bytes; plan.suggest offers bf16 moments under FSDP and TP too, where
-    the 8-bit and factored optimizers are refused, and not where the moments are bf16 already."""
+    """The planner halves the optimizer's bytes; plan.suggest offers bf16 moments, 8-bit moments and factored
+    statistics on every layout but DeepSpeed's, and neither bf16 moments nor the uncompensated optimizers under
+    bf16_pure (whose moments are bf16 already)."""
     from finetune.plan import moves, plan
 
     for layout in (["parallelism=fsdp", "launcher.nproc_per_node=2"], ["parallelism=tp2", "launcher.nproc_per_node=2"],
@@ -360,6 +371,93 @@ def test_bf16_states_are_planned_and_offered_on_sharded_layouts(compose):
         assert low.optimizer == pytest.approx(fp32.optimizer / 2) and low.weights == fp32.weights
         offered = [m.overrides for axis in moves(compose(layout)) for m in axis]
         assert ("optim.state_dtype=bf16",) in offered
-        assert (("optim=adamw_8bit",) in offered) == ("parallelism=single" in layout)
+        assert ("optim=adamw_8bit",) in offered and ("optim=adafactor",) in offered
     offered = [m.overrides for axis in moves(compose(["precision=bf16_pure"])) for m in axis]
-    assert ("optim.state_dtype=bf16",) not in offered
+    assert ("optim.state_dtype=bf16",) not in offered and ("optim=adamw_8bit",) not in offered
+    offered = [m.overrides for axis in moves(compose(["zero=stage2"])) for m in axis]
+    assert not any(o[0].startswith("optim") for o in offered if o)
+
+
+# Two gloo ranks: engine.sharded's optimizers over DTensor shards (rows as FSDP2 shards them, evenly and not,
+# columns as a row-wise TP linear does, a replicated vector, a 3-D stack) against the plain optimizers over the
+# whole tensors; prints one JSON line from rank 0.
+SHARDS = """
+import copy, json, torch, torch.distributed as dist
+import bitsandbytes as bnb
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from finetune.engine.sharded import ShardedAdafactor, ShardedAdamW8bit
+
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (2,))
+torch.manual_seed(0)
+cases = [((64, 96), Shard(0)), ((63, 97), Shard(0)), ((64, 96), Shard(1)), ((40,), Replicate()), ((3, 8, 6), Shard(0)),
+         ((4000, 2), Shard(0))]  # 8,000 elements: 8-bit states, though each shard holds 4,000 (< bitsandbytes' 4,096)
+starts = [torch.randn(shape) for shape, _ in cases]
+grads = [[torch.randn(shape) for shape, _ in cases] for _ in range(8)]
+
+def run(whole_cls, shard_cls, **kw):
+    whole = [torch.nn.Parameter(s.clone()) for s in starts]
+    shards = [torch.nn.Parameter(distribute_tensor(s.clone(), mesh, [pl])) for s, (_, pl) in zip(starts, cases)]
+    a = whole_cls([{"params": whole, "weight_decay": 0.1}], lr=1e-2, **kw)
+    b = shard_cls([{"params": shards, "weight_decay": 0.1}], lr=1e-2, **kw)
+    for step, gs in enumerate(grads):
+        for w, s, g in zip(whole, shards, gs):
+            w.grad, s.grad = g.clone(), distribute_tensor(g.clone(), mesh, s.placements)
+        a.step(); b.step()
+        if step == 3:  # a copy, as DCP writes it: the state dict holds the live moments
+            saved = copy.deepcopy(b.state_dict())
+    errors = [((s.full_tensor() - w).norm() / (w - s0).norm()).item() for w, s, s0 in zip(whole, shards, starts)]
+    return errors, b, shards, saved
+
+out = {}
+errors, opt, _, _ = run(torch.optim.Adafactor, ShardedAdafactor)
+out["adafactor"] = errors
+out["adafactor_states"] = [sorted((k, str(v.placements[0])) for k, v in opt.state[p].items() if isinstance(v, DTensor))
+                           for p in opt.param_groups[0]["params"][:3]]
+errors, opt, shards, saved = run(bnb.optim.AdamW8bit, ShardedAdamW8bit, betas=(0.9, 0.999), eps=1e-8)
+out["adamw_8bit"] = errors
+out["adamw_8bit_dtypes"] = [str(opt.state[p]["state1"].dtype) for p in shards]
+out["saved"] = {k: [type(v).__name__, list(v.shape)] for k, v in saved["state"][1].items() if k in ("state1", "absmax1")}
+# the state saved after step 4, loaded into a fresh optimizer over the step-4 weights, steps 5-8 identically
+again = [torch.nn.Parameter(distribute_tensor(s.clone(), mesh, [pl])) for s, (_, pl) in zip(starts, cases)]
+opt2 = ShardedAdamW8bit([{"params": again, "weight_decay": 0.1}], lr=1e-2, betas=(0.9, 0.999), eps=1e-8)
+replay = ShardedAdamW8bit([{"params": again, "weight_decay": 0.1}], lr=1e-2, betas=(0.9, 0.999), eps=1e-8)
+for gs in grads[:4]:
+    for p, g in zip(again, gs):
+        p.grad = distribute_tensor(g.clone(), mesh, p.placements)
+    replay.step()
+opt2.load_state_dict(saved)
+for gs in grads[4:]:
+    for p, g in zip(again, gs):
+        p.grad = distribute_tensor(g.clone(), mesh, p.placements)
+    opt2.step()
+out["resumed_equal"] = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(again, shards))
+if dist.get_rank() == 0:
+    print(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+def test_sharded_optimizers_step_dtensor_shards_like_the_whole_tensors(tmp_path):
+    """Adafactor over DTensor shards is torch's Adafactor over the whole tensors (to float rounding), its row and
+    column statistics sharded like the rows and columns. AdamW8bit over shards follows bitsandbytes' over the
+    whole tensors within its quantization (the block scales cover each shard), decides 8-bit states by the whole
+    tensor's size (a 8,000-element weight whose shards hold 4,000 each), saves DTensors (the moments placed like
+    the weight, the scales a padded chunk per rank), and a saved state loads back and steps on bit for bit."""
+    from finetune.launch import free_port
+
+    script = tmp_path / "shards.py"
+    script.write_text(SHARDS)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(free_port()), str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{")))
+    print(got)
+    assert max(got["adafactor"]) < 1e-5
+    assert got["adafactor_states"] == [[["col_var", "R"], ["row_var", "S(0)"]], [["col_var", "R"], ["row_var", "S(0)"]],
+                                       [["col_var", "S(1)"], ["row_var", "R"]]]
+    assert max(got["adamw_8bit"]) < 0.02 and min(got["adamw_8bit"]) == 0.0  # the replicated vector's 32-bit states: exact
+    assert got["adamw_8bit_dtypes"] == ["torch.uint8", "torch.uint8", "torch.uint8", "torch.float32", "torch.float32", "torch.uint8"]
+    assert got["saved"] == {"state1": ["DTensor", [63, 97]], "absmax1": ["DTensor", [2 * 13]]}  # 32 x 97 elements: 13 blocks
+    assert got["resumed_equal"] is True

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from finetune.config import ConfigError, Optimizer, OptimConfig, Scheduler, StateDtype
 
@@ -42,7 +43,8 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, kahan: b
     adamw: decoupled weight decay. adam: torch's Adam adds weight_decay * w to the gradient (L2
     regularisation, scaled by Adam's normalisation), a different regulariser at the same number.
     sgd: optim.momentum 0 keeps no state, > 0 one momentum buffer per parameter; betas/eps unused.
-    adamw_8bit: bitsandbytes' AdamW8bit (runs on CPU too). adafactor: torch's, decoupled weight decay.
+    adamw_8bit: bitsandbytes' AdamW8bit (runs on CPU too). adafactor: torch's, decoupled weight decay. Over DTensor
+    shards (FSDP2, TP) both are engine.sharded's versions: the same updates, each rank stepping its shard.
     optim.state_dtype=bf16 (adam/adamw over fp32 weights): `LowPrecisionAdam`, the same update with the
     moments stored in bf16.
     (The DeepSpeed engine builds the same optimizers from `launcher.deepspeed_config`.)
@@ -66,14 +68,27 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, kahan: b
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
     if cfg.state_dtype == StateDtype.bf16:
         return LowPrecisionAdam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, decoupled=cfg.name == Optimizer.adamw)
+    sharded = any(isinstance(p, DTensor) for p in params)  # FSDP2 / tensor parallel shards
     if cfg.name == Optimizer.adamw_8bit:
         import bitsandbytes as bnb
 
-        return bnb.optim.AdamW8bit(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+        from finetune.engine.sharded import ShardedAdamW8bit
+
+        return (ShardedAdamW8bit if sharded else bnb.optim.AdamW8bit)(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     if cfg.name == Optimizer.adafactor:
-        return torch.optim.Adafactor(groups, lr=cfg.lr)
+        from finetune.engine.sharded import ShardedAdafactor
+
+        return (ShardedAdafactor if sharded else torch.optim.Adafactor)(groups, lr=cfg.lr)
     adam = {Optimizer.adamw: torch.optim.AdamW, Optimizer.adam: torch.optim.Adam}[cfg.name]
     return adam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+
+
+def closure_loss(closure: Any) -> Any:
+    """An optimizer step's closure, called with gradients on (torch.optim's contract), or None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 class LowPrecisionAdam(torch.optim.Optimizer):
@@ -99,10 +114,7 @@ class LowPrecisionAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             (beta1, beta2), lr, eps, decay = group["betas"], group["lr"], group["eps"], group["weight_decay"]
             for p in group["params"]:
