@@ -219,6 +219,12 @@ class Logits(str, Enum, metaclass=Spelled):
     chunked = "chunked"
 
 
+class LogitsKernel(str, Enum, metaclass=Spelled):
+    auto = "auto"
+    torch = "torch"
+    cce = "cce"
+
+
 class PeftMethod(str, Enum, metaclass=Spelled):
     none = "none"
     lora = "lora"
@@ -454,6 +460,11 @@ class LogitsConfig:
     backward, so only one chunk's logits ever exist (the same loss and gradients)."""
     chunk_tokens: int = checked(at_least(1), 1024)
     """chunked: labelled tokens per chunk (memory of one chunk: ~(12 + 2 c) x vocab x chunk_tokens bytes)."""
+    kernel: LogitsKernel = LogitsKernel.auto
+    """chunked: torch (the chunks above, in torch), cce (cut-cross-entropy's fused Triton kernel, the `gpu` extra:
+    the head's matmul and the loss in one, no chunk's logits in memory; CUDA only, exact gradients), or auto: cce
+    where it can run (CUDA, installed, an output layer without a bias), else torch; each rank says
+    which and why."""
 
 
 @dataclass

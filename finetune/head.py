@@ -1,5 +1,8 @@
 """`logits=chunked`: the loss without the full `[tokens, vocab]` logits.
 
+`logits.kernel=cce` (or auto, where it can run) replaces the chunks with cut-cross-entropy's fused kernel
+(CUDA, the `gpu` extra): the same patch point, the same row sums, no chunk's logits at all.
+
 The causal LM's own forward still runs (so every engine's hooks, FSDP's root, DeepSpeed's ZeRO-3
 gathers, PEFT and the family's code apply as usual), but its output layer is patched: while the
 objective has handed it the batch's labels, it takes the final hidden states of the positions that
@@ -24,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from finetune.config import ConfigError
+from finetune.config import ConfigError, LogitsKernel
 from finetune.data.tokenize import IGNORE
 
 PROBE_TOKENS = 64
@@ -33,31 +36,73 @@ PROBE_TOKENS = 64
 PostOp = Callable[[torch.Tensor], torch.Tensor]
 
 
-def post_ops(model: Any) -> list[PostOp]:
-    """What the family's forward does to `lm_head`'s output before returning it as logits."""
-    config = model.config
-    ops: list[PostOp] = []
-    cap = getattr(config, "final_logit_softcapping", None)
-    if cap:
-        ops.append(lambda x: torch.tanh(x / cap) * cap)
+def scale_and_cap(config: Any) -> tuple[float, float | None]:
+    """What a family does to `lm_head`'s output before returning it as logits: a soft cap (Gemma-2), then a
+    factor (Granite divides by logits_scaling, Cohere multiplies by logit_scale)."""
+    cap = getattr(config, "final_logit_softcapping", None) or None
+    factor = 1.0
     scaling = getattr(config, "logits_scaling", None)
     if scaling and config.model_type.startswith("granite"):
-        ops.append(lambda x: x / scaling)
+        factor = 1.0 / scaling
     scale = getattr(config, "logit_scale", None)
     if scale and config.model_type.startswith("cohere"):
-        ops.append(lambda x: x * scale)
+        factor = float(scale)
+    return factor, cap
+
+
+def post_ops(model: Any) -> list[PostOp]:
+    """`scale_and_cap` as the ops applied to `lm_head`'s output, in the family's order."""
+    factor, cap = scale_and_cap(model.config)
+    ops: list[PostOp] = []
+    if cap:
+        ops.append(lambda x: torch.tanh(x / cap) * cap)
+    if factor != 1.0:
+        ops.append(lambda x: x * factor)
     return ops
+
+
+def fused_blocker(model: Any, device: torch.device) -> str | None:
+    """Why cut-cross-entropy's fused kernel cannot compute this model's loss on `device`, or None."""
+    if device.type != "cuda":
+        return f"this rank runs on {device.type}, and cut-cross-entropy's kernels are Triton, CUDA only"
+    try:
+        import cut_cross_entropy  # noqa: F401
+    except ImportError as e:
+        return f"cut-cross-entropy is not installed ({e}): pip install 'finetune[gpu]'"
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        return f"{model.config.model_type}'s output layer has a bias, which the kernel does not add"
+    factor, cap = scale_and_cap(model.config)
+    if cap and factor != 1.0:
+        return f"{model.config.model_type} both soft-caps and scales its logits, and the kernel takes the cap after the matmul only"
+    return None
+
+
+def choose_kernel(kernel: LogitsKernel, model: Any, device: torch.device) -> tuple[LogitsKernel, str]:
+    """(the kernel logits=chunked runs here, why): logits.kernel=auto takes cce where it can run; cce is refused
+    where it cannot, with the reason."""
+    if kernel == LogitsKernel.torch:
+        return kernel, "logits.kernel=torch"
+    blocker = fused_blocker(model, device)
+    if blocker is None:
+        return LogitsKernel.cce, f"logits.kernel={kernel.value}: cut-cross-entropy's fused kernel"
+    if kernel == LogitsKernel.cce:
+        raise ConfigError(f"logits.kernel=cce: {blocker}: use logits.kernel=torch (or auto)")
+    return LogitsKernel.torch, f"logits.kernel=auto: chunks in torch ({blocker})"
 
 
 class ChunkedHead:
     """The patch on one causal LM's output layer (see the module docstring)."""
 
-    def __init__(self, model: Any, chunk_tokens: int) -> None:
+    def __init__(self, model: Any, chunk_tokens: int, kernel: LogitsKernel = LogitsKernel.torch,
+                 device: torch.device = torch.device("cpu")) -> None:
         head = model.get_output_embeddings()
         if head is None:
             raise ConfigError(f"logits=chunked: {model.config.model_type} has no output layer (get_output_embeddings() is "
                               "None) to apply per chunk: use logits=full")
         self.head, self.chunk_tokens, self.ops = head, chunk_tokens, post_ops(model)
+        self.kernel, self.why = choose_kernel(kernel, model, device)
+        self.factor, self.cap = scale_and_cap(model.config)
         self.family = model.config.model_type
         self.labels: torch.Tensor | None = None
         self.result: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -105,8 +150,11 @@ class ChunkedHead:
         keep = targets != IGNORE
         rows = keep.nonzero()[:, 0]
         selected, wanted = hidden[:, : labels.shape[1] - 1][keep], targets[keep]  # (objectives.predicting)
-        logps = [checkpoint(self._chunk, selected[i:i + self.chunk_tokens], wanted[i:i + self.chunk_tokens], use_reentrant=False)
-                 for i in range(0, selected.shape[0], self.chunk_tokens)]
+        if self.kernel == LogitsKernel.cce:
+            logps = [self._fused(selected, wanted)] if selected.shape[0] else []
+        else:
+            logps = [checkpoint(self._chunk, selected[i:i + self.chunk_tokens], wanted[i:i + self.chunk_tokens], use_reentrant=False)
+                     for i in range(0, selected.shape[0], self.chunk_tokens)]
         sums = torch.zeros(labels.shape[0], dtype=torch.float32, device=hidden.device)
         if not logps:  # no label in this micro-batch: a zero that still reaches the model's graph
             return sums + hidden.sum().float() * 0, keep.sum(-1)
@@ -121,6 +169,18 @@ class ChunkedHead:
 
     def _chunk(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return -F.cross_entropy(self.logits(hidden).float(), targets, reduction="none")
+
+    def _fused(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Every labelled token's log-prob from cut-cross-entropy's kernel: the output layer's matmul and the
+        log-softmax in one, blockwise over the vocabulary; no gradient filtering (filter_eps=None: the same
+        gradients as the unfused loss). Both operands in the autocast dtype, as the head would compute in."""
+        from cut_cross_entropy import linear_cross_entropy
+
+        weight = self.head.weight
+        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else weight.dtype
+        weight = weight.to(dtype) if self.factor == 1.0 else (weight * self.factor).to(dtype)  # a factor folds into W
+        nll = linear_cross_entropy(hidden.to(dtype), weight, targets, softcap=self.cap, reduction="none", filter_eps=None)
+        return -nll.float()
 
     def probe(self, model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's own logits for `batch` and this patch's for the same hidden states (an engine's

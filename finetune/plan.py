@@ -44,6 +44,7 @@ from finetune.config import (
     ConfigError,
     DpoLoss,
     Logits,
+    LogitsKernel,
     Method,
     ModelConfig,
     Offload,
@@ -565,6 +566,8 @@ def activation_bytes(arch: Arch, cfg: Config, layers: int, in_flight: int, seq: 
         # a chunk's backward (inside the model's now): log_softmax's fp32 output, the gradient arriving at it and the one
         # it returns (12 V per token), and under autocast the 16-bit logits the fp32 ones were cast from (measured)
         moment = chunk * (12 * v + (d.compute * v if d.autocast else 0) + 8)
+        if cfg.logits.kernel == LogitsKernel.cce:  # fused (logits.kernel=auto counts the torch chunks it may fall back to)
+            moment = (labelled or tokens) * 16  # per token: its log-sum-exp, loss and their gradients; no vocabulary-wide buffer
         return Activations(stored=earlier + sum(kept) + head_bytes(arch, cfg, tokens), loss=moment, logits_grad=moment,
                            blocks=earlier + blocks,
                            filled=earlier + filled + head_grads, cpu=offloaded)

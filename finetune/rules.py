@@ -18,9 +18,12 @@ from finetune.config import (
     Config,
     ConfigError,
     DataFormat,
+    Device,
     DpoLoss,
     LauncherConfig,
     LauncherName,
+    Logits,
+    LogitsKernel,
     Method,
     ModelConfig,
     NonFinite,
@@ -33,8 +36,8 @@ from finetune.config import (
     Reference,
     Scheduler,
     StateDtype,
-    Strategy,
     NOT_DEEPSPEED,
+    Strategy,
     engine_kind,
     launcher_for,
 )
@@ -226,6 +229,11 @@ def _validate_strategies(cfg: Config) -> None:
         if owner != cfg.precision.name:
             _unused(cfg.precision, "precision", tuple(f.name for f in fields(cfg.precision) if f.name not in keys),
                     f"with precision={cfg.precision.name.value} (only with {owner.value})")
+    if cfg.logits.name == Logits.full:
+        _unused(cfg.logits, "logits", ("name",), "with logits=full (only with logits=chunked)")
+    if cfg.logits.kernel == LogitsKernel.cce and cfg.train.device == Device.cpu:
+        raise ConfigError("logits.kernel=cce with train.device=cpu: cut-cross-entropy's kernels are Triton, CUDA only: use "
+                          "logits.kernel=torch (or auto) on CPU")
     arch = model_config(cfg.model)
     if cfg.parallelism.pp > 1 and arch is not None and arch.get("output_router_logits") is True:
         raise ConfigError(router_loss_under_pp(cfg.parallelism.pp))

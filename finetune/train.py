@@ -147,7 +147,9 @@ def run(cfg: Config, d: dist.Dist) -> None:
     if d.is_main:
         trainable, total = model.trainable_parameters(net)
         print(f"model: {total:,} parameters, {trainable:,} trainable ({trainable / total:.2%}), attention {attention} ({attention_why})")
-    chunked = ChunkedHead(net, cfg.logits.chunk_tokens) if cfg.logits.name == Logits.chunked else None
+    chunked = ChunkedHead(net, cfg.logits.chunk_tokens, cfg.logits.kernel, d.device) if cfg.logits.name == Logits.chunked else None
+    if chunked is not None and d.is_main:
+        print(f"logits: chunked, {chunked.kernel.value} ({chunked.why})")
     phase("engine")
     eng = engine.build(cfg, net, d)
     if chunked is not None:  # a family that changes its logits in a way we do not repeat per chunk: refused here

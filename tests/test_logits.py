@@ -128,6 +128,66 @@ def test_an_unknown_logit_transform_is_refused_by_the_probe(monkeypatch):
         plain.check(*plain.probe(llama, probe))  # nothing to repeat
 
 
+def test_the_fused_kernel_runs_where_it_can_and_says_why_not(compose):
+    """logits.kernel=auto takes cut-cross-entropy's kernel where it can run and says why not elsewhere (here: a CPU
+    rank); logits.kernel=cce is refused there, as it is at compose time with train.device=cpu; the logits keys are
+    refused under logits=full, which ignores them."""
+    from finetune.config import ConfigError, LogitsKernel
+    from finetune.head import ChunkedHead, fused_blocker
+
+    model, cpu = tiny("llama"), torch.device("cpu")
+    head = ChunkedHead(model, 8, LogitsKernel.auto, cpu)
+    assert (head.kernel, head.why) == (LogitsKernel.torch, "logits.kernel=auto: chunks in torch (this rank runs on cpu, and "
+                                                           "cut-cross-entropy's kernels are Triton, CUDA only)")
+    with pytest.raises(ConfigError, match=r"^logits.kernel=cce: this rank runs on cpu, and cut-cross-entropy's kernels are "
+                                          r"Triton, CUDA only: use logits.kernel=torch \(or auto\)$"):
+        ChunkedHead(tiny("llama"), 8, LogitsKernel.cce, cpu)
+    try:
+        import cut_cross_entropy  # noqa: F401
+    except ImportError:  # a CUDA rank without the gpu extra is told how to get it
+        assert fused_blocker(model, torch.device("cuda")).startswith("cut-cross-entropy is not installed (")
+        assert fused_blocker(model, torch.device("cuda")).endswith("): pip install 'finetune[gpu]'")
+    for overrides, message in [
+        (["logits=chunked", "logits.kernel=cce", "train.device=cpu"],
+         "logits.kernel=cce with train.device=cpu: cut-cross-entropy's kernels are Triton, CUDA only: use logits.kernel=torch "
+         "(or auto) on CPU"),
+        (["logits.chunk_tokens=512"], "logits.chunk_tokens=512 has no effect with logits=full (only with logits=chunked): remove "
+                                      "it or change the option"),
+        (["logits.kernel=cce"], "logits.kernel=cce has no effect with logits=full (only with logits=chunked): remove it or "
+                                "change the option")]:
+        with pytest.raises(ConfigError) as e:
+            compose(overrides)
+        assert str(e.value) == message
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("method", ["sft", "dpo"])
+def test_the_fused_kernel_equals_the_full_logits(family, method):
+    """logits.kernel=cce on CUDA (the gpu extra): the loss and every gradient of the full logits' (the soft cap
+    passed to the kernel, a logit factor folded into the output layer's weight), in fp32."""
+    pytest.importorskip("cut_cross_entropy")
+    from finetune.config import LogitsKernel
+    from finetune.head import ChunkedHead
+
+    b = {k: v.cuda() for k, v in batch().items()}
+    if method == "dpo":
+        b["reference_logps"] = torch.tensor([-40.0, -1.0, -35.0, -30.0], device="cuda")
+    objective_of = sft if method == "sft" else dpo
+    results = []
+    for fused in (False, True):
+        model = tiny(family).cuda()
+        head = ChunkedHead(model, 7, LogitsKernel.cce, torch.device("cuda")) if fused else None
+        loss, _ = objective_of(head)(model, b)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (full, full_grads), (mine, grads) = results
+    torch.testing.assert_close(mine, full, rtol=1e-4, atol=1e-5)
+    for name in full_grads:
+        assert (grads[name] - full_grads[name]).norm() <= 1e-3 * full_grads[name].norm(), name
+
+
 def test_planner_counts_one_chunk(compose):
     from finetune.plan import plan
 
@@ -167,6 +227,8 @@ def test_chunked_under_each_engine_trains_as_the_full_logits_do(tmp_path, saved_
     assert out.returncode == 0, out.stderr[-3000:]
     chunked = [m["loss"] for m in read_metrics(tmp_path / "chunked") if m["kind"] == "train"]
     assert len(full) == 2 and chunked == pytest.approx(full, rel=2e-4)
+    assert ("logits: chunked, torch (logits.kernel=auto: chunks in torch (this rank runs on cpu, and cut-cross-entropy's "
+            "kernels are Triton, CUDA only))") in out.stdout
 
 
 @pytest.mark.parametrize("precision,chunk", [("fp32", 256), ("bf16", 1024)])
