@@ -219,6 +219,10 @@ RESUME_UNDER = {  # what a checkpoint of each engine can be resumed under
 }
 
 
+LAYOUT_ADDED = {"cp": 1}
+"""Layout keys added after checkpoints were written, at the value those checkpoints ran with."""
+
+
 def typed(value: object) -> object:
     """A setting as it is typed on the command line (true, null), not as Python prints it."""
     return {True: "true", False: "false", None: "null"}.get(value, value) if isinstance(value, (bool, type(None))) else value
@@ -235,7 +239,7 @@ def check_compatible(step_dir: Path, cfg: Config) -> None:
             if theirs.get(key) != ours.get(key):
                 raise ConfigError(f"train.resume: {step_dir} was trained with {key}={typed(theirs.get(key))}, this run has "
                                   f"{key}={typed(ours.get(key))}: resume with the same setting, or start a fresh run")
-    saved, now = meta["layout"], layout(cfg)
+    saved, now = {**LAYOUT_ADDED, **meta["layout"]}, layout(cfg)
     fixed = {"torch": (), "deepspeed": ("world_size", "zero_stage"), "mesh": ("pp", "pp_stages_per_rank")}
     for key in ("engine", *fixed.get(saved["engine"], ())):
         if saved[key] != now[key]:
@@ -243,8 +247,8 @@ def check_compatible(step_dir: Path, cfg: Config) -> None:
                               f"{key}={now[key]}: that checkpoint format cannot change it; {RESUME_UNDER[saved['engine']]}")
     if saved["engine"] == "mesh" and cfg.optim.name == Optimizer.adamw_8bit and (saved["strategy"] == "fsdp" or saved["tp"] > 1):
         for key in ("world_size", "strategy", "tp", "cp"):  # engine.sharded.ShardedAdamW8bit
-            if saved.get(key, 1) != now[key]:
-                raise ConfigError(f"train.resume: {step_dir} was saved with {key}={saved.get(key, 1)}, this run has {key}={now[key]}: "
+            if saved[key] != now[key]:
+                raise ConfigError(f"train.resume: {step_dir} was saved with {key}={saved[key]}, this run has {key}={now[key]}: "
                                   "optim=adamw_8bit's block scales cover each rank's own shard of a weight, so its checkpoint "
                                   "resumes on the same layout only: resume with the saved parallelism and launcher.nproc_per_node")
     change = data_change(meta["data"], fingerprint(cfg.data)) if "data" in meta else None

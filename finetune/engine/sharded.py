@@ -98,6 +98,9 @@ class ShardedAdamW8bit(bnb.optim.AdamW8bit):
     bitsandbytes. state_dict() gives DTensors (moments placed like their weights, block scales one padded chunk
     per rank), so a distributed checkpoint keeps every rank's part."""
 
+    _whole: int | None = None
+    """While a shard steps: its whole tensor's size (get_config decides 8-bit states by it)."""
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         loss = closure_loss(closure)
@@ -133,9 +136,8 @@ class ShardedAdamW8bit(bnb.optim.AdamW8bit):
 
     def get_config(self, gindex: int, pindex: int, group: dict[str, Any]) -> dict[str, Any]:
         config = super().get_config(gindex, pindex, group)
-        whole = getattr(self, "_whole", None)
-        if whole is not None:  # a shard: 8-bit states when the whole tensor is large enough, whatever its shard's size
-            config["min_8bit_size"] = 0 if whole >= config["min_8bit_size"] else math.inf
+        if self._whole is not None:  # a shard: 8-bit states when the whole tensor is large enough, whatever its shard's size
+            config["min_8bit_size"] = 0 if self._whole >= config["min_8bit_size"] else math.inf
         return config
 
     def _params(self) -> list[torch.Tensor]:
