@@ -42,9 +42,23 @@ def test_multi_node_golden(compose):
 
 
 def test_single_node_with_fixed_port_uses_static_rendezvous(compose):
-    spec = build(compose(["launcher.master_port=29555"]), "/r", python="python", cpu_count=2)
+    spec = build(compose(["launcher.master_port=29555", "launcher.nproc_per_node=2", "parallelism=ddp"]), "/r", python="python", cpu_count=2)
     assert "--standalone" not in spec.argv
-    assert spec.argv[3:8] == ["--nnodes=1", "--nproc_per_node=1", "--node_rank=0", "--master_addr=127.0.0.1", "--master_port=29555"]
+    assert spec.argv[3:8] == ["--nnodes=1", "--nproc_per_node=2", "--node_rank=0", "--master_addr=127.0.0.1", "--master_port=29555"]
+
+
+def test_one_process_runs_the_rank_itself_with_torchruns_environment(compose):
+    """No torchrun hop for one process (its start cost ~2 s of a short run): the rank gets the variables torchrun
+    would set, and a port for a process group of one (a device mesh needs it)."""
+    spec = build(compose(["parallelism=single", "launcher.nproc_per_node=1"]), "/r", python="python", cpu_count=2, port=29999)
+    assert spec.argv == ["python", "-m", "finetune.train", "/r/config.yaml"]
+    assert spec.env == {"OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "RANK": "0", "LOCAL_RANK": "0",
+                        "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+    zero = build(compose(["zero=stage2", "launcher.nproc_per_node=1", "parallelism=single"]), "/r", python="python", cpu_count=2)
+    assert zero.argv[2] == "deepspeed.launcher.runner"  # DeepSpeed sets up its own ranks
+    nodes = build(compose(["launcher.nnodes=2", "launcher.nproc_per_node=1", "launcher.master_addr=10.0.0.7", "launcher.master_port=29600",
+                           "parallelism=ddp"]), "/r", python="python", cpu_count=2)
+    assert nodes.argv[2] == "torch.distributed.run"  # one process per node, two nodes: torchrun's rendezvous
 
 
 def test_written_config_round_trips_to_the_same_typed_config(compose, tmp_path):
