@@ -37,7 +37,7 @@ class LaunchSpec:
         return f"{env} {shlex.join(self.argv)}".strip()
 
 
-def build(cfg: Config, run_dir: str | Path, *, python: str, cpu_count: int, port: int = 29500) -> LaunchSpec:
+def build(cfg: Config, run_dir: str | Path, *, python: str, cpu_count: int, port: int = 29500, env_threads: int | None = None) -> LaunchSpec:
     """Build the launch for `cfg` writing into `run_dir`.
 
     Args:
@@ -46,6 +46,9 @@ def build(cfg: Config, run_dir: str | Path, *, python: str, cpu_count: int, port
         python: the interpreter that starts the launcher (the one running this, normally).
         cpu_count: cores on this node, to split among ranks when omp_num_threads is null.
         port: rendezvous port when launcher.master_port is null and the launcher needs one.
+        env_threads: OMP_NUM_THREADS as the launching environment sets it (None: unset): honoured when
+            launcher.omp_num_threads is null, as torchrun honours it (a test suite or a shared node that
+            runs several jobs at once sets 1; more threads than cores stall every small op).
 
     Returns:
         The LaunchSpec; nothing is written or started here.
@@ -81,7 +84,7 @@ def build(cfg: Config, run_dir: str | Path, *, python: str, cpu_count: int, port
             argv += [f"--node_rank={launch.node_rank}", f"--master_addr={launch.master_addr}", f"--master_port={master_port}"]
         argv += ["-m", "finetune.train", config_path]
 
-    threads = launch.omp_num_threads or max(1, cpu_count // launch.nproc_per_node)
+    threads = launch.omp_num_threads or env_threads or max(1, cpu_count // launch.nproc_per_node)
     env = {
         "OMP_NUM_THREADS": str(threads),
         "PYTHONUNBUFFERED": "1",  # stream rank output as it happens

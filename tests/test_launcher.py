@@ -101,3 +101,23 @@ def test_hydra_cfg_job_prints_composed_config(tmp_path):
 def test_repo_layout():
     for path in ("pyproject.toml", "README.md", "recipes/config.yaml", "finetune/launch.py", "launch", "scripts", "tests", ".ci/run"):
         assert (REPO / path).exists(), path
+
+
+def test_threads_per_rank_honour_the_environment_then_the_cores(compose, tmp_path):
+    """launcher.omp_num_threads, else OMP_NUM_THREADS as the launch's environment sets it (torchrun honours it too),
+    else the node's cores over its ranks; a value that is no whole number is one line."""
+    cfg = compose(["+recipe=quickstart_sft"])
+    assert build(cfg, "/r", python="p", cpu_count=8).env["OMP_NUM_THREADS"] == "4"
+    assert build(cfg, "/r", python="p", cpu_count=8, env_threads=1).env["OMP_NUM_THREADS"] == "1"
+    chosen = compose(["+recipe=quickstart_sft", "launcher.omp_num_threads=3"])
+    assert build(chosen, "/r", python="p", cpu_count=8, env_threads=1).env["OMP_NUM_THREADS"] == "3"
+    dry = ["+recipe=quickstart_sft", "launcher.dry_run=true", f"hydra.run.dir={tmp_path / 'run'}"]
+    import os
+
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-m", "finetune.launch", *dry], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1].startswith("OMP_NUM_THREADS=2 "), out.stderr
+    env["OMP_NUM_THREADS"] = "two"
+    out = subprocess.run([sys.executable, "-m", "finetune.launch", *dry], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr == ("error: OMP_NUM_THREADS='two' in the environment is not a whole number of threads: "
+                                                  "unset it, or set launcher.omp_num_threads\n")
