@@ -68,8 +68,8 @@ def build(cfg: Config, run_dir: str | Path, *, python: str, cpu_count: int, port
             argv += ["--no_ssh", f"--node_rank={launch.node_rank}"]
         argv += [f"--master_addr={launch.master_addr}", f"--master_port={master_port}", "--module", "finetune.train", config_path]
         files[DEEPSPEED_FILE] = json.dumps(deepspeed_config(cfg), indent=2) + "\n"
-    elif launch.nnodes == 1 and launch.nproc_per_node == 1 and not launch.rdzv_endpoint:
-        # One process: the rank itself, with the environment torchrun would give it (measured: torchrun's own
+    elif launch.name == LauncherName.auto and launch.nnodes == 1 and launch.nproc_per_node == 1 and not launch.rdzv_endpoint:
+        # One process (launcher=auto): the rank itself, with the environment torchrun would give it (measured: torchrun's own
         # start costs about 2 s of a short run). The launcher forwards signals to it as it would to torchrun.
         argv = [python, "-m", "finetune.train", config_path]
         rank_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": launch.master_addr,

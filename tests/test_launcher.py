@@ -56,6 +56,8 @@ def test_one_process_runs_the_rank_itself_with_torchruns_environment(compose):
                         "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
     zero = build(compose(["zero=stage2", "launcher.nproc_per_node=1", "parallelism=single"]), "/r", python="python", cpu_count=2)
     assert zero.argv[2] == "deepspeed.launcher.runner"  # DeepSpeed sets up its own ranks
+    asked = build(compose(["parallelism=single", "launcher.nproc_per_node=1", "launcher=torchrun"]), "/r", python="python", cpu_count=2)
+    assert asked.argv[2] == "torch.distributed.run"  # launcher=torchrun, said in so many words
     nodes = build(compose(["launcher.nnodes=2", "launcher.nproc_per_node=1", "launcher.master_addr=10.0.0.7", "launcher.master_port=29600",
                            "parallelism=ddp"]), "/r", python="python", cpu_count=2)
     assert nodes.argv[2] == "torch.distributed.run"  # one process per node, two nodes: torchrun's rendezvous
