@@ -42,7 +42,7 @@ from finetune.config import (
     launcher_for,
 )
 from finetune.data.sources import sources
-from finetune.disk import attention, config_source, config_value, local_config, model_config
+from finetune.disk import ALIASES, attention, config_source, config_value, local_config, model_config
 from finetune.families import (FAMILIES, adapted_outside_linears, arch_from_config, arch_targets, dora_experts, router_loss_split,
                                 router_loss_under_pp, unmatched_targets)
 
@@ -346,8 +346,6 @@ def check_model_structure(cfg: ModelConfig) -> None:
     at = "model.init." if cfg.init is not None else f"{config_source(cfg)}: "
 
     def name(key: str) -> str:  # the key as this config spells it (gpt2's n_head...)
-        from finetune.disk import ALIASES
-
         spelled = next((k for k in (key, *ALIASES.get(key, ())) if arch.get(k) is not None), key)
         return f"{at}{spelled}" if cfg.init is not None else spelled
 
