@@ -31,10 +31,11 @@ class Stopped(Exception):
         self.code = code
 
 
-STOP = {"signal": 0, "defer": False}
+STOP: dict[str, Any] = {"signal": 0, "defer": False, "why": ""}
 """signal: set by the SIGTERM/SIGINT handler (finish this step, save, stop). defer: once training
 has begun, a signal waits for the step boundary; before it there is nothing to save, so the rank
-stops at once (a rank whose peer failed is stopped by torchrun within seconds, not at a timeout)."""
+stops at once (a rank whose peer failed is stopped by torchrun within seconds, not at a timeout).
+why: what sent the signal, where this rank knows (" (its launcher, pid N, ended)")."""
 
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -63,7 +64,8 @@ def handle_signals() -> None:
     def note(signum: int, _frame: Any) -> None:
         STOP["signal"] = STOP["signal"] or signum  # the first one names the cause (torchrun relays Ctrl-C as SIGTERM)
         if not STOP["defer"]:
-            raise Stopped(f"stopped by {signal.Signals(signum).name} before training began: nothing to save", 128 + signum)
+            raise Stopped(f"stopped by {signal.Signals(signum).name}{STOP['why']} before training began: nothing to save",
+                          128 + signum)
 
     note.stops_rank = True  # type: ignore[attr-defined]
     if not FORK_HOOKS:
@@ -160,8 +162,8 @@ def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatche
         if signalled and step < cfg.max_steps:  # SIGTERM/SIGINT on some rank: save here and stop cleanly
             signum = signal.Signals(STOP["signal"] or signal.SIGTERM)  # this rank's, or the one another rank got
             where = save(step)
-            raise Stopped(f"stopped by {signum.name} after step {step}: resumable checkpoint {where}; continue with "
-                          "train.resume=auto", code=128 + int(signum))
+            raise Stopped(f"stopped by {signum.name}{STOP['why']} after step {step}: resumable checkpoint {where}; continue "
+                          "with train.resume=auto", code=128 + int(signum))
         if cfg.save_every and step % cfg.save_every == 0:
             save(step)
     after = run_eval(cfg.max_steps, final=True)
@@ -181,3 +183,37 @@ def progress(cfg: TrainConfig, dist: Dist, initial: int) -> Any:
 def say(dist: Dist, bar: Any, line: str) -> None:
     if dist.is_main:
         (bar.write if bar is not None else print)(line)
+
+
+def watch_launcher(token: str | None) -> None:
+    """Stop this rank, as SIGTERM does (saving at the next step boundary), when the launcher process
+    named by `token` (pid@host, FINETUNE_LAUNCHER) ends first: killed with SIGKILL, it could pass nothing
+    on, and torchrun or deepspeed, orphaned, would run the job on. Its stderr was the launcher's pipe:
+    from then on what this rank writes there goes to stdout. A launcher on another host is not watched."""
+    import socket
+    import threading
+
+    pid, _, host = (token or "").partition("@")
+    if not pid.isdigit() or host != socket.gethostname():
+        return
+
+    def gone() -> None:
+        os.dup2(1, 2)
+        STOP["why"] = f" (its launcher, pid {pid}, ended)"
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    try:
+        fd = os.pidfd_open(int(pid))
+    except ProcessLookupError:
+        gone()
+        return
+    except (AttributeError, OSError):  # no pidfd (not Linux 5.3+): not watched
+        return
+
+    def wait() -> None:
+        import select
+
+        select.select([fd], [], [])  # readable when the process ends
+        gone()
+
+    threading.Thread(target=wait, name="watch-launcher", daemon=True).start()
