@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -18,8 +20,11 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # cores every small op waits for a descheduled thread at its barrier (measured: a 4-step in-process run takes 22 s
 # with 2 threads under that load, 3.5 s with 1). Set before torch is imported; the launcher honours it for the ranks.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# The token cache (finetune/data/cache.py) of this test session: shared by its runs, never the user's.
-os.environ.setdefault("FINETUNE_CACHE_DIR", tempfile.mkdtemp(prefix="finetune-tokens-"))
+# The token cache (finetune/data/cache.py) of this test session: shared by its runs (xdist's workers inherit it),
+# never the user's, and removed when the session that made it ends.
+if "FINETUNE_CACHE_DIR" not in os.environ:
+    os.environ["FINETUNE_CACHE_DIR"] = tempfile.mkdtemp(prefix="finetune-tokens-")
+    atexit.register(shutil.rmtree, os.environ["FINETUNE_CACHE_DIR"], ignore_errors=True)
 
 REPO = Path(__file__).resolve().parent.parent
 

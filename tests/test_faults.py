@@ -184,7 +184,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_names_the_disk_and_resumes_to
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["ddp", "zero2"])
+@pytest.mark.parametrize("engine", ["single", "ddp", "fsdp", "zero2"])
 def test_sigkill_of_the_launcher_stops_its_ranks_with_a_checkpoint_and_resume_gives_the_same_weights(engine, reference, tmp_path):
     """SIGKILL cannot be passed on: each rank watches its launcher, and saves and stops when it is gone."""
     ref, run = reference(engine), tmp_path / "run"
@@ -207,13 +207,14 @@ def test_sigkill_of_the_launcher_stops_its_ranks_with_a_checkpoint_and_resume_gi
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine,how", [("zero2", "SIGTERM"), ("ddp", "SIGINT"), ("zero2", "SIGINT")],
-                         ids=["zero2-sigterm", "ddp-ctrl-c", "zero2-ctrl-c"])
-def test_sigterm_or_ctrl_c_saves_stops_and_leaves_no_process(engine, how, tmp_path):
+@pytest.mark.parametrize("engine,how", [("single", "SIGINT"), ("ddp", "SIGINT"), ("fsdp", "SIGTERM"), ("zero2", "SIGTERM"),
+                                        ("zero2", "SIGINT")],
+                         ids=["single-ctrl-c", "ddp-ctrl-c", "fsdp-sigterm", "zero2-sigterm", "zero2-ctrl-c"])
+def test_sigterm_or_ctrl_c_saves_stops_leaves_no_process_and_resumes_to_the_same_weights(engine, how, reference, tmp_path):
     """SIGTERM to the launcher (a scheduler), or SIGINT to its whole process group (Ctrl-C in a terminal):
     deepspeed's runner dies of either without passing it on; its launch.py and the ranks still end."""
-    run = tmp_path / "run"
-    proc = start([*ENGINES[engine], "train.max_steps=2000"], run)
+    ref, run = reference(engine), tmp_path / "run"
+    proc = start(ENGINES[engine], run)
     assert wait_for(lambda: steps_done(run) >= 2), proc.communicate()[1][-3000:] if proc.poll() is not None else "no step"
     if how == "SIGTERM":
         os.kill(proc.pid, signal.SIGTERM)
@@ -226,6 +227,8 @@ def test_sigterm_or_ctrl_c_saves_stops_and_leaves_no_process(engine, how, tmp_pa
     assert last_line(err) == f"error: stopped by {how} after step {step.name.removeprefix('step_')}: resumable checkpoint {step}; " \
                              "continue with train.resume=auto", err[-3000:]
     assert "KeyboardInterrupt" not in err and "Traceback" not in err
+    assert steps_done(run) < STEPS
+    resume(engine, run, ref, resumed_from=int(step.name.removeprefix("step_")))
 
 
 @pytest.mark.slow
