@@ -115,7 +115,7 @@ def claim(run_dir: Path, cfg: Config, *, touch: bool = True) -> bool:
             writable = rundir.claim(run_dir, cfg.train, dry_run=dry_run, dir_key=dir_key)
         else:
             writable = rundir.verdict(run_dir, cfg.train, dry_run=dry_run, dir_key=dir_key)[0]
-        if writable and not dry_run and run_dir not in LOCKS:
+        if touch and writable and not dry_run and run_dir not in LOCKS:  # asked before the checks: nothing made yet
             LOCKS[run_dir] = rundir.Lock.take(run_dir, shared=cfg.launcher.nnodes > 1, dir_key=dir_key)
         return writable
     except ConfigError as e:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import select
 import signal
 import time
 from pathlib import Path
@@ -63,6 +64,7 @@ def handle_signals() -> None:
     unblocking them: one that arrived in between is then delivered, and ends it."""
     def note(signum: int, _frame: Any) -> None:
         STOP["signal"] = STOP["signal"] or signum  # the first one names the cause (torchrun relays Ctrl-C as SIGTERM)
+        launcher_ended()  # torchrun or deepspeed, broken by its launcher's end, may signal first: say why all the same
         if not STOP["defer"]:
             raise Stopped(f"stopped by {signal.Signals(signum).name}{STOP['why']} before training began: nothing to save",
                           128 + signum)
@@ -161,6 +163,7 @@ def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatche
             run_eval(step, final=False)
         if signalled and step < cfg.max_steps:  # SIGTERM/SIGINT on some rank: save here and stop cleanly
             signum = signal.Signals(STOP["signal"] or signal.SIGTERM)  # this rank's, or the one another rank got
+            launcher_ended()  # the other rank's may have been its launcher's end
             where = save(step)
             raise Stopped(f"stopped by {signum.name}{STOP['why']} after step {step}: resumable checkpoint {where}; continue "
                           "with train.resume=auto", code=128 + int(signum))
@@ -185,35 +188,54 @@ def say(dist: Dist, bar: Any, line: str) -> None:
         (bar.write if bar is not None else print)(line)
 
 
+LAUNCHER: dict[str, Any] = {"pid": "", "fd": None}
+"""The launcher this rank watches (`watch_launcher`): its pid, and a pidfd that is readable once it ended."""
+
+
 def watch_launcher(token: str | None) -> None:
     """Stop this rank, as SIGTERM does (saving at the next step boundary), when the launcher process
     named by `token` (pid@host, FINETUNE_LAUNCHER) ends first: killed with SIGKILL, it could pass nothing
-    on, and torchrun or deepspeed, orphaned, would run the job on. Its stderr was the launcher's pipe:
-    from then on what this rank writes there goes to stdout. A launcher on another host is not watched."""
+    on, and torchrun or deepspeed, orphaned, would run the job on (or, their stderr broken with it, stop
+    the ranks with a SIGTERM of their own: `note` then finds the launcher gone too). A launcher on
+    another host is not watched."""
     import socket
     import threading
 
     pid, _, host = (token or "").partition("@")
     if not pid.isdigit() or host != socket.gethostname():
         return
-
-    def gone() -> None:
-        os.dup2(1, 2)
-        STOP["why"] = f" (its launcher, pid {pid}, ended)"
-        os.kill(os.getpid(), signal.SIGTERM)
-
     try:
         fd = os.pidfd_open(int(pid))
     except ProcessLookupError:
-        gone()
+        LAUNCHER["pid"] = pid
+        _gone()
+        os.kill(os.getpid(), signal.SIGTERM)
         return
     except (AttributeError, OSError):  # no pidfd (not Linux 5.3+): not watched
         return
+    LAUNCHER.update(pid=pid, fd=fd)
 
     def wait() -> None:
-        import select
-
         select.select([fd], [], [])  # readable when the process ends
-        gone()
+        launcher_ended()
+        os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=wait, name="watch-launcher", daemon=True).start()
+
+
+def launcher_ended() -> bool:
+    """Whether the watched launcher has ended; the first time it is found so, this rank's stop line
+    names it, and what the rank writes to stderr (the dead launcher's pipe) goes to stdout from then on."""
+    if STOP["why"]:
+        return True
+    fd = LAUNCHER["fd"]
+    if fd is None or not select.select([fd], [], [], 0)[0]:
+        return False
+    _gone()
+    return True
+
+
+def _gone() -> None:
+    if not STOP["why"]:
+        os.dup2(1, 2)  # first: once `why` is set, the main thread may print
+        STOP["why"] = f" (its launcher, pid {LAUNCHER['pid']}, ended)"

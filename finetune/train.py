@@ -156,7 +156,8 @@ class RankStatus:
 
     def report(self, line: str, *, show: bool = True, prefix: str = "error: ", root: bool = True) -> None:
         """Record why this rank ends. The first rank to report a root cause writes RUN_DIR/error.txt (the
-        others usually fail because it left) and prints the line; the others only record it here."""
+        others usually fail because it left) and prints the line; the others only record it here (with
+        its launcher gone, nobody reads error.txt: rank 0 prints its own line)."""
         self.info["root"] = root
         self.write(f"failed: {line}")
         self.reason = line
@@ -165,8 +166,9 @@ class RankStatus:
         try:
             with open(self.run_dir / ERROR_FILE, "x") as f:
                 f.write(f"{line}\n")
-        except FileExistsError:
-            return
+        except FileExistsError:  # another rank's line: the launcher prints it, unless it is gone (SIGKILL)
+            if not (show and loop.launcher_ended()):
+                return
         except OSError:  # a full disk: an empty error.txt would hide the ranks' statuses from the launcher
             with contextlib.suppress(OSError):
                 (self.run_dir / ERROR_FILE).unlink()

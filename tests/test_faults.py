@@ -200,7 +200,8 @@ def test_sigkill_of_the_launcher_stops_its_ranks_with_a_checkpoint_and_resume_gi
     assert step is not None, out[-3000:]
     stop = (f"stopped by SIGTERM (its launcher, pid {proc.pid}, ended) after step {step.name.removeprefix('step_')}: "
             f"resumable checkpoint {step}; continue with train.resume=auto")
-    assert stop in out.splitlines(), out[-3000:]  # rank 0's line: its stderr was the launcher's pipe, so it says it on stdout
+    ranks = {f.name: f.read_text().strip() for f in (run / "ranks").glob("*")}
+    assert stop in out.splitlines(), (out[-3000:], ranks)  # rank 0's line: its stderr was the launcher's pipe, so it says it on stdout
     assert all(json.loads(f.read_text())["reason"] == stop for f in (run / "ranks").glob("*.json"))
     assert steps_done(run) < STEPS
     resume(engine, run, ref, resumed_from=int(step.name.removeprefix("step_")))
