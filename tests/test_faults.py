@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from finetune import checkpoint
 
-from conftest import last_line, read_metrics
+from conftest import kill_whole_job, last_line, steps_done, wait_for
 
 STEPS = 12  # every run of an engine follows the same trajectory (the schedule decays over max_steps)
 RUN = [sys.executable, "-m", "finetune.launch", "+recipe=quickstart_sft", "train.progress_bar=false", "train.eval_every=0",
@@ -50,22 +50,6 @@ def start(args: list[str], run_dir: Path) -> subprocess.Popen:
     """The launcher in a session of its own, as a terminal's foreground job or a scheduler's step is."""
     return subprocess.Popen([*RUN, *args, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
-def steps_done(run_dir: Path) -> int:
-    try:
-        return sum(m["kind"] == "train" for m in read_metrics(run_dir))
-    except (FileNotFoundError, json.JSONDecodeError):
-        return 0
-
-
-def wait_for(predicate, timeout: float = 240) -> bool:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def job_processes(run_dir: Path) -> list[str]:
@@ -281,13 +265,7 @@ def test_a_second_launch_into_a_live_runs_directory_is_refused_and_a_crashed_run
         done = steps_done(run)
         assert wait_for(lambda: steps_done(run) > done + 1, timeout=60) and live.poll() is None  # undisturbed
     finally:
-        # A crash: the whole job killed at once (a node failure), leaving its .lock behind.
-        ranks = [json.loads(f.read_text())["pid"] for f in (run / "ranks").glob("*.json")]
-        os.killpg(live.pid, signal.SIGKILL)
-        for pid in ranks:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        live.communicate(timeout=60)
+        kill_whole_job(live, run)  # a crash (a node failure), leaving its .lock behind
     assert json.loads((run / ".lock").read_text())["pid"] == live.pid
     step = int(checkpoint.resolve("auto", run).name.removeprefix("step_"))
     out = launch([f"train.max_steps={step + 1}", "train.resume=auto"], run)

@@ -4,7 +4,6 @@ SIGTERM saving a resumable checkpoint, kill -9 of the whole job or of one rank."
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
@@ -21,7 +20,7 @@ from safetensors.torch import load_file
 from finetune import checkpoint
 from finetune.config import ConfigError
 
-from conftest import REPO, last_line, read_metrics, train_here
+from conftest import REPO, last_line, kill_whole_job, read_metrics, steps_done, train_here, wait_for
 
 QUICK = ["train.max_steps=6", "train.micro_batch_size=8", "train.global_batch_size=8", "optim.warmup_steps=1", "train.eval_every=0",
          "data.eval_size=0", "data.eval=null", "train.exact_match_samples=0", "train.memory_report=false"]
@@ -161,22 +160,6 @@ def start(args, tmp_path, name):
                             stderr=subprocess.PIPE, text=True, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def wait_for(predicate, timeout=240):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def steps_done(run_dir):
-    try:
-        return len(train_rows(run_dir))
-    except (FileNotFoundError, json.JSONDecodeError):
-        return 0
-
-
 @pytest.mark.slow
 def test_sigterm_saves_a_resumable_checkpoint_and_stops_cleanly(tmp_path):
     proc = start(["train.max_steps=2000"], tmp_path, "run")
@@ -270,14 +253,7 @@ def test_kill_9_then_resume_gives_the_uninterrupted_weights(engine, tmp_path):
     assert full.returncode == 0, full.stderr[-2000:]
     proc = start(common, tmp_path, "killed")
     assert wait_for(lambda: (tmp_path / "killed/checkpoints/latest").is_file())  # mid-run: after its first checkpoint
-    # The whole job at once, as a node failure or Slurm's cgroup kill does: the launcher and its
-    # launcher child, and every rank (torchrun starts each rank in a session of its own).
-    ranks = [json.loads(f.read_text())["pid"] for f in (tmp_path / "killed/ranks").glob("*.json")]
-    os.killpg(proc.pid, signal.SIGKILL)
-    for pid in ranks:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    proc.communicate(timeout=60)
+    kill_whole_job(proc, tmp_path / "killed")
     assert not (tmp_path / "killed/final").exists()
     resumed = subprocess.run([*RUN, *common, "train.resume=auto", f"hydra.run.dir={tmp_path / 'killed'}"], cwd=tmp_path,
                              capture_output=True, text=True, timeout=600)
