@@ -15,11 +15,14 @@ truncated or lost file, a meta.json that does not parse) is named, and `auto` ta
 from __future__ import annotations
 
 import contextlib
+import errno
+import gc
 import hashlib
 import json
 import os
 import random
 import shutil
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -93,45 +96,149 @@ def config_hash(settings: dict[str, Any]) -> str:
 @contextlib.contextmanager
 def writing(root: Path, step: int, cfg: Config, dist: Any, keep: int = 0) -> Iterator[Path]:
     """Yield the temporary directory every rank writes step `step` into; on success rank 0
-    renames it to step_<N>, writes meta.json, points `latest` at it and keeps the newest `keep`
-    (0: all). On failure the temporary directory is removed and the error says what is intact."""
+    writes meta.json, renames it to step_<N>, points `latest` at it and keeps the newest `keep`
+    (0: all).
+
+    Whatever stops a rank's part (a full disk, a quota, an engine's own error; DCP's
+    CheckpointException, a BaseException, included) is caught here, and the ranks agree on it before
+    anyone leaves: a rank that raised on its own while its peers waited in a collective would hang
+    them, and would report itself from a disk too full for its report. The temporary directory is
+    removed (freeing what the failed save took) and every rank raises the same CheckpointError,
+    naming the ranks, the cause and the checkpoint that is intact; `own` tells the failing ranks."""
     final, tmp = root / tag(step), root / f"{TMP_PREFIX}{tag(step)}"
+    failure: BaseException | None = None
     if dist.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
+        try:
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            failure = e
+    if dist.sum(float(failure is not None))[0]:  # every rank waits here for the directory, as a barrier would
+        _failed(root, step, dist, failure)
     try:
         yield tmp
         torch.save(rng_state(), tmp / f"rng_{dist.rank}.pt")
-        ok = 1
-    except OSError as e:  # disk full, quota, permissions: this rank could not write its part
-        ok, reason = 0, f"{e.strerror or e}"
-    (everyone_ok,) = dist.sum(ok)
-    if everyone_ok < dist.world_size:
-        if dist.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        dist.barrier()
-        previous = intact(root)[0]
-        kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
-        why = reason if not ok else "another rank could not write its part"
-        raise CheckpointError(f"saving checkpoint {tag(step)} in {root} failed ({why}): {kept}; free space or change the run directory")
+    except BaseException as e:  # noqa: BLE001 - reported below, once every rank knows
+        if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+            raise
+        _let_go(e)
+        failure = _own_failure(e, dist.rank)
+        if failure is None:  # DCP's: another rank's part failed, this one's is written
+            failure = _PEER
+    if dist.sum(float(failure is not None))[0]:
+        _failed(root, step, dist, None if failure is _PEER else failure)
     if dist.is_main:
-        settings = trajectory(cfg)
-        files = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-        meta = {"step": step, "config_hash": config_hash(settings), "settings": settings, "layout": layout(cfg),
-                "data": fingerprint(cfg.data), "files": files}
-        (tmp / META).write_text(json.dumps(meta, indent=2, default=str) + "\n")
-        shutil.rmtree(final, ignore_errors=True)  # an older save of the same step (a resumed run passing it again)
-        os.replace(tmp, final)
-        mark_latest(root, step)
-        if keep:
-            for old in complete(root)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
+        try:
+            settings = trajectory(cfg)
+            files = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+            meta = {"step": step, "config_hash": config_hash(settings), "settings": settings, "layout": layout(cfg),
+                    "data": fingerprint(cfg.data), "files": files}
+            (tmp / META).write_text(json.dumps(meta, indent=2, default=str) + "\n")
+            shutil.rmtree(final, ignore_errors=True)  # an older save of the same step (a resumed run passing it again)
+            os.replace(tmp, final)
+            mark_latest(root, step)
+        except OSError as e:
+            failure = e
+    if dist.sum(float(failure is not None))[0]:  # rank 0 could not finish it: nobody goes on as if saved
+        _failed(root, step, dist, failure)
+    if dist.is_main and keep:
+        for old in complete(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
 
 
+_PEER = RuntimeError("another rank's part failed")
+MIB = 2**20
+
+
+def _let_go(e: BaseException | None) -> None:
+    """Clear the frames of `e`'s tracebacks (and its causes'): torch.save's C++ writer, still referenced
+    from them, keeps the file it failed to finish open, and the space it took is freed only when it closes."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        e = e.__cause__ or e.__context__
+    gc.collect()
+
+
+def _own_failure(e: BaseException, rank: int) -> BaseException | None:
+    """This rank's own failure in `e`: DCP raises one CheckpointException on every rank, listing the
+    ranks whose part failed (rank -> (exception, traceback)); anything else is this rank's."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and type(e).__name__ == "CheckpointException":
+        mine = failures.get(rank)
+        return mine[0] if isinstance(mine, tuple) else mine
+    return e
+
+
+def _why(e: BaseException, where: Path) -> str:
+    """A failed write in words: the OS's reason where it gave one; torch.save reports a full disk as
+    its zip writer's RuntimeError ('unexpected pos', 'iostream error'), so a disk found full says so."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror
+        seen = seen.__cause__ or seen.__context__
+    if _free(where) < MIB:
+        return os.strerror(errno.ENOSPC)
+    return f"{type(e).__name__}: {_first_line(e)}"
+
+
+def free_mib(where: Path) -> float:
+    """MiB free for us on the filesystem holding `where`."""
+    return _free(where) / MIB
+
+
+def _free(where: Path) -> int:
+    """Bytes free for us on the filesystem holding `where` (or its nearest existing parent)."""
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        return shutil.disk_usage(where).free
+    except OSError:
+        return 1 << 62
+
+
+def _failed(root: Path, step: int, dist: Any, failure: BaseException | None) -> None:
+    """After the ranks found that saving `step` failed: every rank learns who failed and why, rank 0
+    removes the temporary directory, and every rank raises the same CheckpointError."""
+    reason = None if failure is None else _why(failure, root)
+    reasons = dist.gather(reason)
+    free = 0.0
+    if dist.is_main:
+        shutil.rmtree(root / f"{TMP_PREFIX}{tag(step)}", ignore_errors=True)
+        free = _free(root) / MIB  # with the failed save's space back: every rank says the same
+    (free,) = dist.sum(free)  # and a barrier: the temporary directory is gone for every rank
+    failed = [r for r, why in enumerate(reasons) if why is not None]
+    by_reason: dict[str, list[int]] = {}
+    for r in failed:
+        by_reason.setdefault(reasons[r], []).append(r)
+    what = "; ".join(f"on {_ranks(rs)}: {why}" for why, rs in by_reason.items()) or "(no rank said why)"
+    previous = intact(root)[0]
+    full = any(why in (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT)) for why in by_reason)
+    if full:
+        size = sum(json.loads((previous / META).read_text()).get("files", {}).values()) if previous else 0
+        what += f" ({free:.1f} MiB free there" + (f"; a checkpoint takes {size / MIB:.1f} MiB)" if size else ")")
+    kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+    todo = "free space there" if full else "fix the cause"
+    then = "then continue with train.resume=auto" if previous else "then run again"
+    error = CheckpointError(f"saving checkpoint {tag(step)} in {root} failed {what}: {kept}; {todo}, {then}")
+    error.own = reason is not None
+    raise error from failure
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
+
+
 class CheckpointError(RuntimeError):
-    """Saving failed; the message says what is intact. Ends the run with one line."""
+    """Saving failed; the message says on which ranks, why, and what is intact. Ends the run with one
+    line. `own`: this rank's part is what failed (the others report it as a consequence)."""
+
+    own = True
 
 
 def complete(root: Path) -> list[Path]:

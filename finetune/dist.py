@@ -6,6 +6,7 @@ import contextlib
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,14 @@ class Dist:
         on_device = t.to(self.device)
         dist.all_reduce(on_device)
         return on_device.to(t.device)
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's `value` (picklable), in rank order, on every rank; [value] on one process."""
+        if self.world_size == 1:
+            return [value]
+        values: list[Any] = [None] * self.world_size
+        dist.all_gather_object(values, value)
+        return values
 
     def barrier(self) -> None:
         if self.world_size > 1:

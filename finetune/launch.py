@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -32,7 +33,7 @@ from finetune import disk, plan, rundir, sweep
 from finetune.compose import RECIPES, _first_line, fail, preflight, run_once, sweep_trials, typed
 from finetune.config import Config, ConfigError
 from finetune.data import forms
-from finetune.launcher import ERROR_FILE, RANKS_DIR, LaunchSpec, build
+from finetune.launcher import ERROR_FILE, LAUNCHER_ENV, RANKS_DIR, LaunchSpec, build
 
 
 
@@ -97,14 +98,37 @@ class TrialFailed(Exception):
 
 def claim(run_dir: Path, cfg: Config, *, touch: bool = True) -> bool:
     """May this launch write into `run_dir` (see `rundir.claim`; touch=False: `rundir.verdict`,
-    asked before Hydra writes its own files there, before the checks that may still refuse the run)."""
+    asked before Hydra writes its own files there, before the checks that may still refuse the run).
+    A live run's directory is refused first (a dry run warns), and a launch that may write there takes
+    its lock (RUN_DIR/.lock, `rundir.Lock`) for the launch's life."""
     dir_key = "run_dir" if cfg.run_dir else f"hydra.{'sweep' if _sweeping() else 'run'}.dir"
-    try:  # another run's results there: refused (a dry run warns), or removed with train.overwrite=true
-        if not touch:
-            return rundir.verdict(run_dir, cfg.train, dry_run=cfg.launcher.dry_run, dir_key=dir_key)[0]
-        return rundir.claim(run_dir, cfg.train, dry_run=cfg.launcher.dry_run, dir_key=dir_key)
+    dry_run, run_dir = cfg.launcher.dry_run, run_dir.resolve()
+    try:
+        if run_dir not in LOCKS and rundir.busy(run_dir):  # a live run's: refused before the rest is said of it
+            if dry_run:
+                if touch:
+                    print(f"warning: {rundir.in_use(run_dir, dir_key)}; this dry run writes nothing there", file=sys.stderr)
+                return False
+            raise ConfigError(rundir.in_use(run_dir, dir_key))
+        # another run's results there: refused (a dry run warns), or removed with train.overwrite=true
+        if touch:
+            writable = rundir.claim(run_dir, cfg.train, dry_run=dry_run, dir_key=dir_key)
+        else:
+            writable = rundir.verdict(run_dir, cfg.train, dry_run=dry_run, dir_key=dir_key)[0]
+        if touch and writable and not dry_run and run_dir not in LOCKS:  # asked before the checks: nothing made yet
+            LOCKS[run_dir] = rundir.Lock.take(run_dir, shared=cfg.launcher.nnodes > 1, dir_key=dir_key)
+        return writable
     except ConfigError as e:
         raise TrialFailed(2, str(e), ends_sweep=True) from None  # a sweep into an old sweep's directory stops here
+
+
+LOCKS: dict[Path, rundir.Lock] = {}
+"""The run directories this process holds (one at a time: a sweep's trials run one after another)."""
+
+
+def release_locks() -> None:
+    while LOCKS:
+        LOCKS.popitem()[1].release()
 
 
 def _sweeping() -> bool:
@@ -114,6 +138,13 @@ def _sweeping() -> bool:
 def launch_once(dcfg: DictConfig, cfg: Config | None = None) -> float | None:
     """Validate (unless `cfg` is `dcfg` validated already), claim the run directory, write it, show
     the launch and run it. Returns the final eval loss (None for a dry run); raises TrialFailed."""
+    try:
+        return _launch_once(dcfg, cfg)
+    finally:
+        release_locks()  # the next trial of a sweep takes its own directory
+
+
+def _launch_once(dcfg: DictConfig, cfg: Config | None = None) -> float | None:
     try:
         cfg = cfg or typed(dcfg)
         threads = env_threads()
@@ -130,8 +161,11 @@ def launch_once(dcfg: DictConfig, cfg: Config | None = None) -> float | None:
     writable = claim(run_dir, cfg)
     spec = build(cfg, run_dir, python=sys.executable, cpu_count=os.cpu_count() or 1, port=free_port(), env_threads=threads)
     if writable:
-        sweep.clear_status(run_dir)  # a trial that starts again is not failed until it fails again
-        write_files(spec, run_dir)
+        try:
+            sweep.clear_status(run_dir)  # a trial that starts again is not failed until it fails again
+            write_files(spec, run_dir)
+        except OSError as e:
+            raise TrialFailed(1, f"cannot write the run directory {run_dir}: {e.strerror or e}{disk_note(run_dir)}") from None
     if cfg.launcher.dry_run:
         print(spec.files["config.yaml"], end="")
         print(f"# run directory: {run_dir}")
@@ -146,18 +180,25 @@ def launch_once(dcfg: DictConfig, cfg: Config | None = None) -> float | None:
     (run_dir / ERROR_FILE).unlink(missing_ok=True)
     shutil.rmtree(run_dir / RANKS_DIR, ignore_errors=True)  # each rank records itself anew
     (run_dir / RANKS_DIR).mkdir()
-    code = execute(spec, log=run_dir / RANKS_DIR / "launcher.log")
+    LOCKS[run_dir].share()  # the ranks hold it too: a killed launcher's ranks still keep the directory
+    code, killed, signum = execute(spec, log=run_dir / RANKS_DIR / "launcher.log")
+    if code == 0 and not all_done(run_dir):  # deepspeed's runner exits 0 when its launch.py was killed
+        code = 1
+    if signum and code != 0:  # stopped by a signal: the shell's code for it (torchrun says 1, deepspeed -signum)
+        code = 128 + signum
     if code != 0:
         reason = run_dir / ERROR_FILE  # a rank's one-line reason for a user mistake, if it found one
-        if reason.is_file():
-            raise TrialFailed(code, reason.read_text().strip())
+        line = reason.read_text().strip() if reason.is_file() else ""
         died = silent_deaths(run_dir)
-        if died:
-            raise TrialFailed(code, f"{died}; the job stopped")
         failed = rank_failures(run_dir)  # only lost peers: the first rank's line
-        if failed:
-            raise TrialFailed(code, failed[0])
-        raise TrialFailed(code, f"training exited with code {code}", "; see the output above")
+        if not line and died:
+            line = f"{died}; the job stopped"
+        line = line or (failed[0] if failed else "")
+        if not line:
+            raise TrialFailed(code, f"training exited with code {code}{disk_note(run_dir)}", "; see the output above")
+        if killed:
+            line += f" (killed {len(killed)} of its processes that outlived it: pid {', '.join(map(str, killed))})"
+        raise TrialFailed(code, line + disk_note(run_dir) if died else line)
     loss = sweep.eval_loss(run_dir)
     return loss if loss is not None else float("inf")
 
@@ -301,14 +342,37 @@ def make_model_first(cfg: Config) -> None:
 
 
 def rank_failures(run_dir: Path) -> list[str]:
-    """The one-line reasons ranks recorded in RUN_DIR/ranks/R.json ('failed: ...'), by rank."""
+    """The one-line reasons ranks recorded in RUN_DIR/ranks/R.json ('failed: ...', or 'reason' beside the final
+    status), root causes first (a rank's own failure, not its peer's loss), then by rank."""
     lines = []
     for path in sorted((run_dir / RANKS_DIR).glob("*.json"), key=lambda p: int(p.stem)):
         with contextlib.suppress(ValueError, OSError):
-            status = json.loads(path.read_text()).get("status", "")
-            if status.startswith("failed: "):
-                lines.append(status.removeprefix("failed: "))
-    return lines
+            info = json.loads(path.read_text())
+            status = info.get("status", "")
+            if status.startswith("failed: ") or info.get("reason"):  # the reason stays beside the final 'exited N'
+                lines.append((not info.get("root", True), info.get("reason") or status.removeprefix("failed: ")))
+    return [line for _, line in sorted(lines, key=lambda kv: kv[0])]  # root causes first, then by rank
+
+
+def all_done(run_dir: Path) -> bool:
+    """Every rank recorded that it finished (RUN_DIR/ranks/R.json 'done'), and there was a rank."""
+    statuses = []
+    for path in (run_dir / RANKS_DIR).glob("*.json"):
+        with contextlib.suppress(ValueError, OSError):
+            statuses.append(json.loads(path.read_text()).get("status"))
+    return bool(statuses) and all(s == "done" for s in statuses)
+
+
+def disk_note(run_dir: Path) -> str:
+    """'; the disk holding RUN_DIR is full ...' when it is (what a rank could not even record), else ''."""
+    try:
+        free = shutil.disk_usage(run_dir).free
+    except OSError:
+        return ""
+    if free >= 2**20:
+        return ""
+    return (f"; the disk holding {run_dir} is full ({free / 2**20:.1f} MiB free): free space there, then continue with "
+            "train.resume=auto")
 
 
 def silent_deaths(run_dir: Path) -> str | None:
@@ -348,29 +412,98 @@ def write_files(spec: LaunchSpec, run_dir: Path) -> None:
         (run_dir / name).write_text(content)
 
 
-def execute(spec: LaunchSpec, log: Path | None = None) -> int:
+SETTLE_S = 60
+"""Seconds the job's processes that outlive the launch's own child get to end (ranks saving a
+checkpoint at their step boundary) before they are killed."""
+
+
+def execute(spec: LaunchSpec, log: Path | None = None) -> tuple[int, list[int], int]:
     """Run the launch as a child process sharing our stdout; its stderr passes through `Relay`
     (which keeps the launcher's own failure report out of sight: the ranks' one line says it).
-    Returns the exit code."""
-    proc = subprocess.Popen(spec.argv, env={**os.environ, **spec.env}, stderr=subprocess.PIPE)
+
+    The child runs in a session of its own, so a terminal's Ctrl-C reaches this process only, and each
+    SIGINT/SIGTERM we receive goes to the child's whole process group, once: torchrun passes it to its
+    ranks (each in a session of its own); deepspeed's runner dies of it, while its launch.py and the
+    ranks, in the group, get it themselves. No process of the job outlives us: once the child has ended,
+    what is left of the job (deepspeed's launch.py and ranks after its runner died; ranks whose torchrun
+    was killed) gets SETTLE_S seconds to end (with SIGTERM, so that ranks save and stop, unless a
+    signal was passed on already), and is then killed. Returns the exit code, the pids killed so, and
+    the first signal passed on (0: none)."""
+    token = f"{os.getpid()}@{socket.gethostname()}"  # LAUNCHER_ENV: each rank stops when this process ends (loop.watch_launcher)
+    proc = subprocess.Popen(spec.argv, env={**os.environ, **spec.env, LAUNCHER_ENV: token}, stderr=subprocess.PIPE,
+                            start_new_session=True)
     relay = threading.Thread(target=Relay(log).run, args=(proc.stderr,), daemon=True)
     relay.start()
-    forward = lambda signum, _frame: proc.send_signal(signum)  # noqa: E731 - Ctrl-C/SIGTERM reach the job
+    sent: list[int] = []
+
+    def forward(signum: int, _frame: Any) -> None:  # Ctrl-C/SIGTERM reach the job
+        sent.append(signum)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signum)
+        if proc.returncode is not None:  # its group may be gone, not the rest of the job
+            for pid in job_processes(token):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signum)
+
     main_thread = threading.current_thread() is threading.main_thread()
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
     try:
         code = proc.wait()
+        killed = settle(token, told=bool(sent))
         relay.join(timeout=10)
-        return code
+        return code, killed, sent[0] if sent else 0
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
 
 
+def settle(token: str, *, told: bool, grace: float = SETTLE_S) -> list[int]:
+    """Wait for the job's processes still alive after the launch's own child ended (see `execute`);
+    SIGTERM them first unless `told`; after `grace` seconds SIGKILL the rest. Returns the pids killed."""
+    deadline = time.monotonic() + grace
+    while True:
+        left = job_processes(token)
+        if not left:
+            return []
+        if not told:
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGTERM)
+            told = True
+        if time.monotonic() > deadline:
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            return left
+        time.sleep(0.1)
+
+
+def job_processes(token: str) -> list[int]:
+    """Live processes (not zombies) of this user whose environment carries FINETUNE_LAUNCHER=`token`:
+    every process of the job, wherever it was reparented ([] where /proc is not)."""
+    marker = f"\0{LAUNCHER_ENV}={token}\0".encode()
+    found = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat", "rb") as f:
+                    if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                        continue
+                with open(f"/proc/{entry.name}/environ", "rb") as f:
+                    if marker in b"\0" + f.read():
+                        found.append(int(entry.name))
+            except (OSError, IndexError):
+                continue
+    return found
+
+
 class Relay:
     """Copy the job's stderr to ours as it comes (progress bars included), except torchrun's
     report of a failed child: a Python traceback ending in ChildFailedError and its ==== block,
-    and elastic's `failed (exitcode ...)` log line. Everything, dropped lines too, goes to `log`."""
+    and elastic's `failed (exitcode ...)` log line; and the traceback of torchrun's SignalException
+    or of deepspeed's runner's KeyboardInterrupt when a signal we passed on ended them. Everything, dropped lines too, goes to `log`."""
 
     def __init__(self, log: Path | None) -> None:
         self.log = open(log, "ab") if log is not None else None  # noqa: SIM115 - closed in run()
@@ -381,9 +514,7 @@ class Relay:
         pending = b""
         try:
             while chunk := os.read(stream.fileno(), 65536):
-                if self.log:
-                    self.log.write(chunk)
-                    self.log.flush()
+                self.keep(chunk)
                 *lines, pending = (pending + chunk).split(b"\n")
                 for line in lines:
                     self.line(line + b"\n")
@@ -396,7 +527,19 @@ class Relay:
             self.out(b"".join(self.held))
         finally:
             if self.log:
-                self.log.close()
+                with contextlib.suppress(OSError):
+                    self.log.close()
+
+    def keep(self, chunk: bytes) -> None:
+        """Into the log; a full disk ends the log, never the relay (the job would block on a full pipe)."""
+        if self.log:
+            try:
+                self.log.write(chunk)
+                self.log.flush()
+            except OSError:
+                with contextlib.suppress(OSError):
+                    self.log.close()
+                self.log = None
 
     def line(self, line: bytes) -> None:
         if self.rules_left:
@@ -408,6 +551,8 @@ class Relay:
             self.held.append(line)
         elif self.held and b"ChildFailedError" in line:
             self.held, self.rules_left = [], 2
+        elif self.held and (line.strip() == b"KeyboardInterrupt" or b"SignalException: Process " in line):
+            self.held = []  # deepspeed's runner or torchrun, ended by the signal we passed on: the ranks' line says it
         elif re.match(rb"E\d{4} .*elastic/multiprocessing/api.py:\d+\] failed \(exitcode", line):
             return
         else:

@@ -20,6 +20,7 @@ CONFIG_FILE = "config.yaml"
 DEEPSPEED_FILE = "deepspeed.json"
 ERROR_FILE = "error.txt"  # a rank writes the one-line reason for a user mistake here
 RANKS_DIR = "ranks"  # each rank's pid, host and how it ended (finetune.train.RankStatus)
+LAUNCHER_ENV = "FINETUNE_LAUNCHER"  # pid@host of the launcher process, set for its job (finetune.launch.execute)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import select
 import signal
 import time
 from pathlib import Path
@@ -31,10 +32,11 @@ class Stopped(Exception):
         self.code = code
 
 
-STOP = {"signal": 0, "defer": False}
+STOP: dict[str, Any] = {"signal": 0, "defer": False, "why": ""}
 """signal: set by the SIGTERM/SIGINT handler (finish this step, save, stop). defer: once training
 has begun, a signal waits for the step boundary; before it there is nothing to save, so the rank
-stops at once (a rank whose peer failed is stopped by torchrun within seconds, not at a timeout)."""
+stops at once (a rank whose peer failed is stopped by torchrun within seconds, not at a timeout).
+why: what sent the signal, where this rank knows (" (its launcher, pid N, ended)")."""
 
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -62,8 +64,10 @@ def handle_signals() -> None:
     unblocking them: one that arrived in between is then delivered, and ends it."""
     def note(signum: int, _frame: Any) -> None:
         STOP["signal"] = STOP["signal"] or signum  # the first one names the cause (torchrun relays Ctrl-C as SIGTERM)
+        launcher_ended()  # torchrun or deepspeed, broken by its launcher's end, may signal first: say why all the same
         if not STOP["defer"]:
-            raise Stopped(f"stopped by {signal.Signals(signum).name} before training began: nothing to save", 128 + signum)
+            raise Stopped(f"stopped by {signal.Signals(signum).name}{STOP['why']} before training began: nothing to save",
+                          128 + signum)
 
     note.stops_rank = True  # type: ignore[attr-defined]
     if not FORK_HOOKS:
@@ -159,9 +163,10 @@ def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatche
             run_eval(step, final=False)
         if signalled and step < cfg.max_steps:  # SIGTERM/SIGINT on some rank: save here and stop cleanly
             signum = signal.Signals(STOP["signal"] or signal.SIGTERM)  # this rank's, or the one another rank got
+            launcher_ended()  # the other rank's may have been its launcher's end
             where = save(step)
-            raise Stopped(f"stopped by {signum.name} after step {step}: resumable checkpoint {where}; continue with "
-                          "train.resume=auto", code=128 + int(signum))
+            raise Stopped(f"stopped by {signum.name}{STOP['why']} after step {step}: resumable checkpoint {where}; continue "
+                          "with train.resume=auto", code=128 + int(signum))
         if cfg.save_every and step % cfg.save_every == 0:
             save(step)
     after = run_eval(cfg.max_steps, final=True)
@@ -181,3 +186,56 @@ def progress(cfg: TrainConfig, dist: Dist, initial: int) -> Any:
 def say(dist: Dist, bar: Any, line: str) -> None:
     if dist.is_main:
         (bar.write if bar is not None else print)(line)
+
+
+LAUNCHER: dict[str, Any] = {"pid": "", "fd": None}
+"""The launcher this rank watches (`watch_launcher`): its pid, and a pidfd that is readable once it ended."""
+
+
+def watch_launcher(token: str | None) -> None:
+    """Stop this rank, as SIGTERM does (saving at the next step boundary), when the launcher process
+    named by `token` (pid@host, FINETUNE_LAUNCHER) ends first: killed with SIGKILL, it could pass nothing
+    on, and torchrun or deepspeed, orphaned, would run the job on (or, their stderr broken with it, stop
+    the ranks with a SIGTERM of their own: `note` then finds the launcher gone too). A launcher on
+    another host is not watched."""
+    import socket
+    import threading
+
+    pid, _, host = (token or "").partition("@")
+    if not pid.isdigit() or host != socket.gethostname():
+        return
+    try:
+        fd = os.pidfd_open(int(pid))
+    except ProcessLookupError:
+        LAUNCHER["pid"] = pid
+        _gone()
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    except (AttributeError, OSError):  # no pidfd (not Linux 5.3+): not watched
+        return
+    LAUNCHER.update(pid=pid, fd=fd)
+
+    def wait() -> None:
+        select.select([fd], [], [])  # readable when the process ends
+        launcher_ended()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=wait, name="watch-launcher", daemon=True).start()
+
+
+def launcher_ended() -> bool:
+    """Whether the watched launcher has ended; the first time it is found so, this rank's stop line
+    names it, and what the rank writes to stderr (the dead launcher's pipe) goes to stdout from then on."""
+    if STOP["why"]:
+        return True
+    fd = LAUNCHER["fd"]
+    if fd is None or not select.select([fd], [], [], 0)[0]:
+        return False
+    _gone()
+    return True
+
+
+def _gone() -> None:
+    if not STOP["why"]:
+        os.dup2(1, 2)  # first: once `why` is set, the main thread may print
+        STOP["why"] = f" (its launcher, pid {LAUNCHER['pid']}, ended)"

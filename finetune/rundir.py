@@ -5,13 +5,23 @@ run (metrics appended, checkpoints interleaved) and in the end replace its resul
 launcher asks here before it writes anything: such a launch is refused unless it resumes
 (`train.resume`) or says to start over (`train.overwrite=true`, which removes the old results
 first, so a failed new run cannot be mistaken for the old one). A dry run only warns.
-Imports no torch.
+
+A live run holds RUN_DIR/.lock (`Lock`): a second launch into its directory is refused, naming the
+live run's launcher (pid, host), before it writes anything. The kernel drops the lock with the last
+process holding it, so a crashed run leaves nothing that blocks its resume. Imports no torch.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import json
+import os
 import shutil
+import socket
 import sys
+import time
 from pathlib import Path
 
 from finetune.config import ConfigError, TrainConfig
@@ -97,3 +107,102 @@ def _inside(resume: str, run_dir: Path) -> bool:
         return True
     path = Path(resume).expanduser().resolve()
     return path == run_dir or run_dir in path.parents
+
+
+LOCK = ".lock"
+
+
+class Lock:
+    """RUN_DIR/.lock, flock-ed for the run's life: by the launcher (exclusive while it claims the directory,
+    shared once the ranks start), and shared by each rank (`finetune.train`), so the directory stays taken
+    while any process of the run lives, a rank whose launcher was killed included. Its text says whose it
+    is (the launcher's pid and host, when it started). The file is never removed (removing a lock file
+    races with a launch opening it); a lock nobody holds, a crashed run's, blocks nothing.
+
+    Nodes of one multi-node job write one directory: they take it shared, side by side (two multi-node
+    jobs into one directory are not told apart; a single-node launch into theirs is refused)."""
+
+    def __init__(self, run_dir: Path, fd: int) -> None:
+        self.run_dir, self.fd = run_dir, fd
+
+    @classmethod
+    def take(cls, run_dir: Path, *, shared: bool, dir_key: str = "hydra.run.dir") -> "Lock":
+        """Take the directory for this launch (creating it), or raise ConfigError naming the live run."""
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise ConfigError(in_use(run_dir, dir_key)) from None
+            print(f"warning: {run_dir / LOCK} cannot be locked ({e.strerror}): a second launch into {run_dir} while this "
+                  "run lives is not refused on this filesystem", file=sys.stderr)
+            return cls(run_dir, -1)
+        text = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")})
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (text + "\n").encode(), 0)
+        return cls(run_dir, fd)
+
+    def share(self) -> None:
+        """From exclusive to shared, before the ranks start: they take it shared too."""
+        if self.fd >= 0:
+            fcntl.flock(self.fd, fcntl.LOCK_SH)
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # drops the flock
+            self.fd = -1
+
+
+def in_use(run_dir: Path, dir_key: str = "hydra.run.dir") -> str:
+    """The refusal of a launch into a live run's directory, naming that run from RUN_DIR/.lock."""
+    try:
+        holder = json.loads((run_dir / LOCK).read_text())
+        pid, host = int(holder["pid"]), str(holder["host"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{run_dir} is in use by a live run (it holds {run_dir / LOCK}): wait for it to end, or choose another {dir_key}"
+    since = f", started {holder['started']}" if holder.get("started") else ""
+    if host == socket.gethostname() and not _alive(pid):
+        return (f"{run_dir} is in use by a run whose launcher (pid {pid} on {host}{since}) is gone, but whose ranks still run "
+                f"(RUN_DIR/ranks/ has their pids; they save and stop at their next step): wait for them to end, or choose "
+                f"another {dir_key}")
+    return (f"{run_dir} is in use by a live run (launcher pid {pid} on {host}{since}): wait for it to end or stop it "
+            f"(kill -TERM {pid} saves a checkpoint and stops it), or choose another {dir_key}")
+
+
+def busy(run_dir: Path) -> bool:
+    """Whether a live run holds `run_dir` (asked without taking it: a dry run writes nothing)."""
+    try:
+        fd = os.open(run_dir / LOCK, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        return e.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+    finally:
+        os.close(fd)
+    return False
+
+
+def hold_shared(run_dir: Path) -> int | None:
+    """A rank's share of RUN_DIR/.lock (kept open for the rank's life), where the launcher made one."""
+    with contextlib.suppress(OSError):
+        fd = os.open(run_dir / LOCK, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return fd
+        except OSError:
+            os.close(fd)
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -7,6 +7,8 @@ engine, runs the shared loop, exports a Hugging Face checkpoint and reports.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import json
 import os
 import socket
@@ -17,7 +19,7 @@ from typing import Any
 
 import torch
 
-from finetune import checkpoint, config, dist, engine, evaluate, flops, logs, loop, model, objectives, plan, reference
+from finetune import checkpoint, config, dist, engine, evaluate, flops, logs, loop, model, objectives, plan, reference, rundir
 from finetune.config import Config, ConfigError, Logits, PeftConfig, PeftMethod, Precision, Strategy, uses_deepspeed
 from finetune.data import stream
 from finetune.data.batches import TrainBatches
@@ -26,7 +28,7 @@ from finetune.data.tokenize import IGNORE, Pair, Stats, load_split
 from finetune.engine.common import autocast_dtype
 from finetune.families import router_loss_split, router_loss_under_pp
 from finetune.head import PROBE_TOKENS, ChunkedHead
-from finetune.launcher import ERROR_FILE, RANKS_DIR, deepspeed_config
+from finetune.launcher import ERROR_FILE, LAUNCHER_ENV, RANKS_DIR, deepspeed_config
 from finetune.memory import MemoryProbe
 
 
@@ -37,6 +39,9 @@ export): the error funnel names it."""
 
 def phase(name: str) -> None:
     PHASE["name"] = name
+
+
+LOCK_HELD: list[int | None] = []  # this rank's share of RUN_DIR/.lock, open until the process ends
 
 
 KNOWN = (ConfigError, checkpoint.CheckpointError)
@@ -58,26 +63,59 @@ def main(argv: list[str] | None = None) -> int:
         phase("config")
         cfg = config.load(args.config)
         loop.handle_signals()  # SIGTERM/SIGINT: checkpoint at the next step boundary, then stop
+        loop.watch_launcher(os.environ.get(LAUNCHER_ENV))  # and so does the launcher's end (SIGKILL)
+        LOCK_HELD.append(rundir.hold_shared(run_dir))  # the run directory stays taken while this rank lives
         phase("start")
         d = dist.init(cfg.train.device, deepspeed=uses_deepspeed(cfg))
         run(cfg, d)
     except loop.Stopped as e:  # stopped cleanly: its own message and exit code
         code = e.code
         status.report(str(e), show=d is None or d.is_main, prefix="")
-    except KNOWN as e:  # a user mistake this rank found
+    except KNOWN as e:  # a user mistake this rank found, or a failed save (`own`: this rank's part failed)
         code = 2
-        status.report(f"{PHASE['name']}: {e}")
-    except Exception as e:  # noqa: BLE001 - unexpected: one line here, the traceback in the rank's log
+        status.report(f"{PHASE['name']}: {e}", root=getattr(e, "own", True))
+    except BaseException as e:  # noqa: BLE001 - unexpected (DCP's CheckpointException is no Exception): one line, the traceback in the rank's log
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
         code = 1
-        log = status.path.with_suffix(".log")
-        log.write_text(traceback.format_exc())
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        status.report(f"{PHASE['name']}: rank {rank}: {type(e).__name__}: {first} (traceback in {log})", root=not lost_peer(e))
+        status.report(f"{PHASE['name']}: rank {rank}: {unexpected(e, status, run_dir)}", root=not lost_peer(e))
     finally:
         if d is not None:
             dist.shutdown()
     status.write("done" if code == 0 else f"exited {code}")
     return code
+
+
+def unexpected(e: BaseException, status: "RankStatus", run_dir: Path) -> str:
+    """An unexpected exception in one line: a full disk says so and where; anything else its type and
+    first line, and where its traceback is (RUN_DIR/ranks/RANK.log, or stderr when that cannot be written)."""
+    trace = traceback.format_exc()
+    log = status.path.with_suffix(".log")
+    try:
+        log.write_text(trace)
+        where = f"traceback in {log}"
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            log.unlink(missing_ok=True)
+            print(trace, file=sys.stderr, flush=True)
+        where = f"traceback above; {log} could not be written: {err.strerror or err}"
+    full = disk_full(e)
+    if full is not None:
+        target = Path(full.filename) if full.filename else run_dir
+        return (f"{full.strerror} writing {target} ({checkpoint.free_mib(target):.1f} MiB free there): free space there, then "
+                f"continue with train.resume=auto ({where})")
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first} ({where})"
+
+
+def disk_full(e: BaseException) -> OSError | None:
+    """The 'no space' or 'quota exceeded' OSError in `e`'s chain, if one is."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def lost_peer(e: BaseException) -> bool:
@@ -93,29 +131,50 @@ class RankStatus:
     """RUN_DIR/ranks/<rank>.json: pid, host and how the rank ended. A rank still 'running' after
     the job failed died without a word (SIGKILL, the out-of-memory killer): the launcher names it."""
 
+    SIZE = 4096
+    """Bytes the file is padded to when the rank starts: its later statuses overwrite them in place, which
+    a full disk still allows (a new file or a longer one it does not), so the rank's end is recorded."""
+
     def __init__(self, run_dir: Path, rank: int) -> None:
         self.run_dir, self.rank = run_dir, rank
         self.path = run_dir / RANKS_DIR / f"{rank}.json"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         self.info = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname()}
+        self.reason: str | None = None  # the line report() recorded: kept beside the final status
         self.write("running")
 
     def write(self, status: str) -> None:
-        self.path.write_text(json.dumps({**self.info, "status": status}) + "\n")
+        text = json.dumps({**self.info, "status": status, **({"reason": self.reason} if self.reason else {})}) + "\n"
+        text += " " * max(0, self.SIZE - len(text) - 1) + "\n"  # whitespace after the JSON: readers skip it
+        try:
+            with open(self.path, "r+" if self.path.exists() else "w") as f:
+                f.write(text)
+                f.truncate()
+        except OSError:  # a disk too full even for this: the launcher reports a rank that ended without a word
+            pass
 
     def report(self, line: str, *, show: bool = True, prefix: str = "error: ", root: bool = True) -> None:
         """Record why this rank ends. The first rank to report a root cause writes RUN_DIR/error.txt (the
-        others usually fail because it left) and prints the line; the others only record it here."""
+        others usually fail because it left) and prints the line; the others only record it here (with
+        its launcher gone, nobody reads error.txt: rank 0 prints its own line)."""
+        self.info["root"] = root
         self.write(f"failed: {line}")
+        self.reason = line
         if not root:
             return
         try:
             with open(self.run_dir / ERROR_FILE, "x") as f:
                 f.write(f"{line}\n")
-        except FileExistsError:
-            return
+        except FileExistsError:  # another rank's line: the launcher prints it, unless it is gone (SIGKILL)
+            if not (show and loop.launcher_ended()):
+                return
+        except OSError:  # a full disk: an empty error.txt would hide the ranks' statuses from the launcher
+            with contextlib.suppress(OSError):
+                (self.run_dir / ERROR_FILE).unlink()
         if show:
-            print(f"{prefix}{line}", file=sys.stderr, flush=True)
+            with contextlib.suppress(OSError):  # stderr gone with a killed launcher: the status holds the line
+                print(f"{prefix}{line}", file=sys.stderr, flush=True)
 
 
 def run(cfg: Config, d: dist.Dist) -> None:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -122,3 +125,32 @@ def reload_and_evaluate(final: Path, run_dir: Path):
             loss_sum += SFT()(model, batch)[0].item()
             count += SFT().count(batch)
     return loss_sum / count, model, tok, evals
+
+
+def wait_for(predicate, timeout: float = 240) -> bool:
+    """Poll `predicate` every 50 ms until it holds (True) or `timeout` seconds pass (False)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def steps_done(run_dir: Path) -> int:
+    """Training steps a (live) run has logged to RUN_DIR/metrics.jsonl so far."""
+    try:
+        return sum(m["kind"] == "train" for m in read_metrics(run_dir))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return 0
+
+
+def kill_whole_job(launcher: subprocess.Popen, run_dir: Path) -> None:
+    """SIGKILL to a whole job at once, as a node failure or a scheduler's cgroup kill does: the launcher's process
+    group (it was started in a session of its own) and every rank RUN_DIR/ranks/ names (each in a session of its own)."""
+    ranks = [json.loads(f.read_text())["pid"] for f in (run_dir / "ranks").glob("*.json")]
+    os.killpg(launcher.pid, signal.SIGKILL)
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    launcher.communicate(timeout=60)

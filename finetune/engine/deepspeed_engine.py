@@ -102,8 +102,22 @@ class DeepSpeedEngine:
         return self.module, getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
 
     def save(self, directory: Path, step: int) -> None:
-        """DeepSpeed's sharded checkpoint into `directory` (every rank writes its shard)."""
-        self.engine.save_checkpoint(str(directory.parent), tag=directory.name, client_state={"step": step}, save_latest=False)
+        """DeepSpeed's sharded checkpoint into `directory` (every rank writes its shard).
+
+        A write that fails (a full disk) must not leave the other ranks waiting in save_checkpoint's
+        collectives (ZeRO-3 gathers parameters again after writing, then every rank meets in a
+        barrier): each of its writes goes through `Writes`, which keeps the first failure and skips the
+        writes after it, so every rank runs the whole sequence; the failure is raised after it."""
+        writes = Writes(self.engine.checkpoint_engine)
+        self.engine.checkpoint_engine = writes
+        self.engine._copy_recovery_script = lambda path, copy=self.engine._copy_recovery_script: writes.guard(copy, path)
+        try:
+            self.engine.save_checkpoint(str(directory.parent), tag=directory.name, client_state={"step": step}, save_latest=False)
+        finally:
+            self.engine.checkpoint_engine = writes.inner
+            del self.engine._copy_recovery_script  # the engine's own method again
+        if writes.failure is not None:
+            raise writes.failure
 
     def load(self, step_dir: Path) -> int:
         path, client = self.engine.load_checkpoint(str(step_dir.parent), tag=step_dir.name)
@@ -118,3 +132,24 @@ class DeepSpeedEngine:
             self.module.save_pretrained(path, state_dict=state)
             tokenizer.save_pretrained(path)
         self.dist.barrier()
+
+
+class Writes:
+    """A DeepSpeed checkpoint engine's writes, guarded: the first failure is kept (and raised by
+    `DeepSpeedEngine.save` once the save's collectives are over), the writes after it skipped."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.failure = inner, None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def save(self, state_dict: Any, path: str) -> None:
+        self.guard(self.inner.save, state_dict, path)
+
+    def guard(self, write: Callable[..., Any], *args: Any) -> None:
+        if self.failure is None:
+            try:
+                write(*args)
+            except Exception as e:  # noqa: BLE001 - raised after the collectives
+                self.failure = e
