@@ -99,7 +99,7 @@ def architecture(m: ModelConfig) -> Arch:
                               "directory with tokenizer.json")
         init = {k: v for k, v in vars(m.init).items() if k not in ("seed", "vocab_size")}
         return arch_from_config({**init, "vocab_size": vocab}, "model.init")
-    config = local_config(m)
+    config = local_config(m, whole=True)
     if config is None:
         raise ConfigError(f"the planner reads the architecture from model.init, a local config.json or model.architecture: "
                           f"model.path={m.path!r} is not a local model directory and model.architecture is not set (set "
@@ -695,8 +695,8 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
     on_gpu = hw.gpu_memory_gib > 0  # without a GPU, offloading to CPU RAM moves nothing: it stays counted per rank
     notes: list[str] = []
     if not arch.known:
-        notes.append(f"model_type={arch.model_type or '(none)'} is not one the planner knows (finetune/families.py): counted as a "
-                     "Llama-style decoder from its config keys; norms or fused projections it has beyond them are not counted")
+        notes.append(f"model_type={arch.model_type}: its parameters are counted as transformers builds them (finetune/families.py "
+                     "COUNTED); its activations are estimated from the families measured (FAMILIES), not measured for it")
 
     notes.append("attention: %s (%s)" % attention_kernel(arch, cfg))
     notes += moe_notes(arch, cfg)

@@ -106,13 +106,32 @@ def test_a_missing_key_is_named():
     assert str(e.value).startswith("/m/config.json has no intermediate_size: the planner needs it to count a qwen2 model's")
 
 
-def test_an_unknown_family_is_counted_llama_style_and_said(compose, tmp_path):
+def test_a_model_type_the_planner_cannot_count_is_refused_in_one_line(compose, tmp_path):
+    """Never a Llama-style guess: a model_type outside COUNTED is refused, naming it (the dry run skips the plan)."""
+    from finetune.plan import plan
+
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps({**SMALL, "model_type": "newfam"}))
     cfg = compose(["+recipe=quickstart_sft", "model=pretrained", f"model.path={tmp_path / 'm'}"])
-    from finetune.plan import plan
+    with pytest.raises(ConfigError) as e:
+        plan(cfg)
+    assert str(e.value) == (f"the planner cannot count model_type=newfam ({tmp_path / 'm' / 'config.json'}): finetune/families.py "
+                            "has no record of its blocks (COUNTED: the decoders whose count tests/test_causal_lm_counts.py checks "
+                            "against transformers' own build); no memory plan can be made for it")
 
-    assert any("model_type=newfam is not one the planner knows" in n for n in plan(cfg).notes)
+
+def test_a_multimodal_wrapper_is_refused_not_counted_as_its_text_model(compose, tmp_path):
+    """local_config hands the layout checks the text_config; the planner sees the whole config (the towers count too)."""
+    from finetune.plan import architecture
+
+    (tmp_path / "m").mkdir()
+    text = {**SMALL, "model_type": "gemma3_text", "head_dim": 16}
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text,
+                                                            "vision_config": {"model_type": "siglip_vision_model"}}))
+    with pytest.raises(ConfigError) as e:
+        architecture(ModelConfig(path=str(tmp_path / "m")))
+    assert str(e.value).startswith(f"the planner cannot count model_type=gemma3 ({tmp_path / 'm' / 'config.json'}): its config "
+                                   "has vision_config: the planner counts decoder-only language models")
 
 
 # ---------------------------------------------------------------------------------------------
