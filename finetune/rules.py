@@ -45,6 +45,7 @@ from finetune.data.sources import sources
 from finetune.disk import attention, config_source, config_value, local_config, model_config
 from finetune.families import (FAMILIES, adapted_outside_linears, arch_from_config, arch_targets, dora_experts, router_loss_split,
                                 router_loss_under_pp, unmatched_targets)
+from finetune.structure import structure_problem
 
 
 def layout_words(p: ParallelismConfig) -> str:
@@ -71,6 +72,7 @@ def validate(cfg: Config) -> None:
                           "model.init: use one model recipe (model=tiny or a hub model's), not both")
     if m.path is None and m.tokenizer is None:
         raise ConfigError("model.tokenizer: a random-init model needs a tokenizer path or hub id")
+    _validate_structure(m)
     _validate_context(cfg)
     for value, split, key in ((cfg.data.train, cfg.data.train_split, "data.train"), (cfg.data.eval, cfg.data.eval_split, "data.eval")):
         if value is not None:
@@ -369,6 +371,25 @@ def check_layout_fits_model(p: ParallelismConfig, shape: dict[str, Any]) -> None
     if p.pp > 1 and shape.get("tie_word_embeddings") is True:
         raise ConfigError("pipeline parallel needs untied input/output embeddings (the first and last stages hold them): "
                           "this model ties them; use tp or fsdp")
+
+
+def _validate_structure(m: ModelConfig) -> None:
+    """The model's config as transformers would check it when a rank builds it (finetune.structure), from
+    model.init, a local model.path's config.json (its text_config, for a multimodal wrapper) or model.architecture."""
+    if m.init is not None:
+        config, key, source = model_config(m), (lambda k: f"model.init.{k}"), ""
+    else:
+        config = local_config(m)
+        if config is None:
+            return
+        file = config_source(m)
+        nested = "text_config." if file != "model.architecture" and "text_config" in local_config(m, whole=True) else ""
+        key = (lambda k: f"model.architecture.{k}") if file == "model.architecture" else (lambda k: nested + k)
+        source = "" if file == "model.architecture" else f" in {file}"
+    assert config is not None
+    problem = structure_problem(config, key, source)
+    if problem:
+        raise ConfigError(problem)
 
 
 def _validate_context(cfg: Config) -> None:
