@@ -417,7 +417,7 @@ def block_activation_bytes(arch: Arch, cfg: Config, seq: int, tokens: int, block
       under autocast (c a s), the tanh of soft-capped logits (Gemma-2: c a s), attention dropout's mask
       and output; sdpa with attention dropout runs PyTorch's math kernel on CPU (fp32 throughout);
     - the MLP: gated, the gate (for the activation), its activation and up (for their product): 3 c i;
-      plain (GPT-2), what the activation saves (ACT_SAVES); dropout masks on each sublayer's output;
+      plain (GPT-2, Phi...), what the activation saves (ACT_SAVES); dropout masks on each sublayer's output;
     - a MoE's sparse MLP: the router's fp32 softmax (4 E), its top-k indices and weights; per routed
       token (k per token) the gathered input, gate_up's output, the activation, down's input and
       output (experts run in the weights' dtype: grouped_mm is not autocast) and the dispatch indices.
@@ -463,7 +463,7 @@ def block_activation_bytes(arch: Arch, cfg: Config, seq: int, tokens: int, block
     down = block.role("down")
     if moe is None:
         i = block.mlp_width
-        mlp = (ACT_SAVES.get(arch.act, 1) if fam.gpt2 else 3) * c * i
+        mlp = (ACT_SAVES.get(arch.act, 1) if fam.mlp == "plain" else 3) * c * i
     else:  # a shared expert (Qwen2-MoE) runs a gated MLP on every token
         i = down[0].inputs if down else 0
         mlp = 3 * c * i

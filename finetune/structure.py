@@ -41,6 +41,9 @@ ROPE_REQUIRED = {"default": (), "axial": (), "proportional": (), "linear": ("fac
                  "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
 """RoPE types transformers has, and the keys each needs that it cannot fill in itself (rope_theta and
 original_max_position_embeddings it takes from the config)."""
+ROPE_LEGACY = {"su": "longrope", "mrope": "default"}
+"""Older names hub configs still carry, which the families that used them read as these types (Phi-3's su,
+Qwen2-VL's mrope)."""
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "window_attention", "indexed_attention",
                          "compressed_sparse_attention", "heavily_compressed_attention", "minimax_m3_sparse", "conv", "moe",
@@ -176,11 +179,13 @@ def _rope(config: dict[str, Any], key: Callable[[str], str], source: str) -> str
 
 def _rope_parameters(config: dict[str, Any], key: Callable[[str], str], source: str, rope: dict[str, Any], at: str) -> str | None:
     kind_key = "rope_type" if "rope_type" in rope or "type" not in rope else "type"
-    kind = rope.get(kind_key, "default")
+    named = rope.get(kind_key, "default")
+    kind = ROPE_LEGACY.get(named, named)
     if kind not in ROPE_REQUIRED:
         return (f"{key(at)}.{kind_key}={kind!r}{source} is not a RoPE type transformers has: use one of "
                 f"{', '.join(ROPE_REQUIRED)}")
-    missing = [k for k in ROPE_REQUIRED[kind] if rope.get(k) is None]
+    legacy = ("original_max_position_embeddings",) if named in ROPE_LEGACY and kind == "longrope" else ()  # not filled in for su
+    missing = [k for k in (*ROPE_REQUIRED[kind], *legacy) if rope.get(k) is None]
     if missing:
         return f"{key(at)}{source} has rope_type={kind} without {', '.join(missing)}: add {key(at)}.{missing[0]}"
     factor = rope.get("factor")
@@ -188,8 +193,9 @@ def _rope_parameters(config: dict[str, Any], key: Callable[[str], str], source: 
         return (f"{key(at)}.factor={factor!r}{source} must be a number of at least 1 (how many times the original context "
                 f"the {kind} scaling stretches to)")
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    if not _number(partial) or not 0 < partial <= 1:
-        return f"{key(at)}.partial_rotary_factor={partial!r}{source} must be a number in (0, 1]: the share of head_dim rotated"
+    if not _number(partial) or not 0 <= partial <= 1:
+        return (f"{key(at)}.partial_rotary_factor={partial!r}{source} must be a number from 0 to 1: the share of head_dim "
+                "that RoPE rotates")
     for name in ("attention_factor",):
         if rope.get(name) is not None and (not _number(rope[name]) or rope[name] < 0):
             return f"{key(at)}.{name}={rope[name]!r}{source} must be a number of at least 0"
@@ -226,7 +232,8 @@ def _rotary_dim(config: dict[str, Any], key: Callable[[str], str], source: str, 
             f"the head_dim {key('hidden_size')} / {key('num_attention_heads')} = {dim}"
         return (f"{what} is odd{source}: RoPE rotates pairs of dimensions, so a wholly rotated head needs an even "
                 "head_dim: change it to an even number")
-    if rope.get("rope_type", rope.get("type")) == "longrope":
+    kind = rope.get("rope_type", rope.get("type"))
+    if ROPE_LEGACY.get(kind, kind) == "longrope":
         for name in ("short_factor", "long_factor"):
             factors = rope[name]
             if not isinstance(factors, list) or not all(_number(f) for f in factors) or len(factors) != rotary // 2:

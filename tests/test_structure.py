@@ -6,6 +6,7 @@ same key (a RoPE factor below 1: the run would go on, wrong). Nothing is built b
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import warnings
@@ -66,6 +67,9 @@ CASES: list[tuple[str, str, dict[str, Any], str]] = [
     ("rope_factor_below_one", "llama", dict(rope_parameters={**LINEAR, "factor": 0.5}),
      "rope_parameters.factor=0.5 in {file} must be a number of at least 1 (how many times the original context the linear "
      "scaling stretches to)"),
+    ("rope_partial_rotary_factor", "stablelm", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                                      "partial_rotary_factor": 1.5}),
+     "rope_parameters.partial_rotary_factor=1.5 in {file} must be a number from 0 to 1: the share of head_dim that RoPE rotates"),
     ("rope_not_a_mapping", "llama", dict(rope_parameters="linear"),
      "rope_parameters='linear' in {file} must be a mapping (rope_type and its parameters) or null"),
     ("rope_llama3_frequencies", "llama", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
@@ -126,7 +130,7 @@ def transformers_verdict(model_type: str, keys: dict[str, Any]) -> str | None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            config = AutoConfig.for_model(model_type, **{**BASE, **keys})
+            config = AutoConfig.for_model(model_type, **copy.deepcopy({**BASE, **keys}))  # it standardises dicts in place
             with torch.device("cpu" if "num_local_experts" in keys else "meta"):
                 model = AutoModelForCausalLM.from_config(config)
                 model(torch.ones(1, 4, dtype=torch.long))
@@ -223,3 +227,19 @@ def test_the_dry_run_refuses_it_in_one_line(overrides, line, tmp_path):
     assert out.returncode == 2
     assert "Traceback" not in out.stdout + out.stderr
     assert (out.stderr.strip() or out.stdout.strip()).splitlines()[-1] == line.format(**subst)
+
+
+def test_a_legacy_rope_name_is_read_as_transformers_reads_it(tmp_path):
+    """Phi-3 configs on the hub may say rope_scaling.type=su (longrope's old name), which transformers reads as longrope
+    but without filling in original_max_position_embeddings: refused without it, by both; accepted with it, by both."""
+    rope = {"type": "su", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8}
+    d = config_dir(tmp_path / "m", "phi3", {"rope_scaling": rope})
+    with pytest.raises(ConfigError) as e:
+        preflight(["+recipe=quickstart_sft", "model=pretrained", f"model.path={d}"])
+    assert str(e.value) == (f"rope_scaling in {d / 'config.json'} has rope_type=longrope without original_max_position_embeddings: "
+                            "add rope_scaling.original_max_position_embeddings")
+    assert transformers_verdict("phi3", {"rope_scaling": rope}) is not None
+    rope.update(original_max_position_embeddings=128, factor=2.0)
+    assert transformers_verdict("phi3", {"rope_scaling": rope}) is None
+    d = config_dir(tmp_path / "n", "phi3", {"rope_scaling": rope})
+    preflight(["+recipe=quickstart_sft", "model=pretrained", f"model.path={d}"])
