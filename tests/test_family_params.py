@@ -83,7 +83,7 @@ def test_every_listed_family_is_tested():
     ("mixtral", dict(num_local_experts=4), ["peft=lora", "peft.target_modules=[q_proj,k_proj,v_proj,o_proj]"]),
     ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2), ["peft=lora"]),
     ("mixtral", dict(num_local_experts=4), ["peft=lora", "peft.target_modules=[q_proj,experts,gate]"]),  # the router named
-    ("qwen3_moe", dict(num_experts=4, moe_intermediate_size=32), ["peft=lora", "peft.dropout=0"]),
+    ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), ["peft=lora", "peft.dropout=0"]),
     ("mixtral", dict(num_local_experts=4, head_dim=8), ["peft=dora", "peft.target_modules=[q_proj,v_proj]"]),
     ("qwen2_moe", dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48), ["peft=lora"]),
     ("gpt2", {}, ["peft=lora", "peft.r=4"]),
