@@ -38,9 +38,9 @@ CASES = [  # (family, config keys beyond SMALL): tied and untied, biases, head_d
     ("granite", dict(attention_bias=True, mlp_bias=True)),
     ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
     ("mixtral", dict(num_local_experts=4, head_dim=8, tie_word_embeddings=True)),
-    ("qwen3_moe", dict(num_experts=4, moe_intermediate_size=32)),
-    ("qwen3_moe", dict(num_experts=4, moe_intermediate_size=32, mlp_only_layers=[0])),  # a dense layer among sparse ones
-    ("qwen3_moe", dict(num_experts=4, moe_intermediate_size=32, decoder_sparse_step=2)),  # every second layer sparse
+    ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
+    ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0])),  # a dense layer among sparse ones
+    ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=2)),  # every second layer sparse
     ("qwen2_moe", dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48)),
     ("gpt2", {}),  # Conv1D, learned positions, biases, LayerNorm, tied, n_* aliases
     ("gpt2", dict(n_inner=80, tie_word_embeddings=False)),
