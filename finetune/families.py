@@ -593,7 +593,8 @@ def arch_from_config(arch: dict[str, Any], source: str) -> Arch:
             sparse_mlp += shared_mlp
             sparse_roles = {role: sparse_roles[role] + shared_roles[role] for role in sparse_roles}
         moe = Moe(experts, top_k, expert, bool(arch.get("norm_topk_prob", NORM_TOPK_DEFAULT.get(model_type, True))))
-        blocks.append(Block(attention + sparse_mlp, norms + extras(expert, experts), top_k * expert + shared, roles | sparse_roles, moe))
+        blocks.append(Block(attention + sparse_mlp, norms + extras(expert, experts), top_k * expert + shared,
+                            roles | sparse_roles, moe))
     blocks = [blocks[-1] if is_sparse else blocks[0] for is_sparse in sparse]
     positions = (_int(arch, "max_position_embeddings", source, family) + fam.positions) * h if fam.positions is not None else 0
 

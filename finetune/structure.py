@@ -47,8 +47,8 @@ Qwen2-VL's mrope)."""
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "window_attention", "indexed_attention",
                          "compressed_sparse_attention", "heavily_compressed_attention", "minimax_m3_sparse", "conv", "moe",
-                         "hybrid", "hybrid_sliding", "reference_sliding_attention", "linear_attention", "mamba", "attention", "deepseek_sparse_attention",
-                         "qwen_sparse_attention")
+                         "hybrid", "hybrid_sliding", "reference_sliding_attention", "linear_attention", "mamba", "attention",
+                         "deepseek_sparse_attention", "qwen_sparse_attention")
 """layer_types entries transformers accepts (its ALLOWED_ATTN_LAYER_TYPES and the legacy names it maps onto them)."""
 MLP_LAYER_TYPES = ("sparse", "dense")
 
@@ -125,8 +125,9 @@ def _heads(config: dict[str, Any], key: Callable[[str], str], source: str) -> st
                 f"{hidden} (e.g. {_divisors(hidden, heads)}){fix}")
     if heads and kv and not config.get("kv_lora_rank") and heads % kv:
         relation = "exceeds" if kv > heads else "does not divide"
+        divisors = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
         return (f"{key(kv_key)}={kv} {relation} {key(a_key)}={heads}{source}: each key/value head serves a whole group of "
-                f"query heads, so it must divide {heads}: use one of {', '.join(str(d) for d in range(1, heads + 1) if heads % d == 0)}")
+                f"query heads, so it must divide {heads}: use one of {divisors}")
     return None
 
 

@@ -134,7 +134,8 @@ def test_summary(tmp_path):
         counted.append(model_type)
         worst = max(worst, (abs(count - reference) / reference, model_type))
     print(f"\ncausal LM model_types: {len(CAUSAL)}; built on CPU: {len(counted) + len(refused)}; counted: {len(counted)}; "
-          f"refused: {len(refused)}; skipped: {len(skipped)}; worst relative error {worst[0]:.2e} ({worst[1] if worst[0] else 'all exact'})")
+          f"refused: {len(refused)}; skipped: {len(skipped)}; "
+          f"worst relative error {worst[0]:.2e} ({worst[1] if worst[0] else 'all exact'})")
     print("skipped:", "; ".join(skipped))
-    assert set(counted) == set(COUNTED) & set(CAUSAL) - {s.split(" ")[0] for s in skipped}
+    assert set(counted) == set(COUNTED) & (set(CAUSAL) - {s.split(" ")[0] for s in skipped})
     assert worst[0] <= TOLERANCE
