@@ -614,7 +614,7 @@ class LauncherConfig:
     rdzv_id: str = checked(TEXT, "finetune", hint="give every node of the job the same id, e.g. launcher.rdzv_id=job42")
     """torchrun with rdzv_endpoint: the job id (--rdzv_id) every node of one job shares."""
     omp_num_threads: int | None = checked(at_least(1), None)
-    """Threads per rank; null: CPU cores / nproc_per_node."""
+    """Threads per rank; null: OMP_NUM_THREADS if the launching environment sets it, else CPU cores / nproc_per_node."""
     env: dict[str, str] = checked(ENV, factory=dict)
     """Extra environment variables for every rank."""
     hostfile: str | None = checked(EXISTING_FILE, None)

@@ -347,6 +347,33 @@ def check_device(cfg: Config) -> None:
         if importlib.util.find_spec("flash_attn") is None:  # finds the package without importing it
             raise ConfigError("model.attn_implementation=flash_attention_2 needs the flash-attn package, which is not installed: "
                               f"pip install -e '.[gpu]', or {fix}")
+    if cfg.zero.enabled:
+        check_build_locks()
     if cfg.precision.name == Precision.fp16 and cfg.zero.enabled and not gpu and not cpu_has_fp16():
         raise ConfigError(f"precision=fp16 under DeepSpeed (zero.stage={cfg.zero.stage}) but {NO_GPU}, and DeepSpeed's CPU "
                           "accelerator has no fp16 on this CPU (it needs AVX512-FP16 or AMX-FP16): use precision=bf16 or fp32")
+
+
+STALE_BUILD_S = 600
+"""A DeepSpeed op builds in under two minutes here (cpu_adam 36 s, the shm communication op 21 s on 2 cores)."""
+
+
+def check_build_locks() -> None:
+    """DeepSpeed builds its ops (cpu_adam, the CPU accelerator's shm communication) with torch's extension
+    builder, which takes TORCH_EXTENSIONS_DIR/<build>/<op>/lock while it compiles and removes it after. A build
+    that was killed (Ctrl-C, a scheduler, a test timeout) leaves the lock behind, and every later rank waits for
+    it without end, silently. A lock older than any build is that: refused here, naming the file."""
+    import os
+    import time
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache/torch_extensions")
+    locks = [*root.glob("*/lock"), *root.glob("*/*/lock")]  # TORCH_EXTENSIONS_DIR/op, or the default's py311_cpu/op
+    for lock in sorted(locks):
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except OSError:  # the build finished meanwhile
+            continue
+        if age > STALE_BUILD_S:
+            raise ConfigError(f"{lock} is the lock of a DeepSpeed op build that started {age / 60:.0f} minutes ago and never removed "
+                              f"it (killed?); every rank would wait for it forever: remove it (rm {lock}) and launch again, and "
+                              "DeepSpeed builds the op anew")

@@ -116,6 +116,7 @@ def launch_once(dcfg: DictConfig, cfg: Config | None = None) -> float | None:
     the launch and run it. Returns the final eval loss (None for a dry run); raises TrialFailed."""
     try:
         cfg = cfg or typed(dcfg)
+        threads = env_threads()
         forms.check(cfg.data, cfg.method.name)  # missing file or malformed row: one line now, not N ranks later
         make_model_first(cfg)
         disk.check(cfg)  # the model, tokenizer and device as files on this machine: one line now, not in each rank
@@ -127,7 +128,7 @@ def launch_once(dcfg: DictConfig, cfg: Config | None = None) -> float | None:
     check_memory(cfg, list(HydraConfig.get().overrides.task))
     run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir).resolve()
     writable = claim(run_dir, cfg)
-    spec = build(cfg, run_dir, python=sys.executable, cpu_count=os.cpu_count() or 1, port=free_port())
+    spec = build(cfg, run_dir, python=sys.executable, cpu_count=os.cpu_count() or 1, port=free_port(), env_threads=threads)
     if writable:
         sweep.clear_status(run_dir)  # a trial that starts again is not failed until it fails again
         write_files(spec, run_dir)
@@ -321,6 +322,17 @@ def silent_deaths(run_dir: Path) -> str | None:
     if not dead:
         return None
     return f"{', '.join(dead)} died without an error (killed: SIGKILL, or the out-of-memory killer?)"
+
+
+def env_threads() -> int | None:
+    """OMP_NUM_THREADS from the environment this launch runs in (None when unset), checked."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise TrialFailed(2, f"OMP_NUM_THREADS={value!r} in the environment is not a whole number of threads: unset it, or set "
+                             "launcher.omp_num_threads")
+    return int(value)
 
 
 def free_port() -> int:

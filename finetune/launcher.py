@@ -25,7 +25,7 @@ RANKS_DIR = "ranks"  # each rank's pid, host and how it ended (finetune.train.Ra
 @dataclass(frozen=True)
 class LaunchSpec:
     argv: list[str]
-    """The command; argv[0] is the python that runs torch.distributed.run or the deepspeed runner."""
+    """The command; argv[0] is the python that runs torch.distributed.run, the deepspeed runner, or (one process) the rank."""
     env: dict[str, str]
     """Variables the launch sets on top of the caller's environment."""
     files: dict[str, str] = field(default_factory=dict)
@@ -37,7 +37,7 @@ class LaunchSpec:
         return f"{env} {shlex.join(self.argv)}".strip()
 
 
-def build(cfg: Config, run_dir: str | Path, *, python: str, cpu_count: int, port: int = 29500) -> LaunchSpec:
+def build(cfg: Config, run_dir: str | Path, *, python: str, cpu_count: int, port: int = 29500, env_threads: int | None = None) -> LaunchSpec:
     """Build the launch for `cfg` writing into `run_dir`.
 
     Args:
@@ -46,6 +46,9 @@ def build(cfg: Config, run_dir: str | Path, *, python: str, cpu_count: int, port
         python: the interpreter that starts the launcher (the one running this, normally).
         cpu_count: cores on this node, to split among ranks when omp_num_threads is null.
         port: rendezvous port when launcher.master_port is null and the launcher needs one.
+        env_threads: OMP_NUM_THREADS as the launching environment sets it (None: unset): honoured when
+            launcher.omp_num_threads is null, as torchrun honours it (a test suite or a shared node that
+            runs several jobs at once sets 1; more threads than cores stall every small op).
 
     Returns:
         The LaunchSpec; nothing is written or started here.
@@ -55,6 +58,7 @@ def build(cfg: Config, run_dir: str | Path, *, python: str, cpu_count: int, port
     config_path = str(Path(run_dir) / CONFIG_FILE)
     files = {CONFIG_FILE: to_yaml(replace(cfg, run_dir=run_dir))}  # the ranks read this copy
     master_port = launch.master_port if launch.master_port is not None else port
+    rank_env: dict[str, str] = {}
 
     if launcher_for(cfg) == LauncherName.deepspeed:
         argv = [python, "-m", "deepspeed.launcher.runner", f"--num_nodes={launch.nnodes}", f"--num_gpus={launch.nproc_per_node}"]
@@ -64,6 +68,12 @@ def build(cfg: Config, run_dir: str | Path, *, python: str, cpu_count: int, port
             argv += ["--no_ssh", f"--node_rank={launch.node_rank}"]
         argv += [f"--master_addr={launch.master_addr}", f"--master_port={master_port}", "--module", "finetune.train", config_path]
         files[DEEPSPEED_FILE] = json.dumps(deepspeed_config(cfg), indent=2) + "\n"
+    elif launch.name == LauncherName.auto and launch.nnodes == 1 and launch.nproc_per_node == 1 and not launch.rdzv_endpoint:
+        # One process (launcher=auto): the rank itself, with the environment torchrun would give it (measured: torchrun's own
+        # start costs about 2 s of a short run). The launcher forwards signals to it as it would to torchrun.
+        argv = [python, "-m", "finetune.train", config_path]
+        rank_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": launch.master_addr,
+                    "MASTER_PORT": str(master_port)}  # a device mesh (fsdp on one rank) makes a process group of one
     else:
         argv = [python, "-m", "torch.distributed.run", f"--nnodes={launch.nnodes}", f"--nproc_per_node={launch.nproc_per_node}"]
         if launch.rdzv_endpoint:  # dynamic rendezvous: node ranks come from the c10d store at the endpoint
@@ -74,11 +84,12 @@ def build(cfg: Config, run_dir: str | Path, *, python: str, cpu_count: int, port
             argv += [f"--node_rank={launch.node_rank}", f"--master_addr={launch.master_addr}", f"--master_port={master_port}"]
         argv += ["-m", "finetune.train", config_path]
 
-    threads = launch.omp_num_threads or max(1, cpu_count // launch.nproc_per_node)
+    threads = launch.omp_num_threads or env_threads or max(1, cpu_count // launch.nproc_per_node)
     env = {
         "OMP_NUM_THREADS": str(threads),
         "PYTHONUNBUFFERED": "1",  # stream rank output as it happens
         "TOKENIZERS_PARALLELISM": "false",  # we tokenize before any fork; silence the warning
+        **rank_env,
         **launch.env,
     }
     return LaunchSpec(argv=argv, env=env, files=files)

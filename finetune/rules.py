@@ -43,7 +43,7 @@ from finetune.config import (
 )
 from finetune.data.sources import sources
 from finetune.disk import attention, config_source, config_value, local_config, model_config
-from finetune.families import (FAMILIES, adapted_outside_linears, arch_from_config, arch_targets, dora_experts, router_loss_split,
+from finetune.families import (COUNTED, FAMILIES, adapted_outside_linears, arch_from_config, arch_targets, dora_experts, router_loss_split,
                                 router_loss_under_pp, unmatched_targets)
 from finetune.structure import structure_problem
 
@@ -375,7 +375,8 @@ def check_layout_fits_model(p: ParallelismConfig, shape: dict[str, Any]) -> None
 
 def _validate_structure(m: ModelConfig) -> None:
     """The model's config as transformers would check it when a rank builds it (finetune.structure), from
-    model.init, a local model.path's config.json (its text_config, for a multimodal wrapper) or model.architecture."""
+    model.init, a local model.path's config.json (its text_config, for a multimodal wrapper) or model.architecture,
+    with what transformers fills in from the family's defaults where the config says nothing (family_defaults)."""
     if m.init is not None:
         config, key, source = model_config(m), (lambda k: f"model.init.{k}"), ""
     else:
@@ -387,9 +388,20 @@ def _validate_structure(m: ModelConfig) -> None:
         key = (lambda k: f"model.architecture.{k}") if file == "model.architecture" else (lambda k: nested + k)
         source = "" if file == "model.architecture" else f" in {file}"
     assert config is not None
-    problem = structure_problem(config, key, source)
+    problem = structure_problem({**family_defaults(config.get("model_type"), m.init is not None), **config}, key, source)
     if problem:
         raise ConfigError(problem)
+
+
+def family_defaults(model_type: Any, init: bool) -> dict[str, Any]:
+    """The structural keys a family's transformers config fills in when config.json leaves them out (COUNTED
+    records; other model_types: none): its own head_dim (Qwen3's 128, Gemma's 256) and, for a model.init (which
+    has no RoPE keys to state), default RoPE unless the family has learned positions (GPT-2)."""
+    fam = COUNTED.get(model_type)
+    if fam is None:
+        return {}
+    return {**({"head_dim": fam.head_dim} if fam.head_dim else {}),
+            **({"rope_parameters": {"rope_type": "default"}} if init and fam.positions is None else {})}
 
 
 def _validate_context(cfg: Config) -> None:

@@ -14,6 +14,10 @@ import pytest
 # Tests never reach a hub: fail fast instead of retrying the network (set before any HF import).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# One thread per process: the suite runs two test workers on two cores, each running ranks; with more threads than
+# cores every small op waits for a descheduled thread at its barrier (measured: a 4-step in-process run takes 22 s
+# with 2 threads under that load, 3.5 s with 1). Set before torch is imported; the launcher honours it for the ranks.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The token cache (finetune/data/cache.py) of this test session: shared by its runs, never the user's.
 os.environ.setdefault("FINETUNE_CACHE_DIR", tempfile.mkdtemp(prefix="finetune-tokens-"))
 
@@ -57,11 +61,13 @@ def train_here(overrides: list[str], run_dir: Path) -> dict:
 
     from finetune import train
     from finetune.compose import preflight
+    from finetune.config import to_yaml
     from finetune.dist import Dist
 
     cfg = preflight([*overrides, "train.progress_bar=false", "train.tensorboard=false"])
     cfg.run_dir = str(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))  # as the launcher writes it
     train.run(cfg, Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
     return json.loads((run_dir / "summary.json").read_text())
 

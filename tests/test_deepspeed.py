@@ -87,8 +87,9 @@ def test_multi_node_deepspeed_argv(compose, tmp_path):
 
 def test_auto_launcher_picks_deepspeed_for_zero_and_torchrun_otherwise(compose):
     assert "deepspeed.launcher.runner" in build(compose(["zero=stage0"]), "/r", python="p", cpu_count=1).argv
-    assert "torch.distributed.run" in build(compose(["zero=none"]), "/r", python="p", cpu_count=1).argv
-    torchrun = build(compose(["zero=stage2", "launcher=torchrun"]), "/r", python="p", cpu_count=1)
+    two = ["parallelism=ddp", "launcher.nproc_per_node=2", "train.global_batch_size=32"]
+    assert "torch.distributed.run" in build(compose(["zero=none", *two]), "/r", python="p", cpu_count=1).argv
+    torchrun = build(compose(["zero=stage2", "launcher=torchrun", *two]), "/r", python="p", cpu_count=1)
     assert "torch.distributed.run" in torchrun.argv and "deepspeed.json" not in torchrun.files
 
 

@@ -240,3 +240,26 @@ def test_flash_attention_without_the_package(compose, monkeypatch):
     monkeypatch.setattr(disk, "has_gpu", lambda: False)
     monkeypatch.setattr(disk, "cpu_has_fp16", lambda: False)
     disk.check(compose(["precision=bf16", "zero=stage2"]))  # bf16 runs on DeepSpeed's CPU accelerator
+
+
+def test_a_killed_op_builds_lock_is_refused_naming_the_file(tmp_path, monkeypatch, compose):
+    """Seen here: a DeepSpeed op build killed mid-compile left TORCH_EXTENSIONS_DIR/py311_cpu/cpu_adam/lock, and
+    every later offload run waited on it until its timeout. A lock older than any build is refused before launch;
+    a build in progress (a fresh lock) is waited for as before."""
+    import os
+    import time
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "cpu_adam/lock"
+    lock.parent.mkdir()
+    lock.touch()
+    cfg = compose(["zero=stage2_offload", "parallelism=ddp", "launcher.nproc_per_node=2", "train.global_batch_size=32"])
+    disk.check_build_locks()  # being built now: fine
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    with pytest.raises(ConfigError) as e:
+        disk.check_device(cfg)
+    assert str(e.value) == (f"{lock} is the lock of a DeepSpeed op build that started 60 minutes ago and never removed it (killed?); "
+                            f"every rank would wait for it forever: remove it (rm {lock}) and launch again, and DeepSpeed builds the "
+                            "op anew")
+    disk.check_device(compose(["parallelism=ddp", "launcher.nproc_per_node=2", "train.global_batch_size=32"]))  # the torch engine builds no op

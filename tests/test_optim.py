@@ -382,7 +382,7 @@ def test_bf16_states_are_planned_and_offered_on_sharded_layouts(compose):
 # columns as a row-wise TP linear does, a replicated vector, a 3-D stack) against the plain optimizers over the
 # whole tensors; prints one JSON line from rank 0.
 SHARDS = """
-import copy, json, torch, torch.distributed as dist
+import copy, json, os, torch, torch.distributed as dist
 import bitsandbytes as bnb
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -434,8 +434,9 @@ for gs in grads[4:]:
     opt2.step()
 out["resumed_equal"] = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(again, shards))
 if dist.get_rank() == 0:
-    print(json.dumps(out))
+    print(json.dumps(out), flush=True)
 dist.destroy_process_group()
+os._exit(0)  # as finetune.train ends: the interpreter's teardown with bitsandbytes loaded can abort a finished process
 """
 
 
@@ -461,3 +462,31 @@ def test_sharded_optimizers_step_dtensor_shards_like_the_whole_tensors(tmp_path)
     assert got["adamw_8bit_dtypes"] == ["torch.uint8", "torch.uint8", "torch.uint8", "torch.float32", "torch.float32", "torch.uint8"]
     assert got["saved"] == {"state1": ["DTensor", [63, 97]], "absmax1": ["DTensor", [2 * 13]]}  # 32 x 97 elements: 13 blocks
     assert got["resumed_equal"] is True
+
+
+@pytest.mark.parametrize("scheduler,warmup,min_ratio", [("cosine", 0, 0.0), ("cosine", 3, 0.1), ("linear", 0, 0.0), ("linear", 4, 0.0),
+                                                        ("constant", 0, 0.0), ("constant", 5, 0.0)])
+def test_the_schedule_is_transformers_own(compose, scheduler, warmup, min_ratio):
+    """The warmup + decay schedules are written out (importing transformers' pulls peft, bitsandbytes and torch's
+    compiler into every rank); their factors equal transformers' at every step, beyond the last one too."""
+    from transformers import get_scheduler
+
+    from finetune.engine.common import build_scheduler
+
+    cfg = compose(["+recipe=quickstart_sft", f"optim.scheduler={scheduler}", f"optim.warmup_steps={warmup}",
+                   f"optim.min_lr_ratio={min_ratio}"]).optim
+    name, extra = {"cosine": ("cosine_with_min_lr", {"min_lr_rate": min_ratio}), "linear": ("linear", {}),
+                   "constant": ("constant_with_warmup", {})}[scheduler]
+    lrs = []
+    for make in (lambda opt: build_scheduler(opt, cfg, 20),
+                 lambda opt: get_scheduler(name, opt, num_warmup_steps=warmup, num_training_steps=20, scheduler_specific_kwargs=extra)):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.3)
+        sched, seen = make(opt), []
+        for _ in range(24):
+            seen.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        lrs.append(seen)
+    assert lrs[0] == lrs[1]  # bit for bit
+    assert lrs[0][warmup] == pytest.approx(0.3)  # the peak after warmup, then down to lr x min_lr_ratio (constant: stays)
+    assert lrs[0][20] == pytest.approx(0.3 if scheduler == "constant" else 0.3 * min_ratio)

@@ -13,7 +13,7 @@ import torch
 from finetune.config import ConfigError
 from finetune.parallel import bubble_fraction, split_blocks
 
-from conftest import last_line, read_metrics, reload_and_evaluate, run_cli
+from conftest import last_line, read_metrics, reload_and_evaluate, run_cli, train_here
 
 # A 4-block tiny Llama (4 heads, 2 key/value heads), 4 steps, 2 micro-batches per rank and step.
 STEPS = ["+recipe=quickstart_sft", "model.init.num_hidden_layers=4", "train.max_steps=4", "optim.warmup_steps=1",
@@ -88,10 +88,9 @@ def test_refused_before_any_rank_starts(tmp_path):
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("single")
-    out = run_cli(*STEPS, "parallelism=single", "launcher.nproc_per_node=1", f"hydra.run.dir={tmp / 'run'}", cwd=tmp)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return tmp / "run"
+    run = tmp_path_factory.mktemp("single") / "run"
+    train_here([*STEPS, "parallelism=single", "launcher.nproc_per_node=1"], run)  # the rank's code in this process: the maths, not the launch
+    return run
 
 
 # The status line each pipeline layout prints at start: STEPS has global batch 32 and micro batch 8
@@ -173,9 +172,7 @@ _single: dict[str, Path] = {}
 def single_run(name: str, tmp_path_factory) -> Path:
     if name not in _single:
         run = tmp_path_factory.mktemp(f"single_{name}")
-        out = run_cli(*STEPS, "train.max_steps=3", "parallelism=single", "launcher.nproc_per_node=1", *SINGLE_RUNS[name],
-                      f"hydra.run.dir={run}", cwd=run)
-        assert out.returncode == 0, name + out.stdout[-2000:] + out.stderr[-3000:]
+        train_here([*STEPS, "train.max_steps=3", "parallelism=single", "launcher.nproc_per_node=1", *SINGLE_RUNS[name]], run)
         _single[name] = run
     return _single[name]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import venv
@@ -74,3 +75,24 @@ def test_benchmark_table_on_its_smallest_setting(tmp_path):
     dry = re.fullmatch(r"Dry run \(python -m finetune.launch \+recipe=quickstart_sft launcher.dry_run=true\), median of 5: "
                        r"([0-9.]+) s wall, ([0-9.]+) s CPU", text.strip().splitlines()[-1])
     assert dry and 0 < float(dry[2]) < 60 and 0 < float(dry[1]) < 60, text  # measured, not asserted fast: shared machines
+
+
+def test_gpu_check_composes_every_run_it_would_make(compose):
+    """scripts/gpu_check.sh runs only on a GPU machine (none here); what it would launch is checked here: each benchmark
+    row it names exists, and each row with its 1B-class overrides composes and validates; without a GPU it says so."""
+    import shlex
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import benchmark
+
+    text = (REPO / "scripts/gpu_check.sh").read_text()
+    overrides = shlex.split(re.search(r"LLAMA_1B=\((.*?)\)", text, re.S).group(1))
+    rows = shlex.split(re.search(r'--only (.*?) --extra', text).group(1))
+    assert rows and all(row in benchmark.STRATEGIES for row in rows)
+    for row in rows:
+        cfg = compose(["+recipe=quickstart_sft", *benchmark.STRATEGIES[row], *overrides])
+        assert (cfg.model.init.hidden_size, cfg.model.init.vocab_size, cfg.data.max_length) == (2048, 128256, 2048)
+    if not shutil.which("nvidia-smi"):
+        out = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), "unused"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and out.stderr.strip() == ("error: scripts/gpu_check.sh needs an NVIDIA GPU (nvidia-smi found none); "
+                                                               "on CPU run bash scripts/test.sh")

@@ -38,6 +38,9 @@ CASES: list[tuple[str, str, dict[str, Any], str]] = [
     ("kv_heads_exceed_heads", "qwen2", dict(num_key_value_heads=8),
      "num_key_value_heads=8 exceeds num_attention_heads=4 in {file}: each key/value head serves a whole group of query "
      "heads, so it must divide 4: use one of 1, 2, 4"),
+    ("kv_heads_exceed_heads_llama", "llama", dict(num_key_value_heads=8),
+     "num_key_value_heads=8 exceeds num_attention_heads=4 in {file}: each key/value head serves a whole group of query "
+     "heads, so it must divide 4: use one of 1, 2, 4"),
     ("size_not_an_integer", "llama", dict(hidden_size=64.5),
      "hidden_size=64.5 in {file} must be a positive integer: fix it (copy it from the model's config.json)"),
     ("size_zero", "llama", dict(num_attention_heads=0),
@@ -45,6 +48,9 @@ CASES: list[tuple[str, str, dict[str, Any], str]] = [
     ("switch_not_a_bool", "llama", dict(attention_bias="yes"), "attention_bias='yes' in {file} must be true or false"),
     ("odd_head_dim", "qwen3", dict(head_dim=9, rope_theta=1e6),
      "head_dim=9 is odd in {file}: RoPE rotates pairs of dimensions, so a wholly rotated head needs an even head_dim: "
+     "change it to an even number"),
+    ("odd_head_dim_llama", "llama", dict(head_dim=15, rope_theta=10000.0),
+     "head_dim=15 is odd in {file}: RoPE rotates pairs of dimensions, so a wholly rotated head needs an even head_dim: "
      "change it to an even number"),
     ("odd_derived_head_dim", "llama", dict(hidden_size=36, intermediate_size=72, rope_parameters=dict(LINEAR, rope_type="default")),
      "the head_dim hidden_size / num_attention_heads = 9 is odd in {file}: RoPE rotates pairs of dimensions, so a wholly "
@@ -64,6 +70,13 @@ CASES: list[tuple[str, str, dict[str, Any], str]] = [
      "rope_parameters in {file} has rope_type=linear without factor: add rope_parameters.factor"),
     ("rope_legacy_scaling_missing_factor", "llama", dict(rope_scaling={"type": "dynamic"}),
      "rope_scaling in {file} has rope_type=dynamic without factor: add rope_scaling.factor"),
+    ("rope_scaling_unknown_type", "llama", dict(rope_theta=10000.0, rope_scaling={"rope_type": "bogus", "factor": 2.0}),
+     "rope_scaling.rope_type='bogus' in {file} is not a RoPE type transformers has: use one of default, axial, proportional, "
+     "linear, dynamic, yarn, longrope, llama3"),
+    ("rope_scaling_llama3_keys", "llama", dict(rope_theta=10000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0}),
+     "rope_scaling in {file} has rope_type=llama3 without low_freq_factor, high_freq_factor: add rope_scaling.low_freq_factor"),
+    ("rope_scaling_linear_factor", "qwen3", dict(head_dim=16, rope_theta=10000.0, rope_scaling={"rope_type": "linear"}),
+     "rope_scaling in {file} has rope_type=linear without factor: add rope_scaling.factor"),
     ("rope_factor_below_one", "llama", dict(rope_parameters={**LINEAR, "factor": 0.5}),
      "rope_parameters.factor=0.5 in {file} must be a number of at least 1 (how many times the original context the linear "
      "scaling stretches to)"),
@@ -115,10 +128,10 @@ def test_a_structural_mistake_is_one_line_before_any_rank(case, model_type, keys
     assert str(e.value) == line.format(file=d / "config.json")
 
 
-def transformers_verdict(model_type: str, keys: dict[str, Any]) -> str | None:
+def transformers_verdict(model_type: str, keys: dict[str, Any], device: str = "meta") -> str | None:
     """transformers' own reason to reject a config: its config class raises, its model cannot be built or run
     a forward (meta device: shapes only; a MoE on CPU, 64 wide: its routing is data-dependent, which meta
-    cannot run), or it logs a warning naming one of `keys`' RoPE keys; None: accepted."""
+    cannot run, nor GPT-2's dropout), or it logs a warning naming one of `keys`' RoPE keys; None: accepted."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -131,7 +144,7 @@ def transformers_verdict(model_type: str, keys: dict[str, Any]) -> str | None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             config = AutoConfig.for_model(model_type, **copy.deepcopy({**BASE, **keys}))  # it standardises dicts in place
-            with torch.device("cpu" if "num_local_experts" in keys else "meta"):
+            with torch.device("cpu" if "num_local_experts" in keys else device):
                 model = AutoModelForCausalLM.from_config(config)
                 model(torch.ones(1, 4, dtype=torch.long))
     except Exception as e:  # noqa: BLE001 - any refusal of transformers' is its verdict
@@ -200,6 +213,32 @@ def test_a_config_transformers_builds_passes():
     for name in ("llama3_1_8b", "gemma2_9b", "phi3_5_mini", "qwen3_30b_a3b", "mixtral_8x7b", "olmo2_7b"):
         cfg = preflight(["+recipe=quickstart_sft", f"model={name}"])
         assert structure_problem(dict(cfg.model.architecture), lambda k: k) is None
+
+
+def test_model_init_and_a_recipes_architecture_are_checked_alike(compose):
+    """model.init has no RoPE keys: a family that rotates (COUNTED, no learned positions) is checked under its default
+    RoPE, GPT-2 (learned positions) is not; a recipe's model.architecture is checked as a config.json would be."""
+    with pytest.raises(ConfigError) as e:
+        compose(["+recipe=quickstart_sft", "model.init.num_attention_heads=8", "model.init.num_key_value_heads=3"])
+    assert str(e.value) == ("model.init.num_key_value_heads=3 does not divide model.init.num_attention_heads=8: each key/value "
+                            "head serves a whole group of query heads, so it must divide 8: use one of 1, 2, 4, 8")
+    with pytest.raises(ConfigError) as e:
+        compose(["+recipe=quickstart_sft", "model.init.hidden_size=120", "model.init.num_attention_heads=8",
+                 "model.init.num_key_value_heads=8"])
+    assert str(e.value) == ("the head_dim model.init.hidden_size / model.init.num_attention_heads = 15 is odd: RoPE rotates pairs "
+                            "of dimensions, so a wholly rotated head needs an even head_dim: change it to an even number")
+    assert transformers_verdict("llama", dict(hidden_size=120, num_attention_heads=8, num_key_value_heads=8)) is not None
+    with pytest.raises(ConfigError) as e:
+        compose(["model=llama3_1_8b", "+model.architecture.rope_scaling={rope_type:llama3,factor:8.0}"])
+    assert str(e.value) == ("model.architecture.rope_scaling has rope_type=llama3 without low_freq_factor, high_freq_factor: add "
+                            "model.architecture.rope_scaling.low_freq_factor")
+    compose(["model=llama3_1_8b"])  # the shipped real-model recipes pass
+    compose(["+recipe=quickstart_sft", "model.init.model_type=gpt2", "model.init.hidden_size=120", "model.init.num_attention_heads=8",
+             "model.init.num_key_value_heads=8"])  # gpt2 has learned positions, no rotary: an odd head size is fine
+    assert transformers_verdict("gpt2", dict(hidden_size=120, num_attention_heads=8, num_key_value_heads=8), "cpu") is None
+    compose(["+recipe=quickstart_sft", "model.init.model_type=qwen3", "model.init.hidden_size=120", "model.init.num_attention_heads=8",
+             "model.init.num_key_value_heads=8"])  # Qwen3's head_dim is its own 128, whatever 120 / 8 is
+    assert transformers_verdict("qwen3", dict(hidden_size=120, num_attention_heads=8, num_key_value_heads=8)) is None
 
 
 # The same mistakes through the real command line, one per source: model.init, model.architecture, a config.json.

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# On a machine with an NVIDIA GPU, one command: every GPU-marked test, then the benchmark at a 1B-class
+# Llama shape (random init, bf16, packed 2,048-token rows) for the strategies that matter on a GPU.
+# Writes OUT_DIR/{device.txt,tests.txt,benchmark.md} (default gpu_check/) and prints them.
+#   bash scripts/gpu_check.sh [OUT_DIR]
+# Needs the gpu extra for the flash-attn and fused-kernel rows: pip install -e ".[test,gpu]".
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-gpu_check}
+PY=${PYTHON:-python3}
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "error: scripts/gpu_check.sh needs an NVIDIA GPU (nvidia-smi found none); on CPU run bash scripts/test.sh" >&2
+  exit 2
+fi
+mkdir -p "$OUT"
+{ nvidia-smi -L; "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } | tee "$OUT/device.txt"
+# 1. Every GPU-marked test (on CPU they are skipped; here they run).
+set +e
+"$PY" -m pytest -q -m gpu -rs -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.txt"
+tests=${PIPESTATUS[0]}
+set -e
+# 2. The benchmark at Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 heads / 8 kv heads, MLP 8192, 128k vocabulary).
+LLAMA_1B=(model.init.hidden_size=2048 model.init.num_hidden_layers=16 model.init.num_attention_heads=32
+          model.init.num_key_value_heads=8 model.init.intermediate_size=8192 model.init.vocab_size=128256
+          model.init.max_position_embeddings=4096 data.max_length=2048 data.packing=true
+          train.micro_batch_size=4 train.global_batch_size=4 train.device=cuda hardware=h100_80g)
+"$PY" scripts/benchmark.py --steps 30 --out "$OUT/benchmark.md" --dry-runs 0 \
+  --only "bf16 autocast" "full checkpointing" "LoRA r=16" "QLoRA r=16 (NF4)" --extra "${LLAMA_1B[@]}"
+cat "$OUT/benchmark.md"
+exit "$tests"
