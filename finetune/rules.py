@@ -43,8 +43,8 @@ from finetune.config import (
 )
 from finetune.data.sources import sources
 from finetune.disk import attention, config_source, config_value, local_config, model_config
-from finetune.families import (COUNTED, FAMILIES, adapted_outside_linears, arch_from_config, arch_targets, dora_experts, router_loss_split,
-                                router_loss_under_pp, unmatched_targets)
+from finetune.families import (COUNTED, FAMILIES, adapted_outside_linears, arch_from_config, arch_targets, dora_experts,
+                                router_loss_split, router_loss_under_pp, unmatched_targets)
 from finetune.structure import structure_problem
 
 

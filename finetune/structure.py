@@ -4,7 +4,9 @@ against RoPE, the RoPE settings per RoPE type, layer_types against the layers, t
 experts, and the types of the sizes and switches.
 
 Each check is keyed on config.json keys, not on a family: a model_type we never named is checked
-the same way (the one exception is transformers' own: HEADS_DIVIDE_HIDDEN). Derived from
+the same way. The one exception is the heads against the hidden size, a per-family rule in
+transformers (HEADS_DIVIDE_HIDDEN: Llama refuses 100 wide over 6 heads, Mistral takes head_dim 16
+and builds). Derived from
 transformers' validation (`PreTrainedConfig.validate_*`, `RotaryEmbeddingConfigMixin.validate_rope`
 and its per-type `_validate_*_rope_parameters`, the families' `validate_architecture`) and from what
 its attention modules assume (repeat_kv: whole query heads per key/value head); where transformers
@@ -30,11 +32,25 @@ ALIASES = {"hidden_size": ("n_embd", "d_model"), "num_attention_heads": ("n_head
 SWITCHES = ("tie_word_embeddings", "attention_bias", "mlp_bias")
 """Keys that are booleans where a config.json has them (transformers' strict bool fields)."""
 
-HEADS_DIVIDE_HIDDEN = frozenset({"arcee", "aria_text", "cwm", "deepseek_v2", "exaone", "gemma2", "gemma3_text", "gemma3n_text",
-                                 "hrm_text", "hyperclovax", "internlm3", "iquestcoder", "jais2", "llama", "minicpm3", "vaultgemma"})
-"""model_types whose transformers config refuses hidden_size % num_attention_heads != 0 even when head_dim is given
-(their validate_architecture; every other family needs it only when head_dim is derived from them).
-tests/test_structure.py recomputes this set from transformers."""
+HEADS_DIVIDE_HIDDEN = frozenset({
+    # the config's validate_architecture refuses it, head_dim or not
+    "arcee", "aria_text", "cwm", "deepseek_v2", "exaone", "gemma2", "gemma3_text", "gemma3n_text", "hrm_text", "hyperclovax",
+    "internlm3", "iquestcoder", "jais2", "llama", "minicpm3", "vaultgemma", "gpt_neox",
+    # the attention raises when its module is built ("embed_dim must be divisible by num_heads" and the like)
+    "bart", "bert", "bert-generation", "big_bird", "bigbird_pegasus", "biogpt", "blenderbot", "blenderbot-small", "bloom",
+    "camembert", "codegen", "data2vec-text", "ernie", "falcon", "git", "gpt-sw3", "gpt2", "gpt_bigcode", "gptj", "marian",
+    "mbart", "megatron-bert", "modernbert-decoder", "moshi", "mvp", "openai-gpt", "opt", "pegasus", "persimmon", "plbart",
+    "prophetnet", "rembert", "roberta", "roberta-prelayernorm", "roc_bert", "stablelm", "trocr", "whisper", "xglm", "xlm",
+    "xlm-roberta", "xlm-roberta-xl", "xmod",
+    # the forward fails: heads x head_dim does not meet a hidden_size-wide projection (no head_dim of their own, or
+    # Helium's square o_proj)
+    "bitnet", "ctrl", "electra", "gpt_neox_japanese", "helium", "mpt", "olmoe",
+})
+"""The model_types for which transformers refuses a hidden_size that num_attention_heads does not divide, whatever
+head_dim says (its config, its model's build or its forward fails). Every other model_type takes head_dim (its
+config's, its family's default, or hidden_size // heads) and builds: Mistral, Mixtral, Qwen2/3, Gemma, OLMo-2,
+Granite, Phi-3... are not refused. tests/test_structure.py recomputes this set from transformers (every causal LM,
+on the meta device: 100 wide over 6 heads against 96 wide, with head_dim 16 and without)."""
 
 ROPE_REQUIRED = {"default": (), "axial": (), "proportional": (), "linear": ("factor",), "dynamic": ("factor",),
                  "yarn": ("factor",), "longrope": ("short_factor", "long_factor"),
@@ -117,12 +133,11 @@ def head_dim(config: dict[str, Any]) -> int | None:
 def _heads(config: dict[str, Any], key: Callable[[str], str], source: str) -> str | None:
     (h_key, hidden), (a_key, heads) = _spelled(config, "hidden_size"), _spelled(config, "num_attention_heads")
     kv_key, kv = _spelled(config, "num_key_value_heads")
-    if hidden and heads and hidden % heads and (config.get("head_dim") is None or config.get("model_type") in HEADS_DIVIDE_HIDDEN):
-        why = ("transformers' config for this model_type requires it even with head_dim set" if config.get("head_dim") is not None
-               else f"head_dim is not set, so each head would be {hidden}/{heads} wide")
-        fix = "" if config.get("head_dim") is not None or key("head_dim").startswith("model.init.") else f", or set {key('head_dim')}"
-        return (f"{key(a_key)}={heads} does not divide {key(h_key)}={hidden}{source} ({why}): use a {key(a_key)} that divides "
-                f"{hidden} (e.g. {_divisors(hidden, heads)}){fix}")
+    model_type = config.get("model_type")
+    if hidden and heads and hidden % heads and model_type in HEADS_DIVIDE_HIDDEN:
+        return (f"{key(a_key)}={heads} does not divide {key(h_key)}={hidden}{source}: transformers' {model_type} splits "
+                f"{h_key} evenly over the attention heads, head_dim or not: use a {key(a_key)} that divides {hidden} "
+                f"(e.g. {_divisors(hidden, heads)})")
     if heads and kv and not config.get("kv_lora_rank") and heads % kv:
         relation = "exceeds" if kv > heads else "does not divide"
         divisors = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)

@@ -9,7 +9,6 @@ refused and skipped, and the worst relative error."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import warnings
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from conftest import config_keys
 from finetune.config import ConfigError, ModelConfig
 from finetune.families import COUNTED, FAMILIES, Family
 from finetune.plan import architecture
@@ -36,18 +36,12 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
 TOLERANCE = 1e-3
 
 
-def settable(model_type: str) -> set[str]:
-    cls = CONFIG_MAPPING[model_type]
-    return {f.name for f in dataclasses.fields(cls)} | set(getattr(cls, "attribute_map", {})) if dataclasses.is_dataclass(cls) \
-        else set(getattr(cls, "attribute_map", {}))
-
-
 @functools.cache
 def built(model_type: str, extra: tuple[tuple[str, Any], ...] = ()) -> tuple[dict[str, Any] | None, int, str]:
     """(config.json as save_pretrained writes it, the built model's parameter count, why not built). The small
     sizes first; where transformers refuses them (its own validation of a family's shape), fewer of them, then
     its defaults (meta device: the size costs nothing)."""
-    small = {k: v for k, v in SMALL.items() if k in settable(model_type)}
+    small = {k: v for k, v in SMALL.items() if k in config_keys(model_type)}
     reason = ""
     for keys in (small, {k: v for k, v in small.items() if k not in ("num_hidden_layers", "head_dim")}, {}):
         try:
@@ -92,7 +86,7 @@ def record_keys(fam: Family) -> list[str]:
 
 
 VARIANTS = [(t, key) for t in sorted(set(COUNTED) & set(CAUSAL)) for key in [*record_keys(COUNTED[t]), "head_dim"]
-            if key in settable(t)]
+            if key in config_keys(t)]
 
 
 @pytest.mark.parametrize("model_type,key", VARIANTS, ids=[f"{t}-{k}" for t, k in VARIANTS])

@@ -2,7 +2,8 @@
 keys, their values and what to do, for model.init, a local config.json and model.architecture alike
 (finetune/structure.py); and transformers itself rejects every config refused here: its config
 validation raises, its model cannot be built or run a forward on the meta device, or it warns about the
-same key (a RoPE factor below 1: the run would go on, wrong). Nothing is built beyond the meta device."""
+same key (a RoPE factor below 1: the run would go on, wrong). Nothing is built beyond the meta device but
+tiny MoE and GPT-2 models on CPU (the meta device cannot route tokens or run GPT-2's dropout)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from conftest import run_cli
+from conftest import config_keys, run_cli
 from finetune.compose import preflight
 from finetune.config import ConfigError
 from finetune.structure import ATTENTION_LAYER_TYPES, HEADS_DIVIDE_HIDDEN, MLP_LAYER_TYPES, ROPE_REQUIRED, structure_problem
@@ -27,11 +28,14 @@ LINEAR = {"rope_type": "linear", "rope_theta": 10000.0}
 # (id, model_type, config.json keys beyond BASE, the line: {file} is the config.json)
 CASES: list[tuple[str, str, dict[str, Any], str]] = [
     ("heads_divide_hidden", "llama", dict(num_attention_heads=5, num_key_value_heads=5),
-     "num_attention_heads=5 does not divide hidden_size=64 in {file} (head_dim is not set, so each head would be 64/5 wide): "
-     "use a num_attention_heads that divides 64 (e.g. 4 or 8), or set head_dim"),
+     "num_attention_heads=5 does not divide hidden_size=64 in {file}: transformers' llama splits hidden_size evenly over the "
+     "attention heads, head_dim or not: use a num_attention_heads that divides 64 (e.g. 4 or 8)"),
     ("heads_divide_hidden_with_head_dim", "llama", dict(num_attention_heads=5, num_key_value_heads=5, head_dim=16),
-     "num_attention_heads=5 does not divide hidden_size=64 in {file} (transformers' config for this model_type requires it "
-     "even with head_dim set): use a num_attention_heads that divides 64 (e.g. 4 or 8)"),
+     "num_attention_heads=5 does not divide hidden_size=64 in {file}: transformers' llama splits hidden_size evenly over the "
+     "attention heads, head_dim or not: use a num_attention_heads that divides 64 (e.g. 4 or 8)"),
+    ("heads_divide_hidden_stablelm", "stablelm", dict(num_attention_heads=6, head_dim=16),  # its attention refuses it
+     "num_attention_heads=6 does not divide hidden_size=64 in {file}: transformers' stablelm splits hidden_size evenly over the "
+     "attention heads, head_dim or not: use a num_attention_heads that divides 64 (e.g. 4 or 8)"),
     ("kv_heads_divide_heads", "mistral", dict(num_key_value_heads=3),
      "num_key_value_heads=3 does not divide num_attention_heads=4 in {file}: each key/value head serves a whole group of "
      "query heads, so it must divide 4: use one of 1, 2, 4"),
@@ -128,29 +132,46 @@ def test_a_structural_mistake_is_one_line_before_any_rank(case, model_type, keys
     assert str(e.value) == line.format(file=d / "config.json")
 
 
+def transformers_gets(model_type: str, keys: dict[str, Any], upto: int = 3, device: str = "meta") -> tuple[int, str | None]:
+    """How far transformers gets with a config, trying no further than `upto` (0 its config raises, 1 its model
+    cannot be built, 2 its forward fails, 3 it runs), and why it stopped (None: it did not). A MoE's experts run as
+    batched matmuls (transformers' default, grouped_mm, takes only bf16 on the meta device)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    reached = 0
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = AutoConfig.for_model(model_type, **copy.deepcopy(keys))  # it standardises dicts in place
+            reached = 1
+            if upto > 1:
+                with torch.device(device):
+                    model = AutoModelForCausalLM.from_config(config, experts_implementation="batched_mm")
+                    reached = 2
+                    if upto > 2:
+                        model(torch.ones(1, 4, dtype=torch.long))
+                        reached = 3
+    except Exception as e:  # noqa: BLE001 - any refusal of transformers' is its verdict
+        return reached, f"{type(e).__name__}: {e}"
+    return reached, None
+
+
 def transformers_verdict(model_type: str, keys: dict[str, Any], device: str = "meta") -> str | None:
     """transformers' own reason to reject a config: its config class raises, its model cannot be built or run
     a forward (meta device: shapes only; a MoE on CPU, 64 wide: its routing is data-dependent, which meta
     cannot run, nor GPT-2's dropout), or it logs a warning naming one of `keys`' RoPE keys; None: accepted."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     seen: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
     logger = logging.getLogger("transformers")
     logger.addHandler(handler)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            config = AutoConfig.for_model(model_type, **copy.deepcopy({**BASE, **keys}))  # it standardises dicts in place
-            with torch.device("cpu" if "num_local_experts" in keys else device):
-                model = AutoModelForCausalLM.from_config(config)
-                model(torch.ones(1, 4, dtype=torch.long))
-    except Exception as e:  # noqa: BLE001 - any refusal of transformers' is its verdict
-        return f"{type(e).__name__}: {e}"
+        _, reason = transformers_gets(model_type, {**BASE, **keys}, device="cpu" if "num_local_experts" in keys else device)
     finally:
         logger.removeHandler(handler)
+    if reason:
+        return reason
     rope = next((v for k, v in keys.items() if k.startswith("rope_") and isinstance(v, dict)), {})
     named = [m for m in seen if any(f"{k}" in m for k in rope if k not in ("rope_type", "rope_theta"))]
     return named[0] if named else None
@@ -183,29 +204,70 @@ def test_the_lists_copied_from_transformers_are_its_own():
     assert set(ROPE_REQUIRED) == set(ROPE_INIT_FUNCTIONS) | {"default", "axial"}
 
 
-def test_heads_divide_hidden_is_transformers_set():
-    """The model_types whose config refuses hidden_size % num_attention_heads != 0 even with head_dim set."""
-    import dataclasses
+HEADS = dict(intermediate_size=128, num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=2, vocab_size=128,
+             max_position_embeddings=256, moe_intermediate_size=32, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
-    from transformers import AutoConfig
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+def test_heads_divide_hidden_is_where_transformers_refuses_it():
+    """Every causal LM of transformers, 100 wide over 6 heads, with head_dim 16 stated (as a config.json may, whatever
+    the family reads) and without: it refuses where the same config 96 wide gets further (its config, build or forward),
+    accepts where it runs. HEADS_DIVIDE_HIDDEN is exactly the refusing set, none of which accepts either way; the check
+    refuses those and passes every type that accepts (Mistral, Qwen2...)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    refusing = set()
-    for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        cls = CONFIG_MAPPING[model_type]
-        fields = {f.name for f in dataclasses.fields(cls)} | set(cls.attribute_map) if dataclasses.is_dataclass(cls) else set()
-        if not {"hidden_size", "num_attention_heads", "head_dim"} <= fields:
-            continue
-        keys = {k: v for k, v in {**BASE, "num_attention_heads": 5, "num_key_value_heads": 5, "head_dim": 16}.items() if k in fields}
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                AutoConfig.for_model(model_type, **keys)
-        except Exception as e:  # noqa: BLE001
-            if "multiple of the number of attention heads" in str(e):
-                refusing.add(model_type)
-    assert refusing == HEADS_DIVIDE_HIDDEN
+    logging.disable(logging.ERROR)  # transformers' notes on keys a family does not take (falcon's head_dim)
+    refuses, accepts = set(), set()
+    try:
+        for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+            keys = config_keys(model_type)
+            if not {"hidden_size", "num_attention_heads"} <= keys:
+                continue
+            small = {k: v for k, v in HEADS.items() if k in keys}
+            for head_dim in ({"head_dim": 16}, {}):
+                odd, _ = transformers_gets(model_type, {**small, **head_dim, "hidden_size": 100})
+                if odd == 3:
+                    accepts.add(model_type)
+                elif transformers_gets(model_type, {**small, **head_dim, "hidden_size": 96}, upto=odd + 1)[0] > odd:
+                    refuses.add(model_type)
+    finally:
+        logging.disable(logging.NOTSET)
+    assert refuses == HEADS_DIVIDE_HIDDEN, (sorted(refuses - HEADS_DIVIDE_HIDDEN), sorted(HEADS_DIVIDE_HIDDEN - refuses))
+    assert not refuses & accepts, sorted(refuses & accepts)
+    assert {"mistral", "mixtral", "qwen2", "qwen3", "gemma", "olmo2", "granite", "phi3"} <= accepts  # README names these
+    refused = {t for t in refuses | accepts
+               if structure_problem({**HEADS, "model_type": t, "hidden_size": 100, "head_dim": 16}, lambda k: k)}
+    assert refused == refuses
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2"])
+def test_heads_that_do_not_divide_hidden_size_pass_where_the_family_takes_head_dim(model_type, tmp_path):
+    """Mistral and Qwen2 size q/k/v by head_dim, not hidden_size / heads: 100 wide over 6 heads of 16 builds and runs
+    (meta device), the dry run's checks pass it, and the planner counts what transformers builds."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.plan import architecture
+
+    keys = dict(hidden_size=100, num_attention_heads=6, num_key_value_heads=2, head_dim=16)
+    cfg = preflight(["+recipe=quickstart_sft", "model=pretrained", f"model.path={config_dir(tmp_path / 'm', model_type, keys)}"])
+    assert transformers_verdict(model_type, keys) is None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**BASE, **keys}))
+    assert tuple(model.model.layers[0].self_attn.q_proj.weight.shape) == (6 * 16, 100)
+    assert architecture(cfg.model).params == sum(p.numel() for p in model.parameters())
+
+
+def test_a_mistral_model_init_whose_heads_do_not_divide_hidden_size_passes_the_dry_run(tmp_path):
+    """model.init has no head_dim: Mistral takes 100 // 6 = 16 and builds; the dry run passes it (and refuses Llama's)."""
+    init = ["model.init.hidden_size=100", "model.init.num_attention_heads=6", "model.init.num_key_value_heads=2"]
+    assert transformers_verdict("mistral", dict(hidden_size=100, num_attention_heads=6, num_key_value_heads=2)) is None
+    out = run_cli("+recipe=quickstart_sft", "model.init.model_type=mistral", *init, "launcher.dry_run=true", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    with pytest.raises(ConfigError) as e:
+        preflight(["+recipe=quickstart_sft", *init])
+    assert str(e.value) == ("model.init.num_attention_heads=6 does not divide model.init.hidden_size=100: transformers' llama "
+                            "splits hidden_size evenly over the attention heads, head_dim or not: use a "
+                            "model.init.num_attention_heads that divides 100 (e.g. 5 or 10)")
 
 
 def test_a_config_transformers_builds_passes():
@@ -222,30 +284,29 @@ def test_model_init_and_a_recipes_architecture_are_checked_alike(compose):
         compose(["+recipe=quickstart_sft", "model.init.num_attention_heads=8", "model.init.num_key_value_heads=3"])
     assert str(e.value) == ("model.init.num_key_value_heads=3 does not divide model.init.num_attention_heads=8: each key/value "
                             "head serves a whole group of query heads, so it must divide 8: use one of 1, 2, 4, 8")
+    odd = ["model.init.hidden_size=120", "model.init.num_attention_heads=8", "model.init.num_key_value_heads=8"]  # 15 wide
     with pytest.raises(ConfigError) as e:
-        compose(["+recipe=quickstart_sft", "model.init.hidden_size=120", "model.init.num_attention_heads=8",
-                 "model.init.num_key_value_heads=8"])
-    assert str(e.value) == ("the head_dim model.init.hidden_size / model.init.num_attention_heads = 15 is odd: RoPE rotates pairs "
-                            "of dimensions, so a wholly rotated head needs an even head_dim: change it to an even number")
+        compose(["+recipe=quickstart_sft", *odd])
+    assert str(e.value) == ("the head_dim model.init.hidden_size / model.init.num_attention_heads = 15 is odd: RoPE rotates "
+                            "pairs of dimensions, so a wholly rotated head needs an even head_dim: change it to an even number")
     assert transformers_verdict("llama", dict(hidden_size=120, num_attention_heads=8, num_key_value_heads=8)) is not None
     with pytest.raises(ConfigError) as e:
         compose(["model=llama3_1_8b", "+model.architecture.rope_scaling={rope_type:llama3,factor:8.0}"])
     assert str(e.value) == ("model.architecture.rope_scaling has rope_type=llama3 without low_freq_factor, high_freq_factor: add "
                             "model.architecture.rope_scaling.low_freq_factor")
     compose(["model=llama3_1_8b"])  # the shipped real-model recipes pass
-    compose(["+recipe=quickstart_sft", "model.init.model_type=gpt2", "model.init.hidden_size=120", "model.init.num_attention_heads=8",
-             "model.init.num_key_value_heads=8"])  # gpt2 has learned positions, no rotary: an odd head size is fine
+    compose(["+recipe=quickstart_sft", "model.init.model_type=gpt2", *odd])  # learned positions, no rotary: an odd head is fine
     assert transformers_verdict("gpt2", dict(hidden_size=120, num_attention_heads=8, num_key_value_heads=8), "cpu") is None
-    compose(["+recipe=quickstart_sft", "model.init.model_type=qwen3", "model.init.hidden_size=120", "model.init.num_attention_heads=8",
-             "model.init.num_key_value_heads=8"])  # Qwen3's head_dim is its own 128, whatever 120 / 8 is
+    compose(["+recipe=quickstart_sft", "model.init.model_type=qwen3", *odd])  # Qwen3's head_dim is its own 128, whatever 120 / 8
     assert transformers_verdict("qwen3", dict(hidden_size=120, num_attention_heads=8, num_key_value_heads=8)) is None
 
 
 # The same mistakes through the real command line, one per source: model.init, model.architecture, a config.json.
 CLI = [
     (["model.init.num_attention_heads=6"],
-     "error: model.init.num_attention_heads=6 does not divide model.init.hidden_size=128 (head_dim is not set, so each head "
-     "would be 128/6 wide): use a model.init.num_attention_heads that divides 128 (e.g. 4 or 8)"),
+     "error: model.init.num_attention_heads=6 does not divide model.init.hidden_size=128: transformers' llama splits "
+     "hidden_size evenly over the attention heads, head_dim or not: use a model.init.num_attention_heads that divides 128 "
+     "(e.g. 4 or 8)"),
     (["model=pretrained", "model.path=org/model", "model.tokenizer={tokenizer}",
       "+model.architecture={{model_type:llama,hidden_size:64,num_attention_heads:4,num_key_value_heads:3}}"],
      "error: model.architecture.num_key_value_heads=3 does not divide model.architecture.num_attention_heads=4: each "
