@@ -27,10 +27,12 @@ ALIASES = {
     "intermediate_size": ("n_inner", "ffn_dim", "ffn_hidden_size"),
     "hidden_size": ("n_embd", "d_model"),
     "max_position_embeddings": ("n_positions", "max_sequence_length", "max_seq_len", "seq_length"),
-    "num_local_experts": ("num_experts", "n_routed_experts"),
+    "num_local_experts": ("num_experts", "n_routed_experts", "moe_num_experts"),
+    "num_experts_per_tok": ("moe_topk", "moe_k"),
+    "n_shared_experts": ("num_shared_experts", "moe_num_shared_experts"),
 }
 """Other names of the same config.json keys in some families (transformers' `attribute_map`s: gpt2's
-n_head/n_layer/n_embd/n_inner/n_positions, OPT's ffn_dim, MPT's n_heads/n_layers, Qwen-MoE's num_experts...)."""
+n_head/n_layer/n_embd/n_inner/n_positions, OPT's ffn_dim, MPT's n_heads/n_layers, Qwen-MoE's num_experts, Aria's moe_topk...)."""
 
 
 def check(cfg: Config) -> None:
@@ -73,14 +75,14 @@ def read_json(file: Path, key: str) -> dict[str, Any]:
     return value
 
 
-def local_config(cfg: ModelConfig) -> dict[str, Any] | None:
+def local_config(cfg: ModelConfig, whole: bool = False) -> dict[str, Any] | None:
     """The (text) config.json of the model as this machine can read it: a local model.path's, else
     model.architecture (the keys a recipe declares for a hub id); None if neither. A multimodal
-    wrapper's language model is its `text_config`."""
+    wrapper's language model is its `text_config` (`whole`: the wrapper itself, as the planner counts it)."""
     file = Path(cfg.path or "").expanduser() / "config.json"
     if cfg.path and file.is_file():
         arch = read_json(file, "model.path")
-        return arch.get("text_config") or arch
+        return arch if whole else arch.get("text_config") or arch
     if cfg.architecture and cfg.init is None:
         return dict(cfg.architecture)
     return None
@@ -102,13 +104,13 @@ def config_source(cfg: ModelConfig) -> str:
 
 def config_value(arch: dict[str, Any], key: str) -> Any:
     """`key` of a config.json, under its own name or a family's alias (ALIASES); None if absent."""
+    if key == "num_key_value_heads" and arch.get("multi_query") is True and not arch.get("new_decoder_architecture"):
+        return 1  # gpt_bigcode, falcon (whose new architecture reads num_kv_heads)
     for name in (key, *ALIASES.get(key, ())):
         if arch.get(name) is not None:
             return arch[name]
     if key == "intermediate_size" and config_value(arch, "hidden_size"):  # gpt2: n_inner null means 4 x n_embd
         return 4 * config_value(arch, "hidden_size") if "n_inner" in arch else None
-    if key == "num_key_value_heads" and arch.get("multi_query") is True:  # falcon, gpt_bigcode
-        return 1
     if key == "num_key_value_heads":
         return config_value(arch, "num_attention_heads")
     return None

@@ -99,7 +99,7 @@ def architecture(m: ModelConfig) -> Arch:
                               "directory with tokenizer.json")
         init = {k: v for k, v in vars(m.init).items() if k not in ("seed", "vocab_size")}
         return arch_from_config({**init, "vocab_size": vocab}, "model.init")
-    config = local_config(m)
+    config = local_config(m, whole=True)
     if config is None:
         raise ConfigError(f"the planner reads the architecture from model.init, a local config.json or model.architecture: "
                           f"model.path={m.path!r} is not a local model directory and model.architecture is not set (set "
@@ -417,7 +417,7 @@ def block_activation_bytes(arch: Arch, cfg: Config, seq: int, tokens: int, block
       under autocast (c a s), the tanh of soft-capped logits (Gemma-2: c a s), attention dropout's mask
       and output; sdpa with attention dropout runs PyTorch's math kernel on CPU (fp32 throughout);
     - the MLP: gated, the gate (for the activation), its activation and up (for their product): 3 c i;
-      plain (GPT-2), what the activation saves (ACT_SAVES); dropout masks on each sublayer's output;
+      plain (GPT-2, Phi...), what the activation saves (ACT_SAVES); dropout masks on each sublayer's output;
     - a MoE's sparse MLP: the router's fp32 softmax (4 E), its top-k indices and weights; per routed
       token (k per token) the gathered input, gate_up's output, the activation, down's input and
       output (experts run in the weights' dtype: grouped_mm is not autocast) and the dispatch indices.
@@ -463,7 +463,7 @@ def block_activation_bytes(arch: Arch, cfg: Config, seq: int, tokens: int, block
     down = block.role("down")
     if moe is None:
         i = block.mlp_width
-        mlp = (ACT_SAVES.get(arch.act, 1) if fam.gpt2 else 3) * c * i
+        mlp = (ACT_SAVES.get(arch.act, 1) if fam.mlp == "plain" else 3) * c * i
     else:  # a shared expert (Qwen2-MoE) runs a gated MLP on every token
         i = down[0].inputs if down else 0
         mlp = 3 * c * i
@@ -695,8 +695,8 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
     on_gpu = hw.gpu_memory_gib > 0  # without a GPU, offloading to CPU RAM moves nothing: it stays counted per rank
     notes: list[str] = []
     if not arch.known:
-        notes.append(f"model_type={arch.model_type or '(none)'} is not one the planner knows (finetune/families.py): counted as a "
-                     "Llama-style decoder from its config keys; norms or fused projections it has beyond them are not counted")
+        notes.append(f"model_type={arch.model_type}: its parameters are counted as transformers builds them (finetune/families.py "
+                     "COUNTED); its activations are estimated from the families measured (FAMILIES), not measured for it")
 
     notes.append("attention: %s (%s)" % attention_kernel(arch, cfg))
     notes += moe_notes(arch, cfg)

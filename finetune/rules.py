@@ -42,9 +42,10 @@ from finetune.config import (
     launcher_for,
 )
 from finetune.data.sources import sources
-from finetune.disk import ALIASES, attention, config_source, config_value, local_config, model_config
-from finetune.families import (FAMILIES, adapted_outside_linears, arch_from_config, arch_targets, dora_experts, router_loss_split,
-                                router_loss_under_pp, unmatched_targets)
+from finetune.disk import attention, config_source, config_value, local_config, model_config
+from finetune.families import (COUNTED, FAMILIES, adapted_outside_linears, arch_from_config, arch_targets, dora_experts,
+                                router_loss_split, router_loss_under_pp, unmatched_targets)
+from finetune.structure import structure_problem
 
 
 def layout_words(p: ParallelismConfig) -> str:
@@ -71,7 +72,7 @@ def validate(cfg: Config) -> None:
                           "model.init: use one model recipe (model=tiny or a hub model's), not both")
     if m.path is None and m.tokenizer is None:
         raise ConfigError("model.tokenizer: a random-init model needs a tokenizer path or hub id")
-    check_model_structure(m)
+    _validate_structure(m)
     _validate_context(cfg)
     for value, split, key in ((cfg.data.train, cfg.data.train_split, "data.train"), (cfg.data.eval, cfg.data.eval_split, "data.eval")):
         if value is not None:
@@ -327,56 +328,6 @@ SHAPE = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_valu
 """What the layout and the context length are checked against (model_shape)."""
 
 
-ROPE_TYPES = {"default": (), "linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",), "longrope": ("short_factor", "long_factor"),
-              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), "proportional": ()}
-"""transformers' rotary types and the keys each requires (modeling_rope_utils: ROPE_INIT_FUNCTIONS and its validators)."""
-
-
-def check_model_structure(cfg: ModelConfig) -> None:
-    """What transformers' config validation and attention modules assume of any model's shape, checked on the
-    config as this machine reads it (model.init, a local config.json, model.architecture), whatever its
-    model_type: query heads group evenly over key/value heads, rotary embeddings rotate an even number of
-    dimensions, and a rope_scaling / rope_parameters entry names a known type with the keys it needs. One line
-    naming the keys and what to do. (Whether the heads must split hidden_size exactly is the family's own rule:
-    llama, gemma2, gpt2 and gpt_neox refuse 64 / 6, mistral, qwen2/3, gemma, olmo2, granite and mixtral take
-    head_dim = 64 // 6; it is left to transformers on the ranks.)"""
-    arch = model_config(cfg)
-    if arch is None:  # a hub id without model.architecture: its config is read on the ranks
-        return
-    at = "model.init." if cfg.init is not None else f"{config_source(cfg)}: "
-
-    def name(key: str) -> str:  # the key as this config spells it (gpt2's n_head...)
-        spelled = next((k for k in (key, *ALIASES.get(key, ())) if arch.get(k) is not None), key)
-        return f"{at}{spelled}" if cfg.init is not None else spelled
-
-    hidden, heads = config_value(arch, "hidden_size"), config_value(arch, "num_attention_heads")
-    kv, head_dim = config_value(arch, "num_key_value_heads"), arch.get("head_dim")
-    if not all(isinstance(v, int) for v in (hidden, heads, kv)) or heads < 1 or kv < 1:
-        return  # a family with other names for these (an encoder-decoder, an SSM): left to transformers on the ranks
-    if heads % kv:
-        options = [k for k in range(1, heads + 1) if heads % k == 0]
-        raise ConfigError(f"{at if cfg.init is None else ''}{name('num_attention_heads')}={heads} is not a multiple of "
-                          f"{name('num_key_value_heads')}={kv}: each key/value head serves an equal group of query heads; use a "
-                          f"num_key_value_heads that divides {heads} ({', '.join(map(str, options))})")
-    rope = arch.get("rope_parameters") or arch.get("rope_scaling")
-    rope_key = "rope_parameters" if arch.get("rope_parameters") else "rope_scaling"
-    if isinstance(rope, dict) and rope and not all(isinstance(v, dict) for v in rope.values()):  # not one per attention kind
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind not in ROPE_TYPES:
-            raise ConfigError(f"{at}{rope_key}: rope_type={kind!r} is not a rotary embedding transformers knows: use one of "
-                              f"{', '.join(ROPE_TYPES)}")
-        missing = [k for k in ROPE_TYPES[kind] if rope.get(k) is None]
-        if missing:
-            raise ConfigError(f"{at}{rope_key}: rope_type={kind!r} needs {', '.join(missing)} (set {' and '.join(missing)} "
-                              f"in {rope_key}), or use another rope_type")
-    has_rope = rope is not None or "rope_theta" in arch or (cfg.init is not None and cfg.init.model_type != "gpt2")
-    rotary = int((head_dim or hidden // heads) * (arch.get("partial_rotary_factor") or 1.0))
-    if has_rope and rotary % 2:
-        size = f"head_dim={head_dim}" if head_dim else f"{name('hidden_size')}={hidden} / {name('num_attention_heads')}={heads} = {hidden // heads}"
-        raise ConfigError(f"{at if cfg.init is None else ''}rotary position embeddings rotate pairs of dimensions, but each head "
-                          f"has {size} (rotated: {rotary}), an odd number: choose sizes that give an even head size")
-
-
 def model_shape(cfg: ModelConfig) -> dict[str, Any] | None:
     """The SHAPE keys from model.init, a local config.json or model.architecture, read under the
     families' aliases (disk.ALIASES; None where the config says nothing). None: a hub id without
@@ -420,6 +371,37 @@ def check_layout_fits_model(p: ParallelismConfig, shape: dict[str, Any]) -> None
     if p.pp > 1 and shape.get("tie_word_embeddings") is True:
         raise ConfigError("pipeline parallel needs untied input/output embeddings (the first and last stages hold them): "
                           "this model ties them; use tp or fsdp")
+
+
+def _validate_structure(m: ModelConfig) -> None:
+    """The model's config as transformers would check it when a rank builds it (finetune.structure), from
+    model.init, a local model.path's config.json (its text_config, for a multimodal wrapper) or model.architecture,
+    with what transformers fills in from the family's defaults where the config says nothing (family_defaults)."""
+    if m.init is not None:
+        config, key, source = model_config(m), (lambda k: f"model.init.{k}"), ""
+    else:
+        config = local_config(m)
+        if config is None:
+            return
+        file = config_source(m)
+        nested = "text_config." if file != "model.architecture" and "text_config" in local_config(m, whole=True) else ""
+        key = (lambda k: f"model.architecture.{k}") if file == "model.architecture" else (lambda k: nested + k)
+        source = "" if file == "model.architecture" else f" in {file}"
+    assert config is not None
+    problem = structure_problem({**family_defaults(config.get("model_type"), m.init is not None), **config}, key, source)
+    if problem:
+        raise ConfigError(problem)
+
+
+def family_defaults(model_type: Any, init: bool) -> dict[str, Any]:
+    """The structural keys a family's transformers config fills in when config.json leaves them out (COUNTED
+    records; other model_types: none): its own head_dim (Qwen3's 128, Gemma's 256) and, for a model.init (which
+    has no RoPE keys to state), default RoPE unless the family has learned positions (GPT-2)."""
+    fam = COUNTED.get(model_type)
+    if fam is None:
+        return {}
+    return {**({"head_dim": fam.head_dim} if fam.head_dim else {}),
+            **({"rope_parameters": {"rope_type": "default"}} if init and fam.positions is None else {})}
 
 
 def _validate_context(cfg: Config) -> None:

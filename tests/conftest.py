@@ -62,6 +62,17 @@ def run_cli(*args: str, cwd: Path, timeout: int = 300, module: str = "finetune.l
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def config_keys(model_type: str) -> set[str]:
+    """The keys transformers' config class for model_type takes by name: its fields and its attribute_map's aliases."""
+    import dataclasses
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    return fields | set(getattr(cls, "attribute_map", {}))
+
+
 def train_here(overrides: list[str], run_dir: Path) -> dict:
     """Compose like the CLI, then run the rank code in this process (one CPU rank, no torchrun):
     the fast way to exercise a strategy end to end. Returns summary.json."""

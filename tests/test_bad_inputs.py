@@ -83,7 +83,7 @@ def ws(tmp_path_factory) -> Path:
     (d / "adapter_model.safetensors").write_bytes(b"")
     model_copy("short_context", max_position_embeddings=32)
     model_copy("tied", tie_word_embeddings=True)
-    model_copy("three_heads", num_attention_heads=3, num_key_value_heads=3)
+    model_copy("three_heads", num_attention_heads=3, num_key_value_heads=3, hidden_size=96)  # 3 x head_dim 32
     model_copy("small_vocab", vocab_size=8)
     d = model_copy("truncated")
     (d / "model.safetensors").write_bytes((good / "model.safetensors").read_bytes()[:1000])

@@ -38,9 +38,9 @@ CASES = [  # (family, config keys beyond SMALL): tied and untied, biases, head_d
     ("granite", dict(attention_bias=True, mlp_bias=True)),
     ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
     ("mixtral", dict(num_local_experts=4, head_dim=8, tie_word_embeddings=True)),
-    ("qwen3_moe", dict(num_experts=4, moe_intermediate_size=32)),
-    ("qwen3_moe", dict(num_experts=4, moe_intermediate_size=32, mlp_only_layers=[0])),  # a dense layer among sparse ones
-    ("qwen3_moe", dict(num_experts=4, moe_intermediate_size=32, decoder_sparse_step=2)),  # every second layer sparse
+    ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
+    ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0])),  # a dense layer among sparse ones
+    ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=2)),  # every second layer sparse
     ("qwen2_moe", dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48)),
     ("gpt2", {}),  # Conv1D, learned positions, biases, LayerNorm, tied, n_* aliases
     ("gpt2", dict(n_inner=80, tie_word_embeddings=False)),
@@ -83,7 +83,7 @@ def test_every_listed_family_is_tested():
     ("mixtral", dict(num_local_experts=4), ["peft=lora", "peft.target_modules=[q_proj,k_proj,v_proj,o_proj]"]),
     ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2), ["peft=lora"]),
     ("mixtral", dict(num_local_experts=4), ["peft=lora", "peft.target_modules=[q_proj,experts,gate]"]),  # the router named
-    ("qwen3_moe", dict(num_experts=4, moe_intermediate_size=32), ["peft=lora", "peft.dropout=0"]),
+    ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), ["peft=lora", "peft.dropout=0"]),
     ("mixtral", dict(num_local_experts=4, head_dim=8), ["peft=dora", "peft.target_modules=[q_proj,v_proj]"]),
     ("qwen2_moe", dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48), ["peft=lora"]),
     ("gpt2", {}, ["peft=lora", "peft.r=4"]),
@@ -106,13 +106,32 @@ def test_a_missing_key_is_named():
     assert str(e.value).startswith("/m/config.json has no intermediate_size: the planner needs it to count a qwen2 model's")
 
 
-def test_an_unknown_family_is_counted_llama_style_and_said(compose, tmp_path):
+def test_a_model_type_the_planner_cannot_count_is_refused_in_one_line(compose, tmp_path):
+    """Never a Llama-style guess: a model_type outside COUNTED is refused, naming it (the dry run skips the plan)."""
+    from finetune.plan import plan
+
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps({**SMALL, "model_type": "newfam"}))
     cfg = compose(["+recipe=quickstart_sft", "model=pretrained", f"model.path={tmp_path / 'm'}"])
-    from finetune.plan import plan
+    with pytest.raises(ConfigError) as e:
+        plan(cfg)
+    assert str(e.value) == (f"the planner cannot count model_type=newfam ({tmp_path / 'm' / 'config.json'}): finetune/families.py "
+                            "has no record of its blocks (COUNTED: the decoders whose count tests/test_causal_lm_counts.py checks "
+                            "against transformers' own build); no memory plan can be made for it")
 
-    assert any("model_type=newfam is not one the planner knows" in n for n in plan(cfg).notes)
+
+def test_a_multimodal_wrapper_is_refused_not_counted_as_its_text_model(compose, tmp_path):
+    """local_config hands the layout checks the text_config; the planner sees the whole config (the towers count too)."""
+    from finetune.plan import architecture
+
+    (tmp_path / "m").mkdir()
+    text = {**SMALL, "model_type": "gemma3_text", "head_dim": 16}
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text,
+                                                            "vision_config": {"model_type": "siglip_vision_model"}}))
+    with pytest.raises(ConfigError) as e:
+        architecture(ModelConfig(path=str(tmp_path / "m")))
+    assert str(e.value).startswith(f"the planner cannot count model_type=gemma3 ({tmp_path / 'm' / 'config.json'}): its config "
+                                   "has vision_config: the planner counts decoder-only language models")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,135 @@
+"""The planner's parameter count against transformers' own build, for every model_type transformers can
+build as a causal LM (issue 27): each type finetune.families.COUNTED lists is counted within 0.1% of
+`AutoModelForCausalLM.from_config` (built on the meta device: no memory, no weights), with each config
+key its record reads flipped as well; every other type is refused with one line naming it. A type
+whose tiny config transformers cannot build on CPU is skipped with transformers' reason.
+
+`python -m pytest -q -n 0 tests/test_causal_lm_counts.py -k summary -s` prints how many are counted,
+refused and skipped, and the worst relative error."""
+
+from __future__ import annotations
+
+import functools
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import config_keys
+from finetune.config import ConfigError, ModelConfig
+from finetune.families import COUNTED, FAMILIES, Family
+from finetune.plan import architecture
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
+
+CAUSAL = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=128, max_position_embeddings=256, head_dim=16, moe_intermediate_size=32, pad_token_id=0,
+             bos_token_id=1, eos_token_id=2)
+"""Small sizes, each set where the family's config class has the key (a field, or an attribute_map alias)."""
+TOLERANCE = 1e-3
+
+
+@functools.cache
+def built(model_type: str, extra: tuple[tuple[str, Any], ...] = ()) -> tuple[dict[str, Any] | None, int, str]:
+    """(config.json as save_pretrained writes it, the built model's parameter count, why not built). The small
+    sizes first; where transformers refuses them (its own validation of a family's shape), fewer of them, then
+    its defaults (meta device: the size costs nothing)."""
+    small = {k: v for k, v in SMALL.items() if k in config_keys(model_type)}
+    reason = ""
+    for keys in (small, {k: v for k, v in small.items() if k not in ("num_hidden_layers", "head_dim")}, {}):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                config = AutoConfig.for_model(model_type, **{**keys, **dict(extra)})
+                with torch.device("meta"):
+                    model = AutoModelForCausalLM.from_config(config)
+        except Exception as e:  # noqa: BLE001 - transformers' reason, printed with the skip
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+            continue
+        return json.loads(config.to_json_string()), sum(p.numel() for p in model.parameters()), ""  # tied: counted once
+    return None, 0, reason
+
+
+def planned(config: dict[str, Any], directory: Path) -> int:
+    """The planner's count from that config.json in a model directory (the launcher's path: model.path)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    return architecture(ModelConfig(path=str(directory))).params
+
+
+@pytest.mark.parametrize("model_type", CAUSAL)
+def test_every_causal_lm_is_counted_within_tolerance_or_refused(model_type, tmp_path):
+    config, reference, reason = built(model_type)
+    if config is None:
+        pytest.skip(f"{model_type}: transformers cannot build it on CPU: {reason}")
+    if model_type not in COUNTED:
+        with pytest.raises(ConfigError) as e:
+            planned(config, tmp_path / "m")
+        assert str(e.value).startswith(f"the planner cannot count model_type={model_type} ("), str(e.value)
+        return
+    count = planned(config, tmp_path / "m")
+    assert abs(count - reference) <= TOLERANCE * reference, \
+        f"{model_type}: the planner counts {count:,}, transformers builds {reference:,} ({(count - reference) / reference:+.3%})"
+
+
+def record_keys(fam: Family) -> list[str]:
+    """The config.json keys a record reads: its bias specs and switches, and tie_word_embeddings."""
+    specs = (fam.qkv_bias, fam.o_bias, fam.mlp_bias, fam.head_bias, fam.qk_norm_key, fam.parallel_key, fam.post_norm_key)
+    return sorted({s for s in specs if isinstance(s, str) and s} | {"tie_word_embeddings"})
+
+
+VARIANTS = [(t, key) for t in sorted(set(COUNTED) & set(CAUSAL)) for key in [*record_keys(COUNTED[t]), "head_dim"]
+            if key in config_keys(t)]
+
+
+@pytest.mark.parametrize("model_type,key", VARIANTS, ids=[f"{t}-{k}" for t, k in VARIANTS])
+def test_each_key_a_record_reads_is_counted(model_type, key, tmp_path):
+    """The key flipped (a boolean) or changed (head_dim 16 -> 8) from the tiny config, so that the count follows it."""
+    config, _, reason = built(model_type)
+    if config is None:
+        pytest.skip(f"{model_type}: transformers cannot build it on CPU: {reason}")
+    value = 8 if key == "head_dim" else not config.get(key)
+    changed, reference, reason = built(model_type, ((key, value),))
+    if changed is None or changed.get(key) != value:
+        pytest.skip(f"{model_type} with {key}={value}: transformers refuses it: {reason or 'its build ignores the key'}")
+    count = planned(changed, tmp_path / "m")
+    assert abs(count - reference) <= TOLERANCE * reference, \
+        f"{model_type} {key}={value}: the planner counts {count:,}, transformers builds {reference:,}"
+
+
+def test_every_record_names_a_model_type_transformers_builds_and_its_tied_default():
+    """No stale record; tie_word_embeddings when config.json leaves it out is transformers' default for the type."""
+    assert set(COUNTED) <= set(CAUSAL) | set(FAMILIES), sorted(set(COUNTED) - set(CAUSAL))
+    wrong = {t: fam.tied for t, fam in COUNTED.items() if t in CAUSAL
+             and fam.tied != bool(getattr(CONFIG_MAPPING[t](), "tie_word_embeddings", False))}
+    assert not wrong, f"Family.tied differs from transformers' default for {wrong}"
+
+
+def test_summary(tmp_path):
+    """How many model_types are checked, counted and refused (printed with -s), and the worst relative error."""
+    counted, refused, skipped, worst = [], [], [], (0.0, "")
+    for model_type in CAUSAL:
+        config, reference, reason = built(model_type)
+        if config is None:
+            skipped.append(f"{model_type} ({reason})")
+            continue
+        try:
+            count = planned(config, tmp_path / model_type)
+        except ConfigError:
+            refused.append(model_type)
+            continue
+        counted.append(model_type)
+        worst = max(worst, (abs(count - reference) / reference, model_type))
+    print(f"\ncausal LM model_types: {len(CAUSAL)}; built on CPU: {len(counted) + len(refused)}; counted: {len(counted)}; "
+          f"refused: {len(refused)}; skipped: {len(skipped)}; "
+          f"worst relative error {worst[0]:.2e} ({worst[1] if worst[0] else 'all exact'})")
+    print("skipped:", "; ".join(skipped))
+    assert set(counted) == set(COUNTED) & (set(CAUSAL) - {s.split(" ")[0] for s in skipped})
+    assert worst[0] <= TOLERANCE
