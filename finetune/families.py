@@ -30,6 +30,8 @@ Pure arithmetic on the dict: no torch, no transformers.
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -501,8 +503,11 @@ def arch_from_config(arch: dict[str, Any], source: str) -> Arch:
     model_type = str(arch.get("model_type") or "")
     why = uncountable(arch)
     if why:
-        raise ConfigError(f"the planner cannot count model_type={model_type or '(none)'} ({source}): {why}; no memory plan "
-                          "can be made for it")
+        built = arch_from_build(arch)  # no record describes it: read it off transformers' own build
+        if isinstance(built, Arch):
+            return built
+        raise ConfigError(f"the planner cannot count model_type={model_type or '(none)'} ({source}): {why}, and {built}; "
+                          "no memory plan can be made for it")
     fam = COUNTED[model_type]
     names = {**LLAMA_NAMES, **dict(fam.names)}
     family = model_type
@@ -707,3 +712,111 @@ def router_loss_under_pp(pp: int) -> str:
     return (f"parallelism.pp={pp}: this MoE adds its router loss to the loss (config.json sets output_router_logits), which "
             "pipeline stages cannot collect (each keeps its routers' logits): set output_router_logits false in config.json, "
             "or use parallelism=fsdp or tp")
+
+
+O_NAMES = frozenset({"o_proj", "out_proj", "c_proj", "dense", "wo", "o", "proj", "out", "o_dense", "linear_out"})
+"""Last path components of an attention block's output projection, in the families transformers has."""
+
+
+def arch_from_build(arch: dict[str, Any]) -> Arch | str:
+    """The structure of a decoder no record describes, read off the model transformers builds from its
+    config.json on the meta device (no memory, no weights; transformers' own code, so the count is exact):
+    each decoder layer's nn.Linear / Conv1D modules as built, the rest of a layer's parameters (norms,
+    convolutions, a MoE's fused experts) counted beside them, the embeddings and head as built, and what
+    is outside the layers (final norm, positions, other parts) as the final norm. Activations are then
+    estimated as for a Llama-style block of the same linears (the plan says so). Returns the Arch, or why
+    it cannot be built (a clause)."""
+    key = json.dumps(arch, sort_keys=True, default=str)
+    return _built(key)
+
+
+@functools.lru_cache(maxsize=16)
+def _built(key: str) -> Arch | str:
+    arch = json.loads(key)
+    model_type = str(arch.get("model_type") or "")
+    import warnings
+
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.pytorch_utils import Conv1D
+    from transformers.utils import logging as hf_logging
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return "transformers has no causal language model of this model_type to build it from"
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            kind = CONFIG_MAPPING[model_type]
+            decode = getattr(kind, "_decode_special_floats", lambda obj: obj)  # {"__float__": "Infinity"}, as from_pretrained reads it
+            config = kind.from_dict(decode(arch))
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config)
+    except Exception as e:  # noqa: BLE001 - its reason, in the refusal
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return f"transformers cannot build it from this config ({type(e).__name__}: {first[:200]})"
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    if not lists:
+        return "its transformers build has no list of decoder layers"
+    stack = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+    h = config_value(arch, "hidden_size") or model.get_input_embeddings().weight.shape[1]
+    seen: set[int] = set()  # a module shared by several layers (Zamba's shared attention) is counted in the first
+    blocks = tuple(_block(layer, h, arch, (torch.nn.Linear, Conv1D), seen) for layer in stack)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is None or head.weight is embed.weight
+    vocab = embed.weight.shape[0] if tied else min(embed.weight.shape[0], head.weight.shape[0])  # extra input rows: prompts
+    # the head beyond vocab_size x hidden_size: its bias, rows for more outputs than the input has
+    head_bias = 0 if tied else sum(p.numel() for p in head.parameters()) - vocab * h
+    heads = config_value(arch, "num_attention_heads") or 1
+    kv = config_value(arch, "num_key_value_heads") or heads
+    head_dim = arch.get("head_dim") or max(h // heads, 1)
+    total = sum(p.numel() for p in model.parameters())  # a tied head counted once
+    layers = sum(b.params for b in blocks)
+    rest = total - layers - vocab * h - (0 if tied else vocab * h) - head_bias
+    if rest < 0 or head_bias < 0:
+        return f"its embeddings or head are not vocab_size x hidden_size ({tuple(embed.weight.shape)}, hidden_size {h})"
+
+    def first(*keys: str, default: Any) -> Any:
+        return next((arch[k] for k in keys if isinstance(arch.get(k), (int, float, str)) and not isinstance(arch.get(k), bool)),
+                    default)
+
+    return Arch(model_type=model_type, hidden_size=h, num_hidden_layers=len(blocks), num_attention_heads=heads,
+                num_key_value_heads=kv, head_dim=head_dim, vocab_size=vocab, tie_word_embeddings=tied, layers=blocks,
+                final_norm=rest, head_bias=head_bias, known=False, attention=attention_limits(arch),
+                act=str(first("hidden_act", "hidden_activation", "activation_function", default="silu")),
+                attention_dropout=float(first("attention_dropout", "attn_pdrop", default=0.0)),
+                residual_dropout=float(first("resid_pdrop", default=0.0)))
+
+
+def _block(layer: Any, h: int, arch: dict[str, Any], linear_types: tuple[type, ...], seen: set[int]) -> Block:
+    """One built decoder layer as the planner counts it: its linears by path, with roles read from the path
+    (attention side: the output projection `o`, the rest `qkv`; elsewhere: a linear reading the stream `up`,
+    any other `down`), and every other parameter of the layer counted as its norms; a parameter `seen` in an
+    earlier layer (shared between layers) is not counted again."""
+    linears, roles = [], {"qkv": [], "o": [], "up": [], "down": []}
+    for name, module in layer.named_modules():
+        if not isinstance(module, linear_types) or id(module.weight) in seen:
+            continue
+        weight = module.weight
+        inputs, outputs = (weight.shape[1], weight.shape[0]) if weight.dim() == 2 and not hasattr(module, "nf") else \
+            (weight.shape[0], weight.shape[1])  # Conv1D (GPT-2 style) stores (in, out)
+        lin = Linear(name, int(inputs), int(outputs), getattr(module, "bias", None) is not None)
+        linears.append(lin)
+        parts = name.lower().split(".")
+        if any("attn" in p or "attention" in p for p in parts[:-1]):
+            roles["o" if parts[-1] in O_NAMES else "qkv"].append(name)
+        else:
+            roles["up" if lin.inputs == h else "down"].append(name)
+    own = [p for p in layer.parameters() if id(p) not in seen]
+    seen.update(id(p) for p in own)
+    others = sum(p.numel() for p in own) - sum(lin.params for lin in linears)
+    width = config_value(arch, "intermediate_size")  # per layer in some families: the widest
+    width = max(width) if isinstance(width, list) and width else width
+    if not isinstance(width, int) or isinstance(width, bool):
+        width = max((lin.outputs for lin in linears if lin.name in roles["up"]), default=4 * h)
+    return Block(tuple(linears), others, width, {k: tuple(v) for k, v in roles.items()})

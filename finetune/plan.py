@@ -59,7 +59,7 @@ from finetune.config import (
     engine_kind,
 )
 from finetune.disk import config_source, flash_unavailable, local_config
-from finetune.families import Arch, Block, Linear, adapted, arch_from_config, lora_params, pick_attention, targeted
+from finetune.families import COUNTED, Arch, Block, Linear, adapted, arch_from_config, lora_params, pick_attention, targeted
 
 GIB = 2**30
 
@@ -694,9 +694,13 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
     dp = cfg.data_parallel_size
     on_gpu = hw.gpu_memory_gib > 0  # without a GPU, offloading to CPU RAM moves nothing: it stays counted per rank
     notes: list[str] = []
-    if not arch.known:
+    if not arch.known and arch.model_type in COUNTED:
         notes.append(f"model_type={arch.model_type}: its parameters are counted as transformers builds them (finetune/families.py "
                      "COUNTED); its activations are estimated from the families measured (FAMILIES), not measured for it")
+    elif not arch.known:
+        notes.append(f"model_type={arch.model_type}: no record in finetune/families.py, so its parameters are read off transformers' "
+                     "build of its config on the meta device (exact); its activations are estimated as for a Llama-style block "
+                     "of the same linears, not measured for it")
 
     notes.append("attention: %s (%s)" % attention_kernel(arch, cfg))
     notes += moe_notes(arch, cfg)

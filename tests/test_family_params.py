@@ -107,7 +107,8 @@ def test_a_missing_key_is_named():
 
 
 def test_a_model_type_the_planner_cannot_count_is_refused_in_one_line(compose, tmp_path):
-    """Never a Llama-style guess: a model_type outside COUNTED is refused, naming it (the dry run skips the plan)."""
+    """Never a Llama-style guess: a model_type outside COUNTED that transformers cannot build either (no causal LM of
+    that type: a remote-code model) is refused, naming it (the dry run skips the plan)."""
     from finetune.plan import plan
 
     (tmp_path / "m").mkdir()
@@ -117,21 +118,31 @@ def test_a_model_type_the_planner_cannot_count_is_refused_in_one_line(compose, t
         plan(cfg)
     assert str(e.value) == (f"the planner cannot count model_type=newfam ({tmp_path / 'm' / 'config.json'}): finetune/families.py "
                             "has no record of its blocks (COUNTED: the decoders whose count tests/test_causal_lm_counts.py checks "
-                            "against transformers' own build); no memory plan can be made for it")
+                            "against transformers' own build), and transformers has no causal language model of this model_type "
+                            "to build it from; no memory plan can be made for it")
 
 
-def test_a_multimodal_wrapper_is_refused_not_counted_as_its_text_model(compose, tmp_path):
-    """local_config hands the layout checks the text_config; the planner sees the whole config (the towers count too)."""
+def test_a_multimodal_wrapper_is_counted_whole_not_as_its_text_model(compose, tmp_path):
+    """local_config hands the layout checks the text_config; the planner counts what AutoModelForCausalLM loads from the
+    whole config (the vision tower too), read off transformers' build on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     from finetune.plan import architecture
 
     (tmp_path / "m").mkdir()
     text = {**SMALL, "model_type": "gemma3_text", "head_dim": 16}
-    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text,
-                                                            "vision_config": {"model_type": "siglip_vision_model"}}))
-    with pytest.raises(ConfigError) as e:
-        architecture(ModelConfig(path=str(tmp_path / "m")))
-    assert str(e.value).startswith(f"the planner cannot count model_type=gemma3 ({tmp_path / 'm' / 'config.json'}): its config "
-                                   "has vision_config: the planner counts decoder-only language models")
+    vision = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text, "vision_config": vision,
+                                                            "mm_tokens_per_image": 4}))
+    with torch.device("meta"):
+        built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path / "m"))
+    arch = architecture(ModelConfig(path=str(tmp_path / "m")))
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "config.json").write_text(json.dumps(text))
+    assert arch.params == sum(p.numel() for p in built.parameters()) > architecture(ModelConfig(path=str(tmp_path / "t"))).params
+    assert not arch.known
 
 
 # ---------------------------------------------------------------------------------------------
