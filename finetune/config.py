@@ -262,6 +262,13 @@ class StateDtype(str, Enum, metaclass=Spelled):
     bf16 = "bf16"
 
 
+class OptimKernel(str, Enum, metaclass=Spelled):
+    auto = "auto"
+    fused = "fused"
+    foreach = "foreach"
+    loop = "loop"
+
+
 NOT_DEEPSPEED = (Optimizer.adamw_8bit, Optimizer.adafactor)
 """Optimizers DeepSpeed cannot run (it builds its own from the JSON); the torch and mesh engines run them."""
 
@@ -587,6 +594,13 @@ class OptimConfig:
     """adam/adamw: the dtype the two moments are stored in; null: the parameters' (fp32, bf16 under
     precision=bf16_pure). bf16 over fp32 weights: 4 bytes/param of states instead of 8; each step reads the
     moments up to fp32, updates them and the weights in fp32, and rounds the moments back to bf16."""
+    kernel: OptimKernel = OptimKernel.auto
+    """How torch's adamw, adam and sgd run their update: fused (one kernel over every parameter, on CPU and CUDA, plain
+    tensors and DTensor shards alike; measured on CPU, 10M parameters: 7.7 ms a step against 41 for loop), foreach
+    (torch's multi-tensor ops), loop (one parameter at a time: torch's CPU default). The same update within float
+    rounding (fused vs loop: at most 1 ulp a step; a test checks). auto: fused where every parameter is on a CPU or
+    CUDA device, else torch's own default. The other optimizers, optimi's (bf16_pure), optim.state_dtype=bf16 and
+    DeepSpeed's run their own kernels: an explicit kernel with them is refused."""
     in_backward: bool = False
     """Step each parameter inside backward, as soon as its gradient is complete, and free that gradient at
     once (torch's register_post_accumulate_grad_hook): gradients never exist for the whole model together.

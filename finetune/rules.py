@@ -29,6 +29,7 @@ from finetune.config import (
     NonFinite,
     Offload,
     Optimizer,
+    OptimKernel,
     ParallelismConfig,
     PeftMethod,
     PipeSchedule,
@@ -136,6 +137,7 @@ def validate(cfg: Config) -> None:
                           f"optim={cfg.optim.name.value} with zero=none (parallelism=single or ddp), or optim=adamw under ZeRO")
     _validate_pure(cfg)
     _validate_state_dtype(cfg)
+    _validate_kernel(cfg)
     _validate_in_backward(cfg)
     _validate_strategies(cfg)
     _validate_method(cfg)
@@ -175,6 +177,27 @@ def _validate_state_dtype(cfg: Config) -> None:
         raise ConfigError("optim.state_dtype=fp32 with precision=bf16_pure: its Kahan-compensated optimizers (optimi) keep the "
                           "moments in the parameters' dtype, bf16: use precision=bf16 for fp32 moments over fp32 weights, or "
                           "optim.state_dtype=null")
+
+
+def _validate_kernel(cfg: Config) -> None:
+    """optim.kernel: how torch's adamw/adam/sgd run; said explicitly, only where torch's own optimizer runs."""
+    o = cfg.optim
+    if o.kernel == OptimKernel.auto:
+        return
+    key = f"optim.kernel={o.kernel.value}"
+    if o.name not in (Optimizer.adamw, Optimizer.adam, Optimizer.sgd):
+        own = {Optimizer.adamw_8bit: "bitsandbytes' 8-bit kernel", Optimizer.adafactor: "torch's Adafactor (no fused version)"}[o.name]
+        raise ConfigError(f"{key} with optim={o.name.value}: it chooses how torch's adamw, adam and sgd run, and "
+                          f"optim={o.name.value} runs {own}: leave optim.kernel=auto, or use optim=adamw with it")
+    if cfg.zero.enabled:
+        raise ConfigError(f"{key} with zero.stage={cfg.zero.stage}: DeepSpeed builds its own optimizer (FusedAdam or CPUAdam over "
+                          "its fp32 partitions): leave optim.kernel=auto under ZeRO, or use zero=none with it")
+    if cfg.precision.name == Precision.bf16_pure:
+        raise ConfigError(f"{key} with precision=bf16_pure: its Kahan-compensated optimizers (optimi) run their own update: "
+                          "leave optim.kernel=auto, or use precision=bf16 with it")
+    if o.state_dtype == StateDtype.bf16:
+        raise ConfigError(f"{key} with optim.state_dtype=bf16: its update (finetune's LowPrecisionAdam) runs one parameter at "
+                          "a time: leave optim.kernel=auto, or optim.state_dtype=null with it")
 
 
 def _validate_in_backward(cfg: Config) -> None:

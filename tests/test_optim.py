@@ -490,3 +490,74 @@ def test_the_schedule_is_transformers_own(compose, scheduler, warmup, min_ratio)
     assert lrs[0] == lrs[1]  # bit for bit
     assert lrs[0][warmup] == pytest.approx(0.3)  # the peak after warmup, then down to lr x min_lr_ratio (constant: stays)
     assert lrs[0][20] == pytest.approx(0.3 if scheduler == "constant" else 0.3 * min_ratio)
+
+
+# ---------------------------------------------------------------------------------------------
+# optim.kernel: how torch's adamw/adam/sgd run (issue 28)
+
+KERNEL_OPS = {"fused": "_fused_", "foreach": "_foreach_", "loop": None}
+"""The aten op name each kernel's update shows in torch.profiler (the loop runs plain per-tensor ops)."""
+
+
+def kernel_ops(optimizer: torch.optim.Optimizer) -> set[str]:
+    """The fused and multi-tensor ops one optimizer step runs, as torch.profiler records them."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        optimizer.step()
+    return {e.name for e in prof.events() if "_fused_" in e.name or "_foreach_" in e.name}
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_each_kernel_runs_what_it_names_and_the_same_update(compose, option):
+    """Twenty steps of the same gradients: foreach is the loop bit for bit; fused (auto's choice on CPU) is within
+    float rounding of it (Adam's, measured: 1-2 ulp of the weights; SGD's equal); the profiler shows the kernel each ran."""
+    from finetune.engine.common import build_optimizer
+
+    cls, _, _ = OPTIONS[option]
+    weights = {}
+    for kernel in ("auto", "fused", "foreach", "loop"):
+        cfg = compose([f"optim={option}", f"optim.lr={LR[option]}", "optim.weight_decay=0.01", f"optim.kernel={kernel}"])
+        model, _ = tiny_model()
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = build_optimizer(params, cfg.optim)
+        assert type(optimizer) is cls
+        grads = torch.Generator().manual_seed(1)
+        for step in range(20):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=grads)
+            if step == 0:
+                ran = kernel_ops(optimizer)
+                op = KERNEL_OPS["fused" if kernel == "auto" else kernel]
+                assert (any(op in name for name in ran) if op else not ran), (kernel, ran)
+            else:
+                optimizer.step()
+        weights[kernel] = torch.cat([p.detach().flatten() for p in params])
+    assert torch.equal(weights["foreach"], weights["loop"]) and torch.equal(weights["auto"], weights["fused"])
+    worst = float((weights["fused"] - weights["loop"]).abs().max())
+    assert worst <= 1e-6 * float(weights["loop"].abs().max()), worst  # another kernel, the same update (SGD's: bit for bit)
+
+
+def test_the_fused_kernel_trains_as_the_loop_does(tmp_path, adamw_losses):
+    """Six AdamW steps through the real loop: optim.kernel=loop (torch's CPU default before) against auto (fused),
+    the adamw_losses fixture: the same loss curve within float noise."""
+    train_here(["optim=adamw", f"optim.lr={LR['adamw']}", *FEW, "optim.kernel=loop"], tmp_path / "loop")
+    assert train_losses(tmp_path / "loop") == pytest.approx(adamw_losses, rel=1e-5)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["optim.kernel=fused", "optim=adamw_8bit"], "optim.kernel=fused with optim=adamw_8bit: it chooses how torch's adamw, adam and "
+                                                 "sgd run, and optim=adamw_8bit runs bitsandbytes' 8-bit kernel: leave "
+                                                 "optim.kernel=auto, or use optim=adamw with it"),
+    (["optim.kernel=foreach", "zero=stage2"], "optim.kernel=foreach with zero.stage=2: DeepSpeed builds its own optimizer "
+                                              "(FusedAdam or CPUAdam over its fp32 partitions): leave optim.kernel=auto under ZeRO, "
+                                              "or use zero=none with it"),
+    (["optim.kernel=loop", "precision=bf16_pure"], "optim.kernel=loop with precision=bf16_pure: its Kahan-compensated optimizers "
+                                                   "(optimi) run their own update: leave optim.kernel=auto, or use precision=bf16 "
+                                                   "with it"),
+    (["optim.kernel=fused", "optim.state_dtype=bf16"], "optim.kernel=fused with optim.state_dtype=bf16: its update (finetune's "
+                                                       "LowPrecisionAdam) runs one parameter at a time: leave optim.kernel=auto, "
+                                                       "or optim.state_dtype=null with it"),
+])
+def test_kernel_refusals(compose, overrides, message):
+    with pytest.raises(ConfigError) as e:
+        compose(overrides)
+    assert str(e.value) == message

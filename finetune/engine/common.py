@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from finetune.config import ConfigError, Optimizer, OptimConfig, Scheduler, StateDtype
+from finetune.config import ConfigError, Optimizer, OptimConfig, OptimKernel, Scheduler, StateDtype
 
 
 @dataclass
@@ -66,7 +66,7 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, kahan: b
         adam = {Optimizer.adamw: optimi.AdamW, Optimizer.adam: optimi.Adam}[cfg.name]
         return adam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, kahan_sum=kahan)
     if cfg.name == Optimizer.sgd:
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, **kernel(cfg.kernel, params))
     if cfg.state_dtype == StateDtype.bf16:
         return LowPrecisionAdam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, decoupled=cfg.name == Optimizer.adamw)
     sharded = any(isinstance(p, DTensor) for p in params)  # FSDP2 / tensor parallel shards
@@ -81,7 +81,19 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, kahan: b
 
         return (ShardedAdafactor if sharded else torch.optim.Adafactor)(groups, lr=cfg.lr)
     adam = {Optimizer.adamw: torch.optim.AdamW, Optimizer.adam: torch.optim.Adam}[cfg.name]
-    return adam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    return adam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kernel(cfg.kernel, params))
+
+
+FUSED_DEVICES = ("cpu", "cuda")
+"""Where torch's fused AdamW/Adam/SGD run (torch.optim's _get_fused_kernels_supported_devices, less the rarer ones)."""
+
+
+def kernel(choice: OptimKernel, params: list[torch.nn.Parameter]) -> dict[str, bool]:
+    """torch.optim's keyword for optim.kernel: fused, foreach, or neither (the loop); auto: fused where every
+    parameter is on a CPU or CUDA device (DTensor shards included), else torch's default ({})."""
+    if choice == OptimKernel.auto:
+        return {"fused": True} if params and all(p.device.type in FUSED_DEVICES for p in params) else {}
+    return {OptimKernel.fused: {"fused": True}, OptimKernel.foreach: {"foreach": True}, OptimKernel.loop: {"foreach": False}}[choice]
 
 
 def closure_loss(closure: Any) -> Any:
