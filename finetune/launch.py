@@ -29,7 +29,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from finetune import disk, plan, rundir, sweep
+from finetune import disk, plan, rundir, startup, sweep
 from finetune.compose import RECIPES, _first_line, fail, preflight, run_once, sweep_trials, typed
 from finetune.config import Config, ConfigError
 from finetune.data import forms
@@ -264,6 +264,7 @@ def run_trial(dcfg: DictConfig, sweep_dir: Path, trial_dir: Path) -> float:
     """One trial of a sweep. A failure is recorded (TRIAL_DIR/status.json) and the sweep goes on to the
     next trial; SWEEP_DIR's summary is rewritten before and after. Returns the final eval loss, inf for
     a failed trial (or a dry run). Ctrl-C ends the sweep."""
+    startup.trial_begins()
     SWEEP["dir"] = sweep_dir
     SWEEP["trials"].append(trial_dir.name)
     dry_run = OmegaConf.select(dcfg, "launcher.dry_run", default=False) is True
@@ -430,7 +431,8 @@ def execute(spec: LaunchSpec, log: Path | None = None) -> tuple[int, list[int], 
     signal was passed on already), and is then killed. Returns the exit code, the pids killed so, and
     the first signal passed on (0: none)."""
     token = f"{os.getpid()}@{socket.gethostname()}"  # LAUNCHER_ENV: each rank stops when this process ends (loop.watch_launcher)
-    proc = subprocess.Popen(spec.argv, env={**os.environ, **spec.env, LAUNCHER_ENV: token}, stderr=subprocess.PIPE,
+    env = {**os.environ, **spec.env, LAUNCHER_ENV: token, startup.TIMES_ENV: startup.launch_times()}
+    proc = subprocess.Popen(spec.argv, env=env, stderr=subprocess.PIPE,
                             start_new_session=True)
     relay = threading.Thread(target=Relay(log).run, args=(proc.stderr,), daemon=True)
     relay.start()

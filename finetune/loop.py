@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from finetune import checkpoint
+from finetune import checkpoint, startup
 from finetune.config import NonFinite, TrainConfig
 from finetune.data.batches import TrainBatches
 from finetune.data.tokenize import Example
@@ -100,13 +100,17 @@ def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatche
 
     first = 1
     if resume_from is not None:
+        startup.mark("resume")
         first = engine.load(resume_from) + 1
         checkpoint.restore_rng(resume_from, dist.rank)  # dropout continues as if never interrupted
         say(dist, None, f"resumed from {resume_from} at step {first - 1}")
     memory: dict[str, float] = {}
     skipped_nonfinite = 0
     bar = progress(cfg, dist, initial=first - 1)
+    startup.mark("eval")
     before = run_eval(first - 1, final=True)
+    startup.mark("first step")
+    started: dict[str, float] = {}
     start = time.perf_counter()
     for step in range(first, cfg.max_steps + 1):
         micro_batches = batches.micro_batches(step - 1)
@@ -124,6 +128,9 @@ def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatche
         loss_sum, tokens, slots, signalled, *sums = dist.sum(out.loss_sum, local_tokens, local_slots, STOP["signal"],
                                                              *(out.metrics.get(k, 0.0) for k in names))
         seconds = time.perf_counter() - tic
+        if step == first and (parts := startup.first_step_done()) is not None:
+            started = parts
+            say(dist, bar, startup.line(parts))
         if measured and step == first + MEMORY_STEPS - 1:
             memory = probe.report()
             log.write("memory", step, memory)
@@ -172,7 +179,7 @@ def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatche
     after = run_eval(cfg.max_steps, final=True)
     if bar is not None:
         bar.close()
-    return {"before": before, "after": after, "memory": memory}
+    return {"before": before, "after": after, "memory": memory, **({"startup": started} if started else {})}
 
 
 def progress(cfg: TrainConfig, dist: Dist, initial: int) -> Any:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from finetune import checkpoint, config, dist, engine, evaluate, flops, logs, loop, model, objectives, plan, reference, rundir
+from finetune import checkpoint, config, dist, engine, evaluate, flops, logs, loop, model, objectives, plan, reference, rundir, startup
 from finetune.config import Config, ConfigError, Logits, PeftConfig, PeftMethod, Precision, Strategy, uses_deepspeed
 from finetune.data import stream
 from finetune.data.batches import TrainBatches
@@ -39,6 +39,7 @@ export): the error funnel names it."""
 
 def phase(name: str) -> None:
     PHASE["name"] = name
+    startup.mark(name)  # where the start-up goes (finetune.startup)
 
 
 LOCK_HELD: list[int | None] = []  # this rank's share of RUN_DIR/.lock, open until the process ends
@@ -60,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     status = RankStatus(run_dir, rank)
     code, d = 0, None
     try:
+        startup.MARKS.clear()
         phase("config")
         cfg = config.load(args.config)
         loop.handle_signals()  # SIGTERM/SIGINT: checkpoint at the next step boundary, then stop

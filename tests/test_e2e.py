@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from finetune import startup
 from finetune.evaluate import exact_match
 
 from conftest import read_metrics, reload_and_evaluate, run_cli, tiny_model
@@ -37,6 +38,16 @@ def test_quickstart_learns_and_reports(quickstart):
     assert [m["step"] for m in train] == list(range(1, 501))
     assert set(train[0]) >= {"loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s"}
     assert train[-1]["loss"] < train[0]["loss"] / 5
+
+
+def test_where_the_start_up_went_is_printed_and_kept(quickstart):
+    run_dir, out = quickstart
+    parts = json.loads((run_dir / "summary.json").read_text())["startup"]
+    assert list(parts)[:2] == ["launcher", "imports"] and list(parts)[-2:] == ["eval", "first step"]
+    assert {"distributed", "tokenizer", "data", "model", "engine"} <= set(parts) and min(parts.values()) >= 0
+    assert parts["imports"] > 0.2 and parts["launcher"] > 0.2  # torch imported in each; the launcher composed and checked
+    said = [line for line in out.stdout.splitlines() if line.startswith("start-up: ")]
+    assert said == [startup.line(parts)]  # rank 0, once, what summary.json keeps (rounded)
 
 
 def test_checkpoint_reloads_with_transformers_and_gives_the_same_eval(quickstart):

@@ -1,0 +1,90 @@
+"""Where a run's start-up went, from the launch to the end of the first optimizer step.
+
+The launcher passes the job two times in FINETUNE_LAUNCH_TIMES ("TRIAL_START,SPAWN", seconds since the
+epoch): when this launch (or this sweep trial) began, and when it started torchrun or deepspeed. Each rank
+marks its phases (`mark`, from `finetune.train.phase` and the loop); at the end of the first step rank 0
+prints one line, and summary.json keeps the breakdown:
+
+    start-up: 6.6 s to the end of the first step: launcher 0.8, imports 1.8, config 0.1, ...
+
+launcher: from the launch to this rank's process start (composing, validating, the planner, torchrun's
+own start-up); imports: from the process start to the worker's first line (torch, transformers); then
+each phase of `finetune.train` (what it names: tokenizer, data, model, engine, ...), the first
+evaluation and the first step. Times on one host's clock: a rank on another node than the launcher has
+no launcher share (its clock may differ), the rest is its own.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+TIMES_ENV = "FINETUNE_LAUNCH_TIMES"
+SHOWN_S = 0.05  # phases shorter than this are left out of the line (summary.json keeps them)
+RENAMED = {"start": "distributed"}  # train.phase("start") is the process group's set-up
+
+LAUNCH: dict[str, float | None] = {"trial": None}
+MARKS: list[tuple[str, float]] = []
+
+
+def process_start(pid: int | str = "self") -> float | None:
+    """When a process started (seconds since the epoch, to 10 ms), from /proc; None off Linux."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, counted after the command name
+        with open("/proc/uptime") as f:  # not /proc/stat's btime: whole seconds
+            boot = time.time() - float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def trial_begins() -> None:
+    """A launch (one of a sweep's trials, run one after another in the launcher's process) begins now."""
+    LAUNCH["trial"] = time.time()
+
+
+def launch_times() -> str:
+    """FINETUNE_LAUNCH_TIMES for the job about to start: when this launch began, and now."""
+    began = LAUNCH["trial"] or process_start() or time.time()
+    return f"{began:.3f},{time.time():.3f}"
+
+
+def mark(phase: str) -> None:
+    """This rank begins `phase` now (a phase named again goes on from where it was)."""
+    MARKS.append((phase, time.time()))
+
+
+def breakdown(now: float | None = None, env: str | None = None) -> dict[str, float]:
+    """Seconds per part of the start-up, in order, up to `now` (the end of the first step)."""
+    now = time.time() if now is None else now
+    env = os.environ.get(TIMES_ENV, "") if env is None else env
+    parts: dict[str, float] = {}
+    began = process_start()
+    try:
+        trial, _spawn = (float(x) for x in env.split(","))
+    except ValueError:
+        trial = None
+    if trial is not None and began is not None and began >= trial - 1.0:  # another node's clock: not compared
+        parts["launcher"] = max(0.0, began - trial)
+    if began is not None and MARKS:
+        parts["imports"] = max(0.0, MARKS[0][1] - began)
+    for (name, at), (_, until) in zip(MARKS, [*MARKS[1:], ("", now)]):
+        label = RENAMED.get(name, name)
+        parts[label] = parts.get(label, 0.0) + max(0.0, until - at)
+    return {k: round(v, 3) for k, v in parts.items()}
+
+
+def first_step_done() -> dict[str, float] | None:
+    """The breakdown up to now, once per run (None where this process marked no phases: the loop run in a
+    test, or a second run of it in one process)."""
+    if not MARKS:
+        return None
+    parts = breakdown()
+    MARKS.clear()
+    return parts
+
+
+def line(parts: dict[str, float]) -> str:
+    shown = ", ".join(f"{k} {v:.1f}" for k, v in parts.items() if v >= SHOWN_S)
+    return f"start-up: {sum(parts.values()):.1f} s to the end of the first step: {shown}"

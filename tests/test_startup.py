@@ -1,0 +1,72 @@
+"""Where the start-up goes (finetune.startup): the process's start from /proc, the phases, the line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from finetune import startup
+
+
+@pytest.fixture(autouse=True)
+def no_marks():
+    startup.MARKS.clear()
+    yield
+    startup.MARKS.clear()
+
+
+def test_a_process_start_is_read_from_proc_to_within_the_clock_tick():
+    before = time.time()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+    try:
+        began = startup.process_start(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert began is not None and before - 0.02 <= began <= time.time() + 0.02
+    assert startup.process_start(10**9) is None  # no such process
+
+
+def test_the_breakdown_runs_from_the_launch_through_each_phase_to_the_first_step(monkeypatch):
+    began = 1000.0
+    monkeypatch.setattr(startup, "process_start", lambda pid="self": began)
+    for name, at in (("config", 1002.5), ("start", 1002.6), ("tokenizer", 1003.0), ("data", 1003.5), ("model", 1005.0),
+                     ("peft", 1006.0), ("model", 1006.25), ("eval", 1007.0), ("first step", 1007.5)):
+        startup.MARKS.append((name, at))
+    parts = startup.breakdown(now=1008.0, env="998.75,999.5")
+    assert parts == {"launcher": 1.25, "imports": 2.5, "config": 0.1, "distributed": 0.4, "tokenizer": 0.5, "data": 1.5,
+                     "model": 1.75, "peft": 0.25, "eval": 0.5, "first step": 0.5}
+    assert sum(parts.values()) == pytest.approx(1008.0 - 998.75)
+    assert startup.line(parts) == ("start-up: 9.2 s to the end of the first step: launcher 1.2, imports 2.5, config 0.1, "
+                                   "distributed 0.4, tokenizer 0.5, data 1.5, model 1.8, peft 0.2, eval 0.5, first step 0.5")
+
+
+def test_a_launch_on_another_clock_or_none_has_no_launcher_share(monkeypatch):
+    monkeypatch.setattr(startup, "process_start", lambda pid="self": 1000.0)
+    startup.MARKS.append(("config", 1001.0))
+    assert startup.breakdown(now=1002.0, env="1005.0,1005.5") == {"imports": 1.0, "config": 1.0}  # began 5 s "before" the launch
+    assert startup.breakdown(now=1002.0, env="") == {"imports": 1.0, "config": 1.0}  # started by hand, not by finetune.launch
+    assert "config 1.0" in startup.line({"config": 1.0, "eval": 0.01}) and "eval" not in startup.line({"config": 1.0, "eval": 0.01})
+
+
+def test_the_first_step_reports_once_and_only_where_phases_were_marked():
+    assert startup.first_step_done() is None  # the loop run in-process by a test: nothing marked, nothing said
+    startup.mark("config")
+    parts = startup.first_step_done()
+    assert parts is not None and "config" in parts
+    assert startup.first_step_done() is None and startup.MARKS == []
+
+
+def test_the_launcher_passes_when_the_trial_began_and_when_it_spawned():
+    startup.LAUNCH["trial"] = None
+    trial, spawn = map(float, startup.launch_times().split(","))
+    assert trial == pytest.approx(startup.process_start(), abs=0.01) and trial <= spawn <= time.time() + 0.001
+    startup.trial_begins()  # a sweep's next trial, in the same launcher process
+    try:
+        trial, spawn = map(float, startup.launch_times().split(","))
+        assert trial == pytest.approx(time.time(), abs=1.0) and trial <= spawn
+    finally:
+        startup.LAUNCH["trial"] = None
