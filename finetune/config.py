@@ -599,7 +599,8 @@ class OptimConfig:
     tensors and DTensor shards alike; measured on CPU, 10M parameters: 7.7 ms a step against 41 for loop), foreach
     (torch's multi-tensor ops), loop (one parameter at a time: torch's CPU default). The same update within float
     rounding (fused vs loop: at most 1 ulp a step; a test checks). auto: fused where every parameter is on a CPU or
-    CUDA device, else torch's own default. The other optimizers, optimi's (bf16_pure), optim.state_dtype=bf16 and
+    CUDA device, else torch's own default; the loop under tensor parallel (its shards and its plain tensors
+    cannot share one fused or foreach call). The other optimizers, optimi's (bf16_pure), optim.state_dtype=bf16 and
     DeepSpeed's run their own kernels: an explicit kernel with them is refused."""
     in_backward: bool = False
     """Step each parameter inside backward, as soon as its gradient is complete, and free that gradient at
@@ -695,6 +696,10 @@ class TrainConfig:
     """A tqdm progress bar on the main rank (else a metrics line every log_every steps)."""
     tensorboard: bool = True
     """Write the metrics to RUN_DIR/tensorboard too."""
+    compile: bool = False
+    """Compile each decoder layer in place (torch.compile, regional: one graph reused by every layer) for the
+    training steps; evaluation and generation run eager. The first step (and each new shape) pays the
+    compile time, reported apart as compile_s. CPU: inductor builds C++ with the system compiler."""
     memory_report: bool = True
     """Measure memory by category (parameters, gradients, optimizer, activations) over the first 2 steps."""
     memory_snapshot: bool = False

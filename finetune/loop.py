@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from finetune import checkpoint, startup
+from finetune import checkpoint, compiling, startup
 from finetune.config import NonFinite, TrainConfig
 from finetune.data.batches import TrainBatches
 from finetune.data.tokenize import Example
@@ -92,8 +92,9 @@ def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatche
     def run_eval(step: int, final: bool) -> dict[str, float]:
         if not evals:
             return {}
-        metrics = evaluate(engine, objective, evals, dist=dist, tokenizer=tokenizer, batch_size=cfg.eval_batch_size,
-                           exact_match_samples=cfg.exact_match_samples if final else 0, max_new_tokens=cfg.max_new_tokens)
+        with compiling.eager():  # train.compile: the training step's graphs only
+            metrics = evaluate(engine, objective, evals, dist=dist, tokenizer=tokenizer, batch_size=cfg.eval_batch_size,
+                               exact_match_samples=cfg.exact_match_samples if final else 0, max_new_tokens=cfg.max_new_tokens)
         log.write("eval", step, metrics)
         say(dist, bar, f"step {step:>5}  " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         return metrics
@@ -121,14 +122,18 @@ def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatche
         (count,) = dist.sum(local_count)  # loss units of the whole global batch: the normaliser
 
         measured = probe is not None and step < first + MEMORY_STEPS
-        tic = time.perf_counter()
+        tic, compiled = time.perf_counter(), compiling.seconds() if cfg.compile else 0.0
         with probe.track() if measured else contextlib.nullcontext():
             out = engine.train_step(micro_batches, objective, count)
         names = objective.metrics  # its own (DPO rewards...), averaged like the loss; pipeline stages without the loss add 0
         loss_sum, tokens, slots, signalled, *sums = dist.sum(out.loss_sum, local_tokens, local_slots, STOP["signal"],
                                                              *(out.metrics.get(k, 0.0) for k in names))
         seconds = time.perf_counter() - tic
-        if step == first and (parts := startup.first_step_done()) is not None:
+        compiled = compiling.seconds() - compiled if cfg.compile else 0.0  # this rank's, apart from the step's time
+        seconds -= compiled
+        if compiled >= 0.05:
+            say(dist, bar, f"compile: {compiled:.1f} s in step {step}" + (" (the first)" if step == first else " (a new shape)"))
+        if step == first and (parts := startup.first_step_done(compiled)) is not None:
             started = parts
             say(dist, bar, startup.line(parts))
         if measured and step == first + MEMORY_STEPS - 1:
@@ -139,7 +144,8 @@ def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatche
         metrics = {"loss": loss_sum / count, "lr": out.lr, "grad_norm": out.grad_norm,
                    "tokens_per_s": tokens / seconds,  # non-pad tokens over all ranks (slow while memory is measured)
                    "nonpad_fraction": tokens / slots,  # packing raises it towards 1
-                   "step_s": seconds, "epoch": batches.epoch(step), "elapsed_s": time.perf_counter() - start}
+                   "step_s": seconds, "epoch": batches.epoch(step), "elapsed_s": time.perf_counter() - start,
+                   **({"compile_s": compiled} if cfg.compile else {})}
         metrics |= {k: v / count for k, v in zip(names, sums)}
         if flops_per_token and peak_flops:  # achieved model FLOPs over the dense peak of all ranks
             metrics["mfu"] = tokens * flops_per_token / seconds / (peak_flops * dist.world_size)

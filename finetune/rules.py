@@ -138,6 +138,7 @@ def validate(cfg: Config) -> None:
     _validate_pure(cfg)
     _validate_state_dtype(cfg)
     _validate_kernel(cfg)
+    _validate_compile(cfg)
     _validate_in_backward(cfg)
     _validate_strategies(cfg)
     _validate_method(cfg)
@@ -195,9 +196,25 @@ def _validate_kernel(cfg: Config) -> None:
     if cfg.precision.name == Precision.bf16_pure:
         raise ConfigError(f"{key} with precision=bf16_pure: its Kahan-compensated optimizers (optimi) run their own update: "
                           "leave optim.kernel=auto, or use precision=bf16 with it")
+    if cfg.parallelism.tp > 1 and o.kernel != OptimKernel.loop:
+        raise ConfigError(f"{key} with parallelism.tp={cfg.parallelism.tp}: tensor parallel splits some parameters into DTensor "
+                          "shards and leaves the rest plain tensors, and one fused or foreach call takes one kind: leave "
+                          "optim.kernel=auto (the loop under tp), or use optim.kernel=loop")
     if o.state_dtype == StateDtype.bf16:
         raise ConfigError(f"{key} with optim.state_dtype=bf16: its update (finetune's LowPrecisionAdam) runs one parameter at "
                           "a time: leave optim.kernel=auto, or optim.state_dtype=null with it")
+
+
+def _validate_compile(cfg: Config) -> None:
+    """train.compile: the training step's layers compiled; what needs them eager is refused."""
+    if cfg.train.compile and cfg.parallelism.tp > 1:
+        raise ConfigError(f"train.compile=true with parallelism.tp={cfg.parallelism.tp}: tracing a layer whose weights are "
+                          "DTensor shards under transformers' tensor-parallel hooks never ends in AOT autograd (torch 2.13: "
+                          "RecursionError in its proxy tracer): use train.compile=true with parallelism=fsdp, ddp or pp, or tp "
+                          "without it")
+    if cfg.train.compile and cfg.train.memory_snapshot:
+        raise ConfigError("train.memory_snapshot=true with train.compile=true: the snapshot is taken by the memory probe, whose "
+                          "dispatch mode keeps the layers from compiling (they would run eager): set one of them false")
 
 
 def _validate_in_backward(cfg: Config) -> None:

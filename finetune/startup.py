@@ -75,13 +75,17 @@ def breakdown(now: float | None = None, env: str | None = None) -> dict[str, flo
     return {k: round(v, 3) for k, v in parts.items()}
 
 
-def first_step_done() -> dict[str, float] | None:
+def first_step_done(compiled: float = 0.0) -> dict[str, float] | None:
     """The breakdown up to now, once per run (None where this process marked no phases: the loop run in a
-    test, or a second run of it in one process)."""
+    test, or a second run of it in one process); `compiled`: seconds of the first step spent compiling
+    (train.compile), shown apart from it."""
     if not MARKS:
         return None
     parts = breakdown()
     MARKS.clear()
+    if compiled > 0 and "first step" in parts:
+        step = parts.pop("first step")
+        parts |= {"compile": round(min(compiled, step), 3), "first step": round(max(0.0, step - compiled), 3)}
     return parts
 
 

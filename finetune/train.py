@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from finetune import checkpoint, config, dist, engine, evaluate, flops, logs, loop, model, objectives, plan, reference, rundir, startup
+from finetune import checkpoint, compiling, config, dist, engine, evaluate, flops, logs, loop, model, objectives, plan, reference, rundir, startup
 from finetune.config import Config, ConfigError, Logits, PeftConfig, PeftMethod, Precision, Strategy, uses_deepspeed
 from finetune.data import stream
 from finetune.data.batches import TrainBatches
@@ -208,13 +208,19 @@ def run(cfg: Config, d: dist.Dist) -> None:
     if d.is_main:
         trainable, total = model.trainable_parameters(net)
         print(f"model: {total:,} parameters, {trainable:,} trainable ({trainable / total:.2%}), attention {attention} ({attention_why})")
+    if cfg.train.compile:
+        layers = compiling.compile_layers(net, d.device)
+        if d.is_main:
+            print(f"compile: {layers} decoder layers compiled in place at the first training step (each new shape compiles "
+                  "once more: compile_s in the metrics); evaluation and generation run eager")
     chunked = ChunkedHead(net, cfg.logits.chunk_tokens, cfg.logits.kernel, d.device) if cfg.logits.name == Logits.chunked else None
     if chunked is not None and d.is_main:
         print(f"logits: chunked, {chunked.kernel.value} ({chunked.why})")
     phase("engine")
     eng = engine.build(cfg, net, d)
     if chunked is not None:  # a family that changes its logits in a way we do not repeat per chunk: refused here
-        chunked.check(*eng.inference(chunked.prober(), probe_batch(train_examples)))
+        with compiling.eager():
+            chunked.check(*eng.inference(chunked.prober(), probe_batch(train_examples)))
     phase("resume")
     resume_from = checkpoint.resolve(cfg.train.resume, run_dir, warn=lambda line: d.is_main and print(f"warning: {line}", file=sys.stderr))
     if resume_from is not None:
@@ -224,8 +230,9 @@ def run(cfg: Config, d: dist.Dist) -> None:
     # DPO's reference: the live one is the initial model again (a 4-bit base for QLoRA, no adapter).
     phase("reference")
     base_peft = cfg.peft if cfg.peft.name == PeftMethod.qlora else PeftConfig()
-    ref = reference.setup(cfg, engine=eng, dist=d, splits={"train": train_examples, "eval": eval_examples}, run_dir=run_dir,
-                          resume_from=resume_from, load_model=lambda: load(base_peft), pad_id=tokenizer.pad_token_id)
+    with compiling.eager():  # a precomputed reference is the policy's forward without gradients
+        ref = reference.setup(cfg, engine=eng, dist=d, splits={"train": train_examples, "eval": eval_examples}, run_dir=run_dir,
+                              resume_from=resume_from, load_model=lambda: load(base_peft), pad_id=tokenizer.pad_token_id)
     router = objectives.router_loss(loaded.config)  # a MoE's load-balancing loss, from its config
     if router and cfg.parallelism.pp > 1:  # stages hand each other hidden states: the routers' logits stay in theirs
         if d.is_main:
@@ -348,6 +355,11 @@ def probe(cfg: Config, eng: Any, d: dist.Dist, run_dir: Path) -> MemoryProbe | N
         raise ConfigError("train.memory_snapshot=true records the CUDA allocator and needs a GPU; on CPU train.memory_report "
                           "measures memory by category")
     if not (cfg.train.memory_report or cfg.train.memory_snapshot):
+        return None
+    if cfg.train.compile:  # its dispatch mode would run the layers eager, then and in every later step
+        if d.is_main:
+            print("memory: not measured by category with train.compile=true (MemTracker's dispatch mode keeps dynamo from "
+                  "compiling: the layers would run eager); the memory plan is in the metrics, or measure with train.compile=false")
         return None
     targets = eng.memory_targets()
     if targets is None:

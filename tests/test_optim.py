@@ -556,8 +556,40 @@ def test_the_fused_kernel_trains_as_the_loop_does(tmp_path, adamw_losses):
     (["optim.kernel=fused", "optim.state_dtype=bf16"], "optim.kernel=fused with optim.state_dtype=bf16: its update (finetune's "
                                                        "LowPrecisionAdam) runs one parameter at a time: leave optim.kernel=auto, "
                                                        "or optim.state_dtype=null with it"),
+    (["optim.kernel=foreach", "parallelism=tp2", "launcher.nproc_per_node=2"], "optim.kernel=foreach with parallelism.tp=2: tensor parallel splits some "
+                                                  "parameters into DTensor shards and leaves the rest plain tensors, and one fused "
+                                                  "or foreach call takes one kind: leave optim.kernel=auto (the loop under tp), or "
+                                                  "use optim.kernel=loop"),
 ])
 def test_kernel_refusals(compose, overrides, message):
     with pytest.raises(ConfigError) as e:
         compose(overrides)
     assert str(e.value) == message
+
+
+def test_dtensor_shards_beside_plain_tensors_step_in_the_loop(monkeypatch):
+    """Tensor parallel's parameters: DTensor shards and plain tensors in one group, which torch's fused and foreach
+    calls refuse ("got mixed torch.Tensor and DTensor"): auto takes the loop, an explicit kernel is refused on the rank."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    from finetune.config import OptimKernel
+    from finetune.engine.common import kernel
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(29400 + os.getpid() % 500))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        shard = torch.nn.Parameter(distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)]))
+        plain = torch.nn.Parameter(torch.randn(4))
+        assert kernel(OptimKernel.auto, [shard, plain]) == {"foreach": False}
+        assert kernel(OptimKernel.auto, [shard]) == {"fused": True} and kernel(OptimKernel.auto, [plain]) == {"fused": True}
+        with pytest.raises(ConfigError) as e:
+            kernel(OptimKernel.fused, [shard, plain])
+        assert str(e.value) == ("optim.kernel=fused: some parameters are DTensor shards (tensor parallel) and some plain tensors, "
+                                "and one fused or foreach call takes one kind: use optim.kernel=auto or loop")
+        shard.grad, plain.grad = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)]), torch.ones(4)
+        torch.optim.AdamW([shard, plain], lr=0.1, **kernel(OptimKernel.auto, [shard, plain])).step()  # it runs
+    finally:
+        dist.destroy_process_group()

@@ -98,6 +98,7 @@ def one_process(tmp_path_factory):
 # with v stages per rank (interleaved; micro batch 4: 8 micro-batches) (ranks - 1) / (v x micro-batches + ranks - 1).
 PIPELINE_LINE = {
     "pp2-1f1b": "pipeline: 2 stages on 2 ranks, 4 micro-batches per step, 1f1b, bubble 20.0%",
+    "pp2-compile": "pipeline: 2 stages on 2 ranks, 4 micro-batches per step, 1f1b, bubble 20.0%",
     "pp2-gpipe": "pipeline: 2 stages on 2 ranks, 4 micro-batches per step, gpipe, bubble 20.0%",
     "pp2-interleaved": "pipeline: 4 stages on 2 ranks, 8 micro-batches per step, interleaved_1f1b, bubble 5.9%",
 }
@@ -108,8 +109,10 @@ PIPELINE_LINE = {
     "layout",
     [["parallelism=fsdp"], ["parallelism=fsdp_offload"], ["parallelism=fsdp", "parallelism.fsdp_reshard_after_forward=false"],
      ["parallelism=tp2"], ["parallelism=pp2"], ["parallelism=pp2", "parallelism.pp_schedule=gpipe"],
-     ["parallelism=pp2_interleaved", "train.micro_batch_size=4"], ["parallelism=tp2", "launcher.nproc_per_node=4"]],
-    ids=["fsdp", "fsdp-offload", "fsdp-no-reshard", "tp2", "pp2-1f1b", "pp2-gpipe", "pp2-interleaved", "tp2xdp2"],
+     ["parallelism=pp2_interleaved", "train.micro_batch_size=4"], ["parallelism=tp2", "launcher.nproc_per_node=4"],
+     ["parallelism=fsdp", "train.compile=true", "checkpointing=full"], ["parallelism=pp2", "train.compile=true"]],
+    ids=["fsdp", "fsdp-offload", "fsdp-no-reshard", "tp2", "pp2-1f1b", "pp2-gpipe", "pp2-interleaved", "tp2xdp2",
+         "fsdp-compile-checkpointing", "pp2-compile"],
 )
 def test_layout_follows_the_single_process_run_and_exports_one_checkpoint(layout, one_process, tmp_path, request):
     out = run_cli(*STEPS, *layout, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
@@ -122,6 +125,8 @@ def test_layout_follows_the_single_process_run_and_exports_one_checkpoint(layout
     # One Hugging Face checkpoint, gathered from shards / stages, gives the same eval loss on one process.
     assert reload_and_evaluate(tmp_path / "run/final", tmp_path / "run")[0] == pytest.approx(after, rel=1e-4)
     layout_id = request.node.callspec.id
+    if "compile" in layout_id:  # the layers compiled inside FSDP2's units / a pipeline's stages
+        assert next(m for m in read_metrics(tmp_path / "run") if m["kind"] == "train")["compile_s"] > 0
     assert [line for line in out.stdout.splitlines() if line.startswith("pipeline: ")] == (
         [PIPELINE_LINE[layout_id]] if layout_id in PIPELINE_LINE else [])
 

@@ -90,9 +90,17 @@ FUSED_DEVICES = ("cpu", "cuda")
 
 def kernel(choice: OptimKernel, params: list[torch.nn.Parameter]) -> dict[str, bool]:
     """torch.optim's keyword for optim.kernel: fused, foreach, or neither (the loop); auto: fused where every
-    parameter is on a CPU or CUDA device (DTensor shards included), else torch's default ({})."""
+    parameter is on a CPU or CUDA device, all DTensor shards or none, else torch's default ({}); the loop where
+    both kinds are (tensor parallel leaves what it does not split plain tensors, and a fused or foreach call
+    takes one kind only)."""
+    mixed = len({isinstance(p, DTensor) for p in params}) > 1
     if choice == OptimKernel.auto:
+        if mixed:  # torch's own default may pick foreach on CUDA
+            return {"foreach": False}
         return {"fused": True} if params and all(p.device.type in FUSED_DEVICES for p in params) else {}
+    if mixed and choice != OptimKernel.loop:
+        raise ConfigError(f"optim.kernel={choice.value}: some parameters are DTensor shards (tensor parallel) and some plain "
+                          "tensors, and one fused or foreach call takes one kind: use optim.kernel=auto or loop")
     return {OptimKernel.fused: {"fused": True}, OptimKernel.foreach: {"foreach": True}, OptimKernel.loop: {"foreach": False}}[choice]
 
 
