@@ -9,6 +9,7 @@ import os
 import select
 import signal
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -113,8 +114,9 @@ def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatche
     startup.mark("first step")
     started: dict[str, float] = {}
     start = time.perf_counter()
+    ahead = Ahead(batches, last=cfg.max_steps - 1)
     for step in range(first, cfg.max_steps + 1):
-        micro_batches = batches.micro_batches(step - 1)
+        micro_batches, waited = ahead.get(step - 1)
         owner = int(engine.owner)  # tp/pp: one rank per model replica counts its data
         local_count = owner * sum(objective.count(mb) for mb in micro_batches)
         local_tokens = owner * sum(int(mb["real_tokens"].sum()) for mb in micro_batches)
@@ -144,7 +146,8 @@ def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatche
         metrics = {"loss": loss_sum / count, "lr": out.lr, "grad_norm": out.grad_norm,
                    "tokens_per_s": tokens / seconds,  # non-pad tokens over all ranks (slow while memory is measured)
                    "nonpad_fraction": tokens / slots,  # packing raises it towards 1
-                   "step_s": seconds, "epoch": batches.epoch(step), "elapsed_s": time.perf_counter() - start,
+                   "step_s": seconds, "data_wait_s": waited,  # the step's micro-batches not ready when it began
+                   "epoch": batches.epoch(step), "elapsed_s": time.perf_counter() - start,
                    **({"compile_s": compiled} if cfg.compile else {})}
         metrics |= {k: v / count for k, v in zip(names, sums)}
         if flops_per_token and peak_flops:  # achieved model FLOPs over the dense peak of all ranks
@@ -170,7 +173,7 @@ def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatche
             bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{out.lr:.2e}", refresh=False)
         elif step % cfg.log_every == 0:
             say(dist, None, f"step {step:>5}  loss {metrics['loss']:.4f}  lr {out.lr:.2e}  "
-                            f"grad_norm {out.grad_norm:.3f}  tokens/s {metrics['tokens_per_s']:.0f}"
+                            f"grad_norm {out.grad_norm:.3f}  tokens/s {metrics['tokens_per_s']:.0f}  data_wait {1000 * waited:.0f} ms"
                             + "".join(f"  {k} {metrics[k]:.3f}" for k in names))
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps:
             run_eval(step, final=False)
@@ -182,10 +185,40 @@ def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatche
                           "with train.resume=auto", code=128 + int(signum))
         if cfg.save_every and step % cfg.save_every == 0:
             save(step)
+    ahead.close()
     after = run_eval(cfg.max_steps, final=True)
     if bar is not None:
         bar.close()
     return {"before": before, "after": after, "memory": memory, **({"startup": started} if started else {})}
+
+
+class Ahead:
+    """Step -> this rank's micro-batches, and the seconds the loop waited for them. Where they are a pure
+    function of the step (TrainBatches: `pure`), the next step's are made in a thread while this one computes
+    (collating and padding hold the GIL in short stretches; the model's ops release it). A stream's come
+    from its own DataLoader worker, in order, and are asked for as they are: a checkpoint records where the
+    next step starts, which a step read ahead would move."""
+
+    def __init__(self, batches: Any, last: int) -> None:
+        self.batches, self.last = batches, last
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="next-batches") if getattr(batches, "pure", False) else None
+        self.next: tuple[int, Future] | None = None
+
+    def get(self, step: int) -> tuple[list[dict[str, Any]], float]:
+        tic = time.perf_counter()
+        if self.next is not None and self.next[0] == step:
+            micro_batches = self.next[1].result()  # its exception, if it raised, is raised here
+        else:
+            micro_batches = self.batches.micro_batches(step)
+        waited = time.perf_counter() - tic
+        self.next = None
+        if self.pool is not None and step < self.last:
+            self.next = (step + 1, self.pool.submit(self.batches.micro_batches, step + 1))
+        return micro_batches, waited
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def progress(cfg: TrainConfig, dist: Dist, initial: int) -> Any:

@@ -65,6 +65,8 @@ class TrainBatches:
     data-parallel rank, and each block into micro-batches.
     """
 
+    pure = True  # a step's micro-batches depend on the step alone: the loop makes the next step's ahead (loop.Ahead)
+
     def __init__(
         self, examples: list[Example], *, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int, seed: int, pad_id: int,
         pad_to: int | None = None,
