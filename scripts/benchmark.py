@@ -28,6 +28,7 @@ SINGLE = ["parallelism=single", "launcher.nproc_per_node=1"]
 STRATEGIES: dict[str, list[str]] = {
     "fp32 baseline": SINGLE,
     "bf16 autocast": [*SINGLE, "precision=bf16"],
+    "bf16 + compile": [*SINGLE, "precision=bf16", "train.compile=true"],  # no memory by category: the probe is off with it
     "full checkpointing": [*SINGLE, "checkpointing=full"],
     "selective checkpointing (every 2nd)": [*SINGLE, "checkpointing=selective"],
     "packing": [*SINGLE, "data.packing=true"],

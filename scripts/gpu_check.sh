@@ -25,6 +25,6 @@ LLAMA_1B=(model.init.hidden_size=2048 model.init.num_hidden_layers=16 model.init
           model.init.max_position_embeddings=4096 data.max_length=2048 data.packing=true
           train.micro_batch_size=4 train.global_batch_size=4 train.device=cuda hardware=h100_80g)
 "$PY" scripts/benchmark.py --steps 30 --out "$OUT/benchmark.md" --dry-runs 0 \
-  --only "bf16 autocast" "full checkpointing" "LoRA r=16" "QLoRA r=16 (NF4)" --extra "${LLAMA_1B[@]}"
+  --only "bf16 autocast" "bf16 + compile" "full checkpointing" "LoRA r=16" "QLoRA r=16 (NF4)" --extra "${LLAMA_1B[@]}"
 cat "$OUT/benchmark.md"
 exit "$tests"
