@@ -39,6 +39,9 @@ Measured per run, each in a fresh process (imports included), the order of the r
   (polled every 10 ms); wall: from the same moment to the process's exit;
 - peak RSS: ru_maxrss of the process and the processes it waited for (os.wait4): ours is a launcher and the rank it
   starts, and the larger of the two is the rank;
+- others' load: the cores other processes kept busy during the run (/proc/stat's busy time, steal included, less
+  the run's CPU time and this script's): a shared machine slows a run down, never speeds it up, so the table
+  shows tokens/s of every repeat and otherwise the best of them, and notes a run measured on a busy machine;
 - ours runs with train.memory_report=false (its memory probe slows the first two steps), no TensorBoard, no
   progress bar; the peers with report_to=none and no tqdm.
 
@@ -53,6 +56,8 @@ import argparse
 import importlib.util
 import json
 import os
+import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -64,6 +69,7 @@ LR, BETAS, EPS, MAX_GRAD_NORM, SEED = 1e-3, (0.9, 0.999), 1e-8, 1.0, 42
 NAMES = {"ours": "ours (finetune)", "hf": "transformers Trainer", "trl": "TRL SFTTrainer"}
 RUNS = [("ours", "padded"), ("hf", "padded"), ("trl", "padded"), ("ours", "packed"), ("trl", "packed")]
 STEADY_AFTER = 3  # steps left out of the steady state: warm-up (allocator, first optimizer step)
+BUSY = 0.25  # others' load (cores) above which a run is noted as measured on a busy machine
 TOKENS_TOL = 0.01  # non-pad tokens per step: every run within 1% of the prepared batches
 TRL_MISSING = 'error: TRL is not installed: pip install -e ".[bench]" (or leave it out: --peers hf)'
 
@@ -160,20 +166,30 @@ def run(framework: str, mode: str, repeat: int, args: argparse.Namespace, root: 
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
         steps_file = out / "steps.jsonl"
     first = None
+    busy, mine = busy_s(), resource.getrusage(resource.RUSAGE_SELF)
     start = time.perf_counter()
     with open(out / "stdout.log", "w") as stdout, open(out / "stderr.log", "w") as stderr:
-        proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env, cwd=out)
-    while True:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        if first is None and train_lines(steps_file):
-            first = time.perf_counter() - start
-        if pid:
-            break
-        time.sleep(0.01)
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env, cwd=out, start_new_session=True)
+    try:
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if first is None and train_lines(steps_file):
+                first = time.perf_counter() - start
+            if pid:
+                break
+            time.sleep(0.01)
+    except BaseException:  # Ctrl-C or SIGTERM here: the run must not train on, orphaned
+        os.killpg(proc.pid, signal.SIGTERM)  # ours: the launcher passes it on to its rank (a session of its own) and waits
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        raise
     wall = time.perf_counter() - start
     proc.returncode = os.waitstatus_to_exitcode(status)  # reaped by wait4: keep Popen from waiting again
     result = {"framework": framework, "mode": mode, "repeat": repeat, "wall_s": wall, "first_step_s": first,
-              "rss_mib": usage.ru_maxrss / 1024}  # Linux: KiB
+              "rss_mib": usage.ru_maxrss / 1024,  # Linux: KiB
+              "others": others(busy, mine, usage, wall)}
     lines = train_lines(steps_file)
     if proc.returncode != 0 or len(lines) != args.steps:
         tail = [line for line in (out / "stderr.log").read_text().splitlines() if line.strip()] or ["?"]
@@ -182,6 +198,27 @@ def run(framework: str, mode: str, repeat: int, args: argparse.Namespace, root: 
         lines = [{"step": r["step"], "elapsed_s": r["elapsed_s"], "tokens": round(r["tokens_per_s"] * r["step_s"]),
                   "loss": r["loss"]} for r in lines]
     return {**result, "steps": lines}
+
+
+def busy_s() -> float | None:
+    """Seconds this machine's cores have been busy since boot, steal time included (another VM on the host): the
+    first line of /proc/stat; None where there is none."""
+    try:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in Path("/proc/stat").read_text().split()[1:9])
+    except (OSError, ValueError):
+        return None
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def others(busy: float | None, mine: resource.struct_rusage, usage: resource.struct_rusage, wall: float) -> float | None:
+    """Cores kept busy by other processes during a run, on average: the machine's busy time less the run's CPU time
+    (its processes' and those they waited for) and this script's own (polling). Near 0 on a quiet machine."""
+    now = busy_s()
+    if busy is None or now is None:
+        return None
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = usage.ru_utime + usage.ru_stime + me.ru_utime + me.ru_stime - mine.ru_utime - mine.ru_stime
+    return max(0.0, (now - busy - cpu) / wall)
 
 
 def train_lines(path: Path) -> list[dict]:
@@ -278,12 +315,9 @@ def steady(steps: list[dict], skip: int = STEADY_AFTER) -> tuple[float, float]:
 def fairness(runs: list[dict], expected: dict[str, list[int]]) -> list[dict]:
     """Per framework and mode: the mean non-pad tokens per step, the largest relative difference of any run's tokens
     at any step from the prepared batches', and the largest |loss difference| at any step from ours (repeat 1)."""
-    out = []
-    for framework, mode in order(runs):
-        mine = [r for r in runs if (r["framework"], r["mode"]) == (framework, mode) and "steps" in r]
-        ref = next((r for r in runs if (r["framework"], r["mode"]) == ("ours", mode) and "steps" in r), None)
-        if not mine:
-            continue
+    out, done = [], finished(runs)
+    for (framework, mode), mine in done.items():
+        ref = done[("ours", mode)][0] if ("ours", mode) in done else None
         want = expected[mode]
         tokens = max(abs(s["tokens"] - w) / w for r in mine for s, w in zip(r["steps"], want))
         loss = None if ref is None else max(abs(s["loss"] - t["loss"]) for r in mine for s, t in zip(r["steps"], ref["steps"]))
@@ -299,30 +333,33 @@ def order(runs: list[dict]) -> list[tuple[str, str]]:
 
 
 def table(runs: list[dict]) -> str:
-    """One row per framework and mode: tokens/s of each repeat, then medians over the repeats, and the ratio of its
-    median tokens/s to the HF Trainer's (padded)."""
-    def median_of(rows: list[dict], key: str) -> float:
-        return statistics.median(r[key] for r in rows)
-
-    rates = {}
+    """One row per framework and mode: tokens/s and others' load of each repeat; then the best of the repeats (a
+    busy machine only slows a run down): the highest tokens/s, the shortest step, first step and wall time; the
+    largest peak RSS; the final loss; and the best tokens/s over the HF Trainer's (padded)."""
+    best = {key: max(steady(r["steps"])[0] for r in rows) for key, rows in finished(runs).items()}
+    hf = best.get(("hf", "padded"))
+    lines = ["| framework | mode | tokens/s (each repeat) | others' load | step ms | first step s | wall s | peak RSS MiB "
+             "| final loss | vs HF Trainer |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for framework, mode in order(runs):
-        ok = [r for r in runs if (r["framework"], r["mode"]) == (framework, mode) and "steps" in r]
-        rates[framework, mode] = [steady(r["steps"])[0] for r in ok]
-    hf = statistics.median(rates[("hf", "padded")]) if rates.get(("hf", "padded")) else None
-    lines = ["| framework | mode | tokens/s (each repeat) | step ms | first step s | wall s | peak RSS MiB | final loss | vs HF Trainer |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for framework, mode in order(runs):
-        mine = [r for r in runs if (r["framework"], r["mode"]) == (framework, mode)]
-        ok = [r for r in mine if "steps" in r]
+        ok = finished(runs).get((framework, mode))
         if not ok:
-            lines.append(f"| {NAMES[framework]} | {mode} | failed: {mine[0]['error']} |||||||")
+            error = next(r["error"] for r in runs if (r["framework"], r["mode"]) == (framework, mode))
+            lines.append(f"| {NAMES[framework]} | {mode} | failed: {error} ||||||||")
             continue
-        each = rates[framework, mode]
-        ratio = f"{statistics.median(each) / hf:.2f}x" if hf else "-"
-        lines.append(f"| {NAMES[framework]} | {mode} | {' / '.join(f'{v:,.0f}' for v in each)} | "
-                     f"{statistics.median(steady(r['steps'])[1] for r in ok):,.0f} | {median_of(ok, 'first_step_s'):.1f} | "
-                     f"{median_of(ok, 'wall_s'):.1f} | {median_of(ok, 'rss_mib'):,.0f} | {ok[0]['steps'][-1]['loss']:.4f} | {ratio} |")
+        rates = " / ".join(f"{steady(r['steps'])[0]:,.0f}" for r in ok)
+        load = " / ".join("-" if r["others"] is None else f"{r['others']:.2f}" for r in ok)
+        ratio = f"{best[framework, mode] / hf:.2f}x" if hf else "-"
+        lines.append(f"| {NAMES[framework]} | {mode} | {rates} | {load} | "
+                     f"{min(steady(r['steps'])[1] for r in ok):,.0f} | {min(r['first_step_s'] for r in ok):.1f} | "
+                     f"{min(r['wall_s'] for r in ok):.1f} | {max(r['rss_mib'] for r in ok):,.0f} | {ok[0]['steps'][-1]['loss']:.4f} | "
+                     f"{ratio} |")
     return "\n".join(lines) + "\n"
+
+
+def finished(runs: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """The runs that finished, by (framework, mode), in RUNS order, each in repeat order."""
+    out = {key: [r for r in runs if (r["framework"], r["mode"]) == key and "steps" in r] for key in order(runs)}
+    return {key: rows for key, rows in out.items() if rows}
 
 
 def fairness_text(rows: list[dict], loss_tol: float) -> tuple[str, bool]:
@@ -350,12 +387,18 @@ def report(runs: list[dict], expected: dict[str, list[int]], args: argparse.Name
     caption = (f"Tiny Llama (hidden {args.hidden}, {args.layers} layers, fp32, sdpa), {args.rows:,} synthetic alpaca rows of at "
                f"most {args.max_length} tokens, micro batch {args.micro_batch} x accumulation {args.accum}, {args.steps} steps, "
                f"{args.threads} threads, {os.cpu_count()} CPU cores; {args.repeats} repeat(s), each run a fresh process, the order "
-               f"reversed every other repeat. tokens/s: non-pad tokens, median over the steps after step {STEADY_AFTER}; step ms "
-               "the same median; first step: process start to the end of the first optimizer step (imports, model, data, "
-               "setup); wall: the whole process, final save included; peak RSS: the largest process (ours: the rank, not its "
-               "launcher). Ours with train.memory_report=false; TRL with bf16 and gradient checkpointing off; packed: our "
-               "first-fit rows, TRL padding-free.\n\n")
+               f"reversed every other repeat. tokens/s: non-pad tokens, median over the steps after step {STEADY_AFTER}; others' "
+               "load: cores kept busy by other processes during the run (0 on a quiet machine); the other columns are the best "
+               "of the repeats (a busy machine only slows a run): step ms, the same median; first step: process start to the end "
+               "of the first optimizer step (imports, model, data, setup); wall: the whole process, final save included; peak "
+               "RSS: the largest process (ours: the rank, not its launcher), the largest of the repeats. Ours with "
+               "train.memory_report=false; TRL with bf16 and gradient checkpointing off; packed: our first-fit rows, TRL "
+               "padding-free.\n\n")
     text = caption + table(runs) + "\nFairness: the same token ids, labels, batches, initial weights and schedule.\n\n" + fair
+    busiest = max((r["others"] for r in runs if r.get("others") is not None), default=0.0)
+    if busiest > BUSY:
+        text += (f"\nNOTE: other processes kept up to {busiest:.2f} cores busy during a run (others' load): the machine was not "
+                 "quiet, and tokens/s of those runs are lower than it can do\n")
     if failed:
         text += "".join(f"\nFAIL: {NAMES[r['framework']]} {r['mode']} (repeat {r['repeat']}): {r['error']}" for r in failed) + "\n"
     return text, ok and not failed
@@ -393,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --keep {args.keep}: not empty (the runs write their directories there): name a new directory", file=sys.stderr)
         return 2
     jobs = [(f, m) for f, m in RUNS if (f == "ours" or f in peers) and m in args.modes]
+    signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))  # unwinds through run(): its process group ends
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # everything is local: no hub lookups in anyone's timing
     with tempfile.TemporaryDirectory() as tmp:
