@@ -223,6 +223,12 @@ class LogitsKernel(str, Enum, metaclass=Spelled):
     auto = "auto"
     torch = "torch"
     cce = "cce"
+    liger = "liger"
+
+
+class Kernels(str, Enum, metaclass=Spelled):
+    none = "none"
+    liger = "liger"
 
 
 class PeftMethod(str, Enum, metaclass=Spelled):
@@ -340,6 +346,10 @@ class ModelConfig:
     eager (plain matmuls), or auto: the first of these three that the model's family and the
     device can run (Gemma-2 soft-caps its attention logits: no sdpa); the launch says which and why,
     and a kernel the family cannot run is refused before launch."""
+    kernels: Kernels = Kernels.none
+    """none: the family's own modules; liger: Liger-Kernel's Triton RMSNorm, RoPE and SwiGLU (GeGLU for Gemma) swapped
+    into the loaded model before PEFT and the layout wrap it, the weights and their names unchanged (the `gpu` extra;
+    CUDA only, a family Liger patches, not with parallelism.tp; its fused loss is logits.kernel=liger)."""
     revision: str | None = checked(TEXT, None)
     """Hub revision (branch, tag or commit) for `path` and `tokenizer`."""
     trust_remote_code: bool = False
@@ -469,9 +479,10 @@ class LogitsConfig:
     """chunked: labelled tokens per chunk (memory of one chunk: ~(12 + 2 c) x vocab x chunk_tokens bytes)."""
     kernel: LogitsKernel = LogitsKernel.auto
     """chunked: torch (the chunks above, in torch), cce (cut-cross-entropy's fused Triton kernel, the `gpu` extra:
-    the head's matmul and the loss in one, no chunk's logits in memory; CUDA only, exact gradients), or auto: cce
-    where it can run (CUDA, installed, an output layer without a bias), else torch; each rank says
-    which and why."""
+    the head's matmul and the loss in one, no chunk's logits in memory; CUDA only, exact gradients), liger
+    (Liger-Kernel's fused linear cross-entropy, the `gpu` extra: the same fusion, in vocabulary-sized chunks of
+    tokens; CUDA only, an output-layer bias included), or auto: cce where it can run (CUDA, installed, an output
+    layer without a bias), else torch; each rank says which and why."""
 
 
 @dataclass

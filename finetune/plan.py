@@ -568,6 +568,11 @@ def activation_bytes(arch: Arch, cfg: Config, layers: int, in_flight: int, seq: 
         moment = chunk * (12 * v + (d.compute * v if d.autocast else 0) + 8)
         if cfg.logits.kernel == LogitsKernel.cce:  # fused (logits.kernel=auto counts the torch chunks it may fall back to)
             moment = (labelled or tokens) * 16  # per token: its log-sum-exp, loss and their gradients; no vocabulary-wide buffer
+        elif cfg.logits.kernel == LogitsKernel.liger:  # Liger's, by its source (not measured: no GPU here): in backward one
+            # chunk of logits about the size of the tokens' hidden states (compute dtype, and its gradient in place), the
+            # hidden states' gradient, and the output layer's gradient summed over the chunks in fp32 (accum_dtype)
+            n = labelled or tokens
+            moment = n * 16 + n * arch.hidden_size * 2 * d.compute + 4 * v * arch.hidden_size
         return Activations(stored=earlier + sum(kept) + head_bytes(arch, cfg, tokens), loss=moment, logits_grad=moment,
                            blocks=earlier + blocks,
                            filled=earlier + filled + head_grads, cpu=offloaded)

@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-from finetune import checkpoint, compiling, config, dist, engine, evaluate, flops, logs, loop, model, objectives, plan, reference, rundir, startup
-from finetune.config import Config, ConfigError, Logits, PeftConfig, PeftMethod, Precision, Strategy, uses_deepspeed
+from finetune import (checkpoint, compiling, config, dist, engine, evaluate, flops, liger, logs, loop, model, objectives, plan, reference,
+                      rundir, startup)
+from finetune.config import Config, ConfigError, Kernels, Logits, PeftConfig, PeftMethod, Precision, Strategy, uses_deepspeed
 from finetune.data import stream
 from finetune.data.batches import TrainBatches
 from finetune.data.pack import pack
@@ -191,13 +192,18 @@ def run(cfg: Config, d: dist.Dist) -> None:
     attention, attention_why = model.resolve_attention(cfg.model, cfg.precision.name, d.device)
 
     def load(peft: PeftConfig) -> torch.nn.Module:
-        return model.load_model(cfg.model, tokenizer, attention=attention, peft=peft,
-                                compute_dtype=autocast_dtype(cfg.precision.name) or torch.float32, zero3=cfg.zero.stage == 3,
-                                run_dir=run_dir, is_main=d.is_main, barrier=d.barrier,
-                                dtype=torch.bfloat16 if cfg.precision.name == Precision.bf16_pure else torch.float32,
-                                fsdp=cfg.parallelism.strategy == Strategy.fsdp)
+        loaded = model.load_model(cfg.model, tokenizer, attention=attention, peft=peft,
+                                  compute_dtype=autocast_dtype(cfg.precision.name) or torch.float32, zero3=cfg.zero.stage == 3,
+                                  run_dir=run_dir, is_main=d.is_main, barrier=d.barrier,
+                                  dtype=torch.bfloat16 if cfg.precision.name == Precision.bf16_pure else torch.float32,
+                                  fsdp=cfg.parallelism.strategy == Strategy.fsdp)
+        if cfg.model.kernels == Kernels.liger:  # before PEFT and the layout wrap it (DPO's live reference too)
+            liger.apply(loaded, d.device)
+        return loaded
 
     loaded = load(cfg.peft)
+    if cfg.model.kernels == Kernels.liger and d.is_main:
+        print(liger.describe(loaded))
     if getattr(loaded.config, "output_router_logits", False):  # a hub config the launcher could not read
         if cfg.parallelism.pp > 1:
             raise ConfigError(router_loss_under_pp(cfg.parallelism.pp))
