@@ -3,7 +3,7 @@
 # Llama shape (random init, bf16, packed 2,048-token rows) for the strategies that matter on a GPU.
 # Writes OUT_DIR/{device.txt,tests.txt,benchmark.md} (default gpu_check/) and prints them.
 #   bash scripts/gpu_check.sh [OUT_DIR]
-# Needs the gpu extra for the flash-attn and fused-kernel rows: pip install -e ".[test,gpu]".
+# Needs the gpu extra for the flash-attn, fused-kernel and Liger rows: pip install -e ".[test,gpu]".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-gpu_check}
@@ -25,6 +25,6 @@ LLAMA_1B=(model.init.hidden_size=2048 model.init.num_hidden_layers=16 model.init
           model.init.max_position_embeddings=4096 data.max_length=2048 data.packing=true
           train.micro_batch_size=4 train.global_batch_size=4 train.device=cuda hardware=h100_80g)
 "$PY" scripts/benchmark.py --steps 30 --out "$OUT/benchmark.md" --dry-runs 0 \
-  --only "bf16 autocast" "bf16 + compile" "full checkpointing" "LoRA r=16" "QLoRA r=16 (NF4)" --extra "${LLAMA_1B[@]}"
+  --only "bf16 autocast" "bf16 + compile" "bf16 + compile + Liger" "full checkpointing" "LoRA r=16" "QLoRA r=16 (NF4)" --extra "${LLAMA_1B[@]}"
 cat "$OUT/benchmark.md"
 exit "$tests"
