@@ -208,3 +208,46 @@ def test_the_loss_curve_is_the_padded_one(tmp_path):
         losses[free] = [m["loss"] for m in read_metrics(tmp_path / free) if m["kind"] == "train"]
     assert len(losses["null"]) == 3
     assert losses["null"] == pytest.approx(losses["false"], abs=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flash_attention_takes_its_variable_length_path_for_padding_free_rows(monkeypatch):
+    """On CUDA with flash-attn, rows of several samples go to transformers' varlen call (no Varlen installed): each
+    sample's logits are those it has alone."""
+    pytest.importorskip("flash_attn")
+    import transformers.modeling_flash_attention_utils as fa
+
+    packed_calls: list[bool] = []
+    inner = fa._is_packed_sequence
+
+    def spy(position_ids, batch_size):
+        packed_calls.append(bool(inner(position_ids, batch_size)))
+        return packed_calls[-1]
+    monkeypatch.setattr(fa, "_is_packed_sequence", spy)
+    model = build("llama", "flash_attention_2").to(device="cuda", dtype=torch.bfloat16)
+    x = ids().cuda()
+    starts = [sum(LENGTHS[:i]) for i in range(len(LENGTHS))]
+    with torch.no_grad():
+        alone = torch.cat([model(input_ids=x[:, s : s + n], use_cache=False).logits for s, n in zip(starts, LENGTHS)], 1)
+        packed_calls.clear()
+        logits = model(input_ids=x, position_ids=POSITIONS.cuda(), use_cache=False).logits
+    assert packed_calls == [True] * TINY["num_hidden_layers"]
+    torch.testing.assert_close(logits.float(), alone.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.slow
+def test_the_varlen_benchmark_prints_the_mask_and_per_sample_rows(tmp_path):
+    import re
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    out = subprocess.run([sys.executable, str(REPO / "scripts/benchmark_varlen.py"), "--rows", "600", "--steps", "1", "--hidden", "32",
+                          "--layers", "1", "--kernels", "sdpa", "eager"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| 600 |")]
+    assert [r.split("|")[3:5] for r in rows] == [[" sdpa ", " mask "], [" sdpa ", " per sample "], [" eager ", " mask "],
+                                                   [" eager ", " per sample "]]
+    assert all(re.search(r"\| [0-9.]+x \|$", r) for r in rows)
