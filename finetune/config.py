@@ -395,6 +395,11 @@ class DataConfig:
     """Rows whose prompt leaves no room for a response token: drop (counted) or error."""
     packing: bool = False
     """Train on rows of several samples (up to max_length), each attending only to itself."""
+    padding_free: bool | None = None
+    """Lay each training micro-batch's rows end to end in one row instead of padding them to the longest: no
+    compute on padding, each sample attending only to itself (the same loss). null: on for method=sft wherever
+    it runs (not under pipeline or context parallel, not with one row per micro-batch); true: on, refused where
+    it cannot run; false: padded rows. Evaluation batches are padded either way."""
     cache: bool = True
     """Tokenize once into Arrow files under `cache_dir`, keyed by everything that changes the tokens,
     and memory-map them on every rank (later launches with the same key skip tokenizing); false:

@@ -144,6 +144,7 @@ def validate(cfg: Config) -> None:
     _validate_in_backward(cfg)
     _validate_strategies(cfg)
     _validate_method(cfg)
+    padding_free(cfg)
     if t.exact_match_samples and cfg.data.eval is None and cfg.data.eval_size == 0:
         raise ConfigError("train.exact_match_samples needs an eval set: set data.eval or data.eval_size")
 
@@ -364,6 +365,32 @@ def _validate_streaming(cfg: Config) -> None:
     if m.name == Method.dpo and m.loss != DpoLoss.simpo and m.reference == Reference.precomputed:
         raise ConfigError("method.reference=precomputed scores every train pair before training, which a stream cannot "
                           "(data.streaming=true): use method.reference=live (or adapter_disabled with peft), or data.streaming=false")
+
+
+def padding_free(cfg: Config) -> tuple[bool, str]:
+    """(whether the training micro-batches are padding-free, why): data.padding_free, null resolved."""
+    asked = cfg.data.padding_free
+    p = cfg.parallelism
+    why_not = ("method=dpo scores chosen and rejected as rows of their own" if cfg.method.name == Method.dpo else
+               f"parallelism.pp={p.pp} sends every micro-batch through the stages at one shape (data.max_length)" if p.pp > 1 else
+               f"parallelism.cp={p.cp} splits each row's tokens over ranks and masks the whole row" if p.cp > 1 else None)
+    if asked is False:
+        return False, "data.padding_free=false"
+    if why_not is not None:
+        if asked:
+            raise ConfigError(f"data.padding_free=true cannot run here: {why_not}: set data.padding_free=false (or null)")
+        return False, f"padded: {why_not}"
+    if asked is None and cfg.train.micro_batch_size == 1:
+        return False, "padded: one row per micro-batch has no padding"
+    return True, "data.padding_free=true" if asked else "auto"
+
+
+def several_per_row(cfg: Config) -> str:
+    """What lays several samples in a training row, each attended alone (finetune.varlen; "" when nothing does):
+    packing, padding-free micro-batches. Under pipeline or context parallel the rows keep transformers' mask."""
+    if cfg.parallelism.pp > 1 or cfg.parallelism.cp > 1:
+        return ""
+    return " and ".join(w for w, on in (("packed rows", cfg.data.packing), ("padding-free micro-batches", padding_free(cfg)[0])) if on)
 
 
 def _validate_method(cfg: Config) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from finetune import (checkpoint, compiling, config, dist, engine, evaluate, flops, liger, logs, loop, model, objectives, plan, reference,
-                      rundir, startup)
+                      rules, rundir, startup, varlen)
 from finetune.config import Config, ConfigError, Kernels, Logits, PeftConfig, PeftMethod, Precision, Strategy, uses_deepspeed
 from finetune.data import stream
 from finetune.data.batches import TrainBatches
@@ -209,6 +209,12 @@ def run(cfg: Config, d: dist.Dist) -> None:
             raise ConfigError(router_loss_under_pp(cfg.parallelism.pp))
         if cfg.parallelism.cp > 1:
             raise ConfigError(router_loss_split(f"parallelism.cp={cfg.parallelism.cp}"))
+    several = rules.several_per_row(cfg)
+    if several and attention in varlen.KERNELS:  # rows of several samples, attended one sample at a time
+        varlen.Varlen(loaded)
+        attention_why += f"; {several}: {attention} per sample (finetune.varlen)"
+    elif several:
+        attention_why += f"; {several}: its variable-length kernel"
     phase("peft" if cfg.peft.name != PeftMethod.none else "model")
     net = model.apply_strategies(loaded, checkpointing=cfg.checkpointing, peft=cfg.peft)
     if d.is_main:
@@ -318,7 +324,8 @@ def make_batches(cfg: Config, examples: Any, eng: Any, pad_id: int, resume_from:
     (whose DataLoader worker starts reading now, where the checkpoint says when resuming)."""
     shape = {"global_batch": cfg.train.global_batch_size, "micro_batch": cfg.train.micro_batch_size, "dp_rank": eng.dp_rank,
              "dp_size": eng.dp_size, "pad_id": pad_id,
-             "pad_to": cfg.data.max_length if cfg.parallelism.pp > 1 else None}  # a pipeline needs one shape
+             "pad_to": cfg.data.max_length if cfg.parallelism.pp > 1 else None,  # a pipeline needs one shape
+             "flat": rules.padding_free(cfg)[0]}
     if cfg.data.streaming:
         return stream.StreamBatches(examples, **shape, resume_from=resume_from)
     return TrainBatches(examples, **shape, seed=cfg.train.seed)
@@ -333,7 +340,8 @@ def planned(cfg: Config, batches: Any, examples: Any) -> dict[str, float] | str:
     if cfg.data.streaming:
         return plan.record(cfg, plan.Longest(None, STREAMED))
     measured = [mb for step in range(loop.MEMORY_STEPS) for mb in batches.micro_batches(step)]
-    widest = max(mb["input_ids"].shape[1] for mb in measured)
+    per_row = cfg.train.micro_batch_size if batches.flat else 1  # a padding-free micro-batch: its tokens per row it holds
+    widest = max(-(-mb["input_ids"].shape[1] // per_row) for mb in measured)
     labelled = max(int((mb["labels"][:, 1:] != IGNORE).sum()) for mb in measured)
     predicted = plan.record(cfg, plan.Longest(widest, f"the widest micro-batch of the first {loop.MEMORY_STEPS} steps, which "
                                                       "the memory probe measures", labelled))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU, one command: every GPU-marked test, then the benchmark at a 1B-class
 # Llama shape (random init, bf16, packed 2,048-token rows) for the strategies that matter on a GPU.
-# Writes OUT_DIR/{device.txt,tests.txt,benchmark.md} (default gpu_check/) and prints them.
+# Writes OUT_DIR/{device.txt,tests.txt,benchmark.md,varlen.md} (default gpu_check/) and prints them.
 #   bash scripts/gpu_check.sh [OUT_DIR]
 # Needs the gpu extra for the flash-attn, fused-kernel and Liger rows: pip install -e ".[test,gpu]".
 set -euo pipefail
@@ -27,4 +27,8 @@ LLAMA_1B=(model.init.hidden_size=2048 model.init.num_hidden_layers=16 model.init
 "$PY" scripts/benchmark.py --steps 30 --out "$OUT/benchmark.md" --dry-runs 0 \
   --only "bf16 autocast" "bf16 + compile" "bf16 + compile + Liger" "full checkpointing" "LoRA r=16" "QLoRA r=16 (NF4)" --extra "${LLAMA_1B[@]}"
 cat "$OUT/benchmark.md"
+# 3. Rows of several samples at 1k, 4k and 8k tokens: transformers' mask against attention per sample (sdpa) and
+#    flash-attn's variable-length kernel, at the 1B shape's width (4 layers).
+"$PY" scripts/benchmark_varlen.py --device cuda --dtype bf16 --kernels sdpa flash_attention_2 --hidden 2048 --layers 4 \
+  | tee "$OUT/varlen.md"
 exit "$tests"

@@ -164,7 +164,7 @@ def check_fair(text: str, rows: list[list[str]], frameworks: list[tuple[str, str
 @pytest.mark.slow
 def test_ours_against_the_hf_trainer_on_three_steps(tmp_path):
     text, rows = run_script(tmp_path, "--peers", "hf", "--modes", "padded")
-    check_fair(text, rows, [("ours (finetune)", "padded"), ("transformers Trainer", "padded")])
+    check_fair(text, rows, [("ours (finetune)", "padded"), ("ours, data.padding_free=false", "padded"), ("transformers Trainer", "padded")])
 
 
 @pytest.mark.slow
