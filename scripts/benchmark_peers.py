@@ -98,15 +98,18 @@ def make_rows(n: int, max_length: int, seed: int = 0) -> list[dict]:
 
 def model_overrides(args: argparse.Namespace) -> list[str]:
     return ["+recipe=quickstart_sft", f"model.init.hidden_size={args.hidden}", f"model.init.intermediate_size={3 * args.hidden}",
-            f"model.init.num_hidden_layers={args.layers}", f"model.init.max_position_embeddings={args.max_length}"]
+            f"model.init.num_hidden_layers={args.layers}", f"model.init.max_position_embeddings={args.max_length}",
+            *([f"model.init.vocab_size={args.vocab}"] if args.vocab else []),
+            *([f"model.init.num_attention_heads={args.heads}", f"model.init.num_key_value_heads={args.heads}"] if args.heads else [])]
 
 
 def ours_overrides(args: argparse.Namespace, root: Path, mode: str, framework: str = "ours") -> list[str]:
     """Our run's overrides (without hydra.run.dir): the quickstart recipe on one process, the prepared weights and rows."""
-    return [*(["data.padding_free=false"] if framework == "ours_padded" else []), *args.ours_extra, "+recipe=quickstart_sft", "model=pretrained", f"model.path={root / 'weights'}", "model.attn_implementation=sdpa",
+    return [*(["data.padding_free=false"] if framework == "ours_padded" else []), *args.ours_extra, "+recipe=quickstart_sft", "model=pretrained", f"model.path={root / 'weights'}", f"model.attn_implementation={args.attn}",
             "data=jsonl", f"data.train={root / 'rows.jsonl'}", "data.format=alpaca", f"data.max_length={args.max_length}",
             f"data.cache_dir={root / 'tokens'}", f"data.packing={str(mode == 'packed').lower()}",
-            "parallelism=single", "launcher.nproc_per_node=1", f"launcher.omp_num_threads={args.threads}", "precision=fp32",
+            "parallelism=single", "launcher.nproc_per_node=1", f"launcher.omp_num_threads={args.threads}", f"precision={args.precision}",
+            f"train.device={args.device}",
             "optim=adamw", f"optim.lr={LR}", f"optim.betas=[{BETAS[0]},{BETAS[1]}]", f"optim.eps={EPS}", "optim.weight_decay=0",
             "optim.scheduler=constant", "optim.warmup_steps=0", f"optim.max_grad_norm={MAX_GRAD_NORM}", "optim.kernel=fused",
             f"train.max_steps={args.steps}", f"train.micro_batch_size={args.micro_batch}",
@@ -168,7 +171,8 @@ def run(framework: str, mode: str, repeat: int, args: argparse.Namespace, root: 
     else:
         spec = {"framework": framework, "mode": mode, "weights": str(root / "weights"), "data": str(root / f"peer_{mode}"),
                 "out": str(out), "threads": args.threads, "steps": args.steps, "micro_batch": args.micro_batch,
-                "accum": args.accum, "max_length": args.max_length}
+                "accum": args.accum, "max_length": args.max_length, "device": args.device, "precision": args.precision,
+                "attn": args.attn}
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
         steps_file = out / "steps.jsonl"
     first = None
@@ -251,14 +255,15 @@ def peer(spec: dict) -> int:
 
     out = Path(spec["out"])
     packed = spec["mode"] == "packed"
-    net = AutoModelForCausalLM.from_pretrained(spec["weights"], attn_implementation="sdpa", dtype=torch.float32)
+    net = AutoModelForCausalLM.from_pretrained(spec["weights"], attn_implementation=spec["attn"], dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(spec["weights"])
     data = load_from_disk(spec["data"])
     common = {"output_dir": str(out), "max_steps": spec["steps"], "per_device_train_batch_size": spec["micro_batch"],
               "gradient_accumulation_steps": spec["accum"], "learning_rate": LR, "lr_scheduler_type": "constant",
               "warmup_steps": 0, "weight_decay": 0.0, "adam_beta1": BETAS[0], "adam_beta2": BETAS[1], "adam_epsilon": EPS,
-              "max_grad_norm": MAX_GRAD_NORM, "optim": "adamw_torch_fused", "seed": SEED, "bf16": False, "fp16": False,
-              "use_cpu": True, "dataloader_num_workers": 0, "logging_steps": 1,
+              "max_grad_norm": MAX_GRAD_NORM, "optim": "adamw_torch_fused", "seed": SEED,
+              "bf16": spec["precision"] == "bf16", "fp16": False, "use_cpu": spec["device"] == "cpu", "dataloader_num_workers": 0,
+              "logging_steps": 1,
               "save_strategy": "no", "report_to": "none", "disable_tqdm": True}
     if spec["framework"] == "hf":
         from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
@@ -390,7 +395,7 @@ def report(runs: list[dict], expected: dict[str, list[int]], args: argparse.Name
     """The Markdown the script writes: a caption, the table, the fairness section; and whether it passed."""
     fair, ok = fairness_text(fairness(runs, expected), args.loss_tol)
     failed = [r for r in runs if "error" in r]
-    caption = (f"Tiny Llama (hidden {args.hidden}, {args.layers} layers, fp32, sdpa), {args.rows:,} synthetic alpaca rows of at "
+    caption = (f"Llama (random init, hidden {args.hidden}, {args.layers} layers, {args.precision}, {args.attn}, on {args.device}), {args.rows:,} synthetic alpaca rows of at "
                f"most {args.max_length} tokens, micro batch {args.micro_batch} x accumulation {args.accum}, {args.steps} steps, "
                f"{args.threads} threads, {os.cpu_count()} CPU cores; {args.repeats} repeat(s), each run a fresh process, the order "
                f"reversed every other repeat. tokens/s: non-pad tokens, median over the steps after step {STEADY_AFTER}; others' "
@@ -398,7 +403,7 @@ def report(runs: list[dict], expected: dict[str, list[int]], args: argparse.Name
                "of the repeats (a busy machine only slows a run): step ms, the same median; first step: process start to the end "
                "of the first optimizer step (imports, model, data, setup); wall: the whole process, final save included; peak "
                "RSS: the largest process (ours: the rank, not its launcher), the largest of the repeats. Ours with "
-               "train.memory_report=false; TRL with bf16 and gradient checkpointing off; packed: our first-fit rows, TRL "
+               "train.memory_report=false; TRL with gradient checkpointing off; packed: our first-fit rows, TRL "
                "padding-free.\n\n")
     text = caption + table(runs) + "\nFairness: the same token ids, labels, batches, initial weights and schedule.\n\n" + fair
     busiest = max((r["others"] for r in runs if r.get("others") is not None), default=0.0)
@@ -423,7 +428,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--accum", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--loss-tol", type=float, default=1e-3, help="largest |loss - ours| at any step (default 1e-3)")
+    parser.add_argument("--loss-tol", type=float, help="largest |loss - ours| at any step (default 1e-3; bf16: 5e-2)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast in every framework")
+    parser.add_argument("--attn", default="sdpa", choices=["sdpa", "flash_attention_2"], help="every framework's attention")
+    parser.add_argument("--vocab", type=int, help="the model's vocabulary (default: the shipped tokenizer's)")
+    parser.add_argument("--heads", type=int, help="attention heads (default: the quickstart's)")
     parser.add_argument("--out", type=Path, default=Path("benchmark_peers.md"))
     parser.add_argument("--keep", type=Path, help="keep the prepared data and every run's directory here")
     parser.add_argument("--ours-extra", nargs="*", default=[], metavar="KEY=VALUE",
@@ -432,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="leave out our run with data.padding_free=false (padded rows, as the peers pad them)")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # a peer's run, started by this script
     args = parser.parse_args(argv)
+    if args.loss_tol is None:
+        args.loss_tol = 5e-2 if args.precision == "bf16" else 1e-3
     if args.child:
         return peer(json.loads(args.child))
     peers = [p for p in args.peers.split(",") if p]

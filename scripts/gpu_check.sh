@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU, one command: every GPU-marked test, then the benchmark at a 1B-class
 # Llama shape (random init, bf16, packed 2,048-token rows) for the strategies that matter on a GPU.
-# Writes OUT_DIR/{device.txt,tests.txt,benchmark.md,varlen.md} (default gpu_check/) and prints them.
+# Writes OUT_DIR/{device.txt,tests.txt,benchmark.md,varlen.md,peers.md,peers_compiled.md} (default gpu_check/) and prints them.
 #   bash scripts/gpu_check.sh [OUT_DIR]
 # Needs the gpu extra for the flash-attn, fused-kernel and Liger rows: pip install -e ".[test,gpu]".
 set -euo pipefail
@@ -31,4 +31,11 @@ cat "$OUT/benchmark.md"
 #    flash-attn's variable-length kernel, at the 1B shape's width (4 layers).
 "$PY" scripts/benchmark_varlen.py --device cuda --dtype bf16 --kernels sdpa flash_attention_2 --hidden 2048 --layers 4 \
   | tee "$OUT/varlen.md"
+# 4. The same 1B-class SFT job through ours, transformers' Trainer and TRL on this GPU (bf16, flash-attn; padded and
+#    packed), then ours compiled with Liger's kernels beside the Trainer. Needs the bench extra (TRL).
+PEERS=(--device cuda --precision bf16 --attn flash_attention_2 --hidden 2048 --layers 16 --heads 32 --vocab 128256
+       --max-length 2048 --micro-batch 4 --accum 1 --steps 30 --repeats 1 --threads 8)
+"$PY" scripts/benchmark_peers.py "${PEERS[@]}" --ours-extra hardware=h100_80g --out "$OUT/peers.md"
+"$PY" scripts/benchmark_peers.py "${PEERS[@]}" --peers hf --no-ours-padded --out "$OUT/peers_compiled.md" \
+  --ours-extra hardware=h100_80g train.compile=true model.kernels=liger logits=chunked logits.kernel=liger
 exit "$tests"
