@@ -11,6 +11,7 @@ This module imports no torch: the launcher and a dry run stay instant.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 import re
@@ -294,6 +295,18 @@ class Device(str, Enum, metaclass=Spelled):
     auto = "auto"
     cpu = "cpu"
     cuda = "cuda"
+
+
+class MemoryReport(str, Enum, metaclass=Spelled):
+    peak = "peak"
+    categories = "categories"
+    off = "off"
+
+
+MEMORY_REPORT_BOOLS = {"true": MemoryReport.categories, "false": MemoryReport.off}
+"""train.memory_report was true/false (true measured by category, the old default): both still mean what they did."""
+MEMORY_REPORTS = Accepts("one of peak, categories, off (true: categories, false: off)",
+                         lambda v: isinstance(v, MemoryReport), ("all",))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -700,8 +713,10 @@ class TrainConfig:
     """Compile each decoder layer in place (torch.compile, regional: one graph reused by every layer) for the
     training steps; evaluation and generation run eager. The first step (and each new shape) pays the
     compile time, reported apart as compile_s. CPU: inductor builds C++ with the system compiler."""
-    memory_report: bool = True
-    """Measure memory by category (parameters, gradients, optimizer, activations) over the first 2 steps."""
+    memory_report: str = checked(MEMORY_REPORTS, "peak")
+    """Measure memory over the first 2 steps: peak (the allocator's or the process's high-water mark, no cost), categories
+    (parameters, gradients, optimizer, activations, with PyTorch's MemTracker: those steps run 2-3x slower) or off; printed
+    beside the memory plan."""
     memory_snapshot: bool = False
     """CUDA only: write RUN_DIR/memory_snapshot.pickle of the first steps (open it at pytorch.org/memory_viz)."""
     save_every: int = checked(at_least(0), 0)
@@ -721,6 +736,12 @@ class TrainConfig:
     metrics and summary) are removed first. Without it (or train.resume) such a launch is refused."""
     device: Device = Device.auto
     """auto: cuda when available, else cpu."""
+
+    def __post_init__(self) -> None:
+        # A str field, not an enum: OmegaConf refuses a bool for an enum, and true/false are still accepted (MEMORY_REPORT_BOOLS).
+        word = spelling(str(self.memory_report))
+        with contextlib.suppress(KeyError):
+            self.memory_report = MEMORY_REPORT_BOOLS.get(word) or MemoryReport[word]
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from finetune import checkpoint, compiling, config, dist, engine, evaluate, flops, logs, loop, model, objectives, plan, reference, rundir, startup
-from finetune.config import Config, ConfigError, Logits, PeftConfig, PeftMethod, Precision, Strategy, uses_deepspeed
+from finetune.config import Config, ConfigError, Logits, MemoryReport, PeftConfig, PeftMethod, Precision, Strategy, uses_deepspeed
 from finetune.data import stream
 from finetune.data.batches import TrainBatches
 from finetune.data.pack import pack
@@ -29,7 +29,7 @@ from finetune.engine.common import autocast_dtype
 from finetune.families import router_loss_split, router_loss_under_pp
 from finetune.head import PROBE_TOKENS, ChunkedHead
 from finetune.launcher import ERROR_FILE, LAUNCHER_ENV, RANKS_DIR, deepspeed_config
-from finetune.memory import MemoryProbe
+from finetune.memory import MemoryProbe, PeakProbe
 
 
 PHASE = {"name": "start"}
@@ -245,6 +245,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
     phase("training")
     loop.STOP["defer"] = True  # from here a signal saves a checkpoint at the next step boundary
     log = logs.MetricsLog(run_dir, enabled=d.is_main, tensorboard=cfg.train.tensorboard)
+    predicted = None
     if d.is_main:  # the planner's prediction for this config, beside what the probe measures (python -m finetune.plan)
         predicted = planned(cfg, batches, train_examples)
         if isinstance(predicted, str):
@@ -254,7 +255,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
     try:
         result = loop.train(cfg.train, engine=eng, objective=objective, batches=batches, evals=eval_examples,
                             tokenizer=tokenizer, dist=d, log=log, save=saver(cfg, eng, d, run_dir / "checkpoints", batches),
-                            resume_from=resume_from, probe=probe(cfg, eng, d, run_dir),
+                            resume_from=resume_from, probe=probe(cfg, eng, d, run_dir, predicted),
                             **mfu_inputs(cfg, net, d))
     finally:
         log.close()
@@ -350,23 +351,30 @@ def saver(cfg: Config, eng: Any, d: dist.Dist, root: Path, batches: Any) -> Any:
     return save
 
 
-def probe(cfg: Config, eng: Any, d: dist.Dist, run_dir: Path) -> MemoryProbe | None:
+def probe(cfg: Config, eng: Any, d: dist.Dist, run_dir: Path, planned: dict[str, float] | str | None) -> MemoryProbe | PeakProbe | None:
+    """train.memory_report's probe (finetune.memory): peak (no hooks, the default), categories (MemTracker; and any
+    memory snapshot), or none; `planned`: the plan record, printed beside what is measured."""
     if cfg.train.memory_snapshot and d.device.type != "cuda":
-        raise ConfigError("train.memory_snapshot=true records the CUDA allocator and needs a GPU; on CPU train.memory_report "
-                          "measures memory by category")
-    if not (cfg.train.memory_report or cfg.train.memory_snapshot):
+        raise ConfigError("train.memory_snapshot=true records the CUDA allocator and needs a GPU; on CPU "
+                          "train.memory_report=categories measures memory by category")
+    planned = planned if isinstance(planned, dict) else None
+    if cfg.train.memory_report == MemoryReport.off and not cfg.train.memory_snapshot:
         return None
+    if cfg.train.memory_report == MemoryReport.peak and not cfg.train.memory_snapshot:
+        return PeakProbe(d.device, planned)
     if cfg.train.compile:  # its dispatch mode would run the layers eager, then and in every later step
         if d.is_main:
             print("memory: not measured by category with train.compile=true (MemTracker's dispatch mode keeps dynamo from "
-                  "compiling: the layers would run eager); the memory plan is in the metrics, or measure with train.compile=false")
-        return None
+                  "compiling: the layers would run eager); the peak instead (train.memory_report=peak)")
+        return PeakProbe(d.device, planned)
     targets = eng.memory_targets()
     if targets is None:
         if d.is_main:
-            print("memory: not measured by category under pipeline parallel (MemTracker cannot hook the schedule's backward)")
-        return None
-    return MemoryProbe(*targets, d.device, snapshot=run_dir / "memory_snapshot.pickle" if cfg.train.memory_snapshot else None)
+            print("memory: not measured by category under pipeline parallel (MemTracker cannot hook the schedule's backward); "
+                  "the peak instead (train.memory_report=peak)")
+        return PeakProbe(d.device, planned)
+    return MemoryProbe(*targets, d.device, snapshot=run_dir / "memory_snapshot.pickle" if cfg.train.memory_snapshot else None,
+                       planned=planned)
 
 
 def mfu_inputs(cfg: Config, net: Any, d: dist.Dist) -> dict[str, float | None]:

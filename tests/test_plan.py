@@ -330,7 +330,7 @@ def test_runs_record_the_plan_and_the_report_script_compares(tmp_path):
     from conftest import read_metrics, train_here
 
     for name in ("a", "b"):
-        train_here(["train.max_steps=2", "train.eval_every=0", "train.exact_match_samples=0", "data.eval=null", "data.eval_size=0", f"train.micro_batch_size={4 if name == 'a' else 8}"],
+        train_here(["train.max_steps=2", "train.eval_every=0", "train.exact_match_samples=0", "data.eval=null", "data.eval_size=0", f"train.micro_batch_size={4 if name == 'a' else 8}", "train.memory_report=categories"],
                    tmp_path / "sweep" / name)
     rows = read_metrics(tmp_path / "sweep" / "a")
     planned = next(r for r in rows if r["kind"] == "plan")
