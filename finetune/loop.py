@@ -186,10 +186,12 @@ def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatche
         if cfg.save_every and step % cfg.save_every == 0:
             save(step)
     ahead.close()
+    tic = time.perf_counter()
     after = run_eval(cfg.max_steps, final=True)
     if bar is not None:
         bar.close()
-    return {"before": before, "after": after, "memory": memory, **({"startup": started} if started else {})}
+    ended = {"eval": round(time.perf_counter() - tic, 3)}  # the rest of the time after training: finetune.train.run
+    return {"before": before, "after": after, "memory": memory, **({"startup": started} if started else {}), "after_training": ended}
 
 
 class Ahead:

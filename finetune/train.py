@@ -252,22 +252,27 @@ def run(cfg: Config, d: dist.Dist) -> None:
             print(f"memory plan: not recorded ({predicted})")
         else:
             log.write("plan", 0, predicted)
+    closing: dict[str, float] = {}
     try:
         result = loop.train(cfg.train, engine=eng, objective=objective, batches=batches, evals=eval_examples,
                             tokenizer=tokenizer, dist=d, log=log, save=saver(cfg, eng, d, run_dir / "checkpoints", batches),
                             resume_from=resume_from, probe=probe(cfg, eng, d, run_dir, predicted),
                             **mfu_inputs(cfg, net, d))
     finally:
-        log.close()
-        if cfg.data.streaming:
-            batches.close()
+        with startup.timed(closing, "logs"):  # TensorBoard's last flush
+            log.close()
+            if cfg.data.streaming:
+                batches.close()
     if cfg.data.streaming:  # the counts of the rows the stream read
         stats["train"] = batches.stats
     phase("export")
-    final = run_dir / "final"
-    eng.export(final, tokenizer)
+    ended, final = result["after_training"], run_dir / "final"  # the final evaluation's, from the loop
+    ended |= closing
+    with startup.timed(ended, "export"):
+        eng.export(final, tokenizer)
     if d.is_main and cfg.parallelism.pp > 1 and cfg.train.exact_match_samples:  # stages cannot generate: rank 0 scores final/
-        result["after"]["exact_match"] = evaluate.exact_match_of_export(final, eval_examples, cfg.train, d.device)
+        with startup.timed(ended, "exact match"):
+            result["after"]["exact_match"] = evaluate.exact_match_of_export(final, eval_examples, cfg.train, d.device)
     if d.is_main:
         report(run_dir, final, result, {k: vars(s) for k, s in stats.items()})
     del zero3  # alive until here: transformers consults it while loading, generating and saving
@@ -387,9 +392,11 @@ def mfu_inputs(cfg: Config, net: Any, d: dist.Dist) -> dict[str, float | None]:
 
 
 def report(run_dir: Path, final: Path, result: dict[str, dict[str, float]], stats: dict) -> None:
-    """summary.json, the loss-curve PNG, and the before/after lines a user reads first."""
+    """The loss-curve PNG, summary.json (written last: the launcher times the shutdown from it), and the lines a
+    user reads first: before/after, where the results are, where the seconds after training went."""
+    with startup.timed(result["after_training"], "plot"):
+        logs.plot_loss(run_dir, run_dir / "loss.png")
     (run_dir / "summary.json").write_text(json.dumps({**result, "checkpoint": str(final), "data": stats}, indent=2) + "\n")
-    logs.plot_loss(run_dir, run_dir / "loss.png")
     before, after = result["before"], result["after"]
     print()
     for key, label, fmt in (("eval_loss", "eval_loss", "{:.4f}"), ("eval_rewards/accuracy", "reward_acc", "{:.1%}"),
@@ -402,6 +409,7 @@ def report(run_dir: Path, final: Path, result: dict[str, dict[str, float]], stat
     else:
         print(f"checkpoint   {final}  (AutoModelForCausalLM.from_pretrained / AutoTokenizer.from_pretrained)")
     print(f"metrics      {run_dir / logs.METRICS}, {run_dir / 'tensorboard'}, loss curve {run_dir / 'loss.png'}")
+    print(startup.after_line(result["after_training"]))
 
 
 if __name__ == "__main__":
