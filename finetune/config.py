@@ -20,7 +20,6 @@ from enum import Enum, EnumMeta
 from pathlib import Path
 from typing import Any, Callable
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -810,14 +809,14 @@ def engine_kind(cfg: Config) -> str:
 
 
 def register() -> None:
-    """Store the schemas: `base_config` for the root, `base_<group>` in each group."""
+    """Store the schemas: `base_config` for the root, `base_<group>` in each group. Called by finetune.compose, which
+    composes: a rank only reads its config.yaml and needs no Hydra (its import is ~0.2 s of the rank's start)."""
+    from hydra.core.config_store import ConfigStore
+
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     for group, schema in GROUPS.items():
         cs.store(group=group, name=f"base_{group}", node=schema)
-
-
-register()
 
 
 # ---------------------------------------------------------------------------------------------
