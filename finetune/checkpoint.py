@@ -70,9 +70,9 @@ def trajectory(cfg: Config) -> dict[str, Any]:
 
 
 PATHS = ("data.train", "data.eval", "model.path", "model.tokenizer")
-HOW = ("data.cache", "data.cache_dir", "data.num_proc", "optim.kernel")
-"""How the tokens are made and kept, and how the update runs (optim.kernel: the same update within rounding),
-not what they are: a resume may change them."""
+HOW = ("data.cache", "data.cache_dir", "data.num_proc", "optim.kernel", "model.kernels")
+"""How the tokens are made and kept, and how the update and the layers run (optim.kernel, model.kernels: the same
+math within rounding), not what they are: a resume may change them."""
 ADDED = {"data.streaming": False, "data.shuffle_buffer": None}
 """Settings added after checkpoints were written: left out at their default, which is what those checkpoints ran."""
 

@@ -223,6 +223,12 @@ class LogitsKernel(str, Enum, metaclass=Spelled):
     auto = "auto"
     torch = "torch"
     cce = "cce"
+    liger = "liger"
+
+
+class Kernels(str, Enum, metaclass=Spelled):
+    none = "none"
+    liger = "liger"
 
 
 class PeftMethod(str, Enum, metaclass=Spelled):
@@ -352,6 +358,10 @@ class ModelConfig:
     eager (plain matmuls), or auto: the first of these three that the model's family and the
     device can run (Gemma-2 soft-caps its attention logits: no sdpa); the launch says which and why,
     and a kernel the family cannot run is refused before launch."""
+    kernels: Kernels = Kernels.none
+    """none: the family's own modules; liger: Liger-Kernel's Triton RMSNorm, RoPE and SwiGLU (GeGLU for Gemma) swapped
+    into the loaded model before PEFT and the layout wrap it, the weights and their names unchanged (the `gpu` extra;
+    CUDA only, a family Liger patches, not with parallelism.tp; its fused loss is logits.kernel=liger)."""
     revision: str | None = checked(TEXT, None)
     """Hub revision (branch, tag or commit) for `path` and `tokenizer`."""
     trust_remote_code: bool = False
@@ -397,6 +407,11 @@ class DataConfig:
     """Rows whose prompt leaves no room for a response token: drop (counted) or error."""
     packing: bool = False
     """Train on rows of several samples (up to max_length), each attending only to itself."""
+    padding_free: bool | None = None
+    """Lay each training micro-batch's rows end to end in one row instead of padding them to the longest: no
+    compute on padding, each sample attending only to itself (the same loss). null: on for method=sft wherever
+    it runs (not under pipeline or context parallel, not with one row per micro-batch); true: on, refused where
+    it cannot run; false: padded rows. Evaluation batches are padded either way."""
     cache: bool = True
     """Tokenize once into Arrow files under `cache_dir`, keyed by everything that changes the tokens,
     and memory-map them on every rank (later launches with the same key skip tokenizing); false:
@@ -481,9 +496,10 @@ class LogitsConfig:
     """chunked: labelled tokens per chunk (memory of one chunk: ~(12 + 2 c) x vocab x chunk_tokens bytes)."""
     kernel: LogitsKernel = LogitsKernel.auto
     """chunked: torch (the chunks above, in torch), cce (cut-cross-entropy's fused Triton kernel, the `gpu` extra:
-    the head's matmul and the loss in one, no chunk's logits in memory; CUDA only, exact gradients), or auto: cce
-    where it can run (CUDA, installed, an output layer without a bias), else torch; each rank says
-    which and why."""
+    the head's matmul and the loss in one, no chunk's logits in memory; CUDA only, exact gradients), liger
+    (Liger-Kernel's fused linear cross-entropy, the `gpu` extra: the same fusion, in vocabulary-sized chunks of
+    tokens; CUDA only, an output-layer bias included), or auto: cce where it can run (CUDA, installed, an output
+    layer without a bias), else torch; each rank says which and why."""
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """`logits=chunked`: the loss without the full `[tokens, vocab]` logits.
 
 `logits.kernel=cce` (or auto, where it can run) replaces the chunks with cut-cross-entropy's fused kernel
-(CUDA, the `gpu` extra): the same patch point, the same row sums, no chunk's logits at all.
+(CUDA, the `gpu` extra): the same patch point, the same row sums, no chunk's logits at all. `logits.kernel=liger`
+does the same with Liger-Kernel's fused linear cross-entropy (CUDA, the `gpu` extra): per-token losses
+(reduction="none") of the labelled tokens only, summed per row here as the chunks' are.
 
 The causal LM's own forward still runs (so every engine's hooks, FSDP's root, DeepSpeed's ZeRO-3
 gathers, PEFT and the family's code apply as usual), but its output layer is patched: while the
@@ -21,6 +23,7 @@ one line, never trained on a wrong loss.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from typing import Any, Callable, Iterator
 
 import torch
@@ -61,16 +64,22 @@ def post_ops(model: Any) -> list[PostOp]:
     return ops
 
 
-def fused_blocker(model: Any, device: torch.device) -> str | None:
-    """Why cut-cross-entropy's fused kernel cannot compute this model's loss on `device`, or None."""
+FUSED = {LogitsKernel.cce: ("cut_cross_entropy", "cut-cross-entropy"), LogitsKernel.liger: ("liger_kernel", "Liger")}
+"""The fused kernels of logits=chunked: (module, the words a reason names it by)."""
+
+
+def fused_blocker(model: Any, device: torch.device, kernel: LogitsKernel = LogitsKernel.cce) -> str | None:
+    """Why `kernel` (cce or liger) cannot compute this model's loss on `device`, or None."""
+    module, words = FUSED[kernel]
     if device.type != "cuda":
-        return f"this rank runs on {device.type}, and cut-cross-entropy's kernels are Triton, CUDA only"
+        return f"this rank runs on {device.type}, and {words}'s kernels are Triton, CUDA only"
     try:
-        import cut_cross_entropy  # noqa: F401
+        importlib.import_module(module)
     except ImportError as e:
-        return f"cut-cross-entropy is not installed ({e}): pip install 'finetune[gpu]'"
+        package = "cut-cross-entropy" if kernel == LogitsKernel.cce else "liger-kernel"
+        return f"{package} is not installed ({e}): pip install 'finetune[gpu]'"
     head = model.get_output_embeddings()
-    if getattr(head, "bias", None) is not None:
+    if getattr(head, "bias", None) is not None and kernel == LogitsKernel.cce:  # Liger's takes the bias
         return f"{model.config.model_type}'s output layer has a bias, which the kernel does not add"
     factor, cap = scale_and_cap(model.config)
     if cap and factor != 1.0:
@@ -79,10 +88,15 @@ def fused_blocker(model: Any, device: torch.device) -> str | None:
 
 
 def choose_kernel(kernel: LogitsKernel, model: Any, device: torch.device) -> tuple[LogitsKernel, str]:
-    """(the kernel logits=chunked runs here, why): logits.kernel=auto takes cce where it can run; cce is refused
-    where it cannot, with the reason."""
+    """(the kernel logits=chunked runs here, why): logits.kernel=auto takes cce where it can run; cce and liger are
+    refused where they cannot, with the reason."""
     if kernel == LogitsKernel.torch:
         return kernel, "logits.kernel=torch"
+    if kernel == LogitsKernel.liger:
+        blocker = fused_blocker(model, device, kernel)
+        if blocker is not None:
+            raise ConfigError(f"logits.kernel=liger: {blocker}: use logits.kernel=torch (or auto)")
+        return kernel, "logits.kernel=liger: Liger's fused linear cross-entropy"
     blocker = fused_blocker(model, device)
     if blocker is None:
         return LogitsKernel.cce, f"logits.kernel={kernel.value}: cut-cross-entropy's fused kernel"
@@ -150,7 +164,7 @@ class ChunkedHead:
         keep = targets != IGNORE
         rows = keep.nonzero()[:, 0]
         selected, wanted = hidden[:, : labels.shape[1] - 1][keep], targets[keep]  # (objectives.predicting)
-        if self.kernel == LogitsKernel.cce:
+        if self.kernel in FUSED:
             logps = [self._fused(selected, wanted)] if selected.shape[0] else []
         else:
             logps = [checkpoint(self._chunk, selected[i:i + self.chunk_tokens], wanted[i:i + self.chunk_tokens], use_reentrant=False)
@@ -171,15 +185,26 @@ class ChunkedHead:
         return -F.cross_entropy(self.logits(hidden).float(), targets, reduction="none")
 
     def _fused(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Every labelled token's log-prob from cut-cross-entropy's kernel: the output layer's matmul and the
-        log-softmax in one, blockwise over the vocabulary; no gradient filtering (filter_eps=None: the same
-        gradients as the unfused loss). Both operands in the autocast dtype, as the head would compute in."""
+        """Every labelled token's log-prob from the fused kernel: the output layer's matmul and the log-softmax in
+        one, blockwise, never the whole logits. Both operands in the autocast dtype, as the head would compute in;
+        a logit factor folds into W (and the bias), the soft cap goes to the kernel."""
+        weight, bias = self.head.weight, getattr(self.head, "bias", None)
+        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else weight.dtype
+        if self.factor != 1.0:
+            weight, bias = weight * self.factor, None if bias is None else bias * self.factor
+        weight, hidden = weight.to(dtype), hidden.to(dtype)
+        if self.kernel == LogitsKernel.liger:
+            from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+            # reduction="none": per-token losses, whose backward folds each token's incoming gradient in (liger-kernel
+            # 0.8.2 and later); the weight's gradient summed over the token chunks in fp32
+            nll = liger_fused_linear_cross_entropy(hidden, weight, targets, bias=None if bias is None else bias.to(dtype),
+                                                   reduction="none", softcap=self.cap, accum_dtype=torch.float32)
+            return -nll.float()
         from cut_cross_entropy import linear_cross_entropy
 
-        weight = self.head.weight
-        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else weight.dtype
-        weight = weight.to(dtype) if self.factor == 1.0 else (weight * self.factor).to(dtype)  # a factor folds into W
-        nll = linear_cross_entropy(hidden.to(dtype), weight, targets, softcap=self.cap, reduction="none", filter_eps=None)
+        # no gradient filtering (filter_eps=None: the same gradients as the unfused loss)
+        nll = linear_cross_entropy(hidden, weight, targets, softcap=self.cap, reduction="none", filter_eps=None)
         return -nll.float()
 
     def probe(self, model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -60,6 +60,7 @@ from finetune.config import (
 )
 from finetune.disk import config_source, flash_unavailable, local_config
 from finetune.families import COUNTED, Arch, Block, Linear, adapted, arch_from_config, lora_params, pick_attention, targeted
+from finetune.rules import several_per_row
 
 GIB = 2**30
 
@@ -568,6 +569,11 @@ def activation_bytes(arch: Arch, cfg: Config, layers: int, in_flight: int, seq: 
         moment = chunk * (12 * v + (d.compute * v if d.autocast else 0) + 8)
         if cfg.logits.kernel == LogitsKernel.cce:  # fused (logits.kernel=auto counts the torch chunks it may fall back to)
             moment = (labelled or tokens) * 16  # per token: its log-sum-exp, loss and their gradients; no vocabulary-wide buffer
+        elif cfg.logits.kernel == LogitsKernel.liger:  # Liger's, by its source (not measured: no GPU here): in backward one
+            # chunk of logits about the size of the tokens' hidden states (compute dtype, and its gradient in place), the
+            # hidden states' gradient, and the output layer's gradient summed over the chunks in fp32 (accum_dtype)
+            n = labelled or tokens
+            moment = n * 16 + n * arch.hidden_size * 2 * d.compute + 4 * v * arch.hidden_size
         return Activations(stored=earlier + sum(kept) + head_bytes(arch, cfg, tokens), loss=moment, logits_grad=moment,
                            blocks=earlier + blocks,
                            filled=earlier + filled + head_grads, cpu=offloaded)
@@ -703,6 +709,8 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
                      "of the same linears, not measured for it")
 
     notes.append("attention: %s (%s)" % attention_kernel(arch, cfg))
+    if several_per_row(cfg):  # finetune.varlen, or flash-attn's variable-length kernel
+        notes.append(f"rows: {several_per_row(cfg)}, each sample attended alone (no mask over the whole row)")
     notes += moe_notes(arch, cfg)
 
     # model states of the trainable parameters, then the frozen base (weights only)
@@ -786,8 +794,9 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
         notes.append(f"context parallel: {tokens // rows} of each row's {seq} tokens on each of {p.cp} ranks; attention over all "
                      f"{seq} for 1/{p.cp} of the heads (the score terms stay per token x {seq}); one block's all-to-all "
                      "buffers added")
-    # padding (rows of different lengths) or packed samples: sdpa gets a mask (context parallel's own: packed rows only)
-    masked = cfg.data.packing or (rows > 1 and p.cp == 1)
+    # padding (rows of different lengths) or packed samples: sdpa gets a mask (context parallel's own: packed rows only),
+    # unless each sample is attended alone (finetune.varlen: packed rows and padding-free micro-batches)
+    masked = not several_per_row(cfg) and (cfg.data.packing or (rows > 1 and p.cp == 1))
     layers = math.ceil(arch.num_hidden_layers / p.pp)
     micro_batches = max(1, cfg.grad_accum_steps)
     in_flight = 1 if p.pp == 1 else (micro_batches if p.pp_schedule == PipeSchedule.gpipe else min(p.pp, micro_batches))

@@ -20,6 +20,7 @@ from finetune.config import (
     DataFormat,
     Device,
     DpoLoss,
+    Kernels,
     LauncherConfig,
     LauncherName,
     Logits,
@@ -42,6 +43,7 @@ from finetune.config import (
     engine_kind,
     launcher_for,
 )
+from finetune import liger
 from finetune.data.sources import sources
 from finetune.disk import attention, config_source, config_value, local_config, model_config
 from finetune.families import (COUNTED, FAMILIES, adapted_outside_linears, arch_from_config, arch_targets, dora_experts,
@@ -142,6 +144,7 @@ def validate(cfg: Config) -> None:
     _validate_in_backward(cfg)
     _validate_strategies(cfg)
     _validate_method(cfg)
+    padding_free(cfg)
     if t.exact_match_samples and cfg.data.eval is None and cfg.data.eval_size == 0:
         raise ConfigError("train.exact_match_samples needs an eval set: set data.eval or data.eval_size")
 
@@ -277,6 +280,7 @@ def _validate_strategies(cfg: Config) -> None:
         raise ConfigError("logits.kernel=cce with train.device=cpu: cut-cross-entropy's kernels are Triton, CUDA only: use "
                           "logits.kernel=torch (or auto) on CPU")
     arch = model_config(cfg.model)
+    _validate_liger(cfg, arch)
     if cfg.parallelism.pp > 1 and arch is not None and arch.get("output_router_logits") is True:
         raise ConfigError(router_loss_under_pp(cfg.parallelism.pp))
     if peft.name != PeftMethod.none and arch is not None:
@@ -296,6 +300,29 @@ def _validate_strategies(cfg: Config) -> None:
             "peft=qlora under zero=stage3 stores the 4-bit weights in the compute dtype so DeepSpeed can shard them: "
             "use precision=bf16 or fp16"
         )
+
+
+def _validate_liger(cfg: Config, arch: dict[str, Any] | None) -> None:
+    """model.kernels=liger and logits.kernel=liger (finetune/liger.py): CUDA, the package, a family Liger patches, no
+    tensor parallel. The ranks check the device and the family again (train.device=auto, a hub id's config)."""
+    wanted = [(key, instead) for key, instead, on in (
+        ("model.kernels=liger", "model.kernels=none", cfg.model.kernels == Kernels.liger),
+        ("logits.kernel=liger", "logits.kernel=torch (or auto)", cfg.logits.kernel == LogitsKernel.liger)) if on]
+    for key, instead in wanted:
+        if cfg.train.device == Device.cpu:
+            raise ConfigError(f"{key} with train.device=cpu: {liger.CUDA_ONLY}: use {instead} on CPU")
+        if not liger.installed():
+            raise ConfigError(liger.not_installed(key, instead))
+    if cfg.model.kernels != Kernels.liger:
+        return
+    supported, model_type = liger.families(), (arch or {}).get("model_type")
+    if supported is not None and model_type and model_type not in supported:
+        raise ConfigError(liger.unsupported(str(model_type), supported))
+    if cfg.parallelism.tp > 1:
+        raise ConfigError(f"model.kernels=liger with parallelism.tp={cfg.parallelism.tp}: Liger's Triton kernels take plain "
+                          "tensors, and under tensor parallel some layers see DTensor shards (transformers' styles for experts "
+                          "and gathered outputs); the pairing was never run: use model.kernels=liger with parallelism=fsdp, ddp "
+                          "or pp, or model.kernels=none with tp")
 
 
 def _validate_targets(arch: dict[str, Any], targets: list[str]) -> None:
@@ -338,6 +365,32 @@ def _validate_streaming(cfg: Config) -> None:
     if m.name == Method.dpo and m.loss != DpoLoss.simpo and m.reference == Reference.precomputed:
         raise ConfigError("method.reference=precomputed scores every train pair before training, which a stream cannot "
                           "(data.streaming=true): use method.reference=live (or adapter_disabled with peft), or data.streaming=false")
+
+
+def padding_free(cfg: Config) -> tuple[bool, str]:
+    """(whether the training micro-batches are padding-free, why): data.padding_free, null resolved."""
+    asked = cfg.data.padding_free
+    p = cfg.parallelism
+    why_not = ("method=dpo scores chosen and rejected as rows of their own" if cfg.method.name == Method.dpo else
+               f"parallelism.pp={p.pp} sends every micro-batch through the stages at one shape (data.max_length)" if p.pp > 1 else
+               f"parallelism.cp={p.cp} splits each row's tokens over ranks and masks the whole row" if p.cp > 1 else None)
+    if asked is False:
+        return False, "data.padding_free=false"
+    if why_not is not None:
+        if asked:
+            raise ConfigError(f"data.padding_free=true cannot run here: {why_not}: set data.padding_free=false (or null)")
+        return False, f"padded: {why_not}"
+    if asked is None and cfg.train.micro_batch_size == 1:
+        return False, "padded: one row per micro-batch has no padding"
+    return True, "data.padding_free=true" if asked else "auto"
+
+
+def several_per_row(cfg: Config) -> str:
+    """What lays several samples in a training row, each attended alone (finetune.varlen; "" when nothing does):
+    packing, padding-free micro-batches. Under pipeline or context parallel the rows keep transformers' mask."""
+    if cfg.parallelism.pp > 1 or cfg.parallelism.cp > 1:
+        return ""
+    return " and ".join(w for w, on in (("packed rows", cfg.data.packing), ("padding-free micro-batches", padding_free(cfg)[0])) if on)
 
 
 def _validate_method(cfg: Config) -> None:

@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-from finetune import checkpoint, compiling, config, dist, engine, evaluate, flops, logs, loop, model, objectives, plan, reference, rundir, startup
-from finetune.config import Config, ConfigError, Logits, MemoryReport, PeftConfig, PeftMethod, Precision, Strategy, uses_deepspeed
+from finetune import (checkpoint, compiling, config, dist, engine, evaluate, flops, liger, logs, loop, model, objectives, plan, reference,
+                      rules, rundir, startup, varlen)
+from finetune.config import Config, ConfigError, Kernels, Logits, MemoryReport, PeftConfig, PeftMethod, Precision, Strategy, uses_deepspeed
 from finetune.data import stream
 from finetune.data.batches import TrainBatches
 from finetune.data.pack import pack
@@ -191,18 +192,29 @@ def run(cfg: Config, d: dist.Dist) -> None:
     attention, attention_why = model.resolve_attention(cfg.model, cfg.precision.name, d.device)
 
     def load(peft: PeftConfig) -> torch.nn.Module:
-        return model.load_model(cfg.model, tokenizer, attention=attention, peft=peft,
-                                compute_dtype=autocast_dtype(cfg.precision.name) or torch.float32, zero3=cfg.zero.stage == 3,
-                                run_dir=run_dir, is_main=d.is_main, barrier=d.barrier,
-                                dtype=torch.bfloat16 if cfg.precision.name == Precision.bf16_pure else torch.float32,
-                                fsdp=cfg.parallelism.strategy == Strategy.fsdp)
+        loaded = model.load_model(cfg.model, tokenizer, attention=attention, peft=peft,
+                                  compute_dtype=autocast_dtype(cfg.precision.name) or torch.float32, zero3=cfg.zero.stage == 3,
+                                  run_dir=run_dir, is_main=d.is_main, barrier=d.barrier,
+                                  dtype=torch.bfloat16 if cfg.precision.name == Precision.bf16_pure else torch.float32,
+                                  fsdp=cfg.parallelism.strategy == Strategy.fsdp)
+        if cfg.model.kernels == Kernels.liger:  # before PEFT and the layout wrap it (DPO's live reference too)
+            liger.apply(loaded, d.device)
+        return loaded
 
     loaded = load(cfg.peft)
+    if cfg.model.kernels == Kernels.liger and d.is_main:
+        print(liger.describe(loaded))
     if getattr(loaded.config, "output_router_logits", False):  # a hub config the launcher could not read
         if cfg.parallelism.pp > 1:
             raise ConfigError(router_loss_under_pp(cfg.parallelism.pp))
         if cfg.parallelism.cp > 1:
             raise ConfigError(router_loss_split(f"parallelism.cp={cfg.parallelism.cp}"))
+    several = rules.several_per_row(cfg)
+    if several and attention in varlen.KERNELS:  # rows of several samples, attended one sample at a time
+        varlen.Varlen(loaded)
+        attention_why += f"; {several}: {attention} per sample (finetune.varlen)"
+    elif several:
+        attention_why += f"; {several}: its variable-length kernel"
     phase("peft" if cfg.peft.name != PeftMethod.none else "model")
     net = model.apply_strategies(loaded, checkpointing=cfg.checkpointing, peft=cfg.peft)
     if d.is_main:
@@ -318,7 +330,8 @@ def make_batches(cfg: Config, examples: Any, eng: Any, pad_id: int, resume_from:
     (whose DataLoader worker starts reading now, where the checkpoint says when resuming)."""
     shape = {"global_batch": cfg.train.global_batch_size, "micro_batch": cfg.train.micro_batch_size, "dp_rank": eng.dp_rank,
              "dp_size": eng.dp_size, "pad_id": pad_id,
-             "pad_to": cfg.data.max_length if cfg.parallelism.pp > 1 else None}  # a pipeline needs one shape
+             "pad_to": cfg.data.max_length if cfg.parallelism.pp > 1 else None,  # a pipeline needs one shape
+             "flat": rules.padding_free(cfg)[0]}
     if cfg.data.streaming:
         return stream.StreamBatches(examples, **shape, resume_from=resume_from)
     return TrainBatches(examples, **shape, seed=cfg.train.seed)
@@ -333,7 +346,8 @@ def planned(cfg: Config, batches: Any, examples: Any) -> dict[str, float] | str:
     if cfg.data.streaming:
         return plan.record(cfg, plan.Longest(None, STREAMED))
     measured = [mb for step in range(loop.MEMORY_STEPS) for mb in batches.micro_batches(step)]
-    widest = max(mb["input_ids"].shape[1] for mb in measured)
+    per_row = cfg.train.micro_batch_size if batches.flat else 1  # a padding-free micro-batch: its tokens per row it holds
+    widest = max(-(-mb["input_ids"].shape[1] // per_row) for mb in measured)
     labelled = max(int((mb["labels"][:, 1:] != IGNORE).sum()) for mb in measured)
     predicted = plan.record(cfg, plan.Longest(widest, f"the widest micro-batch of the first {loop.MEMORY_STEPS} steps, which "
                                                       "the memory probe measures", labelled))

@@ -29,6 +29,7 @@ STRATEGIES: dict[str, list[str]] = {
     "fp32 baseline": SINGLE,
     "bf16 autocast": [*SINGLE, "precision=bf16"],
     "bf16 + compile": [*SINGLE, "precision=bf16", "train.compile=true"],  # no memory by category: the probe is off with it
+    "bf16 + compile + Liger": [*SINGLE, "precision=bf16", "train.compile=true", "model.kernels=liger"],  # CUDA, the gpu extra
     "full checkpointing": [*SINGLE, "checkpointing=full"],
     "selective checkpointing (every 2nd)": [*SINGLE, "checkpointing=selective"],
     "packing": [*SINGLE, "data.packing=true"],
@@ -39,6 +40,9 @@ STRATEGIES: dict[str, list[str]] = {
     "ZeRO-2 x2": ["zero=stage2", "launcher.nproc_per_node=2", "zero.reduce_bucket_size=5000000", "zero.allgather_bucket_size=5000000"],
     "ZeRO-3 + CPU offload x2": ["zero=stage3_offload", "launcher.nproc_per_node=2", "zero.reduce_bucket_size=5000000"],
 }
+
+CUDA_ONLY = {"bf16 + compile + Liger"}
+"""Rows whose kernels run on CUDA only: left out of the default set unless the runs are on CUDA (train.device=cuda)."""
 
 REALISTIC = ["model.init.vocab_size=32000", "model.init.max_position_embeddings=1024", "data.max_length=1024", "data.packing=true", "train.micro_batch_size=2",
              "train.global_batch_size=2", *SINGLE]
@@ -132,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-runs", type=int, default=5, help="how many dry runs to time (0: none)")
     args = parser.parse_args(argv)
     every = {**STRATEGIES, **VOCAB}
-    names = args.only or list(every)
+    cuda = "train.device=cuda" in args.extra
+    names = args.only or [n for n in every if cuda or n not in CUDA_ONLY]
     unknown = [n for n in names if n not in every]
     if unknown:
         print(f"error: unknown strategy {unknown[0]!r}; known: {', '.join(every)}", file=sys.stderr)

@@ -3,6 +3,7 @@
     python scripts/benchmark_peers.py                    # ours, HF Trainer, TRL; padded and packed; 30 steps x 2 repeats
     python scripts/benchmark_peers.py --peers hf         # without TRL (pip install -e ".[bench]" adds it)
     python scripts/benchmark_peers.py --steps 5 --rows 300 --repeats 1 --modes padded
+    python scripts/benchmark_peers.py --ours-extra train.compile=true   # our runs compiled
 
 The job: the quickstart's tiny Llama widened to --hidden 256 x --layers 4 (random init, fp32, sdpa attention),
 --rows 3,000 synthetic alpaca rows (the shipped character-level tokenizer: 34 to 470 tokens a row, 239 on average,
@@ -14,7 +15,9 @@ What every framework gets alike, and how:
   any run, so our runs start from a warm cache as any second launch does); prompt tokens are labelled -100;
 - the batches: our order is a function of the seed (finetune.data.batches.TrainBatches). The peers get a dataset
   of exactly those rows in that order, read by a SequentialSampler (Trainer._get_train_sampler overridden), so their
-  micro-batch i is rows [8i, 8i + 8), padded on the right to the longest row, as ours;
+  micro-batch i is rows [8i, 8i + 8), padded on the right to the longest row. Ours, as a user runs it, lays those rows
+  end to end in one row instead (data.padding_free's default: no compute on padding, each row attending only to
+  itself, the same loss); "ours, data.padding_free=false" pads them as the peers do (--no-ours-padded leaves it out);
 - packed: our first-fit rows (data.packing=true: each sample attends only to itself, through position ids that
   restart at 0 for every sample, a block-diagonal causal mask under sdpa). TRL trains those rows padding-free, as
   its packing=True trains: its collator flattens a micro-batch into one sequence whose position ids come from each
@@ -66,8 +69,11 @@ import time
 from pathlib import Path
 
 LR, BETAS, EPS, MAX_GRAD_NORM, SEED = 1e-3, (0.9, 0.999), 1e-8, 1.0, 42
-NAMES = {"ours": "ours (finetune)", "hf": "transformers Trainer", "trl": "TRL SFTTrainer"}
-RUNS = [("ours", "padded"), ("hf", "padded"), ("trl", "padded"), ("ours", "packed"), ("trl", "packed")]
+NAMES = {"ours": "ours (finetune)", "ours_padded": "ours, data.padding_free=false", "hf": "transformers Trainer",
+         "trl": "TRL SFTTrainer"}
+RUNS = [("ours", "padded"), ("ours_padded", "padded"), ("hf", "padded"), ("trl", "padded"), ("ours", "packed"), ("trl", "packed")]
+"""ours: as a user runs it (padded mode: data.padding_free's default lays each micro-batch's rows end to end, no
+compute on padding); ours_padded: the rows padded to the longest, as the peers pad them (the same maths as theirs)."""
 STEADY_AFTER = 3  # steps left out of the steady state: warm-up (allocator, first optimizer step)
 BUSY = 0.25  # others' load (cores) above which a run is noted as measured on a busy machine
 TOKENS_TOL = 0.01  # non-pad tokens per step: every run within 1% of the prepared batches
@@ -92,15 +98,18 @@ def make_rows(n: int, max_length: int, seed: int = 0) -> list[dict]:
 
 def model_overrides(args: argparse.Namespace) -> list[str]:
     return ["+recipe=quickstart_sft", f"model.init.hidden_size={args.hidden}", f"model.init.intermediate_size={3 * args.hidden}",
-            f"model.init.num_hidden_layers={args.layers}", f"model.init.max_position_embeddings={args.max_length}"]
+            f"model.init.num_hidden_layers={args.layers}", f"model.init.max_position_embeddings={args.max_length}",
+            *([f"model.init.vocab_size={args.vocab}"] if args.vocab else []),
+            *([f"model.init.num_attention_heads={args.heads}", f"model.init.num_key_value_heads={args.heads}"] if args.heads else [])]
 
 
-def ours_overrides(args: argparse.Namespace, root: Path, mode: str) -> list[str]:
+def ours_overrides(args: argparse.Namespace, root: Path, mode: str, framework: str = "ours") -> list[str]:
     """Our run's overrides (without hydra.run.dir): the quickstart recipe on one process, the prepared weights and rows."""
-    return ["+recipe=quickstart_sft", "model=pretrained", f"model.path={root / 'weights'}", "model.attn_implementation=sdpa",
+    return [*(["data.padding_free=false"] if framework == "ours_padded" else []), *args.ours_extra, "+recipe=quickstart_sft", "model=pretrained", f"model.path={root / 'weights'}", f"model.attn_implementation={args.attn}",
             "data=jsonl", f"data.train={root / 'rows.jsonl'}", "data.format=alpaca", f"data.max_length={args.max_length}",
             f"data.cache_dir={root / 'tokens'}", f"data.packing={str(mode == 'packed').lower()}",
-            "parallelism=single", "launcher.nproc_per_node=1", f"launcher.omp_num_threads={args.threads}", "precision=fp32",
+            "parallelism=single", "launcher.nproc_per_node=1", f"launcher.omp_num_threads={args.threads}", f"precision={args.precision}",
+            f"train.device={args.device}",
             "optim=adamw", f"optim.lr={LR}", f"optim.betas=[{BETAS[0]},{BETAS[1]}]", f"optim.eps={EPS}", "optim.weight_decay=0",
             "optim.scheduler=constant", "optim.warmup_steps=0", f"optim.max_grad_norm={MAX_GRAD_NORM}", "optim.kernel=fused",
             f"train.max_steps={args.steps}", f"train.micro_batch_size={args.micro_batch}",
@@ -156,13 +165,14 @@ def run(framework: str, mode: str, repeat: int, args: argparse.Namespace, root: 
     """One run in its own process: its step lines, time to the first step, wall time and peak RSS (or its error)."""
     out = root / f"{framework}_{mode}_{repeat}"
     out.mkdir()
-    if framework == "ours":
-        cmd = [sys.executable, "-m", "finetune.launch", *ours_overrides(args, root, mode), f"hydra.run.dir={out}"]
+    if framework.startswith("ours"):
+        cmd = [sys.executable, "-m", "finetune.launch", *ours_overrides(args, root, mode, framework), f"hydra.run.dir={out}"]
         steps_file = out / "metrics.jsonl"
     else:
         spec = {"framework": framework, "mode": mode, "weights": str(root / "weights"), "data": str(root / f"peer_{mode}"),
                 "out": str(out), "threads": args.threads, "steps": args.steps, "micro_batch": args.micro_batch,
-                "accum": args.accum, "max_length": args.max_length}
+                "accum": args.accum, "max_length": args.max_length, "device": args.device, "precision": args.precision,
+                "attn": args.attn}
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
         steps_file = out / "steps.jsonl"
     first = None
@@ -194,7 +204,7 @@ def run(framework: str, mode: str, repeat: int, args: argparse.Namespace, root: 
     if proc.returncode != 0 or len(lines) != args.steps:
         tail = [line for line in (out / "stderr.log").read_text().splitlines() if line.strip()] or ["?"]
         return {**result, "error": f"exit {proc.returncode}, {len(lines)} of {args.steps} steps: {tail[-1][:200]}"}
-    if framework == "ours":  # tokens_per_s counts non-pad tokens over the step's train_step
+    if framework.startswith("ours"):  # tokens_per_s counts non-pad tokens over the step's train_step
         lines = [{"step": r["step"], "elapsed_s": r["elapsed_s"], "tokens": round(r["tokens_per_s"] * r["step_s"]),
                   "loss": r["loss"]} for r in lines]
     return {**result, "steps": lines}
@@ -245,14 +255,15 @@ def peer(spec: dict) -> int:
 
     out = Path(spec["out"])
     packed = spec["mode"] == "packed"
-    net = AutoModelForCausalLM.from_pretrained(spec["weights"], attn_implementation="sdpa", dtype=torch.float32)
+    net = AutoModelForCausalLM.from_pretrained(spec["weights"], attn_implementation=spec["attn"], dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(spec["weights"])
     data = load_from_disk(spec["data"])
     common = {"output_dir": str(out), "max_steps": spec["steps"], "per_device_train_batch_size": spec["micro_batch"],
               "gradient_accumulation_steps": spec["accum"], "learning_rate": LR, "lr_scheduler_type": "constant",
               "warmup_steps": 0, "weight_decay": 0.0, "adam_beta1": BETAS[0], "adam_beta2": BETAS[1], "adam_epsilon": EPS,
-              "max_grad_norm": MAX_GRAD_NORM, "optim": "adamw_torch_fused", "seed": SEED, "bf16": False, "fp16": False,
-              "use_cpu": True, "dataloader_num_workers": 0, "logging_steps": 1,
+              "max_grad_norm": MAX_GRAD_NORM, "optim": "adamw_torch_fused", "seed": SEED,
+              "bf16": spec["precision"] == "bf16", "fp16": False, "use_cpu": spec["device"] == "cpu", "dataloader_num_workers": 0,
+              "logging_steps": 1,
               "save_strategy": "no", "report_to": "none", "disable_tqdm": True}
     if spec["framework"] == "hf":
         from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
@@ -384,7 +395,7 @@ def report(runs: list[dict], expected: dict[str, list[int]], args: argparse.Name
     """The Markdown the script writes: a caption, the table, the fairness section; and whether it passed."""
     fair, ok = fairness_text(fairness(runs, expected), args.loss_tol)
     failed = [r for r in runs if "error" in r]
-    caption = (f"Tiny Llama (hidden {args.hidden}, {args.layers} layers, fp32, sdpa), {args.rows:,} synthetic alpaca rows of at "
+    caption = (f"Llama (random init, hidden {args.hidden}, {args.layers} layers, {args.precision}, {args.attn}, on {args.device}), {args.rows:,} synthetic alpaca rows of at "
                f"most {args.max_length} tokens, micro batch {args.micro_batch} x accumulation {args.accum}, {args.steps} steps, "
                f"{args.threads} threads, {os.cpu_count()} CPU cores; {args.repeats} repeat(s), each run a fresh process, the order "
                f"reversed every other repeat. tokens/s: non-pad tokens, median over the steps after step {STEADY_AFTER}; others' "
@@ -392,7 +403,7 @@ def report(runs: list[dict], expected: dict[str, list[int]], args: argparse.Name
                "of the repeats (a busy machine only slows a run): step ms, the same median; first step: process start to the end "
                "of the first optimizer step (imports, model, data, setup); wall: the whole process, final save included; peak "
                "RSS: the largest process (ours: the rank, not its launcher), the largest of the repeats. Ours with "
-               "train.memory_report=false; TRL with bf16 and gradient checkpointing off; packed: our first-fit rows, TRL "
+               "train.memory_report=false; TRL with gradient checkpointing off; packed: our first-fit rows, TRL "
                "padding-free.\n\n")
     text = caption + table(runs) + "\nFairness: the same token ids, labels, batches, initial weights and schedule.\n\n" + fair
     busiest = max((r["others"] for r in runs if r.get("others") is not None), default=0.0)
@@ -417,11 +428,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--accum", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--loss-tol", type=float, default=1e-3, help="largest |loss - ours| at any step (default 1e-3)")
+    parser.add_argument("--loss-tol", type=float, help="largest |loss - ours| at any step (default 1e-3; bf16: 5e-2)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast in every framework")
+    parser.add_argument("--attn", default="sdpa", choices=["sdpa", "flash_attention_2"], help="every framework's attention")
+    parser.add_argument("--vocab", type=int, help="the model's vocabulary (default: the shipped tokenizer's)")
+    parser.add_argument("--heads", type=int, help="attention heads (default: the quickstart's)")
     parser.add_argument("--out", type=Path, default=Path("benchmark_peers.md"))
     parser.add_argument("--keep", type=Path, help="keep the prepared data and every run's directory here")
+    parser.add_argument("--ours-extra", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="more overrides for our runs (e.g. train.compile=true)")
+    parser.add_argument("--no-ours-padded", dest="ours_padded", action="store_false",
+                        help="leave out our run with data.padding_free=false (padded rows, as the peers pad them)")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # a peer's run, started by this script
     args = parser.parse_args(argv)
+    if args.loss_tol is None:
+        args.loss_tol = 5e-2 if args.precision == "bf16" else 1e-3
     if args.child:
         return peer(json.loads(args.child))
     peers = [p for p in args.peers.split(",") if p]
@@ -435,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.keep and args.keep.exists() and any(args.keep.iterdir()):
         print(f"error: --keep {args.keep}: not empty (the runs write their directories there): name a new directory", file=sys.stderr)
         return 2
-    jobs = [(f, m) for f, m in RUNS if (f == "ours" or f in peers) and m in args.modes]
+    jobs = [(f, m) for f, m in RUNS if (f == "ours" or f in peers or (f == "ours_padded" and args.ours_padded)) and m in args.modes]
     signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))  # unwinds through run(): its process group ends
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # everything is local: no hub lookups in anyone's timing

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU, one command: every GPU-marked test, then the benchmark at a 1B-class
 # Llama shape (random init, bf16, packed 2,048-token rows) for the strategies that matter on a GPU.
-# Writes OUT_DIR/{device.txt,tests.txt,benchmark.md} (default gpu_check/) and prints them.
+# Writes OUT_DIR/{device.txt,tests.txt,benchmark.md,varlen.md,peers.md,peers_compiled.md} (default gpu_check/) and prints them.
 #   bash scripts/gpu_check.sh [OUT_DIR]
-# Needs the gpu extra for the flash-attn and fused-kernel rows: pip install -e ".[test,gpu]".
+# Needs the gpu extra for the flash-attn, fused-kernel and Liger rows: pip install -e ".[test,gpu]".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-gpu_check}
@@ -25,6 +25,17 @@ LLAMA_1B=(model.init.hidden_size=2048 model.init.num_hidden_layers=16 model.init
           model.init.max_position_embeddings=4096 data.max_length=2048 data.packing=true
           train.micro_batch_size=4 train.global_batch_size=4 train.device=cuda hardware=h100_80g)
 "$PY" scripts/benchmark.py --steps 30 --out "$OUT/benchmark.md" --dry-runs 0 \
-  --only "bf16 autocast" "bf16 + compile" "full checkpointing" "LoRA r=16" "QLoRA r=16 (NF4)" --extra "${LLAMA_1B[@]}"
+  --only "bf16 autocast" "bf16 + compile" "bf16 + compile + Liger" "full checkpointing" "LoRA r=16" "QLoRA r=16 (NF4)" --extra "${LLAMA_1B[@]}"
 cat "$OUT/benchmark.md"
+# 3. Rows of several samples at 1k, 4k and 8k tokens: transformers' mask against attention per sample (sdpa) and
+#    flash-attn's variable-length kernel, at the 1B shape's width (4 layers).
+"$PY" scripts/benchmark_varlen.py --device cuda --dtype bf16 --kernels sdpa flash_attention_2 --hidden 2048 --layers 4 \
+  | tee "$OUT/varlen.md"
+# 4. The same 1B-class SFT job through ours, transformers' Trainer and TRL on this GPU (bf16, flash-attn; padded and
+#    packed), then ours compiled with Liger's kernels beside the Trainer. Needs the bench extra (TRL).
+PEERS=(--device cuda --precision bf16 --attn flash_attention_2 --hidden 2048 --layers 16 --heads 32 --vocab 128256
+       --max-length 2048 --micro-batch 4 --accum 1 --steps 30 --repeats 1 --threads 8)
+"$PY" scripts/benchmark_peers.py "${PEERS[@]}" --ours-extra hardware=h100_80g --out "$OUT/peers.md"
+"$PY" scripts/benchmark_peers.py "${PEERS[@]}" --peers hf --no-ours-padded --out "$OUT/peers_compiled.md" \
+  --ours-extra hardware=h100_80g train.compile=true model.kernels=liger logits=chunked logits.kernel=liger
 exit "$tests"

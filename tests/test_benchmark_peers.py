@@ -77,7 +77,7 @@ def test_fairness_passes_on_identical_batches_and_fails_beyond_one_percent():
 
 
 def test_a_failed_run_fails_the_report(tmp_path):
-    args = argparse.Namespace(loss_tol=1e-3, hidden=64, layers=1, rows=10, max_length=128, micro_batch=8,
+    args = argparse.Namespace(loss_tol=1e-3, precision="fp32", attn="sdpa", device="cpu", hidden=64, layers=1, rows=10, max_length=128, micro_batch=8,
                                                      accum=4, steps=6, threads=2, repeats=1)
     runs = [result("ours", "padded", 1, [1] * 6, TOKENS, LOSSES),
             {"framework": "hf", "mode": "padded", "repeat": 1, "error": "exit 1, 2 of 6 steps: killed"}]
@@ -87,7 +87,7 @@ def test_a_failed_run_fails_the_report(tmp_path):
 
 
 def test_a_run_on_a_busy_machine_is_noted_not_failed():
-    args = argparse.Namespace(loss_tol=1e-3, hidden=64, layers=1, rows=10, max_length=128, micro_batch=8, accum=4, steps=6,
+    args = argparse.Namespace(loss_tol=1e-3, precision="fp32", attn="sdpa", device="cpu", hidden=64, layers=1, rows=10, max_length=128, micro_batch=8, accum=4, steps=6,
                               threads=2, repeats=1)
     runs = [result("ours", "padded", 1, [1] * 6, TOKENS, LOSSES, others=0.8), result("hf", "padded", 1, [1] * 6, TOKENS, LOSSES)]
     text, ok = bp.report(runs, {"padded": TOKENS}, args)
@@ -164,7 +164,7 @@ def check_fair(text: str, rows: list[list[str]], frameworks: list[tuple[str, str
 @pytest.mark.slow
 def test_ours_against_the_hf_trainer_on_three_steps(tmp_path):
     text, rows = run_script(tmp_path, "--peers", "hf", "--modes", "padded")
-    check_fair(text, rows, [("ours (finetune)", "padded"), ("transformers Trainer", "padded")])
+    check_fair(text, rows, [("ours (finetune)", "padded"), ("ours, data.padding_free=false", "padded"), ("transformers Trainer", "padded")])
 
 
 @pytest.mark.slow

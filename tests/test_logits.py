@@ -164,10 +164,12 @@ def test_the_fused_kernel_runs_where_it_can_and_says_why_not(compose):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("method", ["sft", "dpo"])
-def test_the_fused_kernel_equals_the_full_logits(family, method):
-    """logits.kernel=cce on CUDA (the gpu extra): the loss and every gradient of the full logits' (the soft cap
-    passed to the kernel, a logit factor folded into the output layer's weight), in fp32."""
-    pytest.importorskip("cut_cross_entropy")
+@pytest.mark.parametrize("kernel", ["cce", "liger"])
+def test_the_fused_kernel_equals_the_full_logits(family, method, kernel):
+    """logits.kernel=cce or liger on CUDA (the gpu extra): the loss and every gradient of the full logits' (the soft
+    cap passed to the kernel, a logit factor folded into the output layer's weight), in fp32; only labelled tokens
+    reach the kernel."""
+    pytest.importorskip({"cce": "cut_cross_entropy", "liger": "liger_kernel"}[kernel])
     from finetune.config import LogitsKernel
     from finetune.head import ChunkedHead
 
@@ -178,7 +180,8 @@ def test_the_fused_kernel_equals_the_full_logits(family, method):
     results = []
     for fused in (False, True):
         model = tiny(family).cuda()
-        head = ChunkedHead(model, 7, LogitsKernel.cce, torch.device("cuda")) if fused else None
+        head = ChunkedHead(model, 7, LogitsKernel(kernel), torch.device("cuda")) if fused else None
+        assert head is None or head.kernel == LogitsKernel(kernel)
         loss, _ = objective_of(head)(model, b)
         loss.backward()
         results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))

@@ -130,8 +130,11 @@ def test_activation_levers(compose):
     base = ["hardware=h100_80g", "precision=bf16", "train.micro_batch_size=4", "train.global_batch_size=32", "model.init.num_hidden_layers=8"]
     act = lambda *extra: plan(compose([*base, *extra])).activations  # noqa: E731
     assert act("model.attn_implementation=flash_attention_2") < act("model.attn_implementation=eager")  # the s^2 term gone
-    # sdpa's fused kernels do not keep it either, but padded rows give sdpa a mask (kept, per block: s bytes/token)
-    assert act("model.attn_implementation=flash_attention_2") < act() < act("model.attn_implementation=eager")
+    # sdpa's fused kernels do not keep it either, but padded rows give sdpa a mask (kept, per block: s bytes/token);
+    # padding-free micro-batches (the default) attend each sample alone: no mask
+    padded = "data.padding_free=false"
+    assert act("model.attn_implementation=flash_attention_2", padded) < act(padded) < act("model.attn_implementation=eager", padded)
+    assert act() == act("model.attn_implementation=flash_attention_2")
     one_row = ["train.micro_batch_size=1", "train.global_batch_size=32"]  # a single row: no padding, no mask
     assert act("model.attn_implementation=flash_attention_2", *one_row) == act(*one_row)
     assert act("checkpointing=full") < act("checkpointing=selective") < act()
@@ -165,7 +168,7 @@ def test_peft_and_dpo(compose, llama70b):
     assert qlora.total < lora.total < full.total
 
     dpo = ["data=quickstart_dpo", "method=dpo", "hardware=h100_80g", "train.micro_batch_size=4", "train.global_batch_size=32"]
-    sft = plan(compose(["hardware=h100_80g", "train.micro_batch_size=4", "train.global_batch_size=32"]))
+    sft = plan(compose(["hardware=h100_80g", "train.micro_batch_size=4", "train.global_batch_size=32", "data.padding_free=false"]))
     pre = plan(compose(dpo))
     live = plan(compose([*dpo, "method.reference=live"]))
     assert pre.activations == pytest.approx(2 * sft.activations) and pre.weights == sft.weights

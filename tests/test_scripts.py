@@ -3,6 +3,7 @@ scripts/benchmark.py's table on its smallest setting."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -13,6 +14,7 @@ import venv
 import pytest
 
 from conftest import REPO, read_metrics, train_here
+from finetune.config import ConfigError
 
 
 @pytest.mark.slow
@@ -89,7 +91,12 @@ def test_gpu_check_composes_every_run_it_would_make(compose):
     overrides = shlex.split(re.search(r"LLAMA_1B=\((.*?)\)", text, re.S).group(1))
     rows = shlex.split(re.search(r'--only (.*?) --extra', text).group(1))
     assert rows and all(row in benchmark.STRATEGIES for row in rows)
+    assert "bf16 + compile + Liger" in rows
     for row in rows:
+        if "model.kernels=liger" in benchmark.STRATEGIES[row] and importlib.util.find_spec("liger_kernel") is None:
+            with pytest.raises(ConfigError, match=r'^model.kernels=liger needs the liger-kernel package .*: pip install -e ".\[gpu\]"'):
+                compose(["+recipe=quickstart_sft", *benchmark.STRATEGIES[row], *overrides])  # the gpu extra: none here
+            continue
         cfg = compose(["+recipe=quickstart_sft", *benchmark.STRATEGIES[row], *overrides])
         assert (cfg.model.init.hidden_size, cfg.model.init.vocab_size, cfg.data.max_length) == (2048, 128256, 2048)
     if not shutil.which("nvidia-smi"):

@@ -17,8 +17,9 @@ if TYPE_CHECKING:
     import torch
 
 
-def collate(examples: list[Any], pad_id: int, width: int | None = None) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest example; padding carries no loss.
+def collate(examples: list[Any], pad_id: int, width: int | None = None, flat: bool = False) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest example; padding carries no loss. `flat`: the examples end to end in one row
+    instead (padding-free, `flat_row`).
 
     Preference pairs become 2B rows: the B chosen, then the B rejected, and their precomputed
     reference log-probs (if any) as `reference_logps` in the same order.
@@ -37,6 +38,8 @@ def collate(examples: list[Any], pad_id: int, width: int | None = None) -> dict[
             batch["reference_logps"] = torch.tensor([p.reference[0] for p in examples] + [p.reference[1] for p in examples],
                                                     dtype=torch.float64)
         return batch
+    if flat:
+        return flat_row(examples)
     width = width or max(len(e.input_ids) for e in examples)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
@@ -54,7 +57,31 @@ def collate(examples: list[Any], pad_id: int, width: int | None = None) -> dict[
             pos[row, :n] = torch.tensor(e.position_ids)
             pos[row, n:] = torch.arange(width - n)  # the padding tail is a separate "sample"
         batch["position_ids"] = pos
+        labels[starts(pos)] = IGNORE  # a sample's first token is predicted by the sample before's last: no loss
     return batch
+
+
+def flat_row(examples: list[Example]) -> dict[str, torch.Tensor]:
+    """Padding-free: the examples end to end in one row, no padding, each attending only to itself (its positions
+    restart at 0, as in a packed row) and its first token predicted by nothing (as in a row of its own): the same
+    loss as the padded micro-batch, without computing on padding."""
+    import torch
+
+    ids = torch.tensor([t for e in examples for t in e.input_ids])[None]
+    labels = torch.tensor([t for e in examples for t in e.labels])[None]
+    pos = torch.tensor([p for e in examples for p in (e.position_ids or range(len(e.input_ids)))])[None]
+    labels[starts(pos)] = IGNORE
+    return {"input_ids": ids, "labels": labels, "real_tokens": torch.tensor([ids.shape[1]]), "position_ids": pos}
+
+
+def starts(positions: torch.Tensor) -> torch.Tensor:
+    """[B, S] bool: where a sample begins (a position that does not follow the one before: transformers' reading
+    of packed rows, and finetune.varlen's)."""
+    import torch
+
+    first = torch.ones_like(positions, dtype=torch.bool)
+    first[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    return first
 
 
 class TrainBatches:
@@ -69,10 +96,11 @@ class TrainBatches:
 
     def __init__(
         self, examples: list[Example], *, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int, seed: int, pad_id: int,
-        pad_to: int | None = None,
+        pad_to: int | None = None, flat: bool = False,
     ) -> None:
         self.examples, self.global_batch, self.micro_batch = examples, global_batch, micro_batch
         self.dp_rank, self.dp_size, self.seed, self.pad_id, self.pad_to = dp_rank, dp_size, seed, pad_id, pad_to
+        self.flat = flat  # padding-free: each micro-batch one row of its samples end to end (flat_row)
         self._perm: dict[int, np.ndarray] = {}
 
     def indices(self, step: int) -> list[int]:
@@ -90,7 +118,7 @@ class TrainBatches:
     def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
         idx = self.indices(step)
         chunks = [idx[i : i + self.micro_batch] for i in range(0, len(idx), self.micro_batch)]
-        return [collate([self.examples[i] for i in chunk], self.pad_id, self.pad_to) for chunk in chunks]
+        return [collate([self.examples[i] for i in chunk], self.pad_id, self.pad_to, self.flat) for chunk in chunks]
 
     def epoch(self, step: int) -> float:
         return step * self.global_batch / len(self.examples)
