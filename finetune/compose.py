@@ -26,8 +26,10 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from finetune.config import Config, ConfigError, check_fields, did_you_mean, spelling, to_config
+from finetune.config import Config, ConfigError, check_fields, did_you_mean, register, spelling, to_config
 from finetune.rules import validate
+
+register()  # the schemas into Hydra's ConfigStore, before anything composes
 
 
 def _recipes_dir() -> Path:

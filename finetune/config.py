@@ -11,6 +11,7 @@ This module imports no torch: the launcher and a dry run stay instant.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 import re
@@ -19,7 +20,6 @@ from enum import Enum, EnumMeta
 from pathlib import Path
 from typing import Any, Callable
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -300,6 +300,18 @@ class Device(str, Enum, metaclass=Spelled):
     auto = "auto"
     cpu = "cpu"
     cuda = "cuda"
+
+
+class MemoryReport(str, Enum, metaclass=Spelled):
+    peak = "peak"
+    categories = "categories"
+    off = "off"
+
+
+MEMORY_REPORT_BOOLS = {"true": MemoryReport.categories, "false": MemoryReport.off}
+"""train.memory_report was true/false (true measured by category, the old default): both still mean what they did."""
+MEMORY_REPORTS = Accepts("one of peak, categories, off (true: categories, false: off)",
+                         lambda v: isinstance(v, MemoryReport), ("all",))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -716,8 +728,10 @@ class TrainConfig:
     """Compile each decoder layer in place (torch.compile, regional: one graph reused by every layer) for the
     training steps; evaluation and generation run eager. The first step (and each new shape) pays the
     compile time, reported apart as compile_s. CPU: inductor builds C++ with the system compiler."""
-    memory_report: bool = True
-    """Measure memory by category (parameters, gradients, optimizer, activations) over the first 2 steps."""
+    memory_report: str = checked(MEMORY_REPORTS, "peak")
+    """Measure memory over the first 2 steps: peak (the allocator's or the process's high-water mark, no cost), categories
+    (parameters, gradients, optimizer, activations, with PyTorch's MemTracker: those steps run 2-3x slower) or off; printed
+    beside the memory plan."""
     memory_snapshot: bool = False
     """CUDA only: write RUN_DIR/memory_snapshot.pickle of the first steps (open it at pytorch.org/memory_viz)."""
     save_every: int = checked(at_least(0), 0)
@@ -737,6 +751,12 @@ class TrainConfig:
     metrics and summary) are removed first. Without it (or train.resume) such a launch is refused."""
     device: Device = Device.auto
     """auto: cuda when available, else cpu."""
+
+    def __post_init__(self) -> None:
+        # A str field, not an enum: OmegaConf refuses a bool for an enum, and true/false are still accepted (MEMORY_REPORT_BOOLS).
+        word = spelling(str(self.memory_report))
+        with contextlib.suppress(KeyError):
+            self.memory_report = MEMORY_REPORT_BOOLS.get(word) or MemoryReport[word]
 
 
 @dataclass
@@ -805,14 +825,14 @@ def engine_kind(cfg: Config) -> str:
 
 
 def register() -> None:
-    """Store the schemas: `base_config` for the root, `base_<group>` in each group."""
+    """Store the schemas: `base_config` for the root, `base_<group>` in each group. Called by finetune.compose, which
+    composes: a rank only reads its config.yaml and needs no Hydra (its import is ~0.2 s of the rank's start)."""
+    from hydra.core.config_store import ConfigStore
+
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     for group, schema in GROUPS.items():
         cs.store(group=group, name=f"base_{group}", node=schema)
-
-
-register()
 
 
 # ---------------------------------------------------------------------------------------------

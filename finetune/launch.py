@@ -199,6 +199,10 @@ def _launch_once(dcfg: DictConfig, cfg: Config | None = None) -> float | None:
         if killed:
             line += f" (killed {len(killed)} of its processes that outlived it: pid {', '.join(map(str, killed))})"
         raise TrialFailed(code, line + disk_note(run_dir) if died else line)
+    if cfg.launcher.nnodes == 1:  # the summary is rank 0's, on this node
+        said = startup.shutdown(run_dir / "summary.json")
+        if said:
+            print(f"[finetune] {said}", flush=True)
     loss = sweep.eval_loss(run_dir)
     return loss if loss is not None else float("inf")
 

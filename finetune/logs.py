@@ -43,16 +43,19 @@ def read(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def plot_loss(run_dir: Path, out: Path) -> None:
-    """Train loss per step and eval loss at each evaluation, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Train loss per step and eval loss at each evaluation, as a PNG. Drawn on matplotlib's Agg canvas (no pyplot, no
+    backend to pick), the log axis labelled in plain text: its default labels are mathtext, whose parser costs more to
+    build (~0.4 s) than the rest of the plot."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import LogFormatter
 
     rows = read(run_dir)
     train = [(r["step"], r["loss"]) for r in rows if r["kind"] == "train"]
     evals = [(r["step"], r["eval_loss"]) for r in rows if r["kind"] == "eval"]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
     if train:
         ax.plot(*zip(*train), label="train loss", linewidth=1)
     if evals:
@@ -60,9 +63,10 @@ def plot_loss(run_dir: Path, out: Path) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats per response token)")
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(LogFormatter())
+    ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.4)))
     ax.grid(alpha=0.3)
     ax.legend()
     ax.set_title(run_dir.name)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
-    plt.close(fig)

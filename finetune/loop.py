@@ -20,7 +20,7 @@ from finetune.data.tokenize import Example
 from finetune.dist import Dist
 from finetune.evaluate import evaluate
 from finetune.logs import MetricsLog
-from finetune.memory import MemoryProbe, line as mem_line
+from finetune.memory import MemoryProbe, PeakProbe
 
 MEMORY_STEPS = 2  # the second step has optimizer states and gradients: the steady-state peak
 
@@ -81,13 +81,13 @@ def handle_signals() -> None:
 
 def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatches, evals: list[Example],
           tokenizer: Any, dist: Dist, log: MetricsLog, save: Callable[[int], Path], resume_from: Path | None,
-          probe: MemoryProbe | None, flops_per_token: float | None = None, peak_flops: float | None = None) -> dict[str, dict[str, float]]:
+          probe: MemoryProbe | PeakProbe | None, flops_per_token: float | None = None, peak_flops: float | None = None) -> dict[str, dict[str, float]]:
     """Run optimizer steps up to `cfg.max_steps`. Returns the eval metrics before and after training.
 
     Args:
         save: writes a resumable checkpoint of a step (every `save_every` steps, and on SIGTERM/SIGINT).
         resume_from: a step directory to continue from (same data order: batches are a function of the step).
-        probe: measures memory by category over the first MEMORY_STEPS steps (None: not measured).
+        probe: measures memory over the first MEMORY_STEPS steps, its peak or by category (None: not measured).
         flops_per_token, peak_flops: for model FLOPs utilisation (GPU; None: not reported).
     """
     def run_eval(step: int, final: bool) -> dict[str, float]:
@@ -141,10 +141,10 @@ def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatche
         if measured and step == first + MEMORY_STEPS - 1:
             memory = probe.report()
             log.write("memory", step, memory)
-            say(dist, bar, mem_line(memory))
+            say(dist, bar, probe.line(memory))
 
         metrics = {"loss": loss_sum / count, "lr": out.lr, "grad_norm": out.grad_norm,
-                   "tokens_per_s": tokens / seconds,  # non-pad tokens over all ranks (slow while memory is measured)
+                   "tokens_per_s": tokens / seconds,  # non-pad tokens over all ranks (slow while memory is measured by category)
                    "nonpad_fraction": tokens / slots,  # packing raises it towards 1
                    "step_s": seconds, "data_wait_s": waited,  # the step's micro-batches not ready when it began
                    "epoch": batches.epoch(step), "elapsed_s": time.perf_counter() - start,
@@ -186,10 +186,12 @@ def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatche
         if cfg.save_every and step % cfg.save_every == 0:
             save(step)
     ahead.close()
+    tic = time.perf_counter()
     after = run_eval(cfg.max_steps, final=True)
     if bar is not None:
         bar.close()
-    return {"before": before, "after": after, "memory": memory, **({"startup": started} if started else {})}
+    ended = {"eval": round(time.perf_counter() - tic, 3)}  # the rest of the time after training: finetune.train.run
+    return {"before": before, "after": after, "memory": memory, **({"startup": started} if started else {}), "after_training": ended}
 
 
 class Ahead:

@@ -1,6 +1,14 @@
-"""Measured memory of the first training steps, by category: parameters, gradients, optimizer
-states, activations (PyTorch's MemTracker, which works on CPU and CUDA alike), plus the CUDA
-allocator's own peak on GPU."""
+"""Measured memory of the first training steps, as train.memory_report says:
+
+- peak (the default): the high-water marks the system keeps anyway, read after the steps: on CUDA the
+  allocator's (torch.cuda.max_memory_allocated / max_memory_reserved), on CPU the process's peak resident
+  set (VmHWM). Nothing hooks the steps, which run at full speed.
+- categories: parameters, gradients, optimizer states, activations (PyTorch's MemTracker, which works
+  on CPU and CUDA alike), plus the CUDA allocator's own peak on GPU. Its hooks on every module and tensor
+  make the measured steps 2-3x slower, so it is asked for, not the default.
+
+Both print one line beside the memory plan's numbers (finetune.plan) and write {"kind": "memory"}.
+"""
 
 from __future__ import annotations
 
@@ -52,8 +60,78 @@ class _NoHook:
         pass
 
 
+class PeakProbe:
+    """train.memory_report=peak: the peak of a few steps, from the high-water marks the system keeps (no hooks):
+    on CUDA the allocator's, reset when the first tracked step starts; on CPU the process's resident set
+    (VmHWM, reset through /proc/self/clear_refs where the kernel allows it, so the peak is the steps', not
+    the loading's; it counts the Python process with torch loaded, which the plan's overhead stands for)."""
+
+    def __init__(self, device: torch.device, planned: dict[str, float] | None = None) -> None:
+        self.device, self.planned = device, planned
+        self.started = False
+        self.since = "the process start"  # what the CPU peak covers: until the reset works, the loading too
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        if not self.started:
+            self.started = True
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+            elif _reset_peak_rss():
+                self.since = "the first step"
+        yield
+
+    def report(self) -> dict[str, float]:
+        if self.device.type == "cuda":
+            return {"mem_cuda_max_allocated_mib": torch.cuda.max_memory_allocated(self.device) / MIB,
+                    "mem_cuda_max_reserved_mib": torch.cuda.max_memory_reserved(self.device) / MIB}
+        return {"mem_peak_rss_mib": peak_rss() / MIB}
+
+    def line(self, report: dict[str, float]) -> str:
+        if "mem_peak_rss_mib" in report:
+            measured = f"{report['mem_peak_rss_mib']:.1f} MiB resident (the whole process, since {self.since})"
+            planned = _planned(self.planned, overhead=True)
+        else:
+            measured = (f"{report['mem_cuda_max_allocated_mib']:.1f} MiB allocated, "
+                        f"{report['mem_cuda_max_reserved_mib']:.1f} MiB reserved (CUDA)")
+            planned = _planned(self.planned, overhead=False)
+        return f"memory (rank 0, peak of the first steps): {measured}{planned}; by category: train.memory_report=categories"
+
+
+def peak_rss() -> int:
+    """This process's peak resident set in bytes (Linux: VmHWM, which `_reset_peak_rss` resets)."""
+    with contextlib.suppress(OSError):
+        with open("/proc/self/status") as f:
+            for row in f:
+                if row.startswith("VmHWM:"):
+                    return int(row.split()[1]) * 1024
+    import resource  # no /proc (macOS): the peak since the process started, in bytes there
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _reset_peak_rss() -> bool:
+    """Reset VmHWM to the current resident set (Linux 4.0+: '5' to /proc/self/clear_refs); False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _planned(planned: dict[str, float] | None, *, overhead: bool) -> str:
+    """' | planned X MiB' from the run's plan record: its peak, and its fixed overhead where the measure counts it."""
+    if not planned:
+        return ""
+    if not overhead:
+        return f" | planned {planned['plan_peak_mib']:.1f} MiB"
+    extra = planned.get("plan_overhead_mib", 0.0)
+    return f" | planned {planned['plan_peak_mib'] + extra:.1f} MiB ({planned['plan_peak_mib']:.1f} + {extra:.0f} for the process)"
+
+
 class MemoryProbe:
-    """Track a few steps; `report()` gives MiB per category.
+    """train.memory_report=categories: track a few steps; `report()` gives MiB per category.
 
     - activations, temp, total: at the moment of the peak total;
     - backward_activations: activations + temporaries at the start or at the peak of the model's
@@ -64,11 +142,11 @@ class MemoryProbe:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
-                 device: torch.device, snapshot: Path | None = None) -> None:
+                 device: torch.device, snapshot: Path | None = None, planned: dict[str, float] | None = None) -> None:
         """`optimizer`: one, or one per parameter (optim.in_backward). `snapshot`: CUDA only, also record
-        the allocator's history and dump it there in `report()`."""
+        the allocator's history and dump it there in `report()`. `planned`: the run's plan record, for the line."""
         optimizers = optimizer if isinstance(optimizer, list) else [optimizer]
-        self.device, self.snapshot = device, snapshot
+        self.device, self.snapshot, self.planned = device, snapshot, planned
         if snapshot is not None:
             torch.cuda.memory._record_memory_history(max_entries=200_000)
         self.tracker = _tracker_class()()
@@ -134,6 +212,9 @@ class MemoryProbe:
         if "cuda_max_allocated" in self.most:
             out["cuda_max_allocated"] = self.most["cuda_max_allocated"]
         return {f"mem_{k}_mib": v / MIB for k, v in out.items()}
+
+    def line(self, report: dict[str, float]) -> str:
+        return line(report) + _planned(self.planned, overhead=False)
 
 
 def line(report: dict[str, float]) -> str:

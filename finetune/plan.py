@@ -889,7 +889,9 @@ def plan_record(run_dir: Path) -> dict[str, Any] | None:
 
 
 def compare(run_dir: Path) -> list[tuple[str, float, float]] | None:
-    """[(category, predicted MiB, measured MiB)] from a run's metrics.jsonl; None without both records."""
+    """[(category, predicted MiB, measured MiB)] from a run's metrics.jsonl; None without both records. A run measured
+    with train.memory_report=peak has one row: the peak (CUDA: the allocator's; CPU: the process's resident set, beside
+    the plan's peak and its fixed overhead); with categories, one row per COMPARED pair."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         return None
@@ -898,6 +900,10 @@ def compare(run_dir: Path) -> list[tuple[str, float, float]] | None:
     measured = next((r for r in rows if r.get("kind") == "memory"), None)
     if predicted is None or measured is None:
         return None
+    if "mem_cuda_max_allocated_mib" in measured and "mem_peak_total_mib" not in measured:  # train.memory_report=peak on CUDA
+        return [("peak", predicted["plan_peak_mib"], measured["mem_cuda_max_allocated_mib"])]
+    if "mem_peak_rss_mib" in measured:  # train.memory_report=peak on CPU: the whole process, the plan's overhead with it
+        return [("peak+overhead", predicted["plan_peak_mib"] + predicted.get("plan_overhead_mib", 0.0), measured["mem_peak_rss_mib"])]
     return [(ours, predicted[f"plan_{ours}_mib"], measured.get(f"mem_{theirs}_mib", 0.0)) for ours, theirs in COMPARED]
 
 

@@ -16,8 +16,12 @@ no launcher share (its clock may differ), the rest is its own.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import time
+from pathlib import Path
+from typing import Iterator
 
 TIMES_ENV = "FINETUNE_LAUNCH_TIMES"
 SHOWN_S = 0.05  # phases shorter than this are left out of the line (summary.json keeps them)
@@ -92,3 +96,41 @@ def first_step_done(compiled: float = 0.0) -> dict[str, float] | None:
 def line(parts: dict[str, float]) -> str:
     shown = ", ".join(f"{k} {v:.1f}" for k, v in parts.items() if v >= SHOWN_S)
     return f"start-up: {sum(parts.values()):.1f} s to the end of the first step: {shown}"
+
+
+# After the last step: the final evaluation (finetune.loop), closing the logs, the export and the plot (finetune.train),
+# each timed into summary.json's "after_training"; the launcher adds the shutdown (`shutdown`) once the job has ended.
+
+
+@contextlib.contextmanager
+def timed(parts: dict[str, float] | None, name: str) -> Iterator[None]:
+    """Add the seconds the block takes to parts[name] (None: not timed)."""
+    tic = time.perf_counter()
+    try:
+        yield
+    finally:
+        if parts is not None:
+            parts[name] = round(parts.get(name, 0.0) + time.perf_counter() - tic, 3)
+
+
+def after_line(parts: dict[str, float]) -> str:
+    shown = ", ".join(f"{k} {v:.1f}" for k, v in parts.items() if v >= SHOWN_S)
+    return f"after training: {sum(parts.values()):.1f} s: {shown or 'nothing over 0.05 s'}"
+
+
+def shutdown(summary: Path) -> str | None:
+    """For the launcher, once its job has ended: add the shutdown (from summary.json's write, the rank's last file, to
+    now: the rank's last lines, its process group's and process's end, the launcher's wait) to the summary's
+    "after_training", and return its line; None without a summary that has one (a failed run)."""
+    try:
+        ended = summary.stat().st_mtime
+        data = json.loads(summary.read_text())
+        parts = data["after_training"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    parts["shutdown"] = round(max(0.0, time.time() - ended), 3)
+    try:
+        summary.write_text(json.dumps(data, indent=2) + "\n")
+    except OSError:
+        pass
+    return f"shutdown: {parts['shutdown']:.1f} s from the summary to the job's end (the rank's exit, the launcher's wait)"

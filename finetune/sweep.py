@@ -121,7 +121,7 @@ def read_trial(run_dir: Path) -> Trial:
     t.tokens_per_s = statistics.median(speeds) if speeds else None
     summary = _json(run_dir / "summary.json")
     memory = (summary or {}).get("memory") or next((r for r in reversed(rows) if r.get("kind") == "memory"), {})
-    t.peak_mib = memory.get("mem_cuda_max_allocated_mib", memory.get("mem_peak_total_mib"))
+    t.peak_mib = memory.get("mem_cuda_max_allocated_mib", memory.get("mem_peak_total_mib", memory.get("mem_peak_rss_mib")))
     status = _json(run_dir / STATUS) or {}
     if status.get("status") == "failed":
         t.status, t.exit_code, t.reason = "failed", status.get("exit_code"), str(status.get("reason", ""))

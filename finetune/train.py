@@ -21,7 +21,7 @@ import torch
 
 from finetune import (checkpoint, compiling, config, dist, engine, evaluate, flops, liger, logs, loop, model, objectives, plan, reference,
                       rules, rundir, startup, varlen)
-from finetune.config import Config, ConfigError, Kernels, Logits, PeftConfig, PeftMethod, Precision, Strategy, uses_deepspeed
+from finetune.config import Config, ConfigError, Kernels, Logits, MemoryReport, PeftConfig, PeftMethod, Precision, Strategy, uses_deepspeed
 from finetune.data import stream
 from finetune.data.batches import TrainBatches
 from finetune.data.pack import pack
@@ -30,7 +30,7 @@ from finetune.engine.common import autocast_dtype
 from finetune.families import router_loss_split, router_loss_under_pp
 from finetune.head import PROBE_TOKENS, ChunkedHead
 from finetune.launcher import ERROR_FILE, LAUNCHER_ENV, RANKS_DIR, deepspeed_config
-from finetune.memory import MemoryProbe
+from finetune.memory import MemoryProbe, PeakProbe
 
 
 PHASE = {"name": "start"}
@@ -257,28 +257,34 @@ def run(cfg: Config, d: dist.Dist) -> None:
     phase("training")
     loop.STOP["defer"] = True  # from here a signal saves a checkpoint at the next step boundary
     log = logs.MetricsLog(run_dir, enabled=d.is_main, tensorboard=cfg.train.tensorboard)
+    predicted = None
     if d.is_main:  # the planner's prediction for this config, beside what the probe measures (python -m finetune.plan)
         predicted = planned(cfg, batches, train_examples)
         if isinstance(predicted, str):
             print(f"memory plan: not recorded ({predicted})")
         else:
             log.write("plan", 0, predicted)
+    closing: dict[str, float] = {}
     try:
         result = loop.train(cfg.train, engine=eng, objective=objective, batches=batches, evals=eval_examples,
                             tokenizer=tokenizer, dist=d, log=log, save=saver(cfg, eng, d, run_dir / "checkpoints", batches),
-                            resume_from=resume_from, probe=probe(cfg, eng, d, run_dir),
+                            resume_from=resume_from, probe=probe(cfg, eng, d, run_dir, predicted),
                             **mfu_inputs(cfg, net, d))
     finally:
-        log.close()
-        if cfg.data.streaming:
-            batches.close()
+        with startup.timed(closing, "logs"):  # TensorBoard's last flush
+            log.close()
+            if cfg.data.streaming:
+                batches.close()
     if cfg.data.streaming:  # the counts of the rows the stream read
         stats["train"] = batches.stats
     phase("export")
-    final = run_dir / "final"
-    eng.export(final, tokenizer)
+    ended, final = result["after_training"], run_dir / "final"  # the final evaluation's, from the loop
+    ended |= closing
+    with startup.timed(ended, "export"):
+        eng.export(final, tokenizer)
     if d.is_main and cfg.parallelism.pp > 1 and cfg.train.exact_match_samples:  # stages cannot generate: rank 0 scores final/
-        result["after"]["exact_match"] = evaluate.exact_match_of_export(final, eval_examples, cfg.train, d.device)
+        with startup.timed(ended, "exact match"):
+            result["after"]["exact_match"] = evaluate.exact_match_of_export(final, eval_examples, cfg.train, d.device)
     if d.is_main:
         report(run_dir, final, result, {k: vars(s) for k, s in stats.items()})
     del zero3  # alive until here: transformers consults it while loading, generating and saving
@@ -364,23 +370,30 @@ def saver(cfg: Config, eng: Any, d: dist.Dist, root: Path, batches: Any) -> Any:
     return save
 
 
-def probe(cfg: Config, eng: Any, d: dist.Dist, run_dir: Path) -> MemoryProbe | None:
+def probe(cfg: Config, eng: Any, d: dist.Dist, run_dir: Path, planned: dict[str, float] | str | None) -> MemoryProbe | PeakProbe | None:
+    """train.memory_report's probe (finetune.memory): peak (no hooks, the default), categories (MemTracker; and any
+    memory snapshot), or none; `planned`: the plan record, printed beside what is measured."""
     if cfg.train.memory_snapshot and d.device.type != "cuda":
-        raise ConfigError("train.memory_snapshot=true records the CUDA allocator and needs a GPU; on CPU train.memory_report "
-                          "measures memory by category")
-    if not (cfg.train.memory_report or cfg.train.memory_snapshot):
+        raise ConfigError("train.memory_snapshot=true records the CUDA allocator and needs a GPU; on CPU "
+                          "train.memory_report=categories measures memory by category")
+    planned = planned if isinstance(planned, dict) else None
+    if cfg.train.memory_report == MemoryReport.off and not cfg.train.memory_snapshot:
         return None
+    if cfg.train.memory_report == MemoryReport.peak and not cfg.train.memory_snapshot:
+        return PeakProbe(d.device, planned)
     if cfg.train.compile:  # its dispatch mode would run the layers eager, then and in every later step
         if d.is_main:
             print("memory: not measured by category with train.compile=true (MemTracker's dispatch mode keeps dynamo from "
-                  "compiling: the layers would run eager); the memory plan is in the metrics, or measure with train.compile=false")
-        return None
+                  "compiling: the layers would run eager); the peak instead (train.memory_report=peak)")
+        return PeakProbe(d.device, planned)
     targets = eng.memory_targets()
     if targets is None:
         if d.is_main:
-            print("memory: not measured by category under pipeline parallel (MemTracker cannot hook the schedule's backward)")
-        return None
-    return MemoryProbe(*targets, d.device, snapshot=run_dir / "memory_snapshot.pickle" if cfg.train.memory_snapshot else None)
+            print("memory: not measured by category under pipeline parallel (MemTracker cannot hook the schedule's backward); "
+                  "the peak instead (train.memory_report=peak)")
+        return PeakProbe(d.device, planned)
+    return MemoryProbe(*targets, d.device, snapshot=run_dir / "memory_snapshot.pickle" if cfg.train.memory_snapshot else None,
+                       planned=planned)
 
 
 def mfu_inputs(cfg: Config, net: Any, d: dist.Dist) -> dict[str, float | None]:
@@ -393,9 +406,11 @@ def mfu_inputs(cfg: Config, net: Any, d: dist.Dist) -> dict[str, float | None]:
 
 
 def report(run_dir: Path, final: Path, result: dict[str, dict[str, float]], stats: dict) -> None:
-    """summary.json, the loss-curve PNG, and the before/after lines a user reads first."""
+    """The loss-curve PNG, summary.json (written last: the launcher times the shutdown from it), and the lines a
+    user reads first: before/after, where the results are, where the seconds after training went."""
+    with startup.timed(result["after_training"], "plot"):
+        logs.plot_loss(run_dir, run_dir / "loss.png")
     (run_dir / "summary.json").write_text(json.dumps({**result, "checkpoint": str(final), "data": stats}, indent=2) + "\n")
-    logs.plot_loss(run_dir, run_dir / "loss.png")
     before, after = result["before"], result["after"]
     print()
     for key, label, fmt in (("eval_loss", "eval_loss", "{:.4f}"), ("eval_rewards/accuracy", "reward_acc", "{:.1%}"),
@@ -408,6 +423,7 @@ def report(run_dir: Path, final: Path, result: dict[str, dict[str, float]], stat
     else:
         print(f"checkpoint   {final}  (AutoModelForCausalLM.from_pretrained / AutoTokenizer.from_pretrained)")
     print(f"metrics      {run_dir / logs.METRICS}, {run_dir / 'tensorboard'}, loss curve {run_dir / 'loss.png'}")
+    print(startup.after_line(result["after_training"]))
 
 
 if __name__ == "__main__":

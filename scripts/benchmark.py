@@ -65,7 +65,7 @@ def run(name: str, overrides: list[str], steps: int, extra: list[str], root: Pat
     run_dir = root / "".join(c if c.isalnum() else "_" for c in name)  # no '=' etc.: it goes on a Hydra command line
     cmd = [sys.executable, "-m", "finetune.launch", "+recipe=quickstart_sft", *overrides, f"train.max_steps={steps}",
            "optim.warmup_steps=0", "train.exact_match_samples=0", "train.eval_every=0", "train.progress_bar=false",
-           "train.tensorboard=false", *extra, f"hydra.run.dir={run_dir}"]
+           "train.tensorboard=false", "train.memory_report=categories", *extra, f"hydra.run.dir={run_dir}"]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         return {"name": name, "error": (out.stderr.strip().splitlines() or ["?"])[-1]}

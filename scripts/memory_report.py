@@ -4,8 +4,10 @@
     python scripts/memory_report.py outputs/multirun/2026-11-22/10-00-00
 
 Reads the {"kind": "plan"} record (the planner's prediction for the run's own config, written by
-rank 0 at the start) and the {"kind": "memory"} record (rank 0's MemTracker measurement of the
-first steps, train.memory_report=true) from each metrics.jsonl. MiB; error = predicted/measured - 1.
+rank 0 at the start) and the {"kind": "memory"} record (rank 0's measurement of the first steps) from each
+metrics.jsonl: by category with train.memory_report=categories (MemTracker), the peak alone with
+train.memory_report=peak, the default (CUDA: the allocator's; CPU: the process's resident set, beside the
+plan's peak plus its fixed overhead). MiB; error = predicted/measured - 1.
 The prediction is for the batches measured (padded batches are as long as their longest row: the
 plan is made at the widest micro-batch of the measured steps); the last line gives the peak the
 planner expects at the longest batch of the whole run.
@@ -44,9 +46,9 @@ def main(argv: list[str]) -> int:
     tables = [t for t in (table(r) for r in runs) if t is not None]
     if not tables:
         print(f"error: no run under {root} has both a plan and a memory record in metrics.jsonl "
-              "(runs record them with train.memory_report=true, the default)", file=sys.stderr)
+              "(runs record them unless train.memory_report=off; by category with train.memory_report=categories)", file=sys.stderr)
         return 1
-    print("memory per rank (rank 0), MiB: planner vs MemTracker\n" + "\n".join(tables))
+    print("memory per rank (rank 0), MiB: planner vs measured\n" + "\n".join(tables))
     return 0
 
 

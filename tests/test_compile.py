@@ -64,7 +64,7 @@ def test_the_compiled_run_follows_the_eager_one(strategies, tmp_path, capsys):
     fuses and reorders sums), compile seconds apart from the step's, the layers eager in evaluation."""
     eager = train_here([*STEPS, *strategies, "train.memory_report=false"], tmp_path / "eager")
     capsys.readouterr()
-    compiled = train_here([*STEPS, *strategies, "train.compile=true"], tmp_path / "compiled")
+    compiled = train_here([*STEPS, *strategies, "train.compile=true", "train.memory_report=categories"], tmp_path / "compiled")
     out = capsys.readouterr().out
     train = {name: [m for m in read_metrics(tmp_path / name) if m["kind"] == "train"] for name in ("eager", "compiled")}
     assert [m["loss"] for m in train["compiled"]] == pytest.approx([m["loss"] for m in train["eager"]], rel=1e-5)
@@ -74,4 +74,5 @@ def test_the_compiled_run_follows_the_eager_one(strategies, tmp_path, capsys):
     assert train["compiled"][0]["compile_s"] > 0  # the first step traced and compiled the layers: not in step_s
     assert "compile: 2 decoder layers compiled in place at the first training step" in out
     assert f"compile: {train['compiled'][0]['compile_s']:.1f} s in step 1 (the first)" in out
-    assert "memory: not measured by category with train.compile=true" in out  # the default memory_report=true
+    assert "memory: not measured by category with train.compile=true" in out  # asked for: the peak instead
+    assert "MiB resident (the whole process, since the first step)" in out

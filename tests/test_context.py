@@ -197,7 +197,7 @@ def test_activation_memory_per_rank_is_split_and_planned(tmp_path):
     rows = tmp_path / "long.jsonl"
     rows.write_text("".join(json.dumps({"instruction": "repeat", "output": "abcdefghij" * 40 + str(i)}) + "\n" for i in range(16)))
     common = ["+recipe=long_context_cpu", "data=jsonl", f"data.train={rows}", "data.packing=false", "checkpointing=none",
-              "train.max_steps=2", "optim.warmup_steps=0", "train.exact_match_samples=0", "train.progress_bar=false"]
+              "train.max_steps=2", "optim.warmup_steps=0", "train.exact_match_samples=0", "train.progress_bar=false", "train.memory_report=categories"]
     measured = {}
     for name, layout in (("cp1", ["parallelism=fsdp", "launcher.nproc_per_node=1"]), ("cp2", [])):
         out = run_cli(*common, *layout, f"hydra.run.dir={tmp_path / name}", cwd=tmp_path)

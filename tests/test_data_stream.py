@@ -8,7 +8,7 @@ import re
 from dataclasses import replace
 
 import pytest
-from conftest import last_line, read_metrics, run_cli, train_here, write_jsonl
+from conftest import read_metrics, run_cli, train_here, write_jsonl
 
 from finetune.config import ASSETS, ConfigError, DataConfig, Method
 from finetune.data import stream
@@ -304,4 +304,5 @@ def test_a_streamed_run_through_the_cli(tmp_path):
     assert "data: tokenized" not in out.stdout and "data: cached tokens" not in out.stdout
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["data"]["train"]["rows"] == 63  # the rows before the run (one row) the next step starts in: 2 steps x 32 - 1
-    assert last_line(out.stdout).startswith("metrics ")
+    lines = out.stdout.strip().splitlines()  # the report, the time after training, the launcher's shutdown line
+    assert lines[-3].startswith("metrics ") and lines[-2].startswith("after training: ") and lines[-1].startswith("[finetune] shutdown: ")

@@ -327,7 +327,7 @@ def test_a_missing_start_model_is_made_first_by_its_recipe(tmp_path):
     ids=lambda o: "+".join(x.split("=")[1] for x in o),
 )
 def test_dpo_combines_with_memory_strategies(overrides, tmp_path):
-    summary = train_here([*QUICK, "train.exact_match_samples=0", *overrides], tmp_path)
+    summary = train_here([*QUICK, "train.exact_match_samples=0", "train.memory_report=categories", *overrides], tmp_path)
     first = train_metrics(tmp_path)[0]
     fresh = (0.5 / 0.1) ** 2 if "method.loss=ipo" in overrides else LOG2  # a policy equal to its reference
     assert first["loss"] == pytest.approx(fresh, rel=2e-3)  # bf16/fp16/4-bit forwards: equal to their rounding

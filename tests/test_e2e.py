@@ -50,6 +50,19 @@ def test_where_the_start_up_went_is_printed_and_kept(quickstart):
     assert said == [startup.line(parts)]  # rank 0, once, what summary.json keeps (rounded)
 
 
+def test_where_the_time_after_training_went_is_printed_and_kept(quickstart):
+    """The final evaluation, the logs' close, the export and the plot (the rank), then the shutdown (the launcher, from
+    summary.json's write to the job's end): none of it in a step's time (the loop's steps have ended before)."""
+    run_dir, out = quickstart
+    parts = json.loads((run_dir / "summary.json").read_text())["after_training"]
+    assert list(parts) == ["eval", "logs", "export", "plot", "shutdown"] and min(parts.values()) >= 0
+    assert parts["eval"] > 0.05 and parts["export"] > 0 and parts["plot"] > 0 and parts["shutdown"] < 30
+    lines = out.stdout.splitlines()
+    assert startup.after_line({k: v for k, v in parts.items() if k != "shutdown"}) in lines  # rank 0's
+    assert lines[-1] == (f"[finetune] shutdown: {parts['shutdown']:.1f} s from the summary to the job's end (the rank's exit, "
+                         "the launcher's wait)")
+
+
 def test_checkpoint_reloads_with_transformers_and_gives_the_same_eval(quickstart):
     run_dir, _ = quickstart
     loss, model, tok, evals = reload_and_evaluate(run_dir / "final", run_dir)

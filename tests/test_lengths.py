@@ -121,7 +121,7 @@ def test_quickstart_memory_report_within_15_percent(tmp_path):
     """The quickstart's own 2-rank run (two steps): the report's every category within 15% of MemTracker."""
     run = tmp_path / "qs"
     out = run_cli("+recipe=quickstart_sft", "train.max_steps=2", "optim.warmup_steps=0", "train.eval_every=0",
-                  "train.exact_match_samples=0", "train.progress_bar=false", "train.tensorboard=false", f"run_dir={run}",
+                  "train.exact_match_samples=0", "train.progress_bar=false", "train.tensorboard=false", f"run_dir={run}", "train.memory_report=categories",
                   cwd=tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     report = subprocess.run([sys.executable, str(REPO / "scripts" / "memory_report.py"), str(run)], capture_output=True,

@@ -122,7 +122,7 @@ def runs(tmp_path_factory):
     """Six steps of each optimizer on one CPU rank, from the same random init."""
     root = tmp_path_factory.mktemp("optim")
     for option in OPTIONS:
-        train_here([f"optim={option}", f"optim.lr={LR[option]}", *FEW], root / option)
+        train_here([f"optim={option}", f"optim.lr={LR[option]}", *FEW, "train.memory_report=categories"], root / option)
     return root
 
 

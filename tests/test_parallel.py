@@ -192,7 +192,7 @@ def single_run(name: str, tmp_path_factory) -> Path:
     # DPO with chunked logits under a pipeline: the last stage returns each row's log-probs (reference scoring too)
     (["parallelism=pp2", "method=dpo", "data=quickstart_dpo", "checkpointing=selective", "logits=chunked"], "dpo", 1e-4),
     # the 4-bit base sharded by FSDP2 (its packed bytes; the constants whole on each rank), or split into stages
-    (["parallelism=fsdp", "peft=qlora", "peft.dropout=0.0"], "qlora", 1e-5),
+    (["parallelism=fsdp", "peft=qlora", "peft.dropout=0.0", "train.memory_report=categories"], "qlora", 1e-5),
     (["parallelism=pp2", "peft=qlora", "peft.dropout=0.0"], "qlora", 1e-5),
     # packed rows: every stage hands the rows' position ids on with its hidden states (per-sample causal blocks)
     (["parallelism=pp2", "data.packing=true"], "packed", 1e-5),

@@ -213,7 +213,7 @@ def measured_run(tmp_path: Path, *overrides: str, micro: int = 8, seq: int = 256
     train_here(["data=jsonl", f"data.train={long_rows(tmp_path)}", f"data.max_length={seq}", f"train.micro_batch_size={micro}",
                 f"train.global_batch_size={micro}", "model.init.hidden_size=256", "model.init.intermediate_size=768",
                 "model.init.num_hidden_layers=4", "train.max_steps=2", "data.eval=null", "data.eval_size=0",
-                "train.exact_match_samples=0", *overrides], run)
+                "train.exact_match_samples=0", "train.memory_report=categories", *overrides], run)
     rows = compare(run)
     assert rows is not None
     print(" | ".join(f"{name} {p:.1f}/{m:.1f} MiB" for name, p, m in rows))
@@ -333,7 +333,7 @@ def test_runs_record_the_plan_and_the_report_script_compares(tmp_path):
     from conftest import read_metrics, train_here
 
     for name in ("a", "b"):
-        train_here(["train.max_steps=2", "train.eval_every=0", "train.exact_match_samples=0", "data.eval=null", "data.eval_size=0", f"train.micro_batch_size={4 if name == 'a' else 8}"],
+        train_here(["train.max_steps=2", "train.eval_every=0", "train.exact_match_samples=0", "data.eval=null", "data.eval_size=0", f"train.micro_batch_size={4 if name == 'a' else 8}", "train.memory_report=categories"],
                    tmp_path / "sweep" / name)
     rows = read_metrics(tmp_path / "sweep" / "a")
     planned = next(r for r in rows if r["kind"] == "plan")

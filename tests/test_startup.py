@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -70,3 +71,22 @@ def test_the_launcher_passes_when_the_trial_began_and_when_it_spawned():
         assert trial == pytest.approx(time.time(), abs=1.0) and trial <= spawn
     finally:
         startup.LAUNCH["trial"] = None
+
+
+def test_the_time_after_training_is_timed_and_the_launcher_adds_the_shutdown(tmp_path, monkeypatch):
+    parts = {"eval": 1.25}
+    with startup.timed(parts, "export"):
+        time.sleep(0.06)
+    with startup.timed(None, "plot"):  # not timed
+        pass
+    assert list(parts) == ["eval", "export"] and 0.06 <= parts["export"] < 1.0
+    parts |= {"logs": 0.01, "plot": 0.5}
+    assert startup.after_line(parts).startswith(f"after training: {sum(parts.values()):.1f} s: eval 1.2, export 0.1, plot 0.5")
+    summary = tmp_path / "summary.json"
+    assert startup.shutdown(summary) is None  # a failed run: no summary
+    summary.write_text(json.dumps({"after": {}, "after_training": parts}))
+    written = summary.stat().st_mtime
+    monkeypatch.setattr(startup.time, "time", lambda: written + 0.75)
+    assert startup.shutdown(summary) == ("shutdown: 0.8 s from the summary to the job's end (the rank's exit, the "
+                                         "launcher's wait)")
+    assert json.loads(summary.read_text())["after_training"] == {**parts, "shutdown": 0.75}

@@ -88,7 +88,7 @@ def long_data(tmp_path, rows=64):
 
 
 def test_full_checkpointing_halves_activation_memory(tmp_path):
-    base = long_data(tmp_path)
+    base = [*long_data(tmp_path), "train.memory_report=categories"]
     train_here(base, tmp_path / "none")
     train_here([*base, "checkpointing=full"], tmp_path / "full")
     train_here([*base, "checkpointing=selective", "checkpointing.every=2"], tmp_path / "selective")
@@ -100,7 +100,7 @@ def test_full_checkpointing_halves_activation_memory(tmp_path):
 
 
 def test_lora_cuts_gradient_and_optimizer_memory_and_qlora_cuts_weights(tmp_path):
-    wide = ["model.init.hidden_size=256", "model.init.intermediate_size=768", "train.max_steps=2"]
+    wide = ["model.init.hidden_size=256", "model.init.intermediate_size=768", "train.max_steps=2", "train.memory_report=categories"]
     train_here(wide, tmp_path / "full")
     train_here([*wide, "peft=lora", "peft.r=4"], tmp_path / "lora")
     train_here([*wide, "peft=qlora", "peft.r=4"], tmp_path / "qlora")

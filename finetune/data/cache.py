@@ -133,7 +133,7 @@ class Examples(Sequence):
 
         columns = ("chosen_input_ids", "rejected_input_ids") if self.pairs else ("input_ids",)
         table = self.table
-        return np.max([pc.list_value_length(table.column(c)).to_numpy(zero_copy_only=False) for c in columns], axis=0)
+        return np.max([_numpy(pc.list_value_length(table.column(c)).combine_chunks()) for c in columns], axis=0)
 
     def labelled(self) -> np.ndarray:
         """Each row's labelled positions after its first token, both sides of a pair summed
@@ -149,8 +149,19 @@ class Examples(Sequence):
                    for c in (("chosen_input_ids", "rejected_input_ids") if self.pairs else ("input_ids",)))
 
 
+def _numpy(array: Any) -> np.ndarray:
+    """An Arrow array of integers as NumPy (a view of its buffer where it has no nulls). pyarrow's own to_numpy imports
+    pandas on its first call, a second of a rank's start on a busy 2-core machine, for nothing the rank uses."""
+    import pyarrow as pa
+
+    if array.null_count or not pa.types.is_integer(array.type):
+        return array.to_numpy(zero_copy_only=False)
+    dtype = np.dtype(array.type.to_pandas_dtype())  # a NumPy dtype: no pandas involved
+    return np.frombuffer(array.buffers()[1], dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize)
+
+
 def _labelled(labels: Any) -> np.ndarray:
-    offsets, values = labels.offsets.to_numpy(), labels.values.to_numpy()
+    offsets, values = _numpy(labels.offsets), _numpy(labels.values)
     marked = np.concatenate([[0], np.cumsum(values != IGNORE)])
     first = np.zeros(len(offsets) - 1, dtype=np.int64)  # a row's first token predicts nothing
     nonempty = offsets[1:] > offsets[:-1]

@@ -2,15 +2,35 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from finetune.config import ConfigError, Optimizer, OptimConfig, OptimKernel, Scheduler, StateDtype
+
+
+@contextlib.contextmanager
+def no_deepspeed_probe() -> Iterator[None]:
+    """For a torch engine's save_pretrained: transformers unwraps the model through accelerate, which imports all of
+    DeepSpeed where it is installed, only to test whether a DeepSpeedEngine wraps the model (none does here): about
+    0.5 s of the export, more on a busy machine. accelerate is told DeepSpeed is absent meanwhile; nothing changes where
+    DeepSpeed is imported already, or where accelerate's function is not where it was (another accelerate version)."""
+    other = sys.modules.get("accelerate.utils.other")
+    if "deepspeed" in sys.modules or not callable(getattr(other, "is_deepspeed_available", None)):
+        yield
+        return
+    probe = other.is_deepspeed_available
+    other.is_deepspeed_available = lambda: False
+    try:
+        yield
+    finally:
+        other.is_deepspeed_available = probe
 
 
 @dataclass

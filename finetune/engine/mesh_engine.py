@@ -26,7 +26,8 @@ from finetune import parallel
 from finetune.context import ContextParallel
 from finetune.config import Config, ConfigError, Logits, PipeSchedule, Precision, Strategy
 from finetune.dist import Dist
-from finetune.engine.common import StepResult, add_metrics, autocast_dtype, build_optimizer, build_scheduler, to_bf16
+from finetune.engine.common import (StepResult, add_metrics, autocast_dtype, build_optimizer, build_scheduler, no_deepspeed_probe,
+                                    to_bf16)
 
 STATE_FILE = "trainer_state.pt"  # scheduler and step, beside the DCP shards
 
@@ -341,7 +342,8 @@ class MeshEngine:
             full = {k: v for p in parts for k, v in p.items()}
         if self.dist.is_main:
             module = self.model if self.pp == 1 else self._whole_model()
-            module.save_pretrained(path, state_dict=full)
+            with no_deepspeed_probe():
+                module.save_pretrained(path, state_dict=full)
             tokenizer.save_pretrained(path)
         self.dist.barrier()
 

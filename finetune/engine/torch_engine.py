@@ -14,7 +14,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from finetune.config import ConfigError, OptimConfig, Precision, PrecisionConfig, Strategy
 from finetune.dist import Dist
-from finetune.engine.common import InBackward, StepResult, add_metrics, autocast_dtype, build_optimizer, build_scheduler, to_bf16
+from finetune.engine.common import (InBackward, StepResult, add_metrics, autocast_dtype, build_optimizer, build_scheduler, no_deepspeed_probe,
+                                    to_bf16)
 
 Objective = Callable[[Any, dict[str, torch.Tensor]], Any]
 STATE_FILE = "state.pt"
@@ -156,7 +157,8 @@ class TorchEngine:
     def export(self, path: Path, tokenizer: Any) -> None:
         """Hugging Face format (safetensors + config + tokenizer), written by rank 0."""
         if self.dist.is_main:
-            self.module.save_pretrained(path)
+            with no_deepspeed_probe():
+                self.module.save_pretrained(path)
             tokenizer.save_pretrained(path)
         self.dist.barrier()
 
