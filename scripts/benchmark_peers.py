@@ -45,8 +45,8 @@ Measured per run, each in a fresh process (imports included), the order of the r
 - others' load: the cores other processes kept busy during the run (/proc/stat's busy time, steal included, less
   the run's CPU time and this script's): a shared machine slows a run down, never speeds it up, so the table
   shows tokens/s of every repeat and otherwise the best of them, and notes a run measured on a busy machine;
-- ours runs with train.memory_report=false (its memory probe slows the first two steps), no TensorBoard, no
-  progress bar; the peers with report_to=none and no tqdm.
+- ours runs with its default memory report (train.memory_report=peak: the high-water mark the system keeps, no
+  hooks), no TensorBoard, no progress bar; the peers with report_to=none and no tqdm.
 
 Fairness, checked in the output: each run's non-pad tokens per step against those of the prepared batches (within
 1%, else FAIL and exit 1), and the largest |loss difference| at any step between each run and ours in the same mode
@@ -114,7 +114,7 @@ def ours_overrides(args: argparse.Namespace, root: Path, mode: str, framework: s
             "optim.scheduler=constant", "optim.warmup_steps=0", f"optim.max_grad_norm={MAX_GRAD_NORM}", "optim.kernel=fused",
             f"train.max_steps={args.steps}", f"train.micro_batch_size={args.micro_batch}",
             f"train.global_batch_size={args.micro_batch * args.accum}", f"train.seed={SEED}", "train.eval_every=0",
-            "train.exact_match_samples=0", "train.memory_report=false", "train.progress_bar=false", "train.tensorboard=false"]
+            "train.exact_match_samples=0", "train.progress_bar=false", "train.tensorboard=false"]
 
 
 def prepare(args: argparse.Namespace, root: Path, modes: list[str]) -> dict[str, list[int]]:
@@ -403,7 +403,7 @@ def report(runs: list[dict], expected: dict[str, list[int]], args: argparse.Name
                "of the repeats (a busy machine only slows a run): step ms, the same median; first step: process start to the end "
                "of the first optimizer step (imports, model, data, setup); wall: the whole process, final save included; peak "
                "RSS: the largest process (ours: the rank, not its launcher), the largest of the repeats. Ours with "
-               "train.memory_report=false; TRL with gradient checkpointing off; packed: our first-fit rows, TRL "
+               "its default memory report (the peak, no hooks); TRL with gradient checkpointing off; packed: our first-fit rows, TRL "
                "padding-free.\n\n")
     text = caption + table(runs) + "\nFairness: the same token ids, labels, batches, initial weights and schedule.\n\n" + fair
     busiest = max((r["others"] for r in runs if r.get("others") is not None), default=0.0)
