@@ -197,18 +197,17 @@ def _with_system(messages: list[dict[str, str]], system_prompt: str | None) -> l
     return messages
 
 
-def check(cfg: DataConfig, method: Method) -> None:
+def check(cfg: DataConfig, method: Method | str) -> None:
     """Read every local data file and convert every row; raises ConfigError at the first bad one.
 
     A local directory is only checked to hold a dataset; its rows, and hub datasets, are checked by
     the ranks (that needs `datasets`). A streamed data.train is only checked to exist: reading it
-    whole is what streaming avoids (the ranks name a bad row when the stream reaches it)."""
+    whole is what streaming avoids (the ranks name a bad row when the stream reaches it). Each row is
+    converted as `method` reads it (its finetune.methods record's `check_row`)."""
+    from finetune.methods import get  # here, not at the top: the methods build on this module
+
+    check_row = get(method).check_row
     for s in all_sources(cfg):
         rows = local_rows(s, streamed=cfg.streaming and s.key.startswith("data.train"))
         for i, row in enumerate(rows.rows if rows is not None else []):
-            if method == Method.dpo:
-                to_pair(row, cfg.system_prompt, rows.where(i))
-            elif form_of(row, cfg.format, rows.where(i)) == DataFormat.text:
-                text_of(row, rows.where(i))
-            else:
-                to_messages(row, cfg.format, cfg.system_prompt, rows.where(i))
+            check_row(row, cfg, rows.where(i))
