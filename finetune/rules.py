@@ -361,9 +361,9 @@ def padding_free(cfg: Config) -> tuple[bool, str]:
     """(whether the training micro-batches are padding-free, why): data.padding_free, null resolved."""
     asked = cfg.data.padding_free
     p = cfg.parallelism
-    why_not = (methods.get(cfg.method.name).unpacked or
-               f"parallelism.pp={p.pp} sends every micro-batch through the stages at one shape (data.max_length)" if p.pp > 1 else
-               f"parallelism.cp={p.cp} splits each row's tokens over ranks and masks the whole row" if p.cp > 1 else None)
+    why_not = methods.get(cfg.method.name).unpacked or (
+        f"parallelism.pp={p.pp} sends every micro-batch through the stages at one shape (data.max_length)" if p.pp > 1 else
+        f"parallelism.cp={p.cp} splits each row's tokens over ranks and masks the whole row" if p.cp > 1 else None)
     if asked is False:
         return False, "data.padding_free=false"
     if why_not is not None:

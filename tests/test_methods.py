@@ -54,7 +54,9 @@ def test_objectives_build_the_records_loss():
     assert objectives.DPO.__module__ == "finetune.methods.dpo" and objectives.SFT.__module__ == "finetune.methods.sft"
 
 
-BRANCH = re.compile(r"Method\.(sft|dpo)\b|method\.name\s*[!=]=|\bDpoLoss\.|isinstance\([^)]*\bPair\b")
+# a comparison with a method (a parameter's default, `method: Method = Method.sft`, is not one), its loss options, the pair type
+BRANCH = re.compile(r"([!=]=|\bin \(?|\bis )\s*Method\.\w+|\bMethod\.\w+\s*([!=]=|\bif\b)|method\.name\s*[!=]=|\bDpoLoss\.|"
+                    r"isinstance\([^)]*\bPair\b")
 
 
 def test_no_method_branch_outside_the_methods_package():
