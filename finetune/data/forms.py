@@ -105,12 +105,13 @@ def to_messages(row: dict[str, Any], fmt: DataFormat, system_prompt: str | None,
     return _with_system(messages, system_prompt)
 
 
-def to_pair(row: dict[str, Any], system_prompt: str | None, where: str) -> tuple[list[dict[str, str]], str, str]:
+def to_pair(row: dict[str, Any], system_prompt: str | None, where: str, method: str = "dpo") -> tuple[list[dict[str, str]], str, str]:
     """One preference row -> (prompt messages, chosen response text, rejected response text).
 
-    Refused as for SFT rows, and a pair whose two responses are the same text (it prefers nothing)."""
+    Refused as for SFT rows, and a pair whose two responses are the same text (it prefers nothing); `method`:
+    the method that reads pairs, as the refusal names it."""
     if not is_preference(row):
-        raise ConfigError(f"{where}: method=dpo needs preference rows with 'chosen' and 'rejected' (and 'prompt' unless they are "
+        raise ConfigError(f"{where}: method={method} needs preference rows with 'chosen' and 'rejected' (and 'prompt' unless they are "
                           f"whole conversations); keys present: {', '.join(sorted(row)) or 'none'}")
     if "prompt" in row:
         prompt = row["prompt"]

@@ -36,10 +36,10 @@ class Dpo:
     attached = True  # a precomputed reference's log-probs are attached to each pair on the ranks
 
     def check_row(self, row: dict[str, Any], data: DataConfig, where: str) -> None:
-        to_pair(row, data.system_prompt, where)
+        to_pair(row, data.system_prompt, where, self.name)
 
     def encode(self, row: dict[str, Any], where: str, tokenizer: Any, data: DataConfig, chat: bool) -> Encoded:
-        return fit(encode_pair(*to_pair(row, data.system_prompt, where), tokenizer, chat), data, where)
+        return fit(encode_pair(*to_pair(row, data.system_prompt, where, self.name), tokenizer, chat), data, where)
 
     def join(self, rows: list[Example], scalars: dict[str, float]) -> Pair:
         return Pair(*rows)
