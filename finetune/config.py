@@ -56,6 +56,17 @@ def in_range(lo: float, hi: float, *, hi_open: bool = False, step: float = 0.01)
                    (f"{lo - step:g}", f"{hi:g}" if hi_open else f"{hi + step:g}"))
 
 
+def unused(section: Any, key: str, used: tuple[str, ...], why: str) -> None:
+    """Refuse fields of `section` (the group `key`) set away from their defaults where the chosen option ignores
+    them (the cross-group rules call it: finetune.rules, finetune.methods)."""
+    default = type(section)()
+    for f in fields(section):
+        if f.name not in used and getattr(section, f.name) != getattr(default, f.name):
+            value = getattr(section, f.name)
+            shown = str(value).lower() if isinstance(value, bool) else getattr(value, "value", value)  # as typed on the command line
+            raise ConfigError(f"{key}.{f.name}={shown} has no effect {why}: remove it or change the option")
+
+
 def one_of(*values: int) -> Accepts:
     return Accepts(f"one of {', '.join(map(str, values))}", lambda v: v in values, (str(max(values) + 1),))
 

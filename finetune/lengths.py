@@ -6,7 +6,7 @@ endless stream made of one seeded permutation of the training rows per epoch, cu
 micro-batches, each padded to its longest row (collate). Nothing sorts or buckets rows by length,
 so the longest micro-batch is as long as the longest row the run's steps reach (rows are already
 cut at data.max_length; a packed row is as long as the samples packed into it), and the planner
-counts micro_batch_size rows of that length (x2 for DPO's chosen and rejected).
+counts micro_batch_size examples of that length (x the method's rows per example: DPO's chosen and rejected).
 
 The rows are tokenized by finetune.data's own code (templates, response labels, truncation, long
 prompts dropped, the eval rows held out), with `LightTokenizer`: the tokenizer's tokenizer.json
@@ -28,10 +28,11 @@ from typing import Any
 
 import numpy as np
 
-from finetune.config import Config, ConfigError, Method, ModelConfig
+from finetune import methods
+from finetune.config import Config, ConfigError, ModelConfig
 from finetune.data.pack import first_fit
 from finetune.data.sources import sources, split_rows
-from finetune.data.tokenize import IGNORE, Pair, tokenize
+from finetune.data.tokenize import IGNORE, rows_of, tokenize
 from finetune.plan import Longest
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -143,22 +144,21 @@ def seen_rows(n: int, cfg: Config) -> np.ndarray:
 
 
 def row_lengths(examples: list[Any]) -> list[int]:
-    """Tokens of each training row as collate pads it (a preference pair: its longer response)."""
+    """Tokens of each training example as collate pads it (several rows: the longest, a pair's longer response)."""
     if hasattr(examples, "lengths"):  # the token cache's rows: read from its columns, not row by row
         return examples.lengths().tolist()
-    return [max(len(e.chosen.input_ids), len(e.rejected.input_ids)) if isinstance(e, Pair) else len(e.input_ids)
-            for e in examples]
+    return [max(len(row.input_ids) for row in rows_of(e)) for e in examples]
 
 
 def row_labelled(examples: list[Any]) -> list[int]:
-    """Labelled positions of each training row (a preference pair: both of its rows), what logits=chunked
+    """Labelled positions of each training example (of all its rows: a pair's two), what logits=chunked
     puts through the output layer."""
     if hasattr(examples, "labelled"):
         return examples.labelled().tolist()
 
     def count(e: Any) -> int:
         return len(e.labels) - 1 - e.labels[1:].count(IGNORE) if e.labels else 0
-    return [count(e.chosen) + count(e.rejected) if isinstance(e, Pair) else count(e) for e in examples]
+    return [sum(count(row) for row in rows_of(e)) for e in examples]
 
 
 def longest_of(lengths: list[int], cfg: Config, labelled: list[int] | None = None) -> Longest:
@@ -186,7 +186,7 @@ def _from_cache(cfg: Config, files: dict[str, Path]) -> Longest | None:
         return None
     if entry is None:
         return None
-    train = cache.open_split(entry / "train.arrow")  # packed already when data.packing
+    train = cache.open_split(entry / "train.arrow", cfg.method.name)  # packed already when data.packing
     return longest_of(train.lengths().tolist(), cfg, train.labelled().tolist())
 
 
@@ -215,7 +215,7 @@ def longest_batch(cfg: Config) -> Longest | str:
     except Exception as e:  # a tokenizer or template this light reader cannot handle
         return f"the tokenizer could not be read without transformers ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
     lengths, labelled = row_lengths(examples), row_labelled(examples)
-    if cfg.data.packing and cfg.method.name == Method.sft:
+    if cfg.data.packing and methods.get(cfg.method.name).unpacked is None:
         packed = first_fit(lengths, cfg.data.max_length, cfg.train.seed)
         lengths, labelled = [sum(lengths[i] for i in row) for row in packed], [sum(labelled[i] for i in row) for row in packed]
     return longest_of(lengths, cfg, labelled)

@@ -1,4 +1,5 @@
-"""Training objectives: the one seam where SFT and DPO differ.
+"""Training objectives: the one seam where methods differ (each method's loss is in its module,
+finetune/methods/; `build` picks it), and what the losses share: forwards, label log-probs, the token loss.
 
 An objective turns a batch into a *sum* of per-unit losses and the number of units (response
 tokens for SFT, preference pairs for DPO); the loop divides by the global count over all
@@ -19,11 +20,14 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from finetune.config import DpoLoss, Method, MethodConfig
+from finetune import methods
+from finetune.config import MethodConfig
 from finetune.data.tokenize import IGNORE
 from finetune.head import ChunkedHead
+from finetune.methods.base import Objective, Output
+from finetune.methods.dpo import DPO, dpo_loss  # noqa: F401 - where they were: the methods' losses live in finetune.methods
+from finetune.methods.sft import SFT  # noqa: F401
 
-Output = tuple[torch.Tensor, dict[str, torch.Tensor]]  # (summed loss, summed metrics)
 Reference = Callable[[Any, dict[str, torch.Tensor]], torch.Tensor]  # (policy, batch) -> reference log-probs [2B]
 
 
@@ -55,133 +59,6 @@ def router_loss(config: Any) -> RouterLoss | None:
     if not isinstance(coef, (int, float)) or isinstance(coef, bool):
         return None
     return RouterLoss(float(coef), bool(getattr(config, "output_router_logits", False)))
-
-
-class SFT:
-    """Cross-entropy of next-token prediction on response tokens (prompt and padding masked)."""
-
-    def __init__(self, router: RouterLoss | None = None, head: ChunkedHead | None = None) -> None:
-        self.router, self.head = router, head
-        self.metrics: tuple[str, ...] = (router.metric,) if router else ()  # names of its metric sums (the same on every rank)
-
-    def count(self, batch: dict[str, torch.Tensor]) -> int:
-        """Units the loss is averaged over: labelled tokens that some position predicts."""
-        return int((batch["labels"][:, 1:] != IGNORE).sum())
-
-    def __call__(self, model: Any, batch: dict[str, torch.Tensor]) -> Output:
-        """Summed token loss of the batch (not averaged: the loop normalises)."""
-        if self.head is not None:  # logits=chunked: the output layer leaves the label log-probs
-            with self.head.labelled(batch["labels"]):
-                logits, aux = forward_aux(model, batch, self.router is not None)
-            loss, metrics = -self.head.take()[0].sum() + tie(logits), {}
-        else:
-            logits, aux = forward_aux(model, batch, self.router is not None)
-            loss, metrics = self.loss(logits, batch)
-        return self.router.apply(loss, metrics, aux, self.count(batch)) if self.router else (loss, metrics)
-
-    def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> Output:
-        """The loss from logits (what a pipeline's last stage computes)."""
-        return token_loss_sum(logits, batch["labels"]), {}
-
-    def rows_loss(self, logps: torch.Tensor, batch: dict[str, torch.Tensor]) -> Output:
-        """The loss from each row's summed label log-probs (a pipeline's last stage under logits=chunked)."""
-        return -logps.sum(), {}
-
-
-class DPO:
-    """A DPO-family loss on preference pairs; a batch holds B chosen rows, then B rejected rows.
-
-    Policy log-probs of both responses come from one concatenated forward. Reference log-probs
-    come from the batch (`reference_logps`, precomputed before training), or from `reference`
-    (a live frozen model, or the policy with its adapter disabled), or are not needed (simpo).
-    """
-
-    def __init__(self, cfg: MethodConfig, reference: Reference | None = None, router: RouterLoss | None = None,
-                 head: ChunkedHead | None = None) -> None:
-        self.cfg, self.reference, self.router, self.head = cfg, reference, router, head
-        self.metrics = ("logps/chosen", "logps/rejected", "rewards/accuracy", "rewards/chosen", "rewards/margin",
-                        "rewards/rejected") + ((router.metric,) if router else ())
-
-    def count(self, batch: dict[str, torch.Tensor]) -> int:
-        return batch["input_ids"].shape[0] // 2
-
-    def __call__(self, model: Any, batch: dict[str, torch.Tensor]) -> Output:
-        reference = None  # precomputed ones travel in the batch: `loss` reads them there
-        if self.cfg.loss != DpoLoss.simpo and "reference_logps" not in batch:
-            if self.reference is None:
-                raise RuntimeError("DPO needs reference log-probs: precompute them or give a reference model")
-            with torch.no_grad():  # before the policy's forward: nothing of it is kept for backward
-                reference = self.reference(model, batch).float()
-        if self.head is not None:  # logits=chunked: the output layer leaves the label log-probs
-            with self.head.labelled(batch["labels"]):
-                logits, aux = forward_aux(model, batch, self.router is not None)
-            loss, metrics = self.pairs(*self.head.take(), batch, reference)
-            loss = loss + tie(logits)
-        else:
-            logits, aux = forward_aux(model, batch, self.router is not None)
-            loss, metrics = self.loss(logits, batch, reference)
-        return self.router.apply(loss, metrics, aux, self.count(batch)) if self.router else (loss, metrics)
-
-    def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor], reference: torch.Tensor | None = None) -> Output:
-        """The loss from logits (what a pipeline's last stage computes; reference log-probs from
-        `reference` or the batch)."""
-        return self.pairs(*logits_logps(logits, batch["labels"]), batch, reference)
-
-    def rows_loss(self, logps: torch.Tensor, batch: dict[str, torch.Tensor]) -> Output:
-        """The loss from each row's summed label log-probs (a pipeline's last stage under logits=chunked; the
-        reference log-probs precomputed, in the batch)."""
-        return self.pairs(logps, (batch["labels"][:, 1:] != IGNORE).sum(-1), batch, None)
-
-    def pairs(self, logps: torch.Tensor, lengths: torch.Tensor, batch: dict[str, torch.Tensor],
-              reference: torch.Tensor | None) -> Output:
-        """The loss from each row's summed response log-probs and lengths (chosen rows, then rejected)."""
-        if reference is None and self.cfg.loss != DpoLoss.simpo:
-            reference = batch["reference_logps"].float()
-        chosen, rejected = logps.chunk(2)
-        n_chosen, n_rejected = lengths.chunk(2)
-        ref = reference.chunk(2) if reference is not None else (None, None)
-        losses, chosen_rewards, rejected_rewards = dpo_loss(chosen, rejected, *ref, n_chosen, n_rejected, self.cfg)
-        if self.cfg.sft_weight:  # RPO-style: keep the chosen response likely in absolute terms too
-            losses = losses + self.cfg.sft_weight * (-chosen / n_chosen)
-        metrics = {
-            "rewards/chosen": chosen_rewards.sum(),
-            "rewards/rejected": rejected_rewards.sum(),
-            "rewards/accuracy": (chosen_rewards > rejected_rewards).float().sum(),
-            "rewards/margin": (chosen_rewards - rejected_rewards).sum(),
-            "logps/chosen": chosen.sum(),
-            "logps/rejected": rejected.sum(),
-        }
-        return losses.sum(), {k: v.detach() for k, v in metrics.items()}
-
-
-def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor | None, ref_rejected: torch.Tensor | None,
-             n_chosen: torch.Tensor, n_rejected: torch.Tensor, cfg: MethodConfig) -> tuple[torch.Tensor, ...]:
-    """Per-pair losses and implicit rewards (chosen, rejected) from summed response log-probs.
-
-    Args:
-        chosen, rejected: policy log-probs of each response, summed over its tokens, shape [B].
-        ref_chosen, ref_rejected: the reference model's (None for simpo).
-        n_chosen, n_rejected: response lengths in tokens (ipo and simpo average over them).
-    """
-    beta, ls = cfg.beta_value, cfg.label_smoothing
-    if cfg.loss in (DpoLoss.ipo, DpoLoss.simpo):  # length-normalised log-probs
-        chosen, rejected = chosen / n_chosen, rejected / n_rejected
-        if ref_chosen is not None:
-            ref_chosen, ref_rejected = ref_chosen / n_chosen, ref_rejected / n_rejected
-    if cfg.loss == DpoLoss.simpo:
-        chosen_rewards, rejected_rewards = beta * chosen, beta * rejected
-        z = chosen_rewards - rejected_rewards - cfg.gamma
-        return -(1 - ls) * F.logsigmoid(z) - ls * F.logsigmoid(-z), chosen_rewards.detach(), rejected_rewards.detach()
-    assert ref_chosen is not None and ref_rejected is not None
-    chosen_rewards, rejected_rewards = beta * (chosen - ref_chosen), beta * (rejected - ref_rejected)
-    h = (chosen - ref_chosen) - (rejected - ref_rejected)  # the log-ratio margin
-    if cfg.loss == DpoLoss.sigmoid:
-        losses = -(1 - ls) * F.logsigmoid(beta * h) - ls * F.logsigmoid(-beta * h)
-    elif cfg.loss == DpoLoss.ipo:
-        losses = (h - 1 / (2 * beta)) ** 2
-    else:  # hinge
-        losses = torch.relu(1 - beta * h)
-    return losses, chosen_rewards.detach(), rejected_rewards.detach()
 
 
 def sequence_logps(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,5 +108,6 @@ def predicting(positions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def build(method: MethodConfig, reference: Reference | None = None, router: RouterLoss | None = None,
-          head: ChunkedHead | None = None) -> SFT | DPO:
-    return DPO(method, reference, router, head) if method.name == Method.dpo else SFT(router, head)
+          head: ChunkedHead | None = None) -> Objective:
+    """The loss of `method.name` (its finetune.methods record builds it)."""
+    return methods.get(method.name).objective(method, reference, router, head)

@@ -42,10 +42,8 @@ from finetune.config import (
     Checkpointing,
     Config,
     ConfigError,
-    DpoLoss,
     Logits,
     LogitsKernel,
-    Method,
     ModelConfig,
     Offload,
     Optimizer,
@@ -58,6 +56,7 @@ from finetune.config import (
     NOT_DEEPSPEED,
     engine_kind,
 )
+from finetune import methods
 from finetune.disk import config_source, flash_unavailable, local_config
 from finetune.families import COUNTED, Arch, Block, Linear, adapted, arch_from_config, lora_params, pick_attention, targeted
 from finetune.rules import several_per_row
@@ -773,18 +772,19 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
         notes.append("DoRA: its magnitude path keeps more per forward than LoRA (base and adapter outputs per token, "
                      "weight-sized norms); counted as LoRA, so activations are low (~1.5-2x at h=256 measured)")
 
-    # DPO: a live reference model adds its weights (frozen, no gradients, sharded like the policy's frozen part)
-    if cfg.method.name == Method.dpo and cfg.method.loss != DpoLoss.simpo and cfg.method.reference == Reference.live:
+    # a live reference model (DPO's) adds its weights (frozen, no gradients, sharded like the policy's frozen part)
+    method = methods.get(cfg.method.name)
+    if method.reference(cfg.method) == Reference.live:
         ref_bytes = module_bytes(cfg) * arch.params / mp
         if (z.enabled and z.stage == 3) or p.strategy == Strategy.fsdp:
             ref_bytes /= dp * p.cp
         weights += ref_bytes
-        notes.append("DPO reference=live: a frozen copy of the model's weights")
+        notes.append(f"{method.name.upper()} reference=live: a frozen copy of the model's weights")
 
-    # activations: micro batch (x2 for DPO pairs) at the longest batch's width, pipeline stages in flight
+    # activations: micro batch (x the method's rows per example: 2 for DPO pairs) at the longest batch's width, pipeline stages in flight
     seq, said = batch_width(cfg, longest)
     notes.append(said)
-    rows = cfg.train.micro_batch_size * (2 if cfg.method.name == Method.dpo else 1)
+    rows = cfg.train.micro_batch_size * method.rows_per_example
     tokens = -(-seq // p.cp) * rows  # context parallel: this rank's slice of every row (attention: all of it, 1/cp of the heads)
     labelled = longest.labelled if longest is not None else None
     exchange = 0.0

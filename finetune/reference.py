@@ -1,8 +1,9 @@
-"""DPO's reference log-probs, three ways (`method.reference`):
+"""The reference log-probs a method's loss compares with (DPO's), three ways (`method.reference`); whether a
+method needs them, and which way, is its record's `reference` (finetune.methods):
 
-- precomputed (default): before the first step the initial policy scores every train and eval
-  pair once (no gradients, sharded over ranks, in the compute precision, through the engine, so
-  it works wherever training works). The values travel with the samples: no reference model is
+- precomputed (default): before the first step the initial policy scores every row of every train and
+  eval example (a pair's two) once (no gradients, sharded over ranks, in the compute precision, through
+  the engine, so it works wherever training works). The values travel with the samples: no reference model is
   in memory while training. They are saved to RUN_DIR/reference_logps.pt, which a run resumed
   from one of RUN_DIR's checkpoints reads back (its initial policy is gone by then).
 - live: a frozen copy of the initial model, placed by the engine like the policy (under ZeRO-3
@@ -20,9 +21,10 @@ from typing import Any, Callable
 
 import torch
 
-from finetune.config import Config, ConfigError, DpoLoss, Method, Reference
+from finetune import methods
+from finetune.config import Config, ConfigError, Reference
 from finetune.data.batches import collate, shard
-from finetune.data.tokenize import Pair
+from finetune.data.tokenize import rows_of
 from finetune.dist import Dist
 from finetune.evaluate import lockstep_extra
 from finetune.objectives import logits_logps, sequence_logps
@@ -30,18 +32,20 @@ from finetune.objectives import logits_logps, sequence_logps
 FILE = "reference_logps.pt"
 
 
-def setup(cfg: Config, *, engine: Any, dist: Dist, splits: dict[str, list[Pair]], run_dir: Path, resume_from: Path | None,
+def setup(cfg: Config, *, engine: Any, dist: Dist, splits: dict[str, list[Any]], run_dir: Path, resume_from: Path | None,
           load_model: Callable[[], torch.nn.Module], pad_id: int) -> Callable[[Any, dict[str, torch.Tensor]], torch.Tensor] | None:
-    """Prepare the reference for `cfg.method`; returns what the DPO objective calls for reference
+    """Prepare the reference for `cfg.method`; returns what its objective calls for reference
     log-probs during training (None: they are in the batches, or the loss needs none)."""
-    m = cfg.method
-    if m.name != Method.dpo or m.loss == DpoLoss.simpo:
+    method = methods.get(cfg.method.name)
+    how = method.reference(cfg.method)
+    if how is None:
         return None
-    if m.reference == Reference.precomputed:
+    if how == Reference.precomputed:
         saved = resume_from.parent.parent / FILE if resume_from is not None else None  # RUN_DIR/checkpoints/step_N
-        precompute(engine, splits, dist=dist, path=run_dir / FILE, saved=saved, batch_size=cfg.train.eval_batch_size, pad_id=pad_id)
+        precompute(engine, splits, dist=dist, path=run_dir / FILE, saved=saved, batch_size=cfg.train.eval_batch_size, pad_id=pad_id,
+                   method=method)
         return None
-    if m.reference == Reference.live:
+    if how == Reference.live:
         with torch.random.fork_rng(devices=[]):  # loading re-seeds; training's random stream (dropout) stays as it was
             reference = engine.frozen(load_model())
         return lambda policy, batch: sequence_logps(reference, batch)[0]
@@ -57,39 +61,42 @@ def adapter_disabled(policy: Any, batch: dict[str, torch.Tensor]) -> torch.Tenso
         return sequence_logps(model, batch)[0]
 
 
-def precompute(engine: Any, splits: dict[str, list[Pair]], *, dist: Dist, path: Path, saved: Path | None, batch_size: int,
-               pad_id: int) -> None:
-    """Attach reference log-probs to every pair and write them to `path`: computed now from the
-    initial policy, or, when resuming, read from `saved` (refused if the data changed)."""
+def precompute(engine: Any, splits: dict[str, list[Any]], *, dist: Dist, path: Path, saved: Path | None, batch_size: int,
+               pad_id: int, method: methods.Method) -> None:
+    """Attach reference log-probs to every example (one per row: a pair's chosen and rejected) and write them
+    to `path`: computed now from the initial policy, or, when resuming, read from `saved` (refused if the data
+    changed)."""
     fingerprint = {name: _fingerprint(pairs) for name, pairs in splits.items()}
+    unit, rows = method.unit, method.rows_per_example
     tic = time.perf_counter()
     if saved is not None:
         if not saved.is_file():
             raise ConfigError(f"train.resume: {saved} is missing: the precomputed reference log-probs came from the initial model, "
-                              "which a resumed run no longer has; resume from a checkpoint of a DPO run, or start afresh")
+                              f"which a resumed run no longer has; resume from a checkpoint of a {method.name.upper()} run, or start afresh")
         state = torch.load(saved, weights_only=True)
         changed = [name for name in splits if state["fingerprint"].get(name) != fingerprint[name]]
         if changed:
-            raise ConfigError(f"train.resume: the {' and '.join(changed)} pairs differ from those whose reference log-probs are in "
+            raise ConfigError(f"train.resume: the {' and '.join(changed)} {unit}s differ from those whose reference log-probs are in "
                               f"{saved} (data or tokenizer changed since that run started); resume with the same data")
         values = state["values"]
     else:
-        values = {name: score(engine, pairs, dist=dist, batch_size=batch_size, pad_id=pad_id) for name, pairs in splits.items()}
+        values = {name: score(engine, pairs, dist=dist, batch_size=batch_size, pad_id=pad_id, rows=rows) for name, pairs in splits.items()}
     if dist.is_main and path != saved:
         torch.save({"fingerprint": fingerprint, "values": values}, path)
     for name, pairs in splits.items():
-        for pair, (chosen, rejected) in zip(pairs, values[name].tolist()):
-            pair.reference = (chosen, rejected)
+        for pair, logps in zip(pairs, values[name].tolist()):
+            pair.reference = tuple(logps)
     if dist.is_main:
         what = " + ".join(f"{len(p)} {name}" for name, p in splits.items() if p)
         how = f"read from {saved}" if saved is not None else f"computed in {time.perf_counter() - tic:.1f}s, saved to {path}"
-        print(f"reference: log-probs of {what} pairs {how}")
+        print(f"reference: log-probs of {what} {unit}s {how}")
 
 
 @torch.no_grad()
-def score(engine: Any, pairs: list[Pair], *, dist: Dist, batch_size: int, pad_id: int) -> torch.Tensor:
-    """[N, 2] log-probs (chosen, rejected) of the model as it is now; each rank scores its share."""
-    out = torch.zeros(len(pairs), 2, dtype=torch.float64)
+def score(engine: Any, pairs: list[Any], *, dist: Dist, batch_size: int, pad_id: int, rows: int = 2) -> torch.Tensor:
+    """[N, rows] log-probs of each example's rows (a pair: chosen, rejected) by the model as it is now; each rank
+    scores its share."""
+    out = torch.zeros(len(pairs), rows, dtype=torch.float64)
     if not pairs:
         return out
     mine = shard(list(range(len(pairs))), engine.dp_rank, engine.dp_size)
@@ -97,7 +104,7 @@ def score(engine: Any, pairs: list[Pair], *, dist: Dist, batch_size: int, pad_id
         idx = mine[i : i + batch_size]
         logps = engine.inference(LOGPS, collate([pairs[j] for j in idx], pad_id))
         if engine.owner:  # tp/pp: one rank per model replica contributes
-            out[idx] = logps.double().cpu().view(2, -1).T
+            out[idx] = logps.double().cpu().view(rows, -1).T  # collate: row k of every example, k = 0, 1, ...
     for _ in range(lockstep_extra(engine, len(pairs), batch_size)):  # ZeRO-3/FSDP: as many forwards as the other ranks
         engine.inference(LOGPS, collate(pairs[:1], pad_id))
     return dist.sum_tensor(out)
@@ -119,8 +126,8 @@ class _Logps:
 LOGPS = _Logps()
 
 
-def _fingerprint(pairs: list[Pair]) -> str:
+def _fingerprint(pairs: list[Any]) -> str:
     h = hashlib.sha256()
     for p in pairs:
-        h.update(repr((p.chosen.input_ids, p.chosen.labels, p.rejected.input_ids, p.rejected.labels)).encode())
+        h.update(repr(tuple(tokens for row in rows_of(p) for tokens in (row.input_ids, row.labels))).encode())
     return h.hexdigest()

@@ -19,13 +19,11 @@ from finetune.config import (
     ConfigError,
     DataFormat,
     Device,
-    DpoLoss,
     Kernels,
     LauncherConfig,
     LauncherName,
     Logits,
     LogitsKernel,
-    Method,
     ModelConfig,
     NonFinite,
     Offload,
@@ -42,8 +40,9 @@ from finetune.config import (
     Strategy,
     engine_kind,
     launcher_for,
+    unused as _unused,
 )
-from finetune import liger
+from finetune import liger, methods
 from finetune.data.sources import sources
 from finetune.disk import attention, config_source, config_value, local_config, model_config
 from finetune.families import (COUNTED, FAMILIES, adapted_outside_linears, arch_from_config, arch_targets, dora_experts,
@@ -251,16 +250,6 @@ def _validate_in_backward(cfg: Config) -> None:
                           "(parallelism=single, launcher.nproc_per_node=1)")
 
 
-def _unused(section: Any, key: str, used: tuple[str, ...], why: str) -> None:
-    """Refuse fields set away from their defaults where the chosen option ignores them."""
-    default = type(section)()
-    for f in fields(section):
-        if f.name not in used and getattr(section, f.name) != getattr(default, f.name):
-            value = getattr(section, f.name)
-            shown = str(value).lower() if isinstance(value, bool) else getattr(value, "value", value)  # as typed on the command line
-            raise ConfigError(f"{key}.{f.name}={shown} has no effect {why}: remove it or change the option")
-
-
 def _validate_strategies(cfg: Config) -> None:
     ck, peft = cfg.checkpointing, cfg.peft
     if ck.name != Checkpointing.selective:
@@ -362,8 +351,9 @@ def _validate_streaming(cfg: Config) -> None:
     if len(srcs) > 1 and d.eval is None and d.eval_size:
         raise ConfigError(f"data.eval_size={d.eval_size} with a streamed mixture: data.streaming=true holds out the first rows of one "
                           "source, and a mixture has several: set data.eval")
-    if m.name == Method.dpo and m.loss != DpoLoss.simpo and m.reference == Reference.precomputed:
-        raise ConfigError("method.reference=precomputed scores every train pair before training, which a stream cannot "
+    method = methods.get(m.name)
+    if method.reference(m) == Reference.precomputed:
+        raise ConfigError(f"method.reference=precomputed scores every train {method.unit} before training, which a stream cannot "
                           "(data.streaming=true): use method.reference=live (or adapter_disabled with peft), or data.streaming=false")
 
 
@@ -371,9 +361,9 @@ def padding_free(cfg: Config) -> tuple[bool, str]:
     """(whether the training micro-batches are padding-free, why): data.padding_free, null resolved."""
     asked = cfg.data.padding_free
     p = cfg.parallelism
-    why_not = ("method=dpo scores chosen and rejected as rows of their own" if cfg.method.name == Method.dpo else
-               f"parallelism.pp={p.pp} sends every micro-batch through the stages at one shape (data.max_length)" if p.pp > 1 else
-               f"parallelism.cp={p.cp} splits each row's tokens over ranks and masks the whole row" if p.cp > 1 else None)
+    why_not = methods.get(cfg.method.name).unpacked or (
+        f"parallelism.pp={p.pp} sends every micro-batch through the stages at one shape (data.max_length)" if p.pp > 1 else
+        f"parallelism.cp={p.cp} splits each row's tokens over ranks and masks the whole row" if p.cp > 1 else None)
     if asked is False:
         return False, "data.padding_free=false"
     if why_not is not None:
@@ -394,26 +384,16 @@ def several_per_row(cfg: Config) -> str:
 
 
 def _validate_method(cfg: Config) -> None:
-    m = cfg.method
-    if m.name == Method.sft:
-        _unused(m, "method", ("name",), "with method=sft (DPO settings)")
-        if cfg.data.format == DataFormat.preference:
-            raise ConfigError("data.format=preference holds (prompt, chosen, rejected) pairs for method=dpo; method=sft needs alpaca or chat rows")
-        return
-    if m.loss == DpoLoss.simpo:
-        _unused(m, "method", ("name", "loss", "beta", "gamma", "label_smoothing", "sft_weight"), "with method.loss=simpo (reference-free)")
-    else:
-        _unused(m, "method", tuple(f.name for f in fields(m) if f.name != "gamma"), f"with method.loss={m.loss.value} (only with simpo)")
-    if m.loss in (DpoLoss.ipo, DpoLoss.hinge) and m.label_smoothing:
-        raise ConfigError(f"method.label_smoothing={m.label_smoothing} applies to method.loss=sigmoid or simpo, not {m.loss.value}")
-    if m.reference == Reference.adapter_disabled and cfg.peft.name == PeftMethod.none:
-        raise ConfigError("method.reference=adapter_disabled uses the base model under a PEFT adapter: add peft=lora (or qlora/dora), "
-                          "or use method.reference=precomputed")
-    if cfg.data.packing:
-        raise ConfigError("data.packing=true is not supported with method=dpo (chosen and rejected are scored as separate rows): "
-                          "set data.packing=false")
-    if cfg.data.format not in (DataFormat.auto, DataFormat.preference):
-        raise ConfigError(f"method=dpo trains on preference pairs: data.format={cfg.data.format.value} must be preference or auto")
+    """The method's own rules (its finetune.methods record), then what every method's record declares: the data
+    forms it reads, whether its rows can be packed."""
+    method = methods.get(cfg.method.name)
+    method.validate(cfg)
+    fmt = cfg.data.format
+    if fmt != DataFormat.auto and fmt not in method.forms:
+        raise ConfigError(f"method={method.name} reads data.format={' or '.join(f.value for f in method.forms)} rows (or auto): "
+                          f"data.format={fmt.value} is not one of them")
+    if cfg.data.packing and method.unpacked:
+        raise ConfigError(f"data.packing=true cannot run here: {method.unpacked}: set data.packing=false")
 
 
 SHAPE = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size", "max_position_embeddings",
@@ -550,7 +530,7 @@ def _validate_layout(cfg: Config) -> None:
         raise ConfigError("peft=dora is not supported with tensor parallel (its weight norm spans the sharded dimension): "
                           "use peft=lora with tp, or dora with fsdp/ddp")
     if p.pp > 1:
-        if cfg.method.name == Method.dpo and cfg.method.loss != DpoLoss.simpo and cfg.method.reference != Reference.precomputed:
+        if methods.get(cfg.method.name).reference(cfg.method) not in (None, Reference.precomputed):
             raise ConfigError(f"method.reference={cfg.method.reference.value} is not supported with pipeline parallel: "
                               "use method.reference=precomputed")
         if cfg.checkpointing.name == Checkpointing.offload:
@@ -563,10 +543,9 @@ def _validate_context_parallel(cfg: Config) -> None:
     if p.pp > 1:
         raise ConfigError(f"parallelism.cp={p.cp} with pipeline parallel (parallelism.pp={p.pp}) is not supported (a stage hands "
                           "whole sequences to the next): use cp with fsdp or ddp, and tp")
-    if cfg.method.name == Method.dpo:
-        raise ConfigError(f"method=dpo with parallelism.cp={p.cp} is not supported: the DPO loss needs each response's whole "
-                          "log-probability before it is computed, and each rank holds a slice of the tokens; use parallelism.cp=1 "
-                          "(with checkpointing=full and logits=chunked for long pairs)")
+    method = methods.get(cfg.method.name)
+    if method.split_tokens:
+        raise ConfigError(f"method={method.name} with parallelism.cp={p.cp} is not supported: {method.split_tokens}")
     arch = model_config(cfg.model)
     if arch is not None and arch.get("output_router_logits") is True:
         raise ConfigError(router_loss_split(f"parallelism.cp={p.cp}"))

@@ -25,7 +25,7 @@ from finetune.config import Config, ConfigError, Kernels, Logits, MemoryReport, 
 from finetune.data import stream
 from finetune.data.batches import TrainBatches
 from finetune.data.pack import pack
-from finetune.data.tokenize import IGNORE, Pair, Stats, load_split
+from finetune.data.tokenize import IGNORE, Stats, load_split, rows_of
 from finetune.engine.common import autocast_dtype
 from finetune.families import router_loss_split, router_loss_under_pp
 from finetune.head import PROBE_TOKENS, ChunkedHead
@@ -239,7 +239,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
         checkpoint.check_compatible(resume_from, cfg)
     elif cfg.train.resume == "auto" and d.is_main:
         print(f"train.resume=auto: no checkpoint in {run_dir / 'checkpoints'}, starting from step 0")
-    # DPO's reference: the live one is the initial model again (a 4-bit base for QLoRA, no adapter).
+    # the method's reference (DPO's): the live one is the initial model again (a 4-bit base for QLoRA, no adapter).
     phase("reference")
     base_peft = cfg.peft if cfg.peft.name == PeftMethod.qlora else PeftConfig()
     with compiling.eager():  # a precomputed reference is the policy's forward without gradients
@@ -320,7 +320,7 @@ def load_data(cfg: Config, tokenizer: Any, d: dist.Dist) -> tuple[Any, Any, dict
 def probe_batch(examples: Any) -> dict[str, torch.Tensor]:
     """The first training row's first PROBE_TOKENS tokens (ChunkedHead.probe compares logits: no labels)."""
     first = examples.first() if isinstance(examples, stream.Streamed) else examples[0]
-    first = first.chosen if isinstance(first, Pair) else first
+    first = rows_of(first)[0]  # a pair: its chosen row
     ids = torch.tensor([first.input_ids[:PROBE_TOKENS]])
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 

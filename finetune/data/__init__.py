@@ -9,4 +9,7 @@
 - batches.py: step -> this rank's micro-batches (a pure function of (seed, step)); evaluation's batches.
 - cache.py: the tokenized (and packed) data as an on-disk Arrow artifact, made once, memory-mapped by every rank.
 - stream.py: data.streaming=true: data.train read as it is needed and tokenized by a DataLoader worker, no cache.
+
+Which forms a run reads and what a row becomes is the method's (finetune.methods, built on forms.py and
+tokenize.py, which call it back from inside their functions: `check`, `tokenize_row`).
 """

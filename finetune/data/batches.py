@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
-from finetune.data.tokenize import IGNORE, Example, Pair
+from finetune.data.tokenize import IGNORE, Example, rows_of
 
 if TYPE_CHECKING:
     import torch
@@ -21,8 +21,9 @@ def collate(examples: list[Any], pad_id: int, width: int | None = None, flat: bo
     """Right-pad to the longest example; padding carries no loss. `flat`: the examples end to end in one row
     instead (padding-free, `flat_row`).
 
-    Preference pairs become 2B rows: the B chosen, then the B rejected, and their precomputed
-    reference log-probs (if any) as `reference_logps` in the same order.
+    Items (finetune.methods.base.Item: preference pairs) become row k of every example,
+    k = 0, 1, ... (2B rows: the B chosen, then the B rejected), and the values they carry (precomputed
+    reference log-probs as `reference_logps`) float64 tensors in the same order.
 
     Plain rows get an attention mask. Packed rows get position ids instead, restarting at 0 for
     every sample (and for the padding tail): transformers then attends only within each sample
@@ -32,11 +33,12 @@ def collate(examples: list[Any], pad_id: int, width: int | None = None, flat: bo
     """
     import torch  # here, not at the top: the planner reads lengths through this module without torch
 
-    if isinstance(examples[0], Pair):
-        batch = collate([p.chosen for p in examples] + [p.rejected for p in examples], pad_id, width)
-        if examples[0].reference is not None:
-            batch["reference_logps"] = torch.tensor([p.reference[0] for p in examples] + [p.reference[1] for p in examples],
-                                                    dtype=torch.float64)
+    if not isinstance(examples[0], Example):  # an Item (finetune.methods.base): its rows and the values they carry
+        rows = range(len(examples[0].rows))
+        batch = collate([e.rows[k] for k in rows for e in examples], pad_id, width)
+        values = [e.values() for e in examples]
+        for name in values[0]:
+            batch[name] = torch.tensor([v[name][k] for k in rows for v in values], dtype=torch.float64)
         return batch
     if flat:
         return flat_row(examples)
@@ -132,8 +134,8 @@ def shard(items: list[Any], rank: int, world: int) -> list[Any]:
 
 
 def for_generation(examples: list[Any]) -> list[Example]:
-    """What exact match generates from: the example, or a pair's chosen response; text rows have no prompt."""
-    return [e for e in (e.chosen if isinstance(e, Pair) else e for e in examples) if e.prompt_len > 0]  # not text rows
+    """What exact match generates from: the example's first row (a pair's chosen response); text rows have no prompt."""
+    return [e for e in (rows_of(e)[0] for e in examples) if e.prompt_len > 0]  # not text rows
 
 
 def eval_batches(examples: list[Any], batch_size: int, pad_id: int) -> Iterator[dict[str, torch.Tensor]]:

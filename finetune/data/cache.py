@@ -18,7 +18,10 @@ beforehand, on a login node, with the same config. The rows are tokenized by fin
 runs on the token columns with numpy, so its result is cached too.
 
 A rank memory-maps the files with pyarrow (no `datasets` import on a cache hit) and reads rows as
-batches need them (`Examples`): its RAM does not grow with the dataset. DPO pairs are materialized (the precomputed reference log-probs are attached to each pair).
+batches need them (`Examples`): its RAM does not grow with the dataset. A method whose examples carry values
+computed on the ranks (DPO: the precomputed reference log-probs attached to each pair) has them materialized.
+An example of several rows (a pair) is one table row, each of its rows under its own column prefix
+(the method's `columns`: chosen_input_ids, ...).
 """
 
 from __future__ import annotations
@@ -35,10 +38,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from finetune import methods
 from finetune.config import ConfigError, DataConfig, Method
 from finetune.data.pack import first_fit
 from finetune.data.sources import Rows, fingerprint, samples_rows, split_rows
-from finetune.data.tokenize import IGNORE, Example, Pair, Stats, tokenize_row, uses_chat_template
+from finetune.data.tokenize import IGNORE, Example, Stats, rows_of, tokenize_row, uses_chat_template
 
 if TYPE_CHECKING:
     import datasets
@@ -70,7 +74,7 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return digest.hexdigest()
 
 
-def key_inputs(cfg: DataConfig, tokenizer: Any, method: Method, seed: int) -> dict[str, Any]:
+def key_inputs(cfg: DataConfig, tokenizer: Any, method: Method | str, seed: int) -> dict[str, Any]:
     """Everything that changes the tokens of a run's data (what the key hashes; meta.json keeps it)."""
     sources = fingerprint(cfg)
     for entry in sources.values():
@@ -79,7 +83,7 @@ def key_inputs(cfg: DataConfig, tokenizer: Any, method: Method, seed: int) -> di
     held_out = cfg.eval is None and cfg.eval_size > 0
     seeded = held_out or cfg.packing or samples_rows(cfg)
     return {
-        "version": VERSION, "sources": sources, "tokenizer": tokenizer_fingerprint(tokenizer), "method": method.value,
+        "version": VERSION, "sources": sources, "tokenizer": tokenizer_fingerprint(tokenizer), "method": methods.get(method).name,
         "format": cfg.format.value, "template": cfg.template.value, "system_prompt": cfg.system_prompt,
         "max_length": cfg.max_length, "long_prompt": cfg.long_prompt.value, "packing": cfg.packing,
         "eval_size": cfg.eval_size if held_out else 0, "seed": seed if seeded else None,
@@ -106,9 +110,9 @@ def key_of(inputs: dict[str, Any]) -> str:
 class Examples(Sequence):
     """A split's examples (or pairs), read row by row from a memory-mapped Arrow table."""
 
-    def __init__(self, table: pa.Table) -> None:
-        self.table = table
-        self.pairs = "chosen_input_ids" in table.column_names
+    def __init__(self, table: pa.Table, method: Method | str = Method.sft) -> None:
+        self.table, self.method = table, methods.get(method)
+        self.columns = self.method.columns  # each of an example's rows: its columns' prefix
 
     def __len__(self) -> int:
         return self.table.num_rows
@@ -119,19 +123,18 @@ class Examples(Sequence):
         if not -len(self) <= i < len(self):
             raise IndexError(i)
         row = self.table.slice(int(i) % len(self), 1).to_pylist()[0]
-        if self.pairs:
-            return Pair(*(Example(row[f"{side}_input_ids"], row[f"{side}_labels"], row[f"{side}_prompt_len"], row[f"{side}_reference"])
-                          for side in ("chosen", "rejected")))
-        return Example(row["input_ids"], row["labels"], row["prompt_len"], row["reference"], row.get("position_ids"))
+        return self.method.join([Example(row[f"{c}input_ids"], row[f"{c}labels"], row[f"{c}prompt_len"], row[f"{c}reference"],
+                                         row.get(f"{c}position_ids")) for c in self.columns],
+                                {name: row[name] for name in self.method.scalars})
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Examples) and self.table.equals(other.table)
 
     def lengths(self) -> np.ndarray:
-        """Each row's tokens (a pair: its longer side), without reading the rows."""
+        """Each example's tokens (a pair: its longer side), without reading the rows."""
         import pyarrow.compute as pc
 
-        columns = ("chosen_input_ids", "rejected_input_ids") if self.pairs else ("input_ids",)
+        columns = [f"{c}input_ids" for c in self.columns]
         table = self.table
         return np.max([_numpy(pc.list_value_length(table.column(c)).combine_chunks()) for c in columns], axis=0)
 
@@ -140,13 +143,13 @@ class Examples(Sequence):
         (finetune.lengths.row_labelled), from the columns."""
         table = self.table
         return sum(_labelled(table.column(c).combine_chunks())
-                   for c in (("chosen_labels", "rejected_labels") if self.pairs else ("labels",)))
+                   for c in (f"{prefix}labels" for prefix in self.columns))
 
     def tokens(self) -> int:
         import pyarrow.compute as pc
 
         return sum(int(pc.sum(pc.list_value_length(self.table.column(c))).as_py() or 0)
-                   for c in (("chosen_input_ids", "rejected_input_ids") if self.pairs else ("input_ids",)))
+                   for c in (f"{prefix}input_ids" for prefix in self.columns))
 
 
 def _numpy(array: Any) -> np.ndarray:
@@ -169,18 +172,18 @@ def _labelled(labels: Any) -> np.ndarray:
     return marked[offsets[1:]] - marked[offsets[:-1]] - first
 
 
-def find(cfg: DataConfig, tokenizer: Any, method: Method, seed: int) -> Path | None:
+def find(cfg: DataConfig, tokenizer: Any, method: Method | str, seed: int) -> Path | None:
     """The cache entry of these inputs, if one is complete."""
     target = root(cfg) / key_of(key_inputs(cfg, tokenizer, method, seed))
     return target if (target / META).is_file() else None
 
 
-def open_split(path: Path) -> Examples:
-    """A split's Arrow file, memory-mapped (pages are read as rows are; nothing is copied)."""
+def open_split(path: Path, method: Method | str = Method.sft) -> Examples:
+    """A split's Arrow file of `method`'s examples, memory-mapped (pages are read as rows are; nothing is copied)."""
     import pyarrow as pa
 
     with pa.memory_map(str(path)) as source:
-        return Examples(pa.ipc.open_file(source).read_all())
+        return Examples(pa.ipc.open_file(source).read_all(), method)
 
 
 def write_split(table: pa.Table, path: Path) -> None:
@@ -194,17 +197,16 @@ def write_split(table: pa.Table, path: Path) -> None:
 # Building
 
 
-def _features(method: Method) -> datasets.Features:
+def _features(method: Method | str) -> datasets.Features:
+    """The token columns of each of an example's rows (prefixed by the method's `columns`), its `scalars`, and the counts'."""
     from datasets import Features, Sequence, Value
 
     ids = Sequence(Value("int32"))
     common = {"kind": Value("int8"), "prompt": Value("int32"), "flags": Value("int8")}
-    if method == Method.dpo:
-        return Features({f"{side}_{name}": ids for side in ("chosen", "rejected") for name in ("input_ids", "labels")}
-                        | {f"{side}_prompt_len": Value("int32") for side in ("chosen", "rejected")}
-                        | {f"{side}_reference": Value("string") for side in ("chosen", "rejected")} | common)
-    return Features({"input_ids": ids, "labels": ids, "prompt_len": Value("int32"), "reference": Value("string")}
-                    | common)
+    m = methods.get(method)
+    return Features({f"{c}{name}": ids for c in m.columns for name in ("input_ids", "labels")}
+                    | {f"{c}prompt_len": Value("int32") for c in m.columns} | {f"{c}reference": Value("string") for c in m.columns}
+                    | {name: Value("float64") for name in m.scalars} | common)
 
 
 KEPT, DROPPED = 0, 1  # `kind`: a row to train on, or a prompt too long (its length in `prompt`), kept for the counts
@@ -212,7 +214,7 @@ TRUNCATED, SPLIT = 1, 2  # `flags` bits, on a source row's first output
 
 
 def _encode_batch(batch: dict[str, list[Any]], indices: list[int], *, origin: Rows, tokenizer: Any, cfg: DataConfig,
-                  method: Method, chat: bool) -> dict[str, list[Any]]:
+                  method: Method | str, chat: bool) -> dict[str, list[Any]]:
     """datasets.map: JSON rows -> token columns, one output per example (and one per dropped row)."""
     out: dict[str, list[Any]] = {name: [] for name in _features(method)}
     for raw, i in zip(batch["row"], indices):
@@ -224,23 +226,18 @@ def _encode_batch(batch: dict[str, list[Any]], indices: list[int], *, origin: Ro
     return out
 
 
-def _append(out: dict[str, list[Any]], item: Any, method: Method, *, kind: int, prompt: int, flags: int) -> None:
+def _append(out: dict[str, list[Any]], item: Any, method: Method | str, *, kind: int, prompt: int, flags: int) -> None:
     out["kind"].append(kind)
     out["prompt"].append(prompt)
     out["flags"].append(flags)
-    if method == Method.dpo:
-        for side in ("chosen", "rejected"):
-            ex = getattr(item, side) if item is not None else Example([], [], 0, "")
-            out[f"{side}_input_ids"].append(ex.input_ids)
-            out[f"{side}_labels"].append(ex.labels)
-            out[f"{side}_prompt_len"].append(ex.prompt_len)
-            out[f"{side}_reference"].append(ex.reference)
-        return
-    item = item or Example([], [], 0, "")
-    out["input_ids"].append(item.input_ids)
-    out["labels"].append(item.labels)
-    out["prompt_len"].append(item.prompt_len)
-    out["reference"].append(item.reference)
+    m = methods.get(method)
+    for name in m.scalars:
+        out[name].append(float(getattr(item, name)) if item is not None else 0.0)
+    for c, ex in zip(m.columns, rows_of(item) if item is not None else [Example([], [], 0, "")] * len(m.columns)):
+        out[f"{c}input_ids"].append(ex.input_ids)
+        out[f"{c}labels"].append(ex.labels)
+        out[f"{c}prompt_len"].append(ex.prompt_len)
+        out[f"{c}reference"].append(ex.reference)
 
 
 ROWS_PER_WRITE = 10_000
@@ -265,7 +262,7 @@ def row_file(rows: Rows, path: Path) -> datasets.Dataset:
     return datasets.Dataset.from_file(str(path))
 
 
-def tokenize_split(rows: Rows, tokenizer: Any, cfg: DataConfig, key: str, method: Method, *, num_proc: int,
+def tokenize_split(rows: Rows, tokenizer: Any, cfg: DataConfig, key: str, method: Method | str, *, num_proc: int,
                    progress: bool, scratch: Path) -> tuple[pa.Table, Stats]:
     """Rows -> a token table (memory-mapped from `datasets`' files in `scratch`) with `tokenize`'s counts and
     refusals. The rows are consumed (`row_file`)."""
@@ -349,7 +346,7 @@ def pack_split(table: pa.Table, max_length: int, seed: int) -> pa.Table:
     return packed
 
 
-def build(cfg: DataConfig, tokenizer: Any, method: Method, seed: int, target: Path, inputs: dict[str, Any], *,
+def build(cfg: DataConfig, tokenizer: Any, method: Method | str, seed: int, target: Path, inputs: dict[str, Any], *,
           num_proc: int, progress: bool, say: Callable[[str], None]) -> None:
     """Tokenize (and pack) the run's data into `target`, atomically."""
     started = time.perf_counter()
@@ -367,7 +364,7 @@ def build(cfg: DataConfig, tokenizer: Any, method: Method, seed: int, target: Pa
                 splits[name], stats[name] = tokenize_split(rows.pop(name), tokenizer, cfg, f"data.{name}", method,
                                                            num_proc=num_proc, progress=progress, scratch=scratch)
         samples = splits["train"].num_rows
-        if cfg.packing and method == Method.sft:
+        if cfg.packing and methods.get(method).unpacked is None:
             splits["train"] = pack_split(splits["train"], cfg.max_length, seed)
         for name, table in splits.items():
             write_split(table, temporary / f"{name}.arrow")
@@ -398,7 +395,7 @@ def num_processes(cfg: DataConfig) -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def load(cfg: DataConfig, tokenizer: Any, seed: int, method: Method, *, builder: bool, progress: bool,
+def load(cfg: DataConfig, tokenizer: Any, seed: int, method: Method | str, *, builder: bool, progress: bool,
          say: Callable[[str], None], wait_s: float = 0.5) -> tuple[Any, Any, dict[str, Stats], int, Path]:
     """The run's train and eval examples from the cache, built first if missing by the `builder` (local rank 0;
     the others wait for it). Returns (train, eval, counts, samples before packing, the cache entry)."""
@@ -423,11 +420,11 @@ def load(cfg: DataConfig, tokenizer: Any, seed: int, method: Method, *, builder:
     else:
         hit = True
     meta = json.loads((target / META).read_text())
-    train = open_split(target / "train.arrow")
-    evals = open_split(target / "eval.arrow") if (target / "eval.arrow").is_file() else []
+    train = open_split(target / "train.arrow", method)
+    evals = open_split(target / "eval.arrow", method) if (target / "eval.arrow").is_file() else []
     if hit:
         say(f"data: cached tokens {target} ({describe(train, evals)})")
-    if method == Method.dpo:  # each pair carries its reference log-probs once computed: materialize
+    if methods.get(method).attached:  # each example carries values computed on the rank (reference log-probs): materialize
         train, evals = list(train), list(evals)
     stats = {k: Stats(**v) for k, v in meta["stats"].items()}
     return train, evals, stats, meta["samples"], target
@@ -436,8 +433,7 @@ def load(cfg: DataConfig, tokenizer: Any, seed: int, method: Method, *, builder:
 def describe(train: Any, evals: Any) -> str:
     """`N rows, T tokens` of the cached splits."""
     def tokens(split: Any) -> int:
-        return split.tokens() if isinstance(split, Examples) else sum(
-            len(p.chosen.input_ids) + len(p.rejected.input_ids) if isinstance(p, Pair) else len(p.input_ids) for p in split)
+        return split.tokens() if isinstance(split, Examples) else sum(len(row.input_ids) for p in split for row in rows_of(p))
 
     return ", ".join(f"{name} {len(split):,} rows, {tokens(split):,} tokens" for name, split in (("train", train), ("eval", evals)) if len(split))
 

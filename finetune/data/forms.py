@@ -105,12 +105,13 @@ def to_messages(row: dict[str, Any], fmt: DataFormat, system_prompt: str | None,
     return _with_system(messages, system_prompt)
 
 
-def to_pair(row: dict[str, Any], system_prompt: str | None, where: str) -> tuple[list[dict[str, str]], str, str]:
+def to_pair(row: dict[str, Any], system_prompt: str | None, where: str, method: str = "dpo") -> tuple[list[dict[str, str]], str, str]:
     """One preference row -> (prompt messages, chosen response text, rejected response text).
 
-    Refused as for SFT rows, and a pair whose two responses are the same text (it prefers nothing)."""
+    Refused as for SFT rows, and a pair whose two responses are the same text (it prefers nothing); `method`:
+    the method that reads pairs, as the refusal names it."""
     if not is_preference(row):
-        raise ConfigError(f"{where}: method=dpo needs preference rows with 'chosen' and 'rejected' (and 'prompt' unless they are "
+        raise ConfigError(f"{where}: method={method} needs preference rows with 'chosen' and 'rejected' (and 'prompt' unless they are "
                           f"whole conversations); keys present: {', '.join(sorted(row)) or 'none'}")
     if "prompt" in row:
         prompt = row["prompt"]
@@ -197,18 +198,17 @@ def _with_system(messages: list[dict[str, str]], system_prompt: str | None) -> l
     return messages
 
 
-def check(cfg: DataConfig, method: Method) -> None:
+def check(cfg: DataConfig, method: Method | str) -> None:
     """Read every local data file and convert every row; raises ConfigError at the first bad one.
 
     A local directory is only checked to hold a dataset; its rows, and hub datasets, are checked by
     the ranks (that needs `datasets`). A streamed data.train is only checked to exist: reading it
-    whole is what streaming avoids (the ranks name a bad row when the stream reaches it)."""
+    whole is what streaming avoids (the ranks name a bad row when the stream reaches it). Each row is
+    converted as `method` reads it (its finetune.methods record's `check_row`)."""
+    from finetune.methods import get  # here, not at the top: the methods build on this module
+
+    check_row = get(method).check_row
     for s in all_sources(cfg):
         rows = local_rows(s, streamed=cfg.streaming and s.key.startswith("data.train"))
         for i, row in enumerate(rows.rows if rows is not None else []):
-            if method == Method.dpo:
-                to_pair(row, cfg.system_prompt, rows.where(i))
-            elif form_of(row, cfg.format, rows.where(i)) == DataFormat.text:
-                text_of(row, rows.where(i))
-            else:
-                to_messages(row, cfg.format, cfg.system_prompt, rows.where(i))
+            check_row(row, cfg, rows.where(i))

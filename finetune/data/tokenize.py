@@ -10,7 +10,9 @@ through the same templates; only the final response carries labels. A pair's bat
 followed by its rejected rows, so one forward scores both.
 
 `tokenize_row` is the one place a row becomes examples: in memory (`tokenize`), in the token cache's
-workers (finetune.data.cache) and in a stream's worker (finetune.data.stream).
+workers (finetune.data.cache) and in a stream's worker (finetune.data.stream). Which of these a row becomes
+is the method's `encode` (finetune.methods), built from the helpers here (`encode`, `encode_pair`,
+`encode_text`, `fit`).
 """
 
 from __future__ import annotations
@@ -18,8 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.config import ConfigError, DataConfig, DataFormat, LongPrompt, Method, Template
-from finetune.data.forms import form_of, text_of, to_messages, to_pair
+from finetune.config import ConfigError, DataConfig, LongPrompt, Method, Template
 from finetune.data.sources import Rows, split_rows
 
 IGNORE = -100  # label of tokens that carry no loss (prompt, padding)
@@ -83,6 +84,19 @@ class Pair:
     reference: tuple[float, float] | None = None
     """Reference-model log-probs of the chosen and rejected responses (summed over their tokens),
     when precomputed before training."""
+
+    @property
+    def rows(self) -> tuple[Example, Example]:
+        """Its rows in batch order (finetune.methods.base.Item): a batch of pairs is B chosen rows, then B rejected."""
+        return self.chosen, self.rejected
+
+    def values(self) -> dict[str, tuple[float, ...]]:
+        return {"reference_logps": self.reference} if self.reference is not None else {}
+
+
+def rows_of(item: Any) -> tuple[Example, ...]:
+    """An example's rows: itself, or an item's (finetune.methods.base.Item: a pair's chosen and rejected)."""
+    return (item,) if isinstance(item, Example) else item.rows
 
 
 def encode(messages: list[dict[str, str]], tokenizer: Any, chat_template: bool, last_only: bool = False) -> Example:
@@ -161,17 +175,18 @@ class Encoded:
     split: bool = False  # a text row longer than max_length, in several pieces
 
 
-def tokenize_row(row: dict[str, Any], where: str, tokenizer: Any, cfg: DataConfig, method: Method, chat: bool) -> Encoded:
-    """One row -> its examples no longer than cfg.max_length (see `tokenize`)."""
-    if method == Method.dpo:
-        item = encode_pair(*to_pair(row, cfg.system_prompt, where), tokenizer, chat)
-        parts = [item.chosen, item.rejected]
-    elif form_of(row, cfg.format, where) == DataFormat.text:
-        pieces = encode_text(text_of(row, where), tokenizer, cfg.max_length)
-        return Encoded(pieces, split=len(pieces) > 1)
-    else:
-        item = encode(to_messages(row, cfg.format, cfg.system_prompt, where), tokenizer, chat)
-        parts = [item]
+def tokenize_row(row: dict[str, Any], where: str, tokenizer: Any, cfg: DataConfig, method: Method | str, chat: bool) -> Encoded:
+    """One row -> its examples no longer than cfg.max_length (see `tokenize`): the method's `encode`."""
+    from finetune.methods import get  # here, not at the top: the methods build on this module
+
+    return get(method).encode(row, where, tokenizer, cfg, chat)
+
+
+def fit(item: Any, cfg: DataConfig, where: str) -> Encoded:
+    """An example of prompt + response rows (all sharing one prompt), cut to cfg.max_length: each row's response
+    cut at the end (the prompt, and the boundary, never lost), or the example dropped (or refused, per
+    data.long_prompt) when its prompt leaves no room for a single response token."""
+    parts = rows_of(item)
     first_label = next((j for j, label in enumerate(parts[0].labels) if label != IGNORE), len(parts[0].labels))
     if first_label >= cfg.max_length:  # not a single response token would fit
         if cfg.long_prompt == LongPrompt.error:
@@ -187,7 +202,7 @@ def tokenize_row(row: dict[str, Any], where: str, tokenizer: Any, cfg: DataConfi
     return Encoded([item], truncated=truncated)
 
 
-def tokenize(rows: Rows, tokenizer: Any, cfg: DataConfig, key: str, method: Method = Method.sft) -> tuple[list[Any], Stats]:
+def tokenize(rows: Rows, tokenizer: Any, cfg: DataConfig, key: str, method: Method | str = Method.sft) -> tuple[list[Any], Stats]:
     """Rows -> examples (or preference pairs) no longer than cfg.max_length, with truncation counted.
 
     A pair keeps its prompt whole and cuts each response at the end, so the prompt/response
@@ -203,7 +218,7 @@ def tokenize(rows: Rows, tokenizer: Any, cfg: DataConfig, key: str, method: Meth
     return out, stats
 
 
-def load_split(cfg: DataConfig, tokenizer: Any, seed: int, method: Method = Method.sft) -> tuple[list[Any], list[Any], dict[str, Stats]]:
+def load_split(cfg: DataConfig, tokenizer: Any, seed: int, method: Method | str = Method.sft) -> tuple[list[Any], list[Any], dict[str, Stats]]:
     """The train and eval examples (pairs for DPO), per the data config, with their counts, in memory."""
     train_rows, eval_rows = split_rows(cfg, seed)
     train, train_stats = tokenize(train_rows, tokenizer, cfg, "data.train", method)

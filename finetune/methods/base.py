@@ -1,0 +1,124 @@
+"""The interface every training method implements: what the data, the loop, the planner and the rules ask
+of it. One module per method (finetune/methods/sft.py, dpo.py) holds one record, `METHOD`, listed in the
+registry (finetune/methods/__init__.py); nothing outside finetune/methods/ branches on the method's name.
+
+The record is read on both sides of the launch. The launcher side (rules, planner, data checks, the
+token cache) reads its plain fields and calls `check_row`, `encode`, `reference` and `validate`, with no
+torch; a rank calls `objective` for the loss, whose module imports torch where it is used (inside the
+functions), so that importing a method costs the launcher nothing.
+
+An *example* is what one data row becomes and what a batch is made of: a `finetune.data.tokenize.Example`
+(one row of tokens, SFT), or an `Item`: rows and the values they carry (a preference `Pair`'s chosen and
+rejected rows, with their reference log-probs). A batch lays out row k of every example, k = 0, 1, ...
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+from finetune.config import Config, DataConfig, DataFormat, MethodConfig, Reference
+
+if TYPE_CHECKING:
+    import torch
+
+    from finetune.data.tokenize import Encoded, Example
+
+Output = tuple["torch.Tensor", dict[str, "torch.Tensor"]]  # (summed loss, summed metrics): what an objective returns
+
+
+class Item(Protocol):
+    """An example other than one plain row: its rows (a preference pair's two; a KTO row with its label) and the
+    values it carries, as collate (finetune.data.batches) lays them out."""
+
+    @property
+    def rows(self) -> tuple[Example, ...]:
+        """Its rows in batch order (a pair: chosen, rejected)."""
+
+    def values(self) -> dict[str, tuple[float, ...]]:
+        """Numbers that travel in the batch beside its rows, one per row, as float64 tensors in row order (DPO's
+        precomputed `reference_logps`); {} when none."""
+
+
+class Objective(Protocol):
+    """The loss one method trains with (finetune.loop calls it; finetune.engine runs it)."""
+
+    metrics: tuple[str, ...]
+    """Names of its own metric sums (DPO: rewards/accuracy...), the same on every rank; the loop averages them
+    over the loss units like the loss."""
+
+    def count(self, batch: dict[str, torch.Tensor]) -> int:
+        """Units the loss is a sum over, in this batch (SFT: labelled tokens; DPO: pairs)."""
+
+    def __call__(self, model: Any, batch: dict[str, torch.Tensor]) -> Output:
+        """(summed loss, summed metrics) of the batch; the loop divides by the step's global count."""
+
+    def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> Output:
+        """The same from logits: what a pipeline's last stage computes."""
+
+    def rows_loss(self, logps: torch.Tensor, batch: dict[str, torch.Tensor]) -> Output:
+        """The same from each row's summed label log-probs (a pipeline's last stage under logits=chunked)."""
+
+
+class Method(Protocol):
+    """One training method: the data forms it reads, how a row becomes examples, how many rows an example puts
+    in a batch, whether it needs a reference model and how it is computed, its loss and metrics, its rules
+    across config groups, and what the planner counts for it."""
+
+    name: str
+    """Its `method.name` (finetune.config.Method), as typed on the command line."""
+
+    forms: tuple[DataFormat, ...]
+    """The data.format values it accepts besides auto (which tells a row's form by its keys)."""
+
+    unit: str
+    """What one example is called in messages ("pair"): "reference: log-probs of 4 train pairs"."""
+
+    columns: tuple[str, ...]
+    """The token cache's column prefix of each of an example's rows, in batch order: ("",) for an example of one
+    row (columns input_ids, labels...); DPO ("chosen_", "rejected_"). Its length is `rows_per_example`."""
+
+    rows_per_example: int
+    """Rows one example puts in a batch: the planner counts micro_batch_size x this many rows of activations."""
+
+    unpacked: str | None
+    """None: its examples may be packed (data.packing) and laid end to end (data.padding_free). Else why not,
+    as the refusal says it ("method=dpo scores chosen and rejected as rows of their own")."""
+
+    split_tokens: str | None
+    """None: its loss is a sum over tokens, which context parallel (parallelism.cp) splits over ranks. Else why
+    it cannot, and what to do instead, after "method=NAME with parallelism.cp=N is not supported: "."""
+
+    scalars: tuple[str, ...]
+    """Numbers an example carries from its row, by name (KTO: its desirable/undesirable label), each an attribute
+    of the example: the token cache keeps them as float columns and gives them back to `join`; `Item.values`
+    puts them in the batch. () for none."""
+
+    attached: bool
+    """Its examples carry values computed on the ranks (a precomputed reference's log-probs): the token cache's
+    rows are then read into objects once, not row by row from the memory map."""
+
+    def check_row(self, row: dict[str, Any], data: DataConfig, where: str) -> None:
+        """Convert one raw row as `encode` would, without a tokenizer (the launcher checks every local row before
+        a rank starts): raise ConfigError naming `where` for a malformed row."""
+
+    def encode(self, row: dict[str, Any], where: str, tokenizer: Any, data: DataConfig, chat: bool) -> Encoded:
+        """One row -> its examples, no longer than data.max_length (finetune.data.tokenize.tokenize_row calls it,
+        in memory, in the token cache's workers and in a stream's worker). `chat`: render with the tokenizer's
+        chat template. `finetune.data.tokenize.fit` cuts prompt + response rows to length the shared way."""
+
+    def join(self, rows: list[Example], scalars: dict[str, float]) -> Any:
+        """The example made of these rows (one per `columns` entry) and `scalars`, as the token cache reads it back."""
+
+    def reference(self, cfg: MethodConfig) -> Reference | None:
+        """How the reference log-probs its loss needs are computed (finetune.reference: precomputed, live,
+        adapter_disabled); None: it needs none. The rules, the planner (a live reference's weights) and the
+        ranks read it here."""
+
+    def validate(self, cfg: Config) -> None:
+        """Its rules across config groups (keys it leaves unused, data forms, peft for a reference): raise
+        ConfigError naming the keys and what to do instead."""
+
+    def objective(self, cfg: MethodConfig, reference: Any, router: Any, head: Any) -> Objective:
+        """The loss (rank side: imports torch). `reference`: what finetune.reference.setup returned (a callable
+        (policy, batch) -> reference log-probs, or None: in the batch or not needed); `router`: a MoE's
+        load-balancing loss (finetune.objectives.RouterLoss) or None; `head`: logits=chunked's ChunkedHead or None."""

@@ -1,0 +1,175 @@
+"""Direct preference optimisation (method=dpo) and its family (method.loss: sigmoid, ipo, hinge, simpo).
+
+Data: preference rows, (prompt, chosen, rejected) (finetune.data.forms.to_pair), each a `Pair` of two rows
+that share the prompt; only the final response carries labels. A batch of B pairs is B chosen rows, then B
+rejected rows, so one forward scores both; the rows are never packed nor laid end to end. The loss compares
+each response's summed log-probability with a reference model's (finetune.reference computes them:
+precomputed, live or adapter_disabled); simpo needs none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any
+
+from finetune.config import Config, ConfigError, DataConfig, DataFormat, DpoLoss, MethodConfig, PeftMethod, Reference, unused
+from finetune.data.forms import to_pair
+from finetune.data.tokenize import IGNORE, Encoded, Example, Pair, encode_pair, fit
+from finetune.methods.base import Output
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Dpo:
+    """The DPO record (finetune.methods.base.Method)."""
+
+    name = "dpo"
+    forms = (DataFormat.preference,)
+    unit = "pair"
+    columns = ("chosen_", "rejected_")
+    rows_per_example = 2
+    unpacked = "method=dpo scores chosen and rejected as rows of their own"
+    split_tokens = ("the DPO loss needs each response's whole log-probability before it is computed, and each rank holds a "
+                    "slice of the tokens; use parallelism.cp=1 (with checkpointing=full and logits=chunked for long pairs)")
+    scalars = ()
+    attached = True  # a precomputed reference's log-probs are attached to each pair on the ranks
+
+    def check_row(self, row: dict[str, Any], data: DataConfig, where: str) -> None:
+        to_pair(row, data.system_prompt, where, self.name)
+
+    def encode(self, row: dict[str, Any], where: str, tokenizer: Any, data: DataConfig, chat: bool) -> Encoded:
+        return fit(encode_pair(*to_pair(row, data.system_prompt, where, self.name), tokenizer, chat), data, where)
+
+    def join(self, rows: list[Example], scalars: dict[str, float]) -> Pair:
+        return Pair(*rows)
+
+    def reference(self, cfg: MethodConfig) -> Reference | None:
+        return None if cfg.loss == DpoLoss.simpo else cfg.reference
+
+    def validate(self, cfg: Config) -> None:
+        m = cfg.method
+        if m.loss == DpoLoss.simpo:
+            unused(m, "method", ("name", "loss", "beta", "gamma", "label_smoothing", "sft_weight"), "with method.loss=simpo (reference-free)")
+        else:
+            unused(m, "method", tuple(f.name for f in fields(m) if f.name != "gamma"), f"with method.loss={m.loss.value} (only with simpo)")
+        if m.loss in (DpoLoss.ipo, DpoLoss.hinge) and m.label_smoothing:
+            raise ConfigError(f"method.label_smoothing={m.label_smoothing} applies to method.loss=sigmoid or simpo, not {m.loss.value}")
+        if m.reference == Reference.adapter_disabled and cfg.peft.name == PeftMethod.none:
+            raise ConfigError("method.reference=adapter_disabled uses the base model under a PEFT adapter: add peft=lora (or qlora/dora), "
+                              "or use method.reference=precomputed")
+        if cfg.data.packing:
+            raise ConfigError("data.packing=true is not supported with method=dpo (chosen and rejected are scored as separate rows): "
+                              "set data.packing=false")
+        if cfg.data.format not in (DataFormat.auto, DataFormat.preference):
+            raise ConfigError(f"method=dpo trains on preference pairs: data.format={cfg.data.format.value} must be preference or auto")
+
+    def objective(self, cfg: MethodConfig, reference: Any, router: Any, head: Any) -> DPO:
+        return DPO(cfg, reference, router, head)
+
+
+METHOD = Dpo()
+
+
+class DPO:
+    """A DPO-family loss on preference pairs; a batch holds B chosen rows, then B rejected rows.
+
+    Policy log-probs of both responses come from one concatenated forward. Reference log-probs
+    come from the batch (`reference_logps`, precomputed before training), or from `reference`
+    (a live frozen model, or the policy with its adapter disabled), or are not needed (simpo).
+    torch and finetune.objectives are imported where they are used: the launcher reads this module's record.
+    """
+
+    def __init__(self, cfg: MethodConfig, reference: Any = None, router: Any = None, head: Any = None) -> None:
+        self.cfg, self.reference, self.router, self.head = cfg, reference, router, head
+        self.metrics = ("logps/chosen", "logps/rejected", "rewards/accuracy", "rewards/chosen", "rewards/margin",
+                        "rewards/rejected") + ((router.metric,) if router else ())
+
+    def count(self, batch: dict[str, torch.Tensor]) -> int:
+        return batch["input_ids"].shape[0] // 2
+
+    def __call__(self, model: Any, batch: dict[str, torch.Tensor]) -> Output:
+        import torch
+
+        from finetune.objectives import forward_aux, tie
+
+        reference = None  # precomputed ones travel in the batch: `loss` reads them there
+        if self.cfg.loss != DpoLoss.simpo and "reference_logps" not in batch:
+            if self.reference is None:
+                raise RuntimeError("DPO needs reference log-probs: precompute them or give a reference model")
+            with torch.no_grad():  # before the policy's forward: nothing of it is kept for backward
+                reference = self.reference(model, batch).float()
+        if self.head is not None:  # logits=chunked: the output layer leaves the label log-probs
+            with self.head.labelled(batch["labels"]):
+                logits, aux = forward_aux(model, batch, self.router is not None)
+            loss, metrics = self.pairs(*self.head.take(), batch, reference)
+            loss = loss + tie(logits)
+        else:
+            logits, aux = forward_aux(model, batch, self.router is not None)
+            loss, metrics = self.loss(logits, batch, reference)
+        return self.router.apply(loss, metrics, aux, self.count(batch)) if self.router else (loss, metrics)
+
+    def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor], reference: torch.Tensor | None = None) -> Output:
+        """The loss from logits (what a pipeline's last stage computes; reference log-probs from
+        `reference` or the batch)."""
+        from finetune.objectives import logits_logps
+
+        return self.pairs(*logits_logps(logits, batch["labels"]), batch, reference)
+
+    def rows_loss(self, logps: torch.Tensor, batch: dict[str, torch.Tensor]) -> Output:
+        """The loss from each row's summed label log-probs (a pipeline's last stage under logits=chunked; the
+        reference log-probs precomputed, in the batch)."""
+        return self.pairs(logps, (batch["labels"][:, 1:] != IGNORE).sum(-1), batch, None)
+
+    def pairs(self, logps: torch.Tensor, lengths: torch.Tensor, batch: dict[str, torch.Tensor], reference: torch.Tensor | None) -> Output:
+        """The loss from each row's summed response log-probs and lengths (chosen rows, then rejected)."""
+        if reference is None and self.cfg.loss != DpoLoss.simpo:
+            reference = batch["reference_logps"].float()
+        chosen, rejected = logps.chunk(2)
+        n_chosen, n_rejected = lengths.chunk(2)
+        ref = reference.chunk(2) if reference is not None else (None, None)
+        losses, chosen_rewards, rejected_rewards = dpo_loss(chosen, rejected, *ref, n_chosen, n_rejected, self.cfg)
+        if self.cfg.sft_weight:  # RPO-style: keep the chosen response likely in absolute terms too
+            losses = losses + self.cfg.sft_weight * (-chosen / n_chosen)
+        metrics = {
+            "rewards/chosen": chosen_rewards.sum(),
+            "rewards/rejected": rejected_rewards.sum(),
+            "rewards/accuracy": (chosen_rewards > rejected_rewards).float().sum(),
+            "rewards/margin": (chosen_rewards - rejected_rewards).sum(),
+            "logps/chosen": chosen.sum(),
+            "logps/rejected": rejected.sum(),
+        }
+        return losses.sum(), {k: v.detach() for k, v in metrics.items()}
+
+
+def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, n_chosen: torch.Tensor, n_rejected: torch.Tensor,
+             cfg: MethodConfig) -> tuple[torch.Tensor, ...]:
+    """Per-pair losses and implicit rewards (chosen, rejected) from summed response log-probs.
+
+    Args:
+        chosen, rejected: policy log-probs of each response, summed over its tokens, shape [B].
+        ref_chosen, ref_rejected: the reference model's (None for simpo).
+        n_chosen, n_rejected: response lengths in tokens (ipo and simpo average over them).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    beta, ls = cfg.beta_value, cfg.label_smoothing
+    if cfg.loss in (DpoLoss.ipo, DpoLoss.simpo):  # length-normalised log-probs
+        chosen, rejected = chosen / n_chosen, rejected / n_rejected
+        if ref_chosen is not None:
+            ref_chosen, ref_rejected = ref_chosen / n_chosen, ref_rejected / n_rejected
+    if cfg.loss == DpoLoss.simpo:
+        chosen_rewards, rejected_rewards = beta * chosen, beta * rejected
+        z = chosen_rewards - rejected_rewards - cfg.gamma
+        return -(1 - ls) * F.logsigmoid(z) - ls * F.logsigmoid(-z), chosen_rewards.detach(), rejected_rewards.detach()
+    assert ref_chosen is not None and ref_rejected is not None
+    chosen_rewards, rejected_rewards = beta * (chosen - ref_chosen), beta * (rejected - ref_rejected)
+    h = (chosen - ref_chosen) - (rejected - ref_rejected)  # the log-ratio margin
+    if cfg.loss == DpoLoss.sigmoid:
+        losses = -(1 - ls) * F.logsigmoid(beta * h) - ls * F.logsigmoid(-beta * h)
+    elif cfg.loss == DpoLoss.ipo:
+        losses = (h - 1 / (2 * beta)) ** 2
+    else:  # hinge
+        losses = torch.relu(1 - beta * h)
+    return losses, chosen_rewards.detach(), rejected_rewards.detach()

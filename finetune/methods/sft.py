@@ -1,0 +1,98 @@
+"""Supervised fine-tuning (method=sft): cross-entropy of next-token prediction on the response tokens.
+
+Data: alpaca, chat, sharegpt or completion rows (a conversation whose assistant responses carry the labels),
+or text rows (continued pre-training: every token a label, split into data.max_length pieces). One row per
+example; rows may be packed and laid end to end (padding-free). No reference model.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from finetune.config import Config, ConfigError, DataConfig, DataFormat, MethodConfig, Reference, unused
+from finetune.data.forms import form_of, text_of, to_messages
+from finetune.data.tokenize import IGNORE, Encoded, Example, encode, encode_text, fit
+from finetune.methods.base import Output
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Sft:
+    """The SFT record (finetune.methods.base.Method)."""
+
+    name = "sft"
+    forms = (DataFormat.alpaca, DataFormat.chat, DataFormat.sharegpt, DataFormat.completion, DataFormat.text)
+    unit = "example"
+    columns = ("",)
+    rows_per_example = 1
+    unpacked = None
+    split_tokens = None
+    scalars = ()
+    attached = False
+
+    def check_row(self, row: dict[str, Any], data: DataConfig, where: str) -> None:
+        if form_of(row, data.format, where) == DataFormat.text:
+            text_of(row, where)
+        else:
+            to_messages(row, data.format, data.system_prompt, where)
+
+    def encode(self, row: dict[str, Any], where: str, tokenizer: Any, data: DataConfig, chat: bool) -> Encoded:
+        if form_of(row, data.format, where) == DataFormat.text:
+            pieces = encode_text(text_of(row, where), tokenizer, data.max_length)
+            return Encoded(pieces, split=len(pieces) > 1)
+        return fit(encode(to_messages(row, data.format, data.system_prompt, where), tokenizer, chat), data, where)
+
+    def join(self, rows: list[Example], scalars: dict[str, float]) -> Example:
+        return rows[0]
+
+    def reference(self, cfg: MethodConfig) -> Reference | None:
+        return None
+
+    def validate(self, cfg: Config) -> None:
+        unused(cfg.method, "method", ("name",), "with method=sft (DPO settings)")
+        if cfg.data.format == DataFormat.preference:
+            raise ConfigError("data.format=preference holds (prompt, chosen, rejected) pairs for method=dpo; method=sft needs alpaca or chat rows")
+
+    def objective(self, cfg: MethodConfig, reference: Any, router: Any, head: Any) -> SFT:
+        return SFT(router, head)
+
+
+METHOD = Sft()
+
+
+class SFT:
+    """Cross-entropy of next-token prediction on response tokens (prompt and padding masked).
+
+    torch and finetune.objectives are imported where they are used: the launcher reads this module's record."""
+
+    def __init__(self, router: Any = None, head: Any = None) -> None:
+        self.router, self.head = router, head
+        self.metrics: tuple[str, ...] = (router.metric,) if router else ()  # names of its metric sums (the same on every rank)
+
+    def count(self, batch: dict[str, torch.Tensor]) -> int:
+        """Units the loss is averaged over: labelled tokens that some position predicts."""
+        return int((batch["labels"][:, 1:] != IGNORE).sum())
+
+    def __call__(self, model: Any, batch: dict[str, torch.Tensor]) -> Output:
+        """Summed token loss of the batch (not averaged: the loop normalises)."""
+        from finetune.objectives import forward_aux, tie
+
+        if self.head is not None:  # logits=chunked: the output layer leaves the label log-probs
+            with self.head.labelled(batch["labels"]):
+                logits, aux = forward_aux(model, batch, self.router is not None)
+            loss, metrics = -self.head.take()[0].sum() + tie(logits), {}
+        else:
+            logits, aux = forward_aux(model, batch, self.router is not None)
+            loss, metrics = self.loss(logits, batch)
+        return self.router.apply(loss, metrics, aux, self.count(batch)) if self.router else (loss, metrics)
+
+    def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> Output:
+        """The loss from logits (what a pipeline's last stage computes)."""
+        from finetune.objectives import token_loss_sum
+
+        return token_loss_sum(logits, batch["labels"]), {}
+
+    def rows_loss(self, logps: torch.Tensor, batch: dict[str, torch.Tensor]) -> Output:
+        """The loss from each row's summed label log-probs (a pipeline's last stage under logits=chunked)."""
+        return -logps.sum(), {}

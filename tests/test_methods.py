@@ -1,0 +1,123 @@
+"""The training methods' seam (finetune/methods/): every method has a record that answers the whole interface,
+the registry is what the rest reads, no method branch is left outside the package, and the launcher side reads the
+records without torch."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from finetune import methods
+from finetune.config import ConfigError, DataFormat, DpoLoss, Method, MethodConfig, Reference
+from finetune.methods.base import Method as Interface
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_every_method_has_a_record_and_every_record_a_method():
+    assert sorted(methods.METHODS) == sorted(m.value for m in Method)
+    for m in Method:
+        assert methods.get(m) is methods.get(m.value) is methods.METHODS[m.value]
+        assert methods.get(m).name == m.value
+
+
+@pytest.mark.parametrize("name", [m.value for m in Method])
+def test_each_record_answers_the_whole_interface(name):
+    record = methods.get(name)
+    asked = set(Interface.__annotations__) | {k for k, v in vars(Interface).items() if callable(v) and not k.startswith("_")}
+    assert {"encode", "check_row", "join", "reference", "validate", "objective"} <= asked
+    assert not [k for k in asked if not hasattr(record, k)]
+    assert record.rows_per_example == len(record.columns) >= 1
+    assert record.forms and DataFormat.auto not in record.forms
+    assert all(isinstance(getattr(record, k), (str, type(None))) for k in ("unpacked", "split_tokens"))
+    assert record.reference(MethodConfig(name=Method(name))) in (None, *Reference)
+
+
+def test_the_records_say_what_sft_and_dpo_are():
+    sft, dpo = methods.get("sft"), methods.get("dpo")
+    assert (sft.rows_per_example, sft.unpacked, sft.split_tokens, sft.reference(MethodConfig())) == (1, None, None, None)
+    assert dpo.rows_per_example == 2 and dpo.columns == ("chosen_", "rejected_") and dpo.unpacked and dpo.split_tokens
+    assert dpo.reference(MethodConfig(name=Method.dpo, reference=Reference.live)) == Reference.live
+    assert dpo.reference(MethodConfig(name=Method.dpo, loss=DpoLoss.simpo)) is None  # reference-free
+
+
+def test_objectives_build_the_records_loss():
+    from finetune import objectives
+
+    assert type(objectives.build(MethodConfig())) is objectives.SFT
+    assert type(objectives.build(MethodConfig(name=Method.dpo))) is objectives.DPO
+    assert objectives.DPO.__module__ == "finetune.methods.dpo" and objectives.SFT.__module__ == "finetune.methods.sft"
+
+
+# a comparison with a method (a parameter's default, `method: Method = Method.sft`, is not one), its loss options, the pair type
+BRANCH = re.compile(r"([!=]=|\bin \(?|\bis )\s*Method\.\w+|\bMethod\.\w+\s*([!=]=|\bif\b)|method\.name\s*[!=]=|\bDpoLoss\.|"
+                    r"isinstance\([^)]*\bPair\b")
+
+
+def test_no_method_branch_outside_the_methods_package():
+    """The data, planner, rules, reference and loss read the registry: a branch on a method's name (or on its
+    loss options, or the pair type) elsewhere means the next method would have to edit that file too."""
+    found = []
+    for path in sorted((REPO / "finetune").rglob("*.py")):
+        rel = path.relative_to(REPO).as_posix()
+        if rel.startswith("finetune/methods/") or rel == "finetune/config.py":  # the schema declares the options
+            continue
+        found += [f"{rel}:{i}: {line.strip()}" for i, line in enumerate(path.read_text().splitlines(), 1) if BRANCH.search(line)]
+    assert not found, "\n".join(found)
+
+
+def test_the_launcher_side_reads_the_records_without_torch():
+    code = ("import sys, finetune.methods, finetune.rules, finetune.plan, finetune.data.forms; "
+            "from finetune.methods import get; get('dpo').validate; assert 'torch' not in sys.modules, 'torch imported'")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+@dataclass
+class Triple:
+    """An example of three rows, as a method with groups of three would have (an Item)."""
+
+    a: object
+    b: object
+    c: object
+    score: tuple[float, float, float]
+
+    @property
+    def rows(self):
+        return self.a, self.b, self.c
+
+    def values(self):
+        return {"scores": self.score}
+
+
+def test_collate_lays_out_any_items_rows_and_values_in_row_order():
+    import torch
+
+    from finetune.data.batches import collate
+    from finetune.data.tokenize import Example
+
+    def ex(n):
+        return Example([n] * n, [n] * n, 0, "")
+
+    items = [Triple(ex(1), ex(2), ex(3), (1.0, 2.0, 3.0)), Triple(ex(4), ex(5), ex(6), (4.0, 5.0, 6.0))]
+    batch = collate(items, pad_id=0)
+    assert batch["input_ids"][:, 0].tolist() == [1, 4, 2, 5, 3, 6]  # row k of every item, k = 0, 1, 2
+    assert batch["scores"].dtype == torch.float64 and batch["scores"].tolist() == [1.0, 4.0, 2.0, 5.0, 3.0, 6.0]
+
+
+def test_a_methods_declared_words_reach_the_rules(compose, monkeypatch):
+    """The rules read the record: a method that cannot pack says why in its own words."""
+    from finetune.methods.sft import Sft
+
+    class Unpacked(Sft):
+        unpacked = "method=sft here scores each row alone"
+
+    monkeypatch.setitem(methods.METHODS, "sft", Unpacked())
+    with pytest.raises(ConfigError) as e:
+        compose(["+recipe=quickstart_sft", "data.packing=true"])
+    assert str(e.value) == "data.packing=true cannot run here: method=sft here scores each row alone: set data.packing=false"
