@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from finetune import optimizers
+from finetune import logs, optimizers
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 
@@ -271,6 +271,11 @@ class OptimKernel(str, Enum, metaclass=Spelled):
 
 OPTIMIZER = Accepts(optimizers.WORDS, lambda v: optimizers.known(v), ("lion", "torch.optim."))
 """optim.name: a record of finetune/optimizers.py, or a torch.optim class by its dotted name."""
+
+
+LOGGERS = Accepts(f"a list of known loggers ({', '.join(logs.SINKS)}), {logs.REQUIRED} among them",
+                  lambda v: all(x in logs.SINKS for x in v) and logs.REQUIRED in v, ("[wandb]", "[tensorboard]"))
+"""train.loggers: names of finetune/logs.py's SINKS; jsonl always (metrics.jsonl feeds the summary and the plot)."""
 
 
 class Scheduler(str, Enum, metaclass=Spelled):
@@ -723,8 +728,14 @@ class TrainConfig:
     """Print a metrics line every N steps when there is no progress bar."""
     progress_bar: bool = True
     """A tqdm progress bar on the main rank (else a metrics line every log_every steps)."""
-    tensorboard: bool = True
-    """Write the metrics to RUN_DIR/tensorboard too."""
+    loggers: list[str] = checked(LOGGERS, factory=lambda: ["jsonl", "tensorboard"],
+                                 hint="jsonl writes RUN_DIR/metrics.jsonl, which the summary and the loss plot read; "
+                                      "e.g. train.loggers=[jsonl,tensorboard]")
+    """Where the metrics go (finetune/logs.py SINKS): jsonl (RUN_DIR/metrics.jsonl, always: the summary, the loss plot and
+    the sweep summary read it), tensorboard (RUN_DIR/tensorboard)."""
+    tensorboard: bool | None = None
+    """The older switch, still read: true adds tensorboard to train.loggers, false takes it out; null: as
+    train.loggers says."""
     compile: bool = False
     """Compile each decoder layer in place (torch.compile, regional: one graph reused by every layer) for the
     training steps; evaluation and generation run eager. The first step (and each new shape) pays the
@@ -758,6 +769,9 @@ class TrainConfig:
         word = spelling(str(self.memory_report))
         with contextlib.suppress(KeyError):
             self.memory_report = MEMORY_REPORT_BOOLS.get(word) or MemoryReport[word]
+        if self.tensorboard is not None:  # train.tensorboard=true/false, as before train.loggers
+            others = [name for name in self.loggers if name != "tensorboard"]
+            self.loggers = [*others, "tensorboard"] if self.tensorboard else others
 
 
 @dataclass
