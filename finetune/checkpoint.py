@@ -29,7 +29,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from finetune.config import Config, ConfigError, Optimizer, engine_kind
+from finetune import optimizers
+from finetune.config import Config, ConfigError, engine_kind
 from finetune.data.sources import fingerprint, looks_local
 from finetune.rundir import CHECKPOINTS
 
@@ -354,11 +355,12 @@ def check_compatible(step_dir: Path, cfg: Config) -> None:
         if saved[key] != now[key]:
             raise ConfigError(f"train.resume: {step_dir} was saved with {key}={saved[key]} ({saved['engine']} engine), this run has "
                               f"{key}={now[key]}: that checkpoint format cannot change it; {RESUME_UNDER[saved['engine']]}")
-    if saved["engine"] == "mesh" and cfg.optim.name == Optimizer.adamw_8bit and (saved["strategy"] == "fsdp" or saved["tp"] > 1):
+    rec = optimizers.record(cfg.optim.name)
+    if saved["engine"] == "mesh" and rec.shard_bound and (saved["strategy"] == "fsdp" or saved["tp"] > 1):
         for key in ("world_size", "strategy", "tp", "cp"):  # engine.sharded.ShardedAdamW8bit
             if saved[key] != now[key]:
                 raise ConfigError(f"train.resume: {step_dir} was saved with {key}={saved[key]}, this run has {key}={now[key]}: "
-                                  "optim=adamw_8bit's block scales cover each rank's own shard of a weight, so its checkpoint "
+                                  f"{rec.typed}'s {rec.shard_bound}, so its checkpoint "
                                   "resumes on the same layout only: resume with the saved parallelism and launcher.nproc_per_node")
     change = data_change(meta["data"], fingerprint(cfg.data)) if "data" in meta else None
     if change:

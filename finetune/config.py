@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from finetune import logs, optimizers
+
 ASSETS = Path(__file__).resolve().parent / "assets"
 
 
@@ -266,14 +268,6 @@ class PipeSchedule(str, Enum, metaclass=Spelled):
     interleaved_1f1b = "interleaved_1f1b"
 
 
-class Optimizer(str, Enum, metaclass=Spelled):
-    adamw = "adamw"
-    adam = "adam"
-    sgd = "sgd"
-    adamw_8bit = "adamw_8bit"
-    adafactor = "adafactor"
-
-
 class StateDtype(str, Enum, metaclass=Spelled):
     fp32 = "fp32"
     bf16 = "bf16"
@@ -286,8 +280,13 @@ class OptimKernel(str, Enum, metaclass=Spelled):
     loop = "loop"
 
 
-NOT_DEEPSPEED = (Optimizer.adamw_8bit, Optimizer.adafactor)
-"""Optimizers DeepSpeed cannot run (it builds its own from the JSON); the torch and mesh engines run them."""
+OPTIMIZER = Accepts(optimizers.WORDS, lambda v: optimizers.known(v), ("lion", "torch.optim."))
+"""optim.name: a record of finetune/optimizers.py, or a torch.optim class by its dotted name."""
+
+
+LOGGERS = Accepts(f"a list of known loggers ({', '.join(logs.SINKS)}), {logs.REQUIRED} among them",
+                  lambda v: all(x in logs.SINKS for x in v) and logs.REQUIRED in v, ("[wandb]", "[tensorboard]"))
+"""train.loggers: names of finetune/logs.py's SINKS; jsonl always (metrics.jsonl feeds the summary and the plot)."""
 
 
 class Scheduler(str, Enum, metaclass=Spelled):
@@ -603,13 +602,15 @@ class PeftConfig:
 
 @dataclass
 class OptimConfig:
-    name: Optimizer = Optimizer.adamw
+    name: str = checked(OPTIMIZER, "adamw")
     """adamw (decoupled weight decay), adam (weight decay added to the gradient: L2), sgd
     (optim.momentum 0: no optimizer state; > 0: one momentum buffer per parameter), adamw_8bit
     (bitsandbytes' AdamW8bit: both moments in 8 bits, blockwise-quantized, for tensors of 4,096+
     elements; smaller ones keep 32-bit states) or adafactor (torch.optim.Adafactor: no first moment, the
     second factored into a row and a column vector per matrix; betas and eps unused). Both run on every
-    layout but DeepSpeed's: under FSDP/TP each rank steps its own shard (finetune.engine.sharded)."""
+    layout but DeepSpeed's: under FSDP/TP each rank steps its own shard (finetune.engine.sharded). Or a torch.optim
+    class by name (torch.optim.NAdam, torch.optim.RAdam): built with the optim.* keys its constructor takes, torch engine
+    only (parallelism=single or ddp). Each is a record in finetune/optimizers.py."""
     lr: float = checked(POSITIVE, 1e-4)
     """Peak learning rate (after warmup)."""
     weight_decay: float = checked(at_least(0), 0.0)
@@ -645,6 +646,11 @@ class OptimConfig:
     """Step each parameter inside backward, as soon as its gradient is complete, and free that gradient at
     once (torch's register_post_accumulate_grad_hook): gradients never exist for the whole model together.
     Needs one micro-batch per step and no global clipping (optim.max_grad_norm=null); torch engine, one rank."""
+
+    def __post_init__(self) -> None:
+        # A str field, not an enum: it also takes a torch.optim class by name. A built-in name is read as users spell
+        # it (AdamW, adamw-8bit), as the enums are.
+        self.name = optimizers.spelled(self.name)
 
 
 @dataclass
@@ -733,8 +739,14 @@ class TrainConfig:
     """Print a metrics line every N steps when there is no progress bar."""
     progress_bar: bool = True
     """A tqdm progress bar on the main rank (else a metrics line every log_every steps)."""
-    tensorboard: bool = True
-    """Write the metrics to RUN_DIR/tensorboard too."""
+    loggers: list[str] = checked(LOGGERS, factory=lambda: ["jsonl", "tensorboard"],
+                                 hint="jsonl writes RUN_DIR/metrics.jsonl, which the summary and the loss plot read; "
+                                      "e.g. train.loggers=[jsonl,tensorboard]")
+    """Where the metrics go (finetune/logs.py SINKS): jsonl (RUN_DIR/metrics.jsonl, always: the summary, the loss plot and
+    the sweep summary read it), tensorboard (RUN_DIR/tensorboard)."""
+    tensorboard: bool | None = None
+    """The older switch, still read: true adds tensorboard to train.loggers, false takes it out; null: as
+    train.loggers says."""
     compile: bool = False
     """Compile each decoder layer in place (torch.compile, regional: one graph reused by every layer) for the
     training steps; evaluation and generation run eager. The first step (and each new shape) pays the
@@ -768,6 +780,9 @@ class TrainConfig:
         word = spelling(str(self.memory_report))
         with contextlib.suppress(KeyError):
             self.memory_report = MEMORY_REPORT_BOOLS.get(word) or MemoryReport[word]
+        if self.tensorboard is not None:  # train.tensorboard=true/false, as before train.loggers
+            others = [name for name in self.loggers if name != "tensorboard"]
+            self.loggers = [*others, "tensorboard"] if self.tensorboard else others
 
 
 @dataclass
@@ -889,6 +904,12 @@ def launcher_for(cfg: Config) -> LauncherName:
     if cfg.launcher.name != LauncherName.auto:
         return cfg.launcher.name
     return LauncherName.deepspeed if cfg.zero.enabled else LauncherName.torchrun
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Optimizer":  # the built-in optimizer names as an enum, where they were defined before finetune/optimizers.py
+        return optimizers.Optimizer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def did_you_mean(word: str, options: list[str], prefix: str = "") -> str:

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from finetune.config import Config, LauncherName, Offload, OptimConfig, Optimizer, Precision, launcher_for, to_yaml
+from finetune import optimizers
+from finetune.config import Config, LauncherName, Offload, OptimConfig, Precision, launcher_for, to_yaml
 
 CONFIG_FILE = "config.yaml"
 DEEPSPEED_FILE = "deepspeed.json"
@@ -147,21 +148,19 @@ def deepspeed_config(cfg: Config) -> dict[str, Any]:
             if where == Offload.nvme:
                 zero[key]["nvme_path"] = z.nvme_path
     ds["zero_optimization"] = zero
-    if o.name == Optimizer.sgd:
+    if not optimizers.record(o.name).deepspeed_tested:
         ds["zero_allow_untested_optimizer"] = True  # ZeRO's list of tested optimizers has Adam(W), not SGD
     return ds
 
 
 def deepspeed_optimizer(o: OptimConfig) -> dict[str, Any]:
-    """The JSON "optimizer" section: what DeepSpeed builds is what the torch engine builds.
+    """The JSON "optimizer" section, from the optimizer's record (finetune/optimizers.py): what DeepSpeed builds is
+    what the torch engine builds.
 
     "AdamW" and "Adam" become DeepSpeed's FusedAdam (DeepSpeedCPUAdam with zero.offload_optimizer);
     DeepSpeed's "Adam" is AdamW too unless "adam_w_mode" is false. Any other type is looked up in
     torch.optim: "SGD" is torch.optim.SGD.
     """
-    if o.name == Optimizer.sgd:
-        return {"type": "SGD", "params": {"lr": o.lr, "momentum": o.momentum, "weight_decay": o.weight_decay}}
-    params: dict[str, Any] = {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
-    if o.name == Optimizer.adam:
-        params["adam_w_mode"] = False  # L2 weight decay, like torch.optim.Adam
-    return {"type": {Optimizer.adamw: "AdamW", Optimizer.adam: "Adam"}[o.name], "params": params}
+    rec = optimizers.record(o.name)
+    values = {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay, "momentum": o.momentum}
+    return {"type": rec.deepspeed, "params": {**{k: values[k] for k in rec.deepspeed_keys}, **rec.deepspeed_extra}}

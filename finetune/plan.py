@@ -22,9 +22,10 @@ Bytes per parameter follow what our engines do, which differs from the textbook 
 - DeepSpeed engine (zero=stage0..3): bf16/fp16 sections make the module 16-bit with an fp32 master
   copy in the optimizer: 2 + 2 + 12 bytes/param for Adam (ZeRO paper's K = 12); fp32 is 4 + 4 + 8.
 
-`plan()` imports only the config and the standard library: no torch, well under a second for any
-model size; reading the data (CLI, or a launch that does not fit at data.max_length) takes about a
-second for the quickstart's 4,000 rows, still without torch.
+`plan()` imports only the config and the standard library: no torch (but for `optim.name=torch.optim.CLASS`,
+whose state is measured on a probe step: finetune/optimizers.py), well under a second for any model size; reading
+the data (CLI, or a launch that does not fit at data.max_length) takes about a second for the quickstart's 4,000
+rows, still without torch.
 """
 
 from __future__ import annotations
@@ -46,17 +47,15 @@ from finetune.config import (
     LogitsKernel,
     ModelConfig,
     Offload,
-    Optimizer,
     PeftMethod,
     PipeSchedule,
     Precision,
     Reference,
     StateDtype,
     Strategy,
-    NOT_DEEPSPEED,
     engine_kind,
 )
-from finetune import methods
+from finetune import methods, optimizers
 from finetune.disk import config_source, flash_unavailable, local_config
 from finetune.families import COUNTED, Arch, Block, Linear, adapted, arch_from_config, lora_params, pick_attention, targeted
 from finetune.rules import several_per_row
@@ -127,17 +126,15 @@ def model_state_bytes_per_param(optimizer: str, precision: str) -> tuple[int, in
     master copy (4) besides its states: Adam 2+2+12 (the ZeRO paper's K = 12), momentum 2+2+8,
     SGD 2+2+4. This is the textbook (DeepSpeed) layout; the torch engine keeps fp32 in every precision.
     """
-    states = {"sgd": 0, "momentum": 4, "adam": 8, "adamw": 8, "adamw_8bit": 2, "adafactor": 0}[optimizer]  # 8-bit, factored:
-    # about that for large matrices; the planner counts them per tensor (state_bytes)
+    momentum = optimizer == "momentum"  # sgd with optim.momentum > 0
+    states = optimizers.record("sgd" if momentum else optimizer).per_param(momentum)  # 8-bit, factored: about that
+    # for large matrices; the planner counts them per tensor (state_bytes)
     if precision == "fp32":
         return 4, 4, states
     return 2, 2, 4 + states
 
 
-BNB_MIN_8BIT_SIZE = 4096
-"""bitsandbytes keeps 32-bit states for tensors smaller than this (its optimizers' min_8bit_size)."""
-BNB_BLOCK = 256
-"""Elements per blockwise-quantization block of bitsandbytes' 8-bit states (one fp32 absmax each)."""
+BNB_MIN_8BIT_SIZE, BNB_BLOCK = optimizers.BNB_MIN_8BIT_SIZE, optimizers.BNB_BLOCK  # adamw_8bit's (finetune/optimizers.py)
 
 
 def trainable_shapes(arch: Arch, cfg: Config) -> list[tuple[int, ...]]:
@@ -164,24 +161,18 @@ def trainable_shapes(arch: Arch, cfg: Config) -> list[tuple[int, ...]]:
     return shapes
 
 
-def state_bytes(shapes: list[tuple[int, ...]], optimizer: Optimizer) -> float:
-    """Optimizer state bytes over these tensors. adamw_8bit (bitsandbytes): two uint8 moments, an fp32 absmax
-    per BNB_BLOCK elements each and two 256-entry fp32 quantization maps, for tensors of BNB_MIN_8BIT_SIZE
-    elements or more; two fp32 moments below. adafactor (torch): a row and a column fp32 vector per matrix
-    (per leading index of a 3-D stack), the whole fp32 second moment of a vector."""
-    total = 0.0
-    for shape in shapes:
-        n = math.prod(shape)
-        if optimizer == Optimizer.adamw_8bit:
-            total += 2 * n + 2 * 4 * math.ceil(n / BNB_BLOCK) + 2 * 256 * 4 if n >= BNB_MIN_8BIT_SIZE else 8 * n
-        else:
-            total += 4 * (math.prod(shape[:-2]) * (shape[-2] + shape[-1]) if len(shape) >= 2 else n)
-    return total
+def state_bytes(shapes: list[tuple[int, ...]], optimizer: str) -> float:
+    """Optimizer state bytes over these tensors, as the optimizer's record counts one tensor (`by_shape`, else its
+    bytes per parameter): adamw_8bit (bitsandbytes) two uint8 moments and their block scales (fp32 below 4,096
+    elements), adafactor (torch) a row and a column fp32 vector per matrix, a torch.optim class what its state_dict
+    held after one probe step (per element and per tensor)."""
+    rec = optimizers.record(optimizer)
+    return float(sum(rec.by_shape(shape) if rec.by_shape else rec.state_bytes * math.prod(shape) for shape in shapes))
 
 
 def optimizer_kind(cfg: Config) -> str:
-    """sgd, momentum (sgd with optim.momentum > 0), adam or adamw."""
-    name = cfg.optim.name.value
+    """sgd, momentum (sgd with optim.momentum > 0), adam, adamw, ... or a torch class's dotted name."""
+    name = cfg.optim.name
     return "momentum" if name == "sgd" and cfg.optim.momentum > 0 else name
 
 
@@ -191,7 +182,7 @@ def engine_state_bytes(cfg: Config) -> tuple[int, int, int]:
     except bf16_pure: bf16 weights, gradients and states (AdamW 2 + 2 + 4), + 2 for Kahan's compensation,
     and optim.state_dtype=bf16: AdamW 4 + 4 + 4."""
     if cfg.precision.name == Precision.bf16_pure:
-        states = {"sgd": 0, "momentum": 2, "adam": 4, "adamw": 4}[optimizer_kind(cfg)]
+        states = int(optimizers.record(cfg.optim.name).per_param(cfg.optim.momentum)) // 2  # bf16: half of fp32's
         return 2, 2, states + (2 if cfg.precision.kahan_sum else 0)
     if cfg.optim.state_dtype == StateDtype.bf16:  # adam/adamw's two moments in bf16 over fp32 weights
         return 4, 4, 4
@@ -741,7 +732,7 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
                      "(DeepSpeed's own estimator adds a 4 bytes/param fp32 gradient copy: 18P/N)")
     else:
         weights, grads, opt = w * trainable, g * trainable, k * trainable
-        if cfg.optim.name in NOT_DEEPSPEED:  # by tensor shape, not per parameter
+        if optimizers.record(cfg.optim.name).by_shape:  # by tensor shape, not per parameter
             opt = state_bytes(trainable_shapes(arch, cfg), cfg.optim.name) / mp
         frozen_w = frozen * counts.frozen_bytes_per_param
         if p.strategy == Strategy.fsdp:  # FSDP2: like ZeRO-3 over dp (x cp), fp32 states, one block gathered at a time
@@ -828,9 +819,9 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
     shard = (dp * p.cp if p.strategy == Strategy.fsdp else 1) * mp
     if cfg.optim.state_dtype == StateDtype.bf16 and cfg.precision.name != Precision.bf16_pure:
         step_temp = 12 * min(counts.trainable, arch.largest_layer_params) / shard
-    elif cfg.optim.name == Optimizer.adafactor and not z.enabled:
+    elif optimizers.record(cfg.optim.name).step_temp == "tensor" and not z.enabled:
         step_temp = 4 * min(counts.trainable, arch.largest_layer_params) / shard
-    elif optimizer_kind(cfg) in ("adam", "adamw") and not (z.enabled and z.offload_optimizer != Offload.none):
+    elif optimizers.record(cfg.optim.name).step_temp == "foreach" and not (z.enabled and z.offload_optimizer != Offload.none):
         step_temp = 4 * (trainable / (dp * p.cp if (z.enabled or p.strategy == Strategy.fsdp) else 1) if on_gpu
                          else min(counts.trainable, arch.largest_layer_params))
 
@@ -957,12 +948,12 @@ def moves(cfg: Config) -> list[list[Move]]:
         axes.append([Move(("model.attn_implementation=sdpa",), 0, 1.0, _set("model.attn_implementation", AttnImpl.sdpa))])
     if cfg.logits.name == Logits.full:  # the head recomputed per chunk: ~one more head matmul
         axes.append([Move(("logits=chunked",), 0, 1.02, _set("logits.name", Logits.chunked))])
-    if cfg.optim.name in (Optimizer.adamw, Optimizer.adam) and not cfg.zero.enabled:
+    if optimizers.record(cfg.optim.name).moments and not cfg.zero.enabled:  # adam/adamw's two fp32 moments
         states = [Move(("optim.state_dtype=bf16",), 2, 1.02, _set("optim.state_dtype", StateDtype.bf16))] \
             if cfg.precision.name != Precision.bf16_pure and cfg.optim.state_dtype != StateDtype.bf16 else []
         if cfg.precision.name != Precision.bf16_pure:  # its bf16 weights need a compensated update (optimi's)
-            states += [Move(("optim=adamw_8bit",), 2, 1.03, _set("optim.name", Optimizer.adamw_8bit)),
-                       Move(("optim=adafactor",), 2, 1.03, _set("optim.name", Optimizer.adafactor))]
+            states += [Move((f"optim={name}",), 2, 1.03, _set("optim.name", name))
+                       for name, rec in optimizers.RECORDS.items() if rec.low_memory]
         axes.append(states)
     if not cfg.optim.in_backward and cfg.world_size == 1 and engine_kind(cfg) == "torch" and cfg.grad_accum_steps == 1:
         axes.append([Move(("optim.in_backward=true", "optim.max_grad_norm=null"), 2, 1.0,

@@ -3,7 +3,8 @@ launch size, options that need or exclude each other, the model's shape against 
 
 Each rule raises `ConfigError` with one line naming the keys that conflict and what to do
 instead. Per-field constraints are declared beside the fields in `finetune.config` and checked
-when the config is composed, before these rules run. Imports no torch.
+when the config is composed, before these rules run. Imports no torch (a torch.optim class named by optim.name
+imports it when its record is made: finetune/optimizers.py).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from finetune.config import (
     ModelConfig,
     NonFinite,
     Offload,
-    Optimizer,
     OptimKernel,
     ParallelismConfig,
     PeftMethod,
@@ -36,13 +36,12 @@ from finetune.config import (
     Reference,
     Scheduler,
     StateDtype,
-    NOT_DEEPSPEED,
     Strategy,
     engine_kind,
     launcher_for,
     unused as _unused,
 )
-from finetune import liger, methods
+from finetune import liger, methods, optimizers
 from finetune.data.sources import sources
 from finetune.disk import attention, config_source, config_value, local_config, model_config
 from finetune.families import (COUNTED, FAMILIES, adapted_outside_linears, arch_from_config, arch_targets, dora_experts,
@@ -86,9 +85,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"launcher.node_rank={launch.node_rank} must be in [0, launcher.nnodes={launch.nnodes})")
     _validate_launcher(cfg)
     _validate_hardware(cfg)
-    if cfg.optim.momentum and cfg.optim.name != Optimizer.sgd:
-        raise ConfigError(f"optim.momentum={cfg.optim.momentum} applies to optim.name=sgd only ({cfg.optim.name.value} uses "
-                          f"optim.betas): remove it, or use optim=momentum")
+    _validate_optimizer_keys(cfg)
     if cfg.optim.min_lr_ratio and cfg.optim.scheduler != Scheduler.cosine:
         raise ConfigError(
             f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} applies to optim.scheduler=cosine only "
@@ -132,10 +129,7 @@ def validate(cfg: Config) -> None:
     if p.pp_schedule == PipeSchedule.interleaved_1f1b and p.pp > 1 and cfg.grad_accum_steps % p.pp:
         raise ConfigError(f"parallelism.pp_schedule=interleaved_1f1b needs a micro-batch count per step ({cfg.grad_accum_steps}) "
                           f"that is a multiple of parallelism.pp={p.pp}: change train.micro_batch_size or train.global_batch_size")
-    if cfg.zero.enabled and cfg.optim.name in NOT_DEEPSPEED:
-        raise ConfigError(f"optim={cfg.optim.name.value} with zero.stage={cfg.zero.stage}: DeepSpeed builds its own optimizer "
-                          "from the JSON (FusedAdam, CPUAdam or a torch.optim class over its flat fp32 partitions): use "
-                          f"optim={cfg.optim.name.value} with zero=none (parallelism=single or ddp), or optim=adamw under ZeRO")
+    _validate_optimizer_engine(cfg)
     _validate_pure(cfg)
     _validate_state_dtype(cfg)
     _validate_kernel(cfg)
@@ -148,6 +142,33 @@ def validate(cfg: Config) -> None:
         raise ConfigError("train.exact_match_samples needs an eval set: set data.eval or data.eval_size")
 
 
+def _validate_optimizer_keys(cfg: Config) -> None:
+    """The optim.* keys the optimizer's constructor takes (its record, finetune/optimizers.py): a built-in ignores betas
+    and eps where unused, but optim.momentum set without sgd is refused; a torch class refuses any key it does not take."""
+    o = cfg.optim
+    rec = optimizers.record(o.name)  # a torch class that does not exist or cannot step is refused here
+    if o.momentum and "momentum" not in rec.takes and o.name in optimizers.RECORDS:
+        takers = " or ".join(n for n, r in optimizers.RECORDS.items() if "momentum" in r.takes)
+        raise ConfigError(f"optim.momentum={o.momentum} applies to optim.name={takers} only ({o.name} uses "
+                          f"optim.betas): remove it, or use optim=momentum")
+    optimizers.refuse_unused_keys(o, rec)
+
+
+def _validate_optimizer_engine(cfg: Config) -> None:
+    """The engines the optimizer's record runs on: DeepSpeed builds its own from the JSON's type; a torch class by name
+    runs on the torch engine only."""
+    rec, kind = optimizers.record(cfg.optim.name), engine_kind(cfg)
+    if kind == "deepspeed" and rec.deepspeed is None:
+        raise ConfigError(f"{rec.typed} with zero.stage={cfg.zero.stage}: DeepSpeed builds its own optimizer "
+                          "from the JSON (FusedAdam, CPUAdam or a torch.optim class over its flat fp32 partitions): use "
+                          f"{rec.typed} with zero=none (parallelism=single or ddp), or optim=adamw under ZeRO")
+    if kind != "deepspeed" and kind not in rec.engines:
+        raise ConfigError(f"{rec.typed} with {layout_words(cfg.parallelism)}: it runs on the torch engine only (parallelism="
+                          f"single or ddp), its state unsharded: use {rec.typed} with parallelism=single or ddp, or a built-in "
+                          f"optimizer ({', '.join(n for n, r in optimizers.RECORDS.items() if 'mesh' in r.engines)}) with "
+                          f"{layout_words(cfg.parallelism)}")
+
+
 def _validate_pure(cfg: Config) -> None:
     """precision=bf16_pure: a bf16 module stepped by optimi's optimizers (Kahan-compensated) on the torch and mesh engines."""
     if cfg.precision.name != Precision.bf16_pure:
@@ -156,8 +177,9 @@ def _validate_pure(cfg: Config) -> None:
         raise ConfigError(f"precision=bf16_pure with zero.stage={cfg.zero.stage}: DeepSpeed's optimizer keeps its own fp32 master "
                           "copy (its bf16 master mode has no compensated update): use precision=bf16 under ZeRO, or "
                           "precision=bf16_pure with zero=none (parallelism=single, ddp, fsdp or tp)")
-    if cfg.optim.name not in (Optimizer.adamw, Optimizer.adam, Optimizer.sgd):
-        raise ConfigError(f"precision=bf16_pure with optim={cfg.optim.name.value}: bf16 weights need each update added with "
+    rec = optimizers.record(cfg.optim.name)
+    if rec.pure is None:
+        raise ConfigError(f"precision=bf16_pure with {rec.typed}: bf16 weights need each update added with "
                           "Kahan summation (optimi's AdamW, Adam and SGD do it), which this optimizer has not: use optim=adamw, "
                           "or precision=bf16 with it")
 
@@ -167,11 +189,11 @@ def _validate_state_dtype(cfg: Config) -> None:
     o = cfg.optim
     if o.state_dtype is None:
         return
-    if o.name not in (Optimizer.adamw, Optimizer.adam):
-        held = {Optimizer.sgd: "its momentum buffer in the parameters' dtype" if o.momentum else "no state",
-                Optimizer.adamw_8bit: "its moments in 8 bits", Optimizer.adafactor: "factored fp32 statistics"}[o.name]
-        raise ConfigError(f"optim.state_dtype={o.state_dtype.value} with optim={o.name.value}: it sets the dtype of adam/adamw's two "
-                          f"moments, and optim={o.name.value} keeps {held}: use optim=adamw with it, or optim.state_dtype=null")
+    rec = optimizers.record(o.name)
+    if not rec.moments:
+        raise ConfigError(f"optim.state_dtype={o.state_dtype.value} with {rec.typed}: it sets the dtype of adam/adamw's two "
+                          f"moments, and {rec.typed} keeps {rec.held(o.momentum)}: use optim=adamw with it, or "
+                          "optim.state_dtype=null")
     if cfg.zero.enabled:
         raise ConfigError(f"optim.state_dtype={o.state_dtype.value} with zero.stage={cfg.zero.stage}: DeepSpeed builds its own "
                           "optimizer (FusedAdam or CPUAdam over its fp32 partitions, fp32 moments): use zero=none "
@@ -188,10 +210,10 @@ def _validate_kernel(cfg: Config) -> None:
     if o.kernel == OptimKernel.auto:
         return
     key = f"optim.kernel={o.kernel.value}"
-    if o.name not in (Optimizer.adamw, Optimizer.adam, Optimizer.sgd):
-        own = {Optimizer.adamw_8bit: "bitsandbytes' 8-bit kernel", Optimizer.adafactor: "torch's Adafactor (no fused version)"}[o.name]
-        raise ConfigError(f"{key} with optim={o.name.value}: it chooses how torch's adamw, adam and sgd run, and "
-                          f"optim={o.name.value} runs {own}: leave optim.kernel=auto, or use optim=adamw with it")
+    rec = optimizers.record(o.name)
+    if rec.runs is not None:
+        raise ConfigError(f"{key} with {rec.typed}: it chooses how torch's adamw, adam and sgd run, and "
+                          f"{rec.typed} runs {rec.runs}: leave optim.kernel=auto, or use optim=adamw with it")
     if cfg.zero.enabled:
         raise ConfigError(f"{key} with zero.stage={cfg.zero.stage}: DeepSpeed builds its own optimizer (FusedAdam or CPUAdam over "
                           "its fp32 partitions): leave optim.kernel=auto under ZeRO, or use zero=none with it")

@@ -256,7 +256,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
     batches = make_batches(cfg, train_examples, eng, tokenizer.pad_token_id, resume_from)
     phase("training")
     loop.STOP["defer"] = True  # from here a signal saves a checkpoint at the next step boundary
-    log = logs.MetricsLog(run_dir, enabled=d.is_main, tensorboard=cfg.train.tensorboard)
+    log = logs.MetricsLog(run_dir, enabled=d.is_main, loggers=cfg.train.loggers, config=cfg)
     predicted = None
     if d.is_main:  # the planner's prediction for this config, beside what the probe measures (python -m finetune.plan)
         predicted = planned(cfg, batches, train_examples)
@@ -286,7 +286,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
         with startup.timed(ended, "exact match"):
             result["after"]["exact_match"] = evaluate.exact_match_of_export(final, eval_examples, cfg.train, d.device)
     if d.is_main:
-        report(run_dir, final, result, {k: vars(s) for k, s in stats.items()})
+        report(run_dir, final, result, {k: vars(s) for k, s in stats.items()}, cfg.train.loggers)
     del zero3  # alive until here: transformers consults it while loading, generating and saving
 
 
@@ -405,7 +405,7 @@ def mfu_inputs(cfg: Config, net: Any, d: dist.Dist) -> dict[str, float | None]:
             "peak_flops": flops.peak_flops(d.device, autocast_dtype(cfg.precision.name) or torch.float32)}
 
 
-def report(run_dir: Path, final: Path, result: dict[str, dict[str, float]], stats: dict) -> None:
+def report(run_dir: Path, final: Path, result: dict[str, dict[str, float]], stats: dict, loggers: list[str]) -> None:
     """The loss-curve PNG, summary.json (written last: the launcher times the shutdown from it), and the lines a
     user reads first: before/after, where the results are, where the seconds after training went."""
     with startup.timed(result["after_training"], "plot"):
@@ -422,7 +422,8 @@ def report(run_dir: Path, final: Path, result: dict[str, dict[str, float]], stat
         print(f"adapter      {final}  (PEFT format; plain weights: python scripts/merge_adapter.py {final} MERGED_DIR)")
     else:
         print(f"checkpoint   {final}  (AutoModelForCausalLM.from_pretrained / AutoTokenizer.from_pretrained)")
-    print(f"metrics      {run_dir / logs.METRICS}, {run_dir / 'tensorboard'}, loss curve {run_dir / 'loss.png'}")
+    written = [str(run_dir / logs.SINKS[name].output) for name in loggers if logs.SINKS[name].output]
+    print(f"metrics      {', '.join(written)}, loss curve {run_dir / 'loss.png'}")
     print(startup.after_line(result["after_training"]))
 
 

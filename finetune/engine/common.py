@@ -12,7 +12,8 @@ from typing import Any, Iterator
 import torch
 from torch.distributed.tensor import DTensor
 
-from finetune.config import ConfigError, Optimizer, OptimConfig, OptimKernel, Scheduler, StateDtype
+from finetune import optimizers
+from finetune.config import ConfigError, OptimConfig, OptimKernel, Scheduler, StateDtype
 
 
 @contextlib.contextmanager
@@ -59,49 +60,37 @@ def add_metrics(total: dict[str, float], sums: dict[str, Any]) -> None:
 
 def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, kahan: bool | None = None,
                     drop_empty: bool = False) -> torch.optim.Optimizer:
-    """The torch optimizer `optim.name` names, over `param_groups` (no decay on 1-D tensors).
+    """The torch optimizer `optim.name` names (its record's builder, finetune/optimizers.py), over `param_groups`
+    (no decay on 1-D tensors).
 
     adamw: decoupled weight decay. adam: torch's Adam adds weight_decay * w to the gradient (L2
     regularisation, scaled by Adam's normalisation), a different regulariser at the same number.
     sgd: optim.momentum 0 keeps no state, > 0 one momentum buffer per parameter; betas/eps unused.
     adamw_8bit: bitsandbytes' AdamW8bit (runs on CPU too). adafactor: torch's, decoupled weight decay. Over DTensor
     shards (FSDP2, TP) both are engine.sharded's versions: the same updates, each rank stepping its shard.
+    A torch.optim class by name: built with the optim.* keys its constructor takes.
     optim.state_dtype=bf16 (adam/adamw over fp32 weights): `LowPrecisionAdam`, the same update with the
     moments stored in bf16.
     (The DeepSpeed engine builds the same optimizers from `launcher.deepspeed_config`.)
 
     drop_empty: leave out a parameter group with no parameters (the mesh engine's checkpoints need it).
-    kahan (precision=bf16_pure, bf16 parameters): not None selects optimi's AdamW/Adam/SGD, the same updates
-    as torch's, with the states in the parameters' dtype and, when True, Kahan-compensated addition of
+    kahan (precision=bf16_pure, bf16 parameters): not None selects optimi's class of the record (`pure`), the same
+    update as torch's, with the states in the parameters' dtype and, when True, Kahan-compensated addition of
     each update (a bf16 compensation buffer per parameter).
     """
+    rec = optimizers.record(cfg.name)
     groups = param_groups(params, cfg.weight_decay)
     if drop_empty:  # DCP's flattened optimizer state cannot load a group without parameters (LoRA: no 1-D ones)
         groups = [g for g in groups if g["params"]] or groups[:1]
     if kahan is not None:
         import optimi
 
-        if cfg.name == Optimizer.sgd:
-            return optimi.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, torch_init=True, kahan_sum=kahan)
-        adam = {Optimizer.adamw: optimi.AdamW, Optimizer.adam: optimi.Adam}[cfg.name]
-        return adam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, kahan_sum=kahan)
-    if cfg.name == Optimizer.sgd:
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, **kernel(cfg.kernel, params))
-    if cfg.state_dtype == StateDtype.bf16:
-        return LowPrecisionAdam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, decoupled=cfg.name == Optimizer.adamw)
-    sharded = any(isinstance(p, DTensor) for p in params)  # FSDP2 / tensor parallel shards
-    if cfg.name == Optimizer.adamw_8bit:
-        import bitsandbytes as bnb
-
-        from finetune.engine.sharded import ShardedAdamW8bit
-
-        return (ShardedAdamW8bit if sharded else bnb.optim.AdamW8bit)(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
-    if cfg.name == Optimizer.adafactor:
-        from finetune.engine.sharded import ShardedAdafactor
-
-        return (ShardedAdafactor if sharded else torch.optim.Adafactor)(groups, lr=cfg.lr)
-    adam = {Optimizer.adamw: torch.optim.AdamW, Optimizer.adam: torch.optim.Adam}[cfg.name]
-    return adam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kernel(cfg.kernel, params))
+        kwargs = {"momentum": cfg.momentum, "torch_init": True} if "momentum" in rec.takes else \
+            {"betas": tuple(cfg.betas), "eps": cfg.eps}
+        return getattr(optimi, rec.pure)(groups, lr=cfg.lr, kahan_sum=kahan, **kwargs)
+    if cfg.state_dtype == StateDtype.bf16 and rec.moments:
+        return LowPrecisionAdam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, decoupled=rec.decoupled)
+    return rec.build(groups, cfg, params)
 
 
 FUSED_DEVICES = ("cpu", "cuda")
