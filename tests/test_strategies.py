@@ -135,10 +135,11 @@ def test_packing_fills_rows_and_keeps_the_loss(tmp_path):
     assert packed_loss == pytest.approx(plain, rel=1e-5)
 
     train_here(["train.max_steps=2", "data.packing=true"], tmp_path / "packed")
-    train_here(["train.max_steps=2"], tmp_path / "plain")
-    p, u = (next(m for m in read_metrics(tmp_path / d) if m["kind"] == "train")["nonpad_fraction"] for d in ("packed", "plain"))
-    print(f"non-pad fraction per batch: packed {p:.3f}, unpacked {u:.3f}")
-    assert p > 0.9 > u
+    train_here(["train.max_steps=2", "data.padding_free=false"], tmp_path / "plain")
+    train_here(["train.max_steps=2"], tmp_path / "free")  # padding-free micro-batches, the default: no padding at all
+    p, u, f = (next(m for m in read_metrics(tmp_path / d) if m["kind"] == "train")["nonpad_fraction"] for d in ("packed", "plain", "free"))
+    print(f"non-pad fraction per batch: packed {p:.3f}, unpacked {u:.3f}, padding-free {f:.3f}")
+    assert p > 0.9 > u and f == 1.0
 
 
 class _Overflow(SFT):
