@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from finetune.config import ConfigError
+from finetune.data.batches import starts
 from finetune.data.tokenize import IGNORE
 
 NAME = "finetune_context_parallel"
@@ -58,8 +59,7 @@ class ContextParallel:
         self.inner = self.config._attn_implementation  # what the model runs when its batch is not split
         self.eager = None
         if self.inner == "eager":  # the family's own eager function (Gemma-2's soft-capping), from its modeling module
-            self.eager = next((f for m in model.modules() for cls in type(m).__mro__
-                               if (f := getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None))), None)
+            self.eager = family_eager(model)
             if self.eager is None:
                 raise ConfigError(f"parallelism.cp: {self.config.model_type}'s eager attention is not a function transformers "
                                   "names (eager_attention_forward), so it cannot run on the whole sequence's heads: use "
@@ -154,16 +154,15 @@ def whole_mask(positions: torch.Tensor, window: int | None, additive: torch.dtyp
     sdpa, which gets None where its own causal mask is all of it; with `additive` a dtype, the eager
     function's additive mask (0 or the dtype's minimum), which it always needs (it applies no causality itself)."""
     width = positions.shape[1]
-    starts = torch.ones_like(positions, dtype=torch.bool)
-    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
-    packed = bool(starts[:, 1:].any())
+    first = starts(positions)
+    packed = bool(first[:, 1:].any())
     windowed = window is not None and window < width
     if additive is None and not packed and not windowed:
         return None
     index = torch.arange(width, device=positions.device)
     allowed = (index[:, None] >= index[None, :])[None]  # [1, S, S]
     if packed:
-        sample = starts.cumsum(-1)
+        sample = first.cumsum(-1)
         allowed = allowed & (sample[:, :, None] == sample[:, None, :])
     if windowed:
         allowed = allowed & (index[:, None] - index[None, :] < window)[None]
@@ -171,6 +170,13 @@ def whole_mask(positions: torch.Tensor, window: int | None, additive: torch.dtyp
     if additive is None:
         return allowed
     return torch.zeros(allowed.shape, dtype=additive, device=positions.device).masked_fill(~allowed, torch.finfo(additive).min)
+
+
+def family_eager(model: nn.Module) -> Any:
+    """The family's own eager attention function (Gemma-2's soft-capping), from its modeling module; None if
+    it names none (eager_attention_forward)."""
+    return next((f for m in model.modules() for cls in type(m).__mro__
+                 if (f := getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None))), None)
 
 
 def _all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:

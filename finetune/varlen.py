@@ -21,12 +21,12 @@ eager (a graph break around attention), since its shapes are the samples' length
 from __future__ import annotations
 
 import itertools
-import sys
 from typing import Any
 
 import torch
 from torch import nn
 
+from finetune.context import family_eager
 from finetune.data.batches import starts
 
 NAME = "finetune_varlen"
@@ -34,13 +34,6 @@ NAME = "finetune_varlen"
 _MODELS = itertools.count()
 KERNELS = ("sdpa", "eager")
 """The kernels run per sample here; flash_attention_2 has its own variable-length path."""
-
-
-def family_eager(model: nn.Module) -> Any:
-    """The family's own eager attention function (Gemma-2's soft-capping), from its modeling module; None if
-    it names none (eager_attention_forward)."""
-    return next((f for m in model.modules() for cls in type(m).__mro__
-                 if (f := getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None))), None)
 
 
 def sample_lengths(positions: torch.Tensor) -> list[list[int]]:
