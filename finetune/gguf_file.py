@@ -1,0 +1,228 @@
+"""A merged Hugging Face model -> one GGUF file (llama.cpp, Ollama), written with the `gguf` package.
+
+The `gguf` package ships the format (GGUFWriter), the tensor names (TensorNameMap: Hugging Face module paths ->
+blk.N.attn_q ...) and the quantizers, but not llama.cpp's converter (convert_hf_to_gguf.py lives in llama.cpp's
+repository, not on PyPI). What a family's file needs beyond renaming is small and written here, as the inverse
+of what transformers' GGUF loader undoes when it reads the file back (transformers/modeling_gguf_pytorch_utils.py):
+llama's q/k rows permuted for llama.cpp's rotary layout, Gemma's norms stored as 1 + w, GPT-2's Conv1D weights
+transposed, a MoE's fused gate_up experts split in two.
+
+Families: those transformers' GGUF loader reads (ARCH), so the tests load every file back and compare its logits
+with the merged model's; any other is refused in one line (`refusal`). The weights: f16 (2-D and larger tensors
+in float16, norms and biases in float32, as llama.cpp writes them) or q8_0 (blocks of 32 int8 with one fp16 scale;
+rows whose length is not a multiple of 32 stay f16).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FORMATS = ("f16", "q8_0")
+
+ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen2_moe": "qwen2moe", "qwen3": "qwen3",
+        "qwen3_moe": "qwen3moe", "phi3": "phi3", "gpt2": "gpt2", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+"""model_type -> GGUF architecture, for the families transformers' GGUF loader reads back (mistral is llama in GGUF)."""
+
+WHY_NOT = {"mixtral": "a mixtral GGUF is llama's with experts, which transformers' GGUF loader reads as a dense llama"}
+"""Families whose GGUF architecture transformers lists but cannot read whole."""
+
+
+def refusal(model_type: str) -> str | None:
+    """Why `model_type` cannot be exported to GGUF here (one line), or None."""
+    if model_type in ARCH:
+        return None
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    why = WHY_NOT.get(model_type) or f"transformers' GGUF loader reads no {model_type} file (it reads " + \
+        ", ".join(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer")) + ")"
+    return (f"--gguf: {why}, so this export could not be checked against the model; export without --gguf "
+            "and convert with llama.cpp's convert_hf_to_gguf.py")
+
+
+def write(model: Any, tokenizer_dir: Path, path: Path, fmt: str, name: str) -> Path:
+    """Write `model` (a merged transformers causal LM) and its tokenizer (tokenizer_dir's tokenizer.json) to `path`."""
+    import gguf
+
+    config = model.config.get_text_config()
+    arch = ARCH[config.model_type]
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_name(name)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if fmt == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    hyperparameters(writer, config)
+    vocabulary(writer, tokenizer_dir, config.vocab_size)
+    for gguf_name, array in tensors(model, arch, config):
+        data, dtype = encoded(array, fmt)
+        writer.add_tensor(gguf_name, data, raw_dtype=dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _first(config: Any, *names: str, default: Any = None) -> Any:
+    return next((getattr(config, n) for n in names if getattr(config, n, None) is not None), default)
+
+
+def hyperparameters(writer: Any, config: Any) -> None:
+    """The architecture's keys llama.cpp and transformers' GGUF loader read."""
+    hidden = _first(config, "hidden_size", "n_embd")
+    heads = _first(config, "num_attention_heads", "n_head")
+    head_dim = _first(config, "head_dim", default=hidden // heads)
+    writer.add_context_length(_first(config, "max_position_embeddings", "n_positions"))
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(_first(config, "num_hidden_layers", "n_layer"))
+    writer.add_feed_forward_length(_first(config, "intermediate_size", "n_inner", default=4 * hidden))
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(_first(config, "num_key_value_heads", default=heads))
+    writer.add_vocab_size(config.vocab_size)
+    if getattr(config, "rms_norm_eps", None) is not None:
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if getattr(config, "layer_norm_epsilon", None) is not None:
+        writer.add_layer_norm_eps(config.layer_norm_epsilon)
+    rope = getattr(config, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta") or (rope.get("full_attention") or {}).get("rope_theta") or getattr(config, "rope_theta", None)
+    if theta is not None:
+        writer.add_rope_freq_base(float(theta))
+        writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0) or 1.0)))
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    experts = _first(config, "num_experts", "num_local_experts")
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if getattr(config, "shared_expert_intermediate_size", None):
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    if getattr(config, "sliding_window", None):
+        writer.add_sliding_window(config.sliding_window)
+    for key, add in (("attn_logit_softcapping", writer.add_attn_logit_softcapping),
+                     ("final_logit_softcapping", writer.add_final_logit_softcapping)):
+        if getattr(config, key, None):
+            add(float(getattr(config, key)))
+
+
+def tensors(model: Any, arch: str, config: Any) -> Any:
+    """(GGUF name, float32 array) for each weight, renamed and laid out as llama.cpp's converter writes it."""
+    import gguf
+
+    names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
+                                     _first(config, "num_hidden_layers", "n_layer"))
+    tied = getattr(config, "tie_word_embeddings", False)
+    heads = _first(config, "num_attention_heads", "n_head")
+    kv_heads = _first(config, "num_key_value_heads", default=heads)
+    for hf_name, tensor in model.state_dict().items():
+        if tied and hf_name == "lm_head.weight":
+            continue  # llama.cpp and transformers' loader tie the head to token_embd when the file has no output.weight
+        array = tensor.detach().float().cpu().numpy()
+        stem, _, suffix = hf_name.rpartition(".")
+        if stem.endswith("experts.gate_up_proj") or hf_name.endswith("experts.gate_up_proj"):  # fused (E, 2I, H) -> gate, up
+            block = hf_name.split(".layers.")[1].split(".")[0]
+            half = array.shape[1] // 2
+            yield f"blk.{block}.ffn_gate_exps.weight", array[:, :half]
+            yield f"blk.{block}.ffn_up_exps.weight", array[:, half:]
+            continue
+        if suffix not in ("weight", "bias"):  # a fused expert stack is a bare parameter: experts.down_proj
+            stem, suffix = hf_name, "weight"
+        mapped = names.get_name(stem)
+        if mapped is None:
+            raise ValueError(f"--gguf: no GGUF name for {hf_name} in gguf's {arch} tensor map")
+        name = f"{mapped}.{suffix}"
+        if arch == "llama" and mapped.endswith(("attn_q", "attn_k")) and suffix == "weight":
+            array = _permute(array, heads, heads if mapped.endswith("attn_q") else kv_heads)
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+            array = array + 1  # Gemma scales by (1 + w); llama.cpp multiplies by the stored weight
+        if arch == "gpt2" and mapped.endswith(("attn_qkv", "attn_output", "ffn_up", "ffn_down")) and suffix == "weight":
+            array = array.T  # Conv1D keeps (in, out)
+        if mapped.endswith("ffn_gate_inp_shexp"):
+            array = array.reshape(-1)
+        yield name, np.ascontiguousarray(array)
+
+
+def _permute(w: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray:
+    """llama.cpp's rotary layout for q/k rows (convert_hf_to_gguf.py's LlamaModel.permute)."""
+    n = n_head_kv if n_head_kv != n_head else n_head
+    return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def encoded(array: np.ndarray, fmt: str) -> tuple[np.ndarray, Any]:
+    """(data, raw dtype) for GGUFWriter.add_tensor: vectors in float32; matrices in f16, or q8_0 where rows split into 32s."""
+    import gguf
+
+    if array.ndim < 2:
+        return array.astype(np.float32), gguf.GGMLQuantizationType.F32
+    if fmt == "q8_0" and array.shape[-1] % 32 == 0:
+        return gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+    return array.astype(np.float16), gguf.GGMLQuantizationType.F16
+
+
+def vocabulary(writer: Any, tokenizer_dir: Path, n_vocab: int) -> None:
+    """The tokenizer as llama.cpp reads it: byte-level BPE ("gpt2", with merges), SentencePiece-style BPE with byte
+    fallback ("llama"), or a word-level vocabulary of single bytes (a byte-level BPE with no merges: the same tokens).
+    Rows of the embedding past the tokenizer's vocabulary (a padded vocab_size) get unused [PADi] tokens."""
+    import gguf
+    from gguf.vocab import LlamaHfVocab, SpecialVocab, bytes_to_unicode
+
+    spec = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    kind = spec["model"]["type"]
+    added = {t["id"]: t for t in spec.get("added_tokens", [])}
+    if kind == "BPE" and spec["model"].get("byte_fallback"):
+        tokens, scores, types = (list(x) for x in zip(*LlamaHfVocab(tokenizer_dir).all_tokens()))
+        pad = range(len(tokens), n_vocab)
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens + [f"[PAD{i}]" for i in pad])
+        writer.add_token_scores(scores + [-1000.0 for _ in pad])
+        writer.add_token_types(types + [gguf.TokenType.UNUSED for _ in pad])
+    else:
+        vocab = {i: t for t, i in spec["model"]["vocab"].items()} | {i: t["content"] for i, t in added.items()}
+        if kind == "WordLevel":
+            to_unicode = bytes_to_unicode()
+            plain = [t for i, t in vocab.items() if i not in added]
+            if any(len(t.encode()) != 1 for t in plain):
+                raise ValueError("--gguf: the tokenizer is word-level with tokens longer than one byte, which llama.cpp "
+                                 "has no model for: export without --gguf")
+            vocab = {i: t if i in added else to_unicode[t.encode()[0]] for i, t in vocab.items()}
+        elif kind != "BPE":
+            raise ValueError(f"--gguf: the tokenizer is a {kind} model (tokenizer.json), which this export does not "
+                             "write: export without --gguf and convert with llama.cpp's convert_hf_to_gguf.py")
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list([vocab.get(i, f"[PAD{i}]") for i in range(n_vocab)])
+        writer.add_token_types([gguf.TokenType.UNUSED if i not in vocab else gguf.TokenType.CONTROL if added.get(i, {}).get("special")
+                                else gguf.TokenType.USER_DEFINED if i in added else gguf.TokenType.NORMAL for i in range(n_vocab)])
+    special = SpecialVocab(tokenizer_dir, load_merges=kind == "BPE", n_vocab=n_vocab)
+    template = tokenizer_dir / "chat_template.jinja"
+    if special.chat_template is None and template.is_file():
+        special.chat_template = template.read_text()
+    special.add_to_gguf(writer, quiet=True)
+
+
+
+NOT_ARCHITECTURE = {"architectures", "dtype", "transformers_version", "_name_or_path", "pad_token_id", "bos_token_id", "eos_token_id",
+                    "output_attentions", "output_hidden_states", "use_cache", "model_type"}
+"""Config keys that do not change the logits (and mistral read back as llama: the same computation without a sliding window
+shorter than the text)."""
+
+
+def unread(path: Path, model: Any) -> list[str]:
+    """What transformers' GGUF loader would build differently from `model`: its config read back from the file's metadata
+    (`key=value read back (the model's: value)`), for the keys that change the logits. [] when it reads the same model."""
+    from transformers import AutoConfig
+
+    back = AutoConfig.from_pretrained(path.parent, gguf_file=path.name).to_dict()
+    ours = model.config.get_text_config().to_dict()
+    return [f"{k}={back.get(k)!r} read back (the model's: {v!r})" for k, v in ours.items()
+            if k not in NOT_ARCHITECTURE and not _same(back.get(k), v)]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= 1e-6 * max(abs(a), abs(b))  # GGUF stores float32
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
