@@ -106,6 +106,20 @@ def write_gguf(model: Any, run: Finished, out: Path, fmt: str, model_type: str) 
     return path
 
 
+def push(out: Path, repo: str) -> str:
+    """Upload `out` to the hub model repository `repo` (created if missing) in one commit; returns the commit's URL."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    api = HfApi()  # the endpoint (HF_ENDPOINT) and token (HF_TOKEN, or the login's) as huggingface_hub finds them
+    try:
+        api.create_repo(repo, repo_type="model", exist_ok=True)
+        commit = api.upload_folder(folder_path=out, repo_id=repo, repo_type="model", commit_message=f"finetune.export of {out.parent.name}")
+    except HfHubHTTPError as e:
+        raise Refusal(f"--push-to-hub {repo}: the hub refused the upload: {str(e).splitlines()[0]}") from None
+    return commit.commit_url
+
+
 def reproduce(run_dir: Path) -> str:
     """The command that made the run: the launcher plus the overrides Hydra recorded (RUN_DIR/.hydra)."""
     hydra_dir = run_dir / ".hydra"

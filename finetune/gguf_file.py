@@ -50,13 +50,14 @@ def write(model: Any, tokenizer_dir: Path, path: Path, fmt: str, name: str) -> P
     config = model.config.get_text_config()
     arch = ARCH[config.model_type]
     writer = gguf.GGUFWriter(path, arch)
-    writer.add_name(name)
+    # transformers reads a llama file named exactly "mistral" as a mistral model, which gguf has no tensor names for
+    writer.add_name(f"{name}-model" if name == "mistral" else name)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if fmt == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     hyperparameters(writer, config)
     vocabulary(writer, tokenizer_dir, config.vocab_size)
     for gguf_name, array in tensors(model, arch, config):
-        data, dtype = encoded(array, fmt)
+        data, dtype = encoded(array, "f32" if any(k in gguf_name for k in KEEP_F32) else fmt)
         writer.add_tensor(gguf_name, data, raw_dtype=dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -150,11 +151,17 @@ def _permute(w: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray:
     return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+KEEP_F32 = ("ffn_gate_inp", "position_embd")
+"""Tensors llama.cpp's converter keeps in float32 whatever the format: a MoE's routers (a rounding flips which experts a
+token goes to) and learned positions."""
+
+
 def encoded(array: np.ndarray, fmt: str) -> tuple[np.ndarray, Any]:
-    """(data, raw dtype) for GGUFWriter.add_tensor: vectors in float32; matrices in f16, or q8_0 where rows split into 32s."""
+    """(data, raw dtype) for GGUFWriter.add_tensor: vectors in float32; matrices in f16, or q8_0 where rows split into 32s
+    (fmt f32: float32)."""
     import gguf
 
-    if array.ndim < 2:
+    if array.ndim < 2 or fmt == "f32":
         return array.astype(np.float32), gguf.GGMLQuantizationType.F32
     if fmt == "q8_0" and array.shape[-1] % 32 == 0:
         return gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
@@ -187,6 +194,7 @@ def vocabulary(writer: Any, tokenizer_dir: Path, n_vocab: int) -> None:
                 raise ValueError("--gguf: the tokenizer is word-level with tokens longer than one byte, which llama.cpp "
                                  "has no model for: export without --gguf")
             vocab = {i: t if i in added else to_unicode[t.encode()[0]] for i, t in vocab.items()}
+            writer.add_token_scores([0.0] * n_vocab)  # no merges: readers that derive them from scores find none
         elif kind != "BPE":
             raise ValueError(f"--gguf: the tokenizer is a {kind} model (tokenizer.json), which this export does not "
                              "write: export without --gguf and convert with llama.cpp's convert_hf_to_gguf.py")
