@@ -165,3 +165,34 @@ def kill_whole_job(launcher: subprocess.Popen, run_dir: Path) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     launcher.communicate(timeout=60)
+
+
+@pytest.fixture(scope="session")
+def shipped(tmp_path_factory):
+    """A short quickstart run where README's after-training commands expect it, outputs/quickstart_sft under the returned
+    directory (the commands run there): 2 ranks, 200 steps (enough for responses other than EOS), for export and generate."""
+    tmp = tmp_path_factory.mktemp("shipped")
+    out = run_cli("+recipe=quickstart_sft", "train.max_steps=200", "optim.warmup_steps=5", "train.exact_match_samples=32",
+                  "train.progress_bar=false", "hydra.run.dir=outputs/quickstart_sft", cwd=tmp)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return tmp
+
+
+def readme_commands(module: str) -> list[str]:
+    """README.md's fenced `python -m MODULE ...` lines, as written (a trailing `# comment` dropped)."""
+    import re
+
+    lines, fenced, out = (REPO / "README.md").read_text().splitlines(), False, []
+    for line in lines:
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif fenced and re.match(rf"\s*(.*\|\s*)?python -m {re.escape(module)}\b", line):
+            out.append(line.split(" # ")[0].strip())
+    return out
+
+
+def run_shell(command: str, cwd: Path, env: dict | None = None, timeout: int = 300, stdin: str | None = None) -> subprocess.CompletedProcess:
+    """A README command line exactly as written, through bash (its quoting), in `cwd`."""
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # `python` is this interpreter
+    return subprocess.run(["bash", "-c", command], cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1", "PATH": path, **(env or {})}, input=stdin,
+                          capture_output=True, text=True, timeout=timeout)

@@ -1,0 +1,248 @@
+"""finetune.export: the merged model, the model card, GGUF files read back by transformers and compared logit for
+logit, the upload up to the hub's HTTP requests, and the one-line refusals. The commands are README's, as written."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import shutil
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from finetune import gguf_file
+from finetune.families import FAMILIES
+
+from conftest import readme_commands, run_shell, train_here
+
+RUN = "outputs/quickstart_sft"
+IDS = torch.tensor([[1, 5, *range(7, 60), 6]])  # <s> <|user|> text <|assistant|>
+TOLERANCE = {"f16": 2e-3, "q8_0": 0.1}
+"""Largest logit difference a GGUF file may show against the merged model, per unit of the largest logit when that is above
+1 (measured on a 20-step quickstart whose logits reach 2.5: 3.8e-4 and 1.1e-2;
+on the tiny families: at most 4.3e-4 and 1.3e-2, and 6.4e-2 in q8_0 for qwen2_moe, whose default expert widths are 22x
+and 88x its hidden size)."""
+
+
+def command(part: str) -> str:
+    """The README command of finetune.export that contains `part`."""
+    found = [c for c in readme_commands("finetune.export") if part in c]
+    assert len(found) == 1, f"README has {len(found)} finetune.export commands with {part!r}"
+    return found[0]
+
+
+def gap(gguf: torch.Tensor, merged: torch.Tensor) -> float:
+    """The largest logit difference, per unit of the largest logit when that is above 1 (TOLERANCE)."""
+    return (gguf - merged).abs().max().item() / max(1.0, merged.abs().max().item())
+
+
+def logits(model, ids=IDS) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+def from_gguf(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.mark.slow
+def test_readme_export_writes_the_merged_model_its_card_and_a_gguf_that_gives_the_same_logits(shipped):
+    from transformers import AutoModelForCausalLM
+
+    out = run_shell(command("--gguf q8_0"), cwd=shipped)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run, export = shipped / RUN, shipped / RUN / "export"
+    assert f"export       {RUN}/export  (merged, fp32, quickstart_sft-q8_0.gguf, README.md)" in out.stdout
+    merged = AutoModelForCausalLM.from_pretrained(export).eval()
+    final = AutoModelForCausalLM.from_pretrained(run / "final").eval()
+    assert torch.equal(logits(merged), logits(final))  # a full fine-tune: the export is final/ itself
+    diff = gap(logits(from_gguf(export / "quickstart_sft-q8_0.gguf")), logits(merged))
+    assert diff < TOLERANCE["q8_0"], diff
+    card = (export / "README.md").read_text()
+    train = Path(json.loads(json.dumps(str(run / "config.yaml"))))  # the run's data files, hashed as the card says
+    from finetune import config
+
+    cfg = config.load(train)
+    assert hashlib.sha256(Path(cfg.data.train).read_bytes()).hexdigest() in card
+    assert hashlib.sha256(Path(cfg.data.eval).read_bytes()).hexdigest() in card
+    summary = json.loads((run / "summary.json").read_text())
+    assert f"| eval_loss | {summary['before']['eval_loss']:.4f} | {summary['after']['eval_loss']:.4f} |" in card
+    assert ("python -m finetune.launch +recipe=quickstart_sft train.max_steps=200 optim.warmup_steps=5 train.exact_match_samples=32 "
+            f"train.progress_bar=false hydra.run.dir={RUN}") in card
+    assert "| optimizer | adamw lr=0.001 cosine schedule, warmup 5 steps" in card and "| ranks | 2 x 1 node(s) |" in card
+    assert card.startswith("---\nlibrary_name: transformers\npipeline_tag: text-generation\ntags:\n- finetune\n- sft\n- gguf\n---")
+
+
+@pytest.mark.slow
+def test_export_to_another_directory_in_bf16_with_an_f16_gguf(shipped, tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    out = run_shell(f"python -m finetune.export {RUN} --out {tmp_path / 'x'} --dtype bf16 --gguf f16", cwd=shipped)
+    assert out.returncode == 0, out.stderr[-3000:]
+    with safe_open(tmp_path / "x/model.safetensors", "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    final = AutoModelForCausalLM.from_pretrained(shipped / RUN / "final").eval()  # the GGUF is made from the fp32 weights
+    diff = gap(logits(from_gguf(tmp_path / "x/quickstart_sft-f16.gguf")), logits(final))
+    assert diff < TOLERANCE["f16"], diff
+
+
+class Hub(BaseHTTPRequestHandler):
+    """The hub's HTTP API as huggingface_hub's upload uses it, recording each request (no hub is reachable here)."""
+
+    seen: list[dict] = []
+
+    def answer(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        Hub.seen.append({"method": self.command, "path": self.path, "auth": self.headers.get("authorization"), "body": body})
+        if self.path == "/api/repos/create":
+            asked = json.loads(body)
+            reply = {"url": f"http://{self.headers['Host']}/{asked['organization']}/{asked['name']}"}
+        elif self.path.endswith("/preupload/main"):  # every file inline in the commit (no LFS, no Xet)
+            reply = {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in json.loads(body)["files"]]}
+        elif "/commit/" in self.path:
+            reply = {"commitUrl": f"http://{self.headers['Host']}/you/quickstart-sft/commit/{'1' * 40}", "commitOid": "1" * 40}
+        else:
+            reply = {}
+        data = json.dumps(reply).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST = do_PUT = answer
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def hub():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    Hub.seen = []
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+@pytest.mark.slow
+def test_readme_push_creates_the_repository_and_commits_the_export_with_the_token(shipped, hub, tmp_path):
+    env = {"HF_ENDPOINT": hub, "HF_TOKEN": "hf_test_token", "HF_HUB_OFFLINE": "0", "HF_HOME": str(tmp_path)}
+    out = run_shell(command("--push-to-hub"), cwd=shipped, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"pushed       {hub}/you/quickstart-sft/commit/{'1' * 40}" in out.stdout
+    create = next(r for r in Hub.seen if r["path"] == "/api/repos/create")
+    assert json.loads(create["body"]) == {"name": "quickstart-sft", "organization": "you", "type": "model"}
+    commit = next(r for r in Hub.seen if r["path"] == "/api/models/you/quickstart-sft/commit/main")
+    assert create["auth"] == commit["auth"] == "Bearer hf_test_token"
+    lines = [json.loads(line) for line in commit["body"].decode().splitlines()]
+    files = {line["value"]["path"]: base64.b64decode(line["value"]["content"]) for line in lines if line["key"] == "file"}
+    export = shipped / RUN / "export"
+    assert {"README.md", "config.json", "model.safetensors", "tokenizer.json"} <= set(files)
+    assert files["README.md"] == (export / "README.md").read_bytes()
+    assert files["model.safetensors"] == (export / "model.safetensors").read_bytes()
+
+
+@pytest.mark.slow
+def test_refusals_are_one_line_with_exit_code_2(shipped, tmp_path):
+    def refused(args: str, **env) -> str:
+        out = run_shell(f"python -m finetune.export {args}", cwd=shipped, env=env)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+        return out.stderr.strip()
+
+    assert refused("no/such/run") == "error: no/such/run: no such directory: give the directory a launch wrote (hydra.run.dir, or outputs/DATE/TIME)"
+    unfinished = tmp_path / "unfinished"
+    unfinished.mkdir()
+    shutil.copy(shipped / RUN / "config.yaml", unfinished)
+    assert refused(str(unfinished)).startswith(f"error: {unfinished} holds no final/: the run has not finished")
+    assert refused(f"{RUN} --dtype int4") == ("error: argument --dtype: invalid choice: 'int4' (choose from 'fp32', 'bf16', 'fp16') "
+                                             "(python -m finetune.export --help)")
+    olmo = tmp_path / "olmo"
+    (olmo / "final").mkdir(parents=True)
+    shutil.copy(shipped / RUN / "config.yaml", olmo)
+    (olmo / "final/config.json").write_text(json.dumps({"model_type": "olmo2"}))
+    assert refused(f"{olmo} --gguf f16") == f"error: olmo2 model: {gguf_file.refusal('olmo2')}"
+    assert refused(f"{RUN} --push-to-hub you/x", HF_TOKEN="", HF_HOME=str(tmp_path)) == \
+        "error: --push-to-hub you/x: no hub token: set HF_TOKEN or run `hf auth login`"
+
+
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=256, vocab_size=103, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+LOADABLE = {"qwen3": dict(head_dim=128), "mistral": dict(sliding_window=None), "gemma2": dict(head_dim=16), "gemma3_text": dict(head_dim=16),
+            "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2), "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True),
+            "gpt2": dict(max_position_embeddings=1024, intermediate_size=None)}
+"""Tiny configs within what transformers' GGUF loader can read back: it takes qwen3's head_dim, the MoE experts' widths
+and GPT-2's n_positions / n_inner from no key of the file, so those keep transformers' defaults; it reads a mistral file as
+llama (no sliding window) and assumes qwen3_moe normalises its top-k routing weights."""
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_exports_to_gguf_with_the_same_logits_or_is_refused_with_the_reason(family, tmp_path, tok):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    why = gguf_file.refusal(family)
+    if why is not None:
+        assert family not in GGUF_SUPPORTED_ARCHITECTURES and (family in why or family in gguf_file.WHY_NOT)
+        return
+    config = AutoConfig.for_model(family, **(TINY | LOADABLE.get(family, {})))
+    if family == "gpt2":
+        config = AutoConfig.for_model("gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=103, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    for fmt in gguf_file.FORMATS:
+        path = gguf_file.write(model, tmp_path, tmp_path / f"{family}-{fmt}.gguf", fmt, family)
+        assert gguf_file.unread(path, model) == []
+        diff = gap(logits(from_gguf(path)), logits(model))
+        print(f"{family} {fmt}: largest logit difference {diff:.1e} (logits up to {logits(model).abs().max().item():.2f})")
+        assert diff < TOLERANCE[fmt], (family, fmt, diff)
+
+
+def test_a_config_the_loader_cannot_read_back_is_named(tmp_path, tok):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3", **TINY, head_dim=16))
+    path = gguf_file.write(model, Path(tok.name_or_path), tmp_path / "q.gguf", "f16", "q")
+    assert gguf_file.unread(path, model) == ["head_dim=128 read back (the model's: 16)"]
+
+
+def test_the_quickstart_tokenizer_reads_back_from_gguf(tmp_path, tok):
+    """A word-level vocabulary of single bytes is a byte-level BPE with no merges: the same tokens."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **TINY))
+    path = gguf_file.write(model, Path(tok.name_or_path), tmp_path / "t.gguf", "f16", "t")
+    back = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    text = "reverse\nHello, world! ~{}"
+    assert back(text, add_special_tokens=False)["input_ids"] == tok(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("peft", ["lora", "dora", "qlora"])
+def test_adapters_merge_into_the_model_they_trained_with(peft, tmp_path):
+    """The merged export computes what the adapter over its base computed (QLoRA: over the 4-bit base)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from finetune import finished
+
+    train_here(["+recipe=quickstart_sft", "parallelism=single", "launcher.nproc_per_node=1", f"peft={peft}", "train.max_steps=3",
+                "optim.warmup_steps=0", "train.eval_every=0", "train.exact_match_samples=0", "train.micro_batch_size=4",
+                "train.global_batch_size=4", "optim.lr=1e-2"], tmp_path)
+    run = finished.locate(str(tmp_path), need_run=True)
+    merged, _ = finished.load(run)
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32) if peft == "qlora" else None
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=quant, dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, tmp_path / "final").eval()
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+    diff = (logits(merged) - logits(adapted)).abs().max().item()
+    assert diff < 1e-4, diff
+    assert (logits(merged) - logits(plain)).abs().max().item() > 1e-3  # the adapter changed the model

@@ -1,0 +1,108 @@
+"""finetune.generate: README's commands as written, against a quickstart model trained in this session: a prompt
+rendered as training rendered it, the same greedy tokens as the model gives in-process, a file of prompts, a chat."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from conftest import REPO, readme_commands, run_shell
+
+pytestmark = pytest.mark.slow
+RUN = "outputs/quickstart_sft"
+
+
+def command(part: str) -> str:
+    found = [c for c in readme_commands("finetune.generate") if part in c]
+    assert len(found) == 1, f"README has {len(found)} finetune.generate commands with {part!r}"
+    return found[0]
+
+
+def greedy(run_dir, messages: list[dict[str, str]], max_new_tokens: int = 128) -> str:
+    """What the final model answers, greedily, to the prompt the run's eval data renders for `messages`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune import config
+    from finetune.data.forms import to_messages
+    from finetune.data.tokenize import encode, uses_chat_template
+
+    cfg = config.load(run_dir / "config.yaml")
+    tok = AutoTokenizer.from_pretrained(run_dir / "final")
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "final").eval()
+    rendered = to_messages({"messages": [*messages, {"role": "assistant", "content": "x"}]}, cfg.data.format.chat, cfg.data.system_prompt, "t")
+    example = encode(rendered, tok, uses_chat_template(tok, cfg.data.template))
+    ids = torch.tensor([example.input_ids[: example.prompt_len]])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def test_a_prompt_is_rendered_as_the_training_data_was(shipped):
+    """The run's eval example's prompt tokens are the tokens generate puts before the response."""
+    import argparse
+
+    from finetune import config, finished
+    from finetune.data.sources import load_rows
+    from finetune.data.tokenize import tokenize
+    from finetune.generate import Chat
+
+    run_dir = shipped / RUN
+    cfg = config.load(run_dir / "config.yaml")
+    chat = Chat(finished.locate(str(run_dir)), argparse.Namespace(system=None, max_new_tokens=8, temperature=0.0, top_p=1.0, seed=0,
+                                                                   dtype="fp32"))
+    rows = load_rows(cfg.data.eval, "train", "data.eval").rows[:8]
+    examples, _ = tokenize(load_rows(cfg.data.eval, "train", "data.eval"), chat.tokenizer, cfg.data, "data.eval")
+    for row, example in zip(rows, examples):
+        user = row["instruction"] + f"\n{row['input']}"
+        assert chat.prompt_ids([{"role": "user", "content": user}]) == example.input_ids[: example.prompt_len]
+
+
+def test_readme_prompt_streams_the_greedy_answer(shipped):
+    out = run_shell(command("--prompt"), cwd=shipped)
+    assert out.returncode == 0, out.stderr[-3000:]
+    prompt = re.search(r"--prompt \$'(.*?)'", command("--prompt")).group(1).replace("\\n", "\n")
+    answer = greedy(shipped / RUN, [{"role": "user", "content": prompt}])
+    assert answer.strip(), "the 200-step model answers something"
+    assert out.stdout == answer + "\n"  # TextStreamer ends the stream with a newline
+
+
+def test_readme_file_of_prompts_prints_one_json_line_each(shipped):
+    from test_readme import heredocs
+
+    (shipped / "prompts.jsonl").write_text(heredocs("README.md")["prompts.jsonl"] + "\n")
+    out = run_shell(command("--file prompts.jsonl"), cwd=shipped)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [line["prompt"] for line in lines] == ["reverse\nhello", "double\nabc"]
+    assert [line["response"] for line in lines] == [greedy(shipped / RUN, [{"role": "user", "content": p}])
+                                                   for p in ("reverse\nhello", "double\nabc")]
+
+
+def test_readme_chat_on_stdin_keeps_the_conversation_until_reset(shipped):
+    out = run_shell(command("printf"), cwd=shipped)
+    assert out.returncode == 0, out.stderr[-3000:]
+    turns = out.stdout.split("assistant: ")[1:]
+    assert len(turns) == 2  # /reset is no turn
+    first = greedy(shipped / RUN, [{"role": "user", "content": "uppercase"}])
+    after_reset = greedy(shipped / RUN, [{"role": "user", "content": "shift"}])  # no history: /reset forgot the first
+    assert turns == [first + "\n", after_reset + "\n"]
+
+
+def test_sampling_is_seeded_and_the_system_prompt_is_the_one_given(shipped):
+    args = f"python -m finetune.generate {RUN} --prompt $'reverse\\nabc' --temperature 1.5 --top-p 0.95 --max-new-tokens 12"
+    one, two = (run_shell(f"{args} --seed 3", cwd=shipped) for _ in range(2))
+    assert one.returncode == 0 and one.stdout == two.stdout
+    system = run_shell(f"{args} --seed 3 --system 'be brief'", cwd=shipped)
+    assert system.returncode == 0
+
+
+def test_refusals_are_one_line(shipped):
+    out = run_shell("python -m finetune.generate no/such/run --prompt hi", cwd=shipped)
+    assert out.returncode == 2 and out.stderr.strip() == \
+        "error: no/such/run: no such directory (give a run directory, a model directory or a hub id)"
+    out = run_shell(f"python -m finetune.generate {RUN} --file missing.txt", cwd=shipped)
+    assert out.returncode == 2 and out.stderr.strip() == "error: --file missing.txt: no such file"
+    assert REPO.is_dir()
