@@ -239,10 +239,18 @@ def test_adapters_merge_into_the_model_they_trained_with(peft, tmp_path):
                 "train.global_batch_size=4", "optim.lr=1e-2"], tmp_path)
     run = finished.locate(str(tmp_path), need_run=True)
     merged, _ = finished.load(run)
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32) if peft == "qlora" else None
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,  # the peft group's defaults
+                               bnb_4bit_compute_dtype=torch.float32) if peft == "qlora" else None
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=quant, dtype=torch.float32)
     adapted = PeftModel.from_pretrained(base, tmp_path / "final").eval()
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
     diff = (logits(merged) - logits(adapted)).abs().max().item()
-    assert diff < 1e-4, diff
+    if peft != "qlora":
+        assert diff < 1e-4, diff
+    else:  # bitsandbytes' 4-bit forward is not the dequantized weights' to the last bit; the original weights are further off
+        original = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32),
+                                             tmp_path / "final").merge_and_unload().eval()
+        off = (logits(original) - logits(adapted)).abs().max().item()
+        print(f"qlora: merged into the dequantized base {diff:.1e} from the 4-bit model, into the original {off:.1e}")
+        assert diff < 1e-2 and diff < off / 2, (diff, off)
     assert (logits(merged) - logits(plain)).abs().max().item() > 1e-3  # the adapter changed the model
