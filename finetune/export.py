@@ -82,8 +82,10 @@ def check(run: Finished, args: argparse.Namespace) -> str:
         if why:
             raise Refusal(f"{model_type} model: {why}")
     if args.push_to_hub:
-        from huggingface_hub import get_token
+        from huggingface_hub import constants, get_token
 
+        if constants.HF_HUB_OFFLINE:
+            raise Refusal(f"--push-to-hub {args.push_to_hub}: HF_HUB_OFFLINE is set, so huggingface_hub sends nothing: unset it")
         if get_token() is None:
             raise Refusal(f"--push-to-hub {args.push_to_hub}: no hub token: set HF_TOKEN or run `hf auth login`")
     return model_type
@@ -117,6 +119,10 @@ def push(out: Path, repo: str) -> str:
         commit = api.upload_folder(folder_path=out, repo_id=repo, repo_type="model", commit_message=f"finetune.export of {out.parent.name}")
     except HfHubHTTPError as e:
         raise Refusal(f"--push-to-hub {repo}: the hub refused the upload: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # a transport error of the HTTP client huggingface_hub uses (httpx or its fork), after its retries
+        if "TransportError" not in {c.__name__ for c in type(e).__mro__}:
+            raise
+        raise Refusal(f"--push-to-hub {repo}: cannot reach {api.endpoint}: {e}") from None
     return commit.commit_url
 
 

@@ -152,10 +152,11 @@ def test_readme_push_creates_the_repository_and_commits_the_export_with_the_toke
 
 @pytest.mark.slow
 def test_refusals_are_one_line_with_exit_code_2(shipped, tmp_path):
-    def refused(args: str, **env) -> str:
+    def refused(args: str, alone: bool = True, **env) -> str:
+        """The refusal's line; `alone`: refused before any weights are loaded, so it is all stderr holds."""
         out = run_shell(f"python -m finetune.export {args}", cwd=shipped, env=env)
-        assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
-        return out.stderr.strip()
+        assert out.returncode == 2 and (out.stderr.count("\n") == 1 or not alone), out.stderr
+        return out.stderr.strip().splitlines()[-1]
 
     assert refused("no/such/run") == "error: no/such/run: no such directory: give the directory a launch wrote (hydra.run.dir, or outputs/DATE/TIME)"
     unfinished = tmp_path / "unfinished"
@@ -169,8 +170,12 @@ def test_refusals_are_one_line_with_exit_code_2(shipped, tmp_path):
     shutil.copy(shipped / RUN / "config.yaml", olmo)
     (olmo / "final/config.json").write_text(json.dumps({"model_type": "olmo2"}))
     assert refused(f"{olmo} --gguf f16") == f"error: olmo2 model: {gguf_file.refusal('olmo2')}"
-    assert refused(f"{RUN} --push-to-hub you/x", HF_TOKEN="", HF_HOME=str(tmp_path)) == \
+    assert refused(f"{RUN} --push-to-hub you/x", HF_TOKEN="", HF_HOME=str(tmp_path), HF_HUB_OFFLINE="0") == \
         "error: --push-to-hub you/x: no hub token: set HF_TOKEN or run `hf auth login`"
+    assert refused(f"{RUN} --push-to-hub you/x", HF_TOKEN="t", HF_HUB_OFFLINE="1") == \
+        "error: --push-to-hub you/x: HF_HUB_OFFLINE is set, so huggingface_hub sends nothing: unset it"
+    assert refused(f"{RUN} --out {tmp_path / 'x'} --push-to-hub you/x", alone=False, HF_TOKEN="t", HF_HUB_OFFLINE="0",
+                   HF_ENDPOINT="http://127.0.0.1:9") == "error: --push-to-hub you/x: cannot reach http://127.0.0.1:9: [Errno 111] Connection refused"
 
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

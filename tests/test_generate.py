@@ -58,6 +58,8 @@ def test_a_prompt_is_rendered_as_the_training_data_was(shipped):
     for row, example in zip(rows, examples):
         user = row["instruction"] + f"\n{row['input']}"
         assert chat.prompt_ids([{"role": "user", "content": user}]) == example.input_ids[: example.prompt_len]
+    chat.system = "be brief"  # --system: a system turn first, rendered by the same template
+    assert chat.tokenizer.decode(chat.prompt_ids([{"role": "user", "content": "hi"}])) == "<|system|>be brief\n<|user|>hi\n<|assistant|>"
 
 
 def test_readme_prompt_streams_the_greedy_answer(shipped):
@@ -91,12 +93,19 @@ def test_readme_chat_on_stdin_keeps_the_conversation_until_reset(shipped):
     assert turns == [first + "\n", after_reset + "\n"]
 
 
-def test_sampling_is_seeded_and_the_system_prompt_is_the_one_given(shipped):
-    args = f"python -m finetune.generate {RUN} --prompt $'reverse\\nabc' --temperature 1.5 --top-p 0.95 --max-new-tokens 12"
-    one, two = (run_shell(f"{args} --seed 3", cwd=shipped) for _ in range(2))
+def test_sampling_is_seeded(shipped):
+    args = f"python -m finetune.generate {RUN} --prompt $'reverse\\nabc' --temperature 1.5 --top-p 0.95 --max-new-tokens 12 --seed 3"
+    one, two = (run_shell(args, cwd=shipped) for _ in range(2))
     assert one.returncode == 0 and one.stdout == two.stdout
-    system = run_shell(f"{args} --seed 3 --system 'be brief'", cwd=shipped)
-    assert system.returncode == 0
+
+
+def test_a_model_directory_without_a_run_uses_its_own_chat_template(shipped, tmp_path):
+    """The export of the run (a merged model, no config.yaml) answers as the run does: the tokenizer's chat template
+    is what the run trained with (data.template=auto)."""
+    assert run_shell(f"python -m finetune.export {RUN} --out {tmp_path / 'merged'}", cwd=shipped).returncode == 0
+    out = run_shell(f"python -m finetune.generate {tmp_path / 'merged'} --prompt $'reverse\\nhello'", cwd=shipped)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout == greedy(shipped / RUN, [{"role": "user", "content": "reverse\nhello"}]) + "\n"
 
 
 def test_refusals_are_one_line(shipped):
