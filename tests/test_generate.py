@@ -45,17 +45,17 @@ def test_a_prompt_is_rendered_as_the_training_data_was(shipped):
     import argparse
 
     from finetune import config, finished
+    from finetune.data.forms import to_messages
     from finetune.data.sources import load_rows
-    from finetune.data.tokenize import tokenize
+    from finetune.data.tokenize import encode
     from finetune.generate import Chat
 
     run_dir = shipped / RUN
     cfg = config.load(run_dir / "config.yaml")
     chat = Chat(finished.locate(str(run_dir)), argparse.Namespace(system=None, max_new_tokens=8, temperature=0.0, top_p=1.0, seed=0,
                                                                    dtype="fp32"))
-    rows = load_rows(cfg.data.eval, "train", "data.eval").rows[:8]
-    examples, _ = tokenize(load_rows(cfg.data.eval, "train", "data.eval"), chat.tokenizer, cfg.data, "data.eval")
-    for row, example in zip(rows, examples):
+    for row in load_rows(cfg.data.eval, "train", "data.eval").rows[:8]:  # as finetune/methods/sft.py encodes an eval row
+        example = encode(to_messages(row, cfg.data.format, cfg.data.system_prompt, "t"), chat.tokenizer, chat.chat_template)
         user = row["instruction"] + f"\n{row['input']}"
         assert chat.prompt_ids([{"role": "user", "content": user}]) == example.input_ids[: example.prompt_len]
     chat.system = "be brief"  # --system: a system turn first, rendered by the same template
