@@ -192,6 +192,8 @@ class LongPrompt(str, Enum, metaclass=Spelled):
 class Method(str, Enum, metaclass=Spelled):
     sft = "sft"
     dpo = "dpo"
+    kto = "kto"
+    orpo = "orpo"
 
 
 class DpoLoss(str, Enum, metaclass=Spelled):
@@ -446,20 +448,28 @@ class DataConfig:
 class MethodConfig:
     name: Method = Method.sft
     """sft: cross-entropy on response tokens only. dpo: preference optimisation on
-    (prompt, chosen, rejected) pairs, with the DPO-family loss `loss`."""
+    (prompt, chosen, rejected) pairs, with the DPO-family loss `loss`. kto: unpaired rows labelled desirable
+    or undesirable (`label: true/false`; pairs count as one of each), against a reference. orpo: pairs, the
+    SFT loss plus an odds-ratio term, no reference model."""
     loss: DpoLoss = DpoLoss.sigmoid
     """dpo: sigmoid (DPO), ipo (squared loss on length-averaged log-ratios), hinge (SLiC),
     simpo (reference-free, length-averaged log-probs, target margin `gamma`)."""
     beta: float | None = checked(POSITIVE, None)
-    """dpo: inverse temperature of the implicit reward; null: 0.1, or 2.0 for simpo (the papers' values)."""
+    """dpo, kto: inverse temperature of the implicit reward; orpo: the weight (lambda) of the odds-ratio term;
+    null: 0.1, or 2.0 for simpo (the papers' values)."""
     gamma: float = checked(at_least(0), 1.0)
     """simpo: the target reward margin between chosen and rejected."""
     label_smoothing: float = checked(in_range(0, 0.5, hi_open=True), 0.0)
     """sigmoid/simpo: probability that a preference label is flipped (conservative DPO), in [0, 0.5)."""
     sft_weight: float = checked(at_least(0), 0.0)
     """dpo: weight of an added SFT loss on the chosen response (per-token mean; RPO-style)."""
+    desirable_weight: float = checked(POSITIVE, 1.0)
+    """kto: the weight of a desirable row's loss (lambda_D; the paper keeps lambda_D x desirable rows / lambda_U x
+    undesirable rows in [1, 4/3])."""
+    undesirable_weight: float = checked(POSITIVE, 1.0)
+    """kto: the weight of an undesirable row's loss (lambda_U)."""
     reference: Reference = Reference.precomputed
-    """dpo: where the reference log-probs come from. precomputed: one no-grad pass of the initial
+    """dpo, kto: where the reference log-probs come from. precomputed: one no-grad pass of the initial
     policy over the data before training (no reference model in memory while training);
     live: a frozen copy of the initial model (sharded like the policy under ZeRO-3);
     adapter_disabled: with peft, the policy itself with its adapter switched off (no copy)."""

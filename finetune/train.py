@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from finetune import (checkpoint, compiling, config, dist, engine, evaluate, flops, liger, logs, loop, model, objectives, plan, reference,
-                      rules, rundir, startup, varlen)
+from finetune import (checkpoint, compiling, config, dist, engine, evaluate, flops, liger, logs, loop, methods, model, objectives, plan,
+                      reference, rules, rundir, startup, varlen)
 from finetune.config import Config, ConfigError, Kernels, Logits, MemoryReport, PeftConfig, PeftMethod, Precision, Strategy, uses_deepspeed
 from finetune.data import stream
 from finetune.data.batches import TrainBatches
@@ -309,6 +309,9 @@ def load_data(cfg: Config, tokenizer: Any, d: dist.Dist) -> tuple[Any, Any, dict
         samples = len(train)
         if cfg.data.packing:
             train = pack(train, cfg.data.max_length, cfg.train.seed)
+    method = methods.get(cfg.method.name)  # the whole splits read: what the method adds to them (KTO's mismatched rows)
+    train = train if cfg.data.streaming else method.settle(train, cfg.data, "data.train")
+    evals = method.settle(evals, cfg.data, "data.eval") if len(evals) else evals
     if d.is_main:
         if cfg.data.packing and not cfg.data.streaming:
             print(f"packing: {samples} samples -> {len(train)} rows of up to {cfg.data.max_length} tokens")

@@ -70,6 +70,9 @@ def to_messages(row: dict[str, Any], fmt: DataFormat, system_prompt: str | None,
                           "add method=dpo, or use alpaca/chat rows for method=sft")
     if fmt == DataFormat.text:
         raise ConfigError(f"{where}: a text row has no prompt or response (it is tokenized whole): data.tokenize reads it")
+    if isinstance(row.get("label"), bool):
+        raise ConfigError(f"{where}: this row's response is labelled (label: {str(row['label']).lower()}), which trains with "
+                          "method=kto (a false one would be learned as a right answer): add method=kto, or remove the labels")
     if fmt == DataFormat.sharegpt:
         return to_messages({"messages": sharegpt_messages(row, where)}, DataFormat.chat, system_prompt, where)
     if fmt == DataFormat.completion:
@@ -136,6 +139,26 @@ def to_pair(row: dict[str, Any], system_prompt: str | None, where: str, method: 
     if chosen.strip() == rejected.strip():
         raise ConfigError(f"{where}: 'chosen' and 'rejected' are the same response, so the pair prefers nothing: {FIX}")
     return _with_system(prompt, system_prompt), chosen, rejected
+
+
+def to_labelled(row: dict[str, Any], data: DataConfig, where: str, method: str) -> list[tuple[list[dict[str, str]], bool]]:
+    """An unpaired row -> [(conversation ending with the response, whether the response is desirable)]: any SFT form
+    with a boolean `label` (TRL's unpaired preference rows: `prompt` and `completion` as text or as messages); a
+    preference pair counts as one desirable and one undesirable row (chosen, rejected). `method`: the method that
+    reads them, as the refusal names it."""
+    if form_of(row, data.format, where) == DataFormat.preference:
+        prompt, chosen, rejected = to_pair(row, data.system_prompt, where, method)
+        return [([*prompt, {"role": "assistant", "content": text}], good) for text, good in ((chosen, True), (rejected, False))]
+    label = row.get("label")
+    if not isinstance(label, bool):
+        raise ConfigError(f"{where}: method={method} needs each row labelled: 'label' true (a desirable response) or false (an "
+                          f"undesirable one), got {label!r}; or give preference pairs (chosen, rejected)")
+    if isinstance(row.get("prompt"), list):  # conversational: the prompt as messages, the completion text or one message
+        prompt = _messages(row["prompt"], where, "prompt")
+        _has_prompt(prompt, where)
+        response = _text(_response(row.get("completion"), where, "completion"), where, "'completion'")
+        return [(_with_system([*prompt, {"role": "assistant", "content": response}], data.system_prompt), label)]
+    return [(to_messages({k: v for k, v in row.items() if k != "label"}, data.format, data.system_prompt, where), label)]
 
 
 FIX = "fix the row or remove it"

@@ -90,6 +90,10 @@ class Pair:
         """Its rows in batch order (finetune.methods.base.Item): a batch of pairs is B chosen rows, then B rejected."""
         return self.chosen, self.rejected
 
+    @property
+    def target(self) -> Example:
+        return self.chosen
+
     def values(self) -> dict[str, tuple[float, ...]]:
         return {"reference_logps": self.reference} if self.reference is not None else {}
 

@@ -34,6 +34,10 @@ class Item(Protocol):
     def rows(self) -> tuple[Example, ...]:
         """Its rows in batch order (a pair: chosen, rejected)."""
 
+    @property
+    def target(self) -> Example | None:
+        """The row exact match generates from and compares with (a pair's chosen), or None (KTO's undesirable rows)."""
+
     def values(self) -> dict[str, tuple[float, ...]]:
         """Numbers that travel in the batch beside its rows, one per row, as float64 tensors in row order (DPO's
         precomputed `reference_logps`); {} when none."""
@@ -74,11 +78,12 @@ class Method(Protocol):
     """What one example is called in messages ("pair"): "reference: log-probs of 4 train pairs"."""
 
     columns: tuple[str, ...]
-    """The token cache's column prefix of each of an example's rows, in batch order: ("",) for an example of one
-    row (columns input_ids, labels...); DPO ("chosen_", "rejected_"). Its length is `rows_per_example`."""
+    """The token cache's column prefix of each of an example's rows it keeps, in batch order: ("",) for an example of
+    one row (columns input_ids, labels...); DPO ("chosen_", "rejected_"). The first `len(columns)` of its rows."""
 
     rows_per_example: int
-    """Rows one example puts in a batch: the planner counts micro_batch_size x this many rows of activations."""
+    """Rows one example puts in a batch (its cached rows and those `settle` adds: KTO's mismatched row): the planner
+    counts micro_batch_size x this many rows of activations."""
 
     unpacked: str | None
     """None: its examples may be packed (data.packing) and laid end to end (data.padding_free). Else why not,
@@ -108,6 +113,11 @@ class Method(Protocol):
 
     def join(self, rows: list[Example], scalars: dict[str, float]) -> Any:
         """The example made of these rows (one per `columns` entry) and `scalars`, as the token cache reads it back."""
+
+    def settle(self, examples: list[Any], data: DataConfig, key: str) -> list[Any]:
+        """A split's examples once all are read on a rank, before the reference is computed (KTO: each example's
+        mismatched row, another example's response after its prompt); `key` names the split (data.train) in a
+        refusal. Most methods return them as they are."""
 
     def reference(self, cfg: MethodConfig) -> Reference | None:
         """How the reference log-probs its loss needs are computed (finetune.reference: precomputed, live,

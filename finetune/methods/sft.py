@@ -46,11 +46,14 @@ class Sft:
     def join(self, rows: list[Example], scalars: dict[str, float]) -> Example:
         return rows[0]
 
+    def settle(self, examples: list[Any], data: DataConfig, key: str) -> list[Any]:
+        return examples
+
     def reference(self, cfg: MethodConfig) -> Reference | None:
         return None
 
     def validate(self, cfg: Config) -> None:
-        unused(cfg.method, "method", ("name",), "with method=sft (DPO settings)")
+        unused(cfg.method, "method", ("name",), "with method=sft (a preference method's setting)")
         if cfg.data.format == DataFormat.preference:
             raise ConfigError("data.format=preference holds (prompt, chosen, rejected) pairs for method=dpo; method=sft needs alpaca or chat rows")
 
