@@ -228,19 +228,21 @@ def one_process(start, tmp_path_factory):
     """4 KTO steps on one process (the torch engine): what the sharded runs are compared with. A micro-batch holds the
     same examples on any number of ranks, so the reference point z0 (each micro-batch's) is the same too."""
     tmp = tmp_path_factory.mktemp("kto_one")
-    out = run_cli(*SHARDED, *start, "parallelism=single", f"hydra.run.dir={tmp / 'run'}", cwd=tmp)
+    out = run_cli(*SHARDED, *start, "method.reference=live", "parallelism=single", f"hydra.run.dir={tmp / 'run'}", cwd=tmp)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return [m for m in read_metrics(tmp / "run") if m["kind"] == "train"]
 
 
-SHARDED = [*QUICK, "train.max_steps=4", "train.global_batch_size=16", "train.progress_bar=false", "method.reference=live"]
+SHARDED = [*QUICK, "train.max_steps=4", "train.global_batch_size=16", "train.progress_bar=false"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["zero=stage3", "parallelism=ddp"], ["parallelism=fsdp"]], ids=["zero3", "fsdp"])
+@pytest.mark.parametrize("layout", [["zero=stage3", "parallelism=ddp", "method.reference=live"], ["parallelism=fsdp", "method.reference=live"],
+                                    ["parallelism=pp2", "logits=chunked"]], ids=["zero3", "fsdp", "pp2_chunked"])
 def test_two_ranks_sharded_match_one_process(layout, start, one_process, tmp_path):
     """The row forward with gradients, the mismatched rows' without and the live reference's (sharded like the
-    policy) under ZeRO-3 and FSDP2 give one process's losses."""
+    policy) under ZeRO-3 and FSDP2, and one forward of both halves under a pipeline (its last stage returning each
+    row's log-probs; the reference precomputed), give one process's losses."""
     out = run_cli(*SHARDED, *start, *layout, "launcher.nproc_per_node=2", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     ours = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "train"]
