@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from finetune.config import Config, ConfigError, DataConfig, DataFormat, DpoLoss, MethodConfig, PeftMethod, Reference, unused
 from finetune.data.forms import to_pair
 from finetune.data.tokenize import IGNORE, Encoded, Example, Pair, encode_pair, fit
-from finetune.methods.base import Output
+from finetune.methods.base import CAUSAL_LM, Output
 
 if TYPE_CHECKING:
     import torch
@@ -34,6 +34,7 @@ class Dpo:
                     "slice of the tokens; use parallelism.cp=1 (with checkpointing=full and logits=chunked for long pairs)")
     scalars = ()
     attached = True  # a precomputed reference's log-probs are attached to each pair on the ranks
+    model_class = CAUSAL_LM
 
     def check_row(self, row: dict[str, Any], data: DataConfig, where: str) -> None:
         to_pair(row, data.system_prompt, where, self.name)
