@@ -125,6 +125,10 @@ class Family:
     pp_plan: bool = True
     """transformers publishes a pipeline plan (base_model_pp_plan: the modules before and after the
     blocks), which pipeline stages follow; False: pipeline parallel is refused before launch."""
+    scored: bool = True
+    """transformers has a ForSequenceClassification class for the family (one score per row: method=reward's
+    model); False: method=reward is refused before launch (Granite has none). tests/test_reward.py checks it
+    against transformers' mapping."""
 
 
 LLAMA_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
@@ -141,7 +145,7 @@ lambdas, BitNet's norms inside attention (hidden) and MLP (its width), Apertus' 
 scalars), a router's score correction bias (one per expert: ERNIE-4.5-MoE)."""
 
 FAMILIES: dict[str, Family] = {
-    "llama": Family(), "mistral": Family(), "mixtral": Family(), "granite": Family(),
+    "llama": Family(), "mistral": Family(), "mixtral": Family(), "granite": Family(scored=False),
     "qwen2": Family(qkv_bias=True, o_bias=False), "qwen2_moe": Family(qkv_bias=True, o_bias=False),
     "qwen3": Family(qk_norm="head", head_dim=128), "qwen3_moe": Family(qk_norm="head"),
     "gemma": Family(tied=True, head_dim=256, norm_fp32=True, act="gelu_pytorch_tanh"),

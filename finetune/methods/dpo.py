@@ -50,6 +50,8 @@ class Dpo:
 
     def validate(self, cfg: Config) -> None:
         m = cfg.method
+        unused(m, "method", ("name", "loss", "beta", "gamma", "label_smoothing", "sft_weight", "reference"),
+               "with method=dpo (another method's key)")
         if m.loss == DpoLoss.simpo:
             unused(m, "method", ("name", "loss", "beta", "gamma", "label_smoothing", "sft_weight"), "with method.loss=simpo (reference-free)")
         else:

@@ -51,7 +51,7 @@ class Sft:
         return None
 
     def validate(self, cfg: Config) -> None:
-        unused(cfg.method, "method", ("name",), "with method=sft (DPO settings)")
+        unused(cfg.method, "method", ("name",), "with method=sft (another method's key)")
         if cfg.data.format == DataFormat.preference:
             raise ConfigError("data.format=preference holds (prompt, chosen, rejected) pairs for method=dpo; method=sft needs alpaca or chat rows")
 
