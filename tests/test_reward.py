@@ -115,6 +115,14 @@ def test_every_family_builds_a_scored_model_or_is_refused(family, compose, tmp_p
     assert architecture(ModelConfig(path=str(tmp_path))).scored().params == sum(p.numel() for p in built.parameters())
 
 
+def test_the_rank_refuses_a_model_type_with_no_classifier_in_one_line():
+    """A hub id's model type is first known on the rank: transformers' refusal becomes one line."""
+    with pytest.raises(ConfigError) as e:
+        scored_model(model_type="granite")
+    assert str(e.value) == ("granite: transformers has no SequenceClassification class for this model type, which the method "
+                            "needs (its AutoModelForSequenceClassification lists none): use a model family that has one")
+
+
 REFUSED = [
     (["parallelism=pp2", "launcher.nproc_per_node=2"], "method=reward with parallelism.pp=2 is not supported: pipeline stages "
      "run the causal LM's forward, not the score head and its last-token pooling: use parallelism=fsdp, tp2 or a zero option"),
