@@ -251,9 +251,9 @@ def run(cfg: Config, d: dist.Dist) -> None:
         if d.is_main:
             print(f"router aux loss: not reported under parallelism.pp={cfg.parallelism.pp} (each stage keeps its routers' logits)")
         router = None
-    if router and d.is_main:
-        print(router.describe())
     objective = objectives.build(cfg.method, ref, router, chunked)
+    if router and d.is_main and router.metric in objective.metrics:  # a sequence classifier (method=reward) returns none to report
+        print(router.describe())
     batches = make_batches(cfg, train_examples, eng, tokenizer.pad_token_id, resume_from)
     phase("training")
     loop.STOP["defer"] = True  # from here a signal saves a checkpoint at the next step boundary

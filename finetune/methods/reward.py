@@ -88,8 +88,9 @@ def unsupported(cfg: Config) -> str | None:
 class BradleyTerry:
     """-log sigmoid(r_chosen - r_rejected) per pair (+ the centring term); a batch holds B chosen rows, then B rejected rows.
 
-    The scores come from the model's own ForSequenceClassification forward (its `logits`, [2B, 1]). torch is imported
-    where it is used: the launcher reads this module's record."""
+    The scores come from the model's own ForSequenceClassification forward (its `logits`, [2B, 1]), which returns no MoE
+    load-balancing loss: a MoE's router loss is neither reported nor added (refused where its config would add it).
+    torch is imported where it is used: the launcher reads this module's record."""
 
     metrics = ("rewards/accuracy", "rewards/chosen", "rewards/margin", "rewards/rejected")
 
