@@ -194,6 +194,7 @@ class Method(str, Enum, metaclass=Spelled):
     dpo = "dpo"
     kto = "kto"
     orpo = "orpo"
+    reward = "reward"
 
 
 class DpoLoss(str, Enum, metaclass=Spelled):
@@ -450,7 +451,8 @@ class MethodConfig:
     """sft: cross-entropy on response tokens only. dpo: preference optimisation on
     (prompt, chosen, rejected) pairs, with the DPO-family loss `loss`. kto: unpaired rows labelled desirable
     or undesirable (`label: true/false`; pairs count as one of each), against a reference. orpo: pairs, the
-    SFT loss plus an odds-ratio term, no reference model."""
+    SFT loss plus an odds-ratio term, no reference model. reward: a reward model (one scalar
+    score per row, AutoModelForSequenceClassification) trained on the same pairs with the Bradley-Terry loss."""
     loss: DpoLoss = DpoLoss.sigmoid
     """dpo: sigmoid (DPO), ipo (squared loss on length-averaged log-ratios), hinge (SLiC),
     simpo (reference-free, length-averaged log-probs, target margin `gamma`)."""
@@ -473,6 +475,10 @@ class MethodConfig:
     policy over the data before training (no reference model in memory while training);
     live: a frozen copy of the initial model (sharded like the policy under ZeRO-3);
     adapter_disabled: with peft, the policy itself with its adapter switched off (no copy)."""
+    center_rewards_coefficient: float = checked(at_least(0), 0.0)
+    """reward: weight of the added mean squared sum of the pair's scores, (r_chosen + r_rejected)^2, which keeps
+    the scores centred on 0 (Eisenstein et al. 2023; TRL's RewardConfig.center_rewards_coefficient, 0.01 there);
+    0: the plain Bradley-Terry loss."""
 
     @property
     def beta_value(self) -> float:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from finetune.config import ConfigError
@@ -125,6 +125,10 @@ class Family:
     pp_plan: bool = True
     """transformers publishes a pipeline plan (base_model_pp_plan: the modules before and after the
     blocks), which pipeline stages follow; False: pipeline parallel is refused before launch."""
+    scored: bool = True
+    """transformers has a ForSequenceClassification class for the family (one score per row: method=reward's
+    model); False: method=reward is refused before launch (Granite has none). tests/test_reward.py checks it
+    against transformers' mapping."""
 
 
 LLAMA_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
@@ -141,7 +145,7 @@ lambdas, BitNet's norms inside attention (hidden) and MLP (its width), Apertus' 
 scalars), a router's score correction bias (one per expert: ERNIE-4.5-MoE)."""
 
 FAMILIES: dict[str, Family] = {
-    "llama": Family(), "mistral": Family(), "mixtral": Family(), "granite": Family(),
+    "llama": Family(), "mistral": Family(), "mixtral": Family(), "granite": Family(scored=False),
     "qwen2": Family(qkv_bias=True, o_bias=False), "qwen2_moe": Family(qkv_bias=True, o_bias=False),
     "qwen3": Family(qk_norm="head", head_dim=128), "qwen3_moe": Family(qk_norm="head"),
     "gemma": Family(tied=True, head_dim=256, norm_fp32=True, act="gelu_pytorch_tanh"),
@@ -255,6 +259,8 @@ class Arch:
     """tanh soft-capping of the attention logits (attn_logit_softcapping); 0: none."""
     final_softcap: float = 0.0
     """tanh soft-capping of the output logits (final_logit_softcapping); 0: none."""
+    head_outputs: int = 0
+    """The output head's width: 0, the vocabulary (a causal LM's lm_head); 1, a sequence classifier's score (`scored`)."""
 
     @property
     def kv_dim(self) -> int:
@@ -296,9 +302,19 @@ class Arch:
         return self.vocab_size * self.hidden_size
 
     @property
+    def head_width(self) -> int:
+        """Outputs of the head per token: the vocabulary's logits, or one score."""
+        return self.head_outputs or self.vocab_size
+
+    @property
     def head_params(self) -> int:
         """The output head (and its bias); 0 when tied to the embeddings."""
-        return (0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size) + self.head_bias
+        return (0 if self.tie_word_embeddings else self.head_width * self.hidden_size) + self.head_bias
+
+    def scored(self) -> Arch:
+        """The same body under transformers' ForSequenceClassification head (method=reward): a score of hidden x 1, no
+        bias, never tied to the embeddings, no logit soft-capping, in place of lm_head."""
+        return replace(self, head_outputs=1, tie_word_embeddings=False, head_bias=0, final_softcap=0.0)
 
     @property
     def params(self) -> int:

@@ -56,6 +56,7 @@ from finetune.config import (
     engine_kind,
 )
 from finetune import methods, optimizers
+from finetune.methods.base import SCORED
 from finetune.disk import config_source, flash_unavailable, local_config
 from finetune.families import COUNTED, Arch, Block, Linear, adapted, arch_from_config, lora_params, pick_attention, targeted
 from finetune.rules import several_per_row
@@ -155,7 +156,7 @@ def trainable_shapes(arch: Arch, cfg: Config) -> list[tuple[int, ...]]:
     if full or "embed_tokens" in peft.modules_to_save:
         shapes += [(arch.vocab_size, h)]
     if (full or "lm_head" in peft.modules_to_save) and arch.head_params:
-        shapes += [(arch.vocab_size, h)]
+        shapes += [(arch.head_width, h)]
     if full:
         shapes += [(arch.final_norm,)] + ([(arch.positions,)] if arch.positions else [])
     return shapes
@@ -551,7 +552,7 @@ def activation_bytes(arch: Arch, cfg: Config, layers: int, in_flight: int, seq: 
         blocks = max(blocks, below + whole + working)
         filled = max(filled, below + whole + working + (layers - 1 - j) * block_grads)
         below += kept[j]
-    v = arch.vocab_size / cfg.parallelism.tp
+    v = arch.head_width / cfg.parallelism.tp
     if cfg.logits.name == Logits.chunked:  # one chunk's logits, their fp32 log-softmax and gradients, at the backward's start
         chunk = min(cfg.logits.chunk_tokens, tokens, labelled or tokens)  # only labelled positions reach the head
         # a chunk's backward (inside the model's now): log_softmax's fp32 output, the gradient arriving at it and the one
@@ -583,7 +584,7 @@ def head_bytes(arch: Arch, cfg: Config, tokens: int) -> float:
     per_token += d.compute * arch.vocab_size / tp if arch.final_softcap and not chunked else 0  # chunked: recomputed
     per_token += d.module * h if chunked else 0  # the labelled positions' hidden states, gathered for the chunks
     per_token += h * (1 if cfg.hardware.gpu_memory_gib > 0 else d.module) if arch.embedding_dropout > 0 else 0
-    return tokens * per_token + (2 * arch.vocab_size * h / tp if d.autocast else 0)
+    return tokens * per_token + (2 * arch.head_width * h / tp if d.autocast else 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -683,6 +684,8 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
     its activations at `longest` (the longest batch the run sees, read from its data: finetune.lengths)
     or, without it, at data.max_length, an upper bound for padded batches."""
     arch = architecture(cfg.model)
+    if methods.get(cfg.method.name).model_class == SCORED:  # a reward model: a score head of hidden x 1, not lm_head
+        arch = arch.scored()
     p, z, hw = cfg.parallelism, cfg.zero, cfg.hardware
     counts = count_params(arch, cfg)
     w, g, k = engine_state_bytes(cfg)

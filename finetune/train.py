@@ -190,13 +190,14 @@ def run(cfg: Config, d: dist.Dist) -> None:
     phase("model")
     zero3 = model.zero3_context(deepspeed_config(cfg) if uses_deepspeed(cfg) else None)
     attention, attention_why = model.resolve_attention(cfg.model, cfg.precision.name, d.device)
+    model_class = methods.get(cfg.method.name).model_class  # a causal LM, or a scored model (method=reward)
 
     def load(peft: PeftConfig) -> torch.nn.Module:
         loaded = model.load_model(cfg.model, tokenizer, attention=attention, peft=peft,
                                   compute_dtype=autocast_dtype(cfg.precision.name) or torch.float32, zero3=cfg.zero.stage == 3,
                                   run_dir=run_dir, is_main=d.is_main, barrier=d.barrier,
                                   dtype=torch.bfloat16 if cfg.precision.name == Precision.bf16_pure else torch.float32,
-                                  fsdp=cfg.parallelism.strategy == Strategy.fsdp)
+                                  fsdp=cfg.parallelism.strategy == Strategy.fsdp, model_class=model_class)
         if cfg.model.kernels == Kernels.liger:  # before PEFT and the layout wrap it (DPO's live reference too)
             liger.apply(loaded, d.device)
         return loaded
@@ -216,7 +217,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
     elif several:
         attention_why += f"; {several}: its variable-length kernel"
     phase("peft" if cfg.peft.name != PeftMethod.none else "model")
-    net = model.apply_strategies(loaded, checkpointing=cfg.checkpointing, peft=cfg.peft)
+    net = model.apply_strategies(loaded, checkpointing=cfg.checkpointing, peft=cfg.peft, model_class=model_class)
     if d.is_main:
         trainable, total = model.trainable_parameters(net)
         print(f"model: {total:,} parameters, {trainable:,} trainable ({trainable / total:.2%}), attention {attention} ({attention_why})")
@@ -250,9 +251,9 @@ def run(cfg: Config, d: dist.Dist) -> None:
         if d.is_main:
             print(f"router aux loss: not reported under parallelism.pp={cfg.parallelism.pp} (each stage keeps its routers' logits)")
         router = None
-    if router and d.is_main:
-        print(router.describe())
     objective = objectives.build(cfg.method, ref, router, chunked)
+    if router and d.is_main and router.metric in objective.metrics:  # a sequence classifier (method=reward) returns none to report
+        print(router.describe())
     batches = make_batches(cfg, train_examples, eng, tokenizer.pad_token_id, resume_from)
     phase("training")
     loop.STOP["defer"] = True  # from here a signal saves a checkpoint at the next step boundary
@@ -286,7 +287,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
         with startup.timed(ended, "exact match"):
             result["after"]["exact_match"] = evaluate.exact_match_of_export(final, eval_examples, cfg.train, d.device)
     if d.is_main:
-        report(run_dir, final, result, {k: vars(s) for k, s in stats.items()}, cfg.train.loggers)
+        report(run_dir, final, result, {k: vars(s) for k, s in stats.items()}, cfg.train.loggers, model_class)
     del zero3  # alive until here: transformers consults it while loading, generating and saving
 
 
@@ -408,9 +409,11 @@ def mfu_inputs(cfg: Config, net: Any, d: dist.Dist) -> dict[str, float | None]:
             "peak_flops": flops.peak_flops(d.device, autocast_dtype(cfg.precision.name) or torch.float32)}
 
 
-def report(run_dir: Path, final: Path, result: dict[str, dict[str, float]], stats: dict, loggers: list[str]) -> None:
+def report(run_dir: Path, final: Path, result: dict[str, dict[str, float]], stats: dict, loggers: list[str],
+           model_class: str = model.CAUSAL_LM) -> None:
     """The loss-curve PNG, summary.json (written last: the launcher times the shutdown from it), and the lines a
-    user reads first: before/after, where the results are, where the seconds after training went."""
+    user reads first: before/after, where the results are (`model_class`: what loads final/), where the seconds
+    after training went."""
     with startup.timed(result["after_training"], "plot"):
         logs.plot_loss(run_dir, run_dir / "loss.png")
     (run_dir / "summary.json").write_text(json.dumps({**result, "checkpoint": str(final), "data": stats}, indent=2) + "\n")
@@ -424,7 +427,7 @@ def report(run_dir: Path, final: Path, result: dict[str, dict[str, float]], stat
     if (final / "adapter_config.json").is_file():
         print(f"adapter      {final}  (PEFT format; plain weights: python scripts/merge_adapter.py {final} MERGED_DIR)")
     else:
-        print(f"checkpoint   {final}  (AutoModelForCausalLM.from_pretrained / AutoTokenizer.from_pretrained)")
+        print(f"checkpoint   {final}  ({model_class}.from_pretrained / AutoTokenizer.from_pretrained)")
     written = [str(run_dir / logs.SINKS[name].output) for name in loggers if logs.SINKS[name].output]
     print(f"metrics      {', '.join(written)}, loss curve {run_dir / 'loss.png'}")
     print(startup.after_line(result["after_training"]))

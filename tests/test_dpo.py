@@ -104,7 +104,7 @@ def test_validation_refuses_what_has_no_effect(compose):
         assert str(e.value) == message, extra
     with pytest.raises(ConfigError) as e:
         compose(["method.beta=0.2"])
-    assert str(e.value) == "method.beta=0.2 has no effect with method=sft (a preference method's setting): remove it or change the option"
+    assert str(e.value) == "method.beta=0.2 has no effect with method=sft (another method's key): remove it or change the option"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -120,7 +120,7 @@ def test_one_example_is_refused_and_a_labelled_row_is_not_sft(tok):
 def test_rules(compose):
     base = ["method=kto", "data=quickstart_kto"]
     cases = [
-        (["method.gamma=0.5"], "method.gamma=0.5 has no effect with method=kto: remove it or change the option"),
+        (["method.gamma=0.5"], "method.gamma=0.5 has no effect with method=kto (another method's key): remove it or change the option"),
         (["method.reference=adapter_disabled"], "method.reference=adapter_disabled uses the base model under a PEFT adapter: add "
          "peft=lora (or qlora/dora), or use method.reference=precomputed"),
         (["data.packing=true"], "data.packing=true is not supported with method=kto (each response is scored in a row of its own): "
@@ -138,7 +138,8 @@ def test_rules(compose):
         assert str(e.value) == message, extra
     with pytest.raises(ConfigError) as e:
         compose(["method=dpo", "data=quickstart_dpo", "method.desirable_weight=2"])
-    assert str(e.value) == "method.desirable_weight=2.0 has no effect with method=dpo (a setting of method=kto): remove it or change the option"
+    assert str(e.value) == ("method.desirable_weight=2.0 has no effect with method=dpo (another method's key): remove it "
+                            "or change the option")
     assert compose([*base, "peft=lora", "method.reference=adapter_disabled", "method.undesirable_weight=1.3"]).method.undesirable_weight == 1.3
 
 

@@ -1,5 +1,5 @@
 """The interface every training method implements: what the data, the loop, the planner and the rules ask
-of it. One module per method (finetune/methods/sft.py, dpo.py) holds one record, `METHOD`, listed in the
+of it. One module per method (finetune/methods/sft.py, dpo.py, reward.py) holds one record, `METHOD`, listed in the
 registry (finetune/methods/__init__.py); nothing outside finetune/methods/ branches on the method's name.
 
 The record is read on both sides of the launch. The launcher side (rules, planner, data checks, the
@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from finetune.data.tokenize import Encoded, Example
 
 Output = tuple["torch.Tensor", dict[str, "torch.Tensor"]]  # (summed loss, summed metrics): what an objective returns
+
+CAUSAL_LM, SCORED = "AutoModelForCausalLM", "AutoModelForSequenceClassification"
+"""The `model_class` values: token logits (lm_head), or one score per row (a score head of hidden x 1)."""
 
 
 class Item(Protocol):
@@ -101,6 +104,11 @@ class Method(Protocol):
     attached: bool
     """Its examples carry values computed on the ranks (a precomputed reference's log-probs): the token cache's
     rows are then read into objects once, not row by row from the memory map."""
+
+    model_class: str
+    """The transformers Auto class the ranks build the trained model with (finetune.model.load_model), which
+    also loads its final/: "AutoModelForCausalLM" (token logits: SFT, DPO) or "AutoModelForSequenceClassification"
+    (one score per row, num_labels=1, pooled at the last non-pad token: a reward model)."""
 
     def check_row(self, row: dict[str, Any], data: DataConfig, where: str) -> None:
         """Convert one raw row as `encode` would, without a tokenizer (the launcher checks every local row before

@@ -15,12 +15,10 @@ from typing import TYPE_CHECKING, Any
 from finetune.config import Config, ConfigError, DataConfig, DataFormat, DpoLoss, MethodConfig, PeftMethod, Reference, unused
 from finetune.data.forms import to_pair
 from finetune.data.tokenize import IGNORE, Encoded, Example, Pair, encode_pair, fit
-from finetune.methods.base import Output
+from finetune.methods.base import CAUSAL_LM, Output
 
 if TYPE_CHECKING:
     import torch
-
-KTO_KEYS = ("desirable_weight", "undesirable_weight")
 
 
 class Dpo:
@@ -36,6 +34,7 @@ class Dpo:
                     "slice of the tokens; use parallelism.cp=1 (with checkpointing=full and logits=chunked for long pairs)")
     scalars = ()
     attached = True  # a precomputed reference's log-probs are attached to each pair on the ranks
+    model_class = CAUSAL_LM
 
     def check_row(self, row: dict[str, Any], data: DataConfig, where: str) -> None:
         to_pair(row, data.system_prompt, where, self.name)
@@ -51,10 +50,11 @@ class Dpo:
 
     def validate(self, cfg: Config) -> None:
         m = cfg.method
+        unused(m, "method", ("name", "loss", "beta", "gamma", "label_smoothing", "sft_weight", "reference"),
+               "with method=dpo (another method's key)")
         if m.loss == DpoLoss.simpo:
             unused(m, "method", ("name", "loss", "beta", "gamma", "label_smoothing", "sft_weight"), "with method.loss=simpo (reference-free)")
         else:
-            unused(m, "method", tuple(f.name for f in fields(m) if f.name not in KTO_KEYS), "with method=dpo (a setting of method=kto)")
             unused(m, "method", tuple(f.name for f in fields(m) if f.name != "gamma"), f"with method.loss={m.loss.value} (only with simpo)")
         if m.loss in (DpoLoss.ipo, DpoLoss.hinge) and m.label_smoothing:
             raise ConfigError(f"method.label_smoothing={m.label_smoothing} applies to method.loss=sigmoid or simpo, not {m.loss.value}")

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from finetune.config import Config, ConfigError, DataConfig, DataFormat, MethodConfig, Reference, unused
 from finetune.data.forms import to_labelled
 from finetune.data.tokenize import IGNORE, Encoded, Example, encode, fit
-from finetune.methods.base import Output
+from finetune.methods.base import CAUSAL_LM, Output
 from finetune.methods.dpo import check_reference
 
 if TYPE_CHECKING:
@@ -76,6 +76,7 @@ class Kto:
                     "slice of the tokens; use parallelism.cp=1 (with checkpointing=full and logits=chunked for long rows)")
     scalars = ("desirable",)
     attached = True  # mismatched rows and a precomputed reference's log-probs are attached on the ranks
+    model_class = CAUSAL_LM
 
     def check_row(self, row: dict[str, Any], data: DataConfig, where: str) -> None:
         to_labelled(row, data, where, self.name)
@@ -102,7 +103,8 @@ class Kto:
         return cfg.reference
 
     def validate(self, cfg: Config) -> None:
-        unused(cfg.method, "method", ("name", "beta", "desirable_weight", "undesirable_weight", "reference"), "with method=kto")
+        unused(cfg.method, "method", ("name", "beta", "desirable_weight", "undesirable_weight", "reference"),
+               "with method=kto (another method's key)")
         check_reference(cfg)
         if cfg.data.packing:
             raise ConfigError("data.packing=true is not supported with method=kto (each response is scored in a row of its own): "

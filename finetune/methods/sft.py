@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from finetune.config import Config, ConfigError, DataConfig, DataFormat, MethodConfig, Reference, unused
 from finetune.data.forms import form_of, text_of, to_messages
 from finetune.data.tokenize import IGNORE, Encoded, Example, encode, encode_text, fit
-from finetune.methods.base import Output
+from finetune.methods.base import CAUSAL_LM, Output
 
 if TYPE_CHECKING:
     import torch
@@ -30,6 +30,7 @@ class Sft:
     split_tokens = None
     scalars = ()
     attached = False
+    model_class = CAUSAL_LM
 
     def check_row(self, row: dict[str, Any], data: DataConfig, where: str) -> None:
         if form_of(row, data.format, where) == DataFormat.text:
@@ -53,7 +54,7 @@ class Sft:
         return None
 
     def validate(self, cfg: Config) -> None:
-        unused(cfg.method, "method", ("name",), "with method=sft (a preference method's setting)")
+        unused(cfg.method, "method", ("name",), "with method=sft (another method's key)")
         if cfg.data.format == DataFormat.preference:
             raise ConfigError("data.format=preference holds (prompt, chosen, rejected) pairs for method=dpo; method=sft needs alpaca or chat rows")
 
