@@ -43,8 +43,8 @@ from finetune.config import (
 )
 from finetune import liger, methods, optimizers
 from finetune.data.sources import sources
-from finetune.disk import attention, config_source, config_value, local_config, model_config
-from finetune.families import (COUNTED, FAMILIES, adapted_outside_linears, arch_from_config, arch_targets, dora_experts,
+from finetune.disk import attention, config_source, local_config, model_config
+from finetune.families import (COUNTED, FAMILIES, adapted_outside_linears, arch_from_config, arch_targets, config_value, dora_experts,
                                 router_loss_split, router_loss_under_pp, unmatched_targets)
 from finetune.structure import structure_problem
 
@@ -425,7 +425,7 @@ SHAPE = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_valu
 
 def model_shape(cfg: ModelConfig) -> dict[str, Any] | None:
     """The SHAPE keys from model.init, a local config.json or model.architecture, read under the
-    families' aliases (disk.ALIASES; None where the config says nothing). None: a hub id without
+    families' aliases (families.ALIASES; None where the config says nothing). None: a hub id without
     model.architecture, checked on the ranks."""
     if cfg.init is not None:
         return {k: getattr(cfg.init, k) for k in SHAPE}
