@@ -12,7 +12,6 @@ This module imports no torch: the launcher and a dry run stay instant.
 from __future__ import annotations
 
 import contextlib
-import difflib
 import os
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -23,12 +22,9 @@ from typing import Any, Callable
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from finetune import logs, optimizers
+from finetune.errors import ConfigError, did_you_mean  # noqa: F401 - re-exported: `from finetune.config import ConfigError`
 
 ASSETS = Path(__file__).resolve().parent / "assets"
-
-
-class ConfigError(ValueError):
-    """A user mistake in the config: the message is one line that says what to change."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -608,7 +604,7 @@ class OptimConfig:
     (bitsandbytes' AdamW8bit: both moments in 8 bits, blockwise-quantized, for tensors of 4,096+
     elements; smaller ones keep 32-bit states) or adafactor (torch.optim.Adafactor: no first moment, the
     second factored into a row and a column vector per matrix; betas and eps unused). Both run on every
-    layout but DeepSpeed's: under FSDP/TP each rank steps its own shard (finetune.engine.sharded). Or a torch.optim
+    layout but DeepSpeed's: under FSDP/TP each rank steps its own shard (finetune.optimizers.sharded). Or a torch.optim
     class by name (torch.optim.NAdam, torch.optim.RAdam): built with the optim.* keys its constructor takes, torch engine
     only (parallelism=single or ddp). Each is a record in finetune/optimizers.py."""
     lr: float = checked(POSITIVE, 1e-4)
@@ -911,8 +907,3 @@ def __getattr__(name: str) -> Any:
         return optimizers.Optimizer
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-
-def did_you_mean(word: str, options: list[str], prefix: str = "") -> str:
-    """" (did you mean 'PREFIXx'?)" for the option closest to `word`, or "" when none is close."""
-    close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
-    return f" (did you mean '{prefix}{close[0]}'?)" if close else ""

@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from finetune import disk, plan, rundir, startup, sweep
 from finetune.compose import RECIPES, _first_line, fail, preflight, run_once, sweep_trials, typed
 from finetune.config import Config, ConfigError
-from finetune.data import forms
+from finetune.data import examples
 from finetune.launcher import ERROR_FILE, LAUNCHER_ENV, RANKS_DIR, LaunchSpec, build
 
 
@@ -148,7 +148,7 @@ def _launch_once(dcfg: DictConfig, cfg: Config | None = None) -> float | None:
     try:
         cfg = cfg or typed(dcfg)
         threads = env_threads()
-        forms.check(cfg.data, cfg.method.name)  # missing file or malformed row: one line now, not N ranks later
+        examples.check(cfg.data, cfg.method.name)  # missing file or malformed row: one line now, not N ranks later
         make_model_first(cfg)
         disk.check(cfg)  # the model, tokenizer and device as files on this machine: one line now, not in each rank
     except ConfigError as e:

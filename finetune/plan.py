@@ -55,7 +55,8 @@ from finetune.config import (
     Strategy,
     engine_kind,
 )
-from finetune import methods, optimizers
+from finetune import lengths, methods, optimizers
+from finetune.lengths import Longest
 from finetune.disk import config_source, flash_unavailable, local_config
 from finetune.families import COUNTED, Arch, Block, Linear, adapted, arch_from_config, lora_params, pick_attention, targeted
 from finetune.rules import several_per_row
@@ -590,20 +591,6 @@ def head_bytes(arch: Arch, cfg: Config, tokens: int) -> float:
 # The plan
 
 
-@dataclass(frozen=True)
-class Longest:
-    """The longest micro-batch a run sees, read from its data (finetune.lengths.longest_batch)."""
-
-    width: int | None
-    """Its tokens per row: a padded batch is as long as its longest row, a packed one as its fullest row
-    (None: the data could not be read)."""
-    why: str
-    """What was read, or why nothing was, for the plan's line (e.g. "the longest of all 4,000 rows of data.train")."""
-    labelled: int | None = None
-    """The most labelled tokens one micro-batch holds (what logits=chunked puts through the output layer; None: at most
-    every token)."""
-
-
 def batch_width(cfg: Config, longest: Longest | None) -> tuple[int, str]:
     """(tokens per row the activations are planned at, the plan's line saying which and why)."""
     cap = cfg.data.max_length
@@ -1125,10 +1112,8 @@ def read_longest(cfg: Config) -> Longest | None:
     bound); None under pipeline parallel, which pads every micro-batch to data.max_length."""
     if cfg.parallelism.pp > 1:
         return None
-    from finetune.lengths import longest_batch
-
-    found = longest_batch(cfg)  # (under `python -m finetune.plan` its Longest is finetune.plan's, not __main__'s)
-    return Longest(None, found) if isinstance(found, str) else Longest(found.width, found.why, found.labelled)
+    found = lengths.longest_batch(cfg)
+    return Longest(None, found) if isinstance(found, str) else found
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ from finetune.data import stream
 from finetune.data.batches import collate
 from finetune.data.sources import load_rows
 from finetune.data.stream import Position, StreamBatches
-from finetune.data.tokenize import Stats, tokenize
+from finetune.data.examples import tokenize
+from finetune.data.tokenize import Stats
 
 
 ROWS = [  # forms, a multi-turn chat, a response cut at max_length, a prompt too long (dropped), a text row split in pieces
@@ -195,7 +196,7 @@ def test_a_bad_row_met_by_the_worker_is_one_line_naming_its_line(tok, tmp_path):
 
 def test_the_launcher_checks_only_that_a_streamed_file_exists(tmp_path):
     """Reading a stream whole before launch is what streaming avoids: its rows are checked as the stream reaches them."""
-    from finetune.data.forms import check
+    from finetune.data.examples import check
 
     bad = write_jsonl(tmp_path / "t.jsonl", [{"instruction": "x", "output": " "}])
     check(DataConfig(train=bad, streaming=True), Method.sft)

@@ -170,9 +170,10 @@ def test_the_router_loss_is_added_when_the_config_asks(models):
 
     from finetune.data.batches import collate
     from finetune.data.sources import load_rows
-    from finetune.data.tokenize import tokenize
+    from finetune.data.examples import tokenize
     from finetune.model import load_tokenizer
-    from finetune.objectives import SFT, router_loss
+    from finetune.methods.sft import SFT
+    from finetune.objectives import router_loss
 
     cfg = preflight(at(models["mixtral"]))
     model = AutoModelForCausalLM.from_pretrained(models["mixtral"], dtype=torch.float32).eval()

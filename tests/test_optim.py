@@ -378,7 +378,7 @@ def test_bf16_states_are_planned_and_offered_on_sharded_layouts(compose):
     assert not any(o[0].startswith("optim") for o in offered if o)
 
 
-# Two gloo ranks: engine.sharded's optimizers over DTensor shards (rows as FSDP2 shards them, evenly and not,
+# Two gloo ranks: optimizers.sharded's optimizers over DTensor shards (rows as FSDP2 shards them, evenly and not,
 # columns as a row-wise TP linear does, a replicated vector, a 3-D stack) against the plain optimizers over the
 # whole tensors; prints one JSON line from rank 0.
 SHARDS = """
@@ -386,7 +386,7 @@ import copy, json, os, torch, torch.distributed as dist
 import bitsandbytes as bnb
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from finetune.engine.sharded import ShardedAdafactor, ShardedAdamW8bit
+from finetune.optimizers.sharded import ShardedAdafactor, ShardedAdamW8bit
 
 dist.init_process_group("gloo")
 mesh = init_device_mesh("cpu", (2,))
@@ -574,7 +574,7 @@ def test_dtensor_shards_beside_plain_tensors_step_in_the_loop(monkeypatch):
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
     from finetune.config import OptimKernel
-    from finetune.engine.common import kernel
+    from finetune.optimizers.kernels import kernel
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(29400 + os.getpid() % 500))

@@ -63,6 +63,14 @@ def test_a_torch_class_is_built_with_the_keys_its_constructor_takes(compose, nam
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]  # no decay on biases and norm scales
 
 
+def test_the_probe_step_uses_the_optim_defaults():
+    """optimizers.PROBE_VALUES (what a torch class is probed with) are OptimConfig's defaults."""
+    from finetune.config import OptimConfig
+
+    o = OptimConfig()
+    assert optimizers.PROBE_VALUES == optimizers.ProbeValues(o.lr, tuple(o.betas), o.eps, o.momentum)
+
+
 def test_nadam_state_is_planned_as_its_state_dict_holds():
     """The planner's count (a rate per element and a constant per tensor, from one probe step) against the state_dict
     of NAdam stepped once over the tiny model's real tensors: exp_avg + exp_avg_sq (8 bytes per element), step and
