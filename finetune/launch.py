@@ -29,11 +29,15 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from finetune import disk, plan, rundir, startup, sweep
+from finetune import disk, rundir, startup, sweep
 from finetune.compose import RECIPES, _first_line, fail, preflight, run_once, sweep_trials, typed
 from finetune.config import Config, ConfigError
 from finetune.data import examples
 from finetune.launcher import ERROR_FILE, LAUNCHER_ENV, RANKS_DIR, LaunchSpec, build
+from finetune.planner.cli import read_longest, render
+from finetune.planner.counts import GIB
+from finetune.planner.peak import plan
+from finetune.planner.suggest import render_suggestions, suggest
 
 
 
@@ -212,23 +216,23 @@ def check_memory(cfg: Config, overrides: list[str]) -> None:
     suggestions, then a refusal, when it does not (plan.force=true launches anyway)."""
     marker = "#" if cfg.launcher.dry_run else "[finetune]"
     try:
-        pl = plan.plan(cfg)  # at data.max_length first: if that fits, the data need not be read
+        pl = plan(cfg)  # at data.max_length first: if that fits, the data need not be read
         longest = None
         if not pl.fits:  # padded batches may be shorter: plan the longest one the data holds
-            longest = plan.read_longest(cfg)
-            pl = plan.plan(cfg, longest)
+            longest = read_longest(cfg)
+            pl = plan(cfg, longest)
     except ConfigError as e:
         print(f"{marker} memory plan skipped: {e}", flush=True)
         return
     where = f"hardware={cfg.hardware.name}"
     if pl.fits:
         at = "" if longest is None else f" at the longest batch, {pl.width} tokens (not at data.max_length={cfg.data.max_length})"
-        print(f"{marker} memory plan: {pl.total / plan.GIB:.2f} GiB per rank of {pl.budget / plan.GIB:.2f} on {where}: FITS{at} "
+        print(f"{marker} memory plan: {pl.total / GIB:.2f} GiB per rank of {pl.budget / GIB:.2f} on {where}: FITS{at} "
               "(python -m finetune.plan ... for the breakdown)", flush=True)
         return
-    print(plan.render(cfg, pl), flush=True)
-    print(plan.render_suggestions(plan.suggest(cfg, overrides, cfg.plan.suggestions, longest=longest)), flush=True)
-    short = f"short by {max(pl.total - pl.budget, pl.cpu_bytes - pl.cpu_budget, pl.nvme_bytes - pl.nvme_budget) / plan.GIB:.2f} GiB"
+    print(render(cfg, pl), flush=True)
+    print(render_suggestions(suggest(cfg, overrides, cfg.plan.suggestions, longest=longest)), flush=True)
+    short = f"short by {max(pl.total - pl.budget, pl.cpu_bytes - pl.cpu_budget, pl.nvme_bytes - pl.nvme_budget) / GIB:.2f} GiB"
     if cfg.plan.force or cfg.launcher.dry_run:
         print(f"{marker} memory plan: does not fit {where} ({short}); "
               f"{'plan.force=true: launching anyway' if cfg.plan.force else 'a real launch would be refused'}", flush=True)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from finetune import (checkpoint, compiling, config, dist, engine, evaluate, flops, liger, logs, loop, methods, model, objectives, plan,
+from finetune import (checkpoint, compiling, config, dist, engine, evaluate, flops, liger, logs, loop, methods, model, objectives,
                       reference, rules, rundir, startup, varlen)
 from finetune.config import Config, ConfigError, Kernels, Logits, MemoryReport, MethodConfig, PeftConfig, PeftMethod, Precision, Strategy, uses_deepspeed
 from finetune.data import stream
@@ -33,6 +33,8 @@ from finetune.head import PROBE_TOKENS, ChunkedHead
 from finetune.launcher import ERROR_FILE, LAUNCHER_ENV, RANKS_DIR, deepspeed_config
 from finetune.memory import MemoryProbe, PeakProbe
 from finetune.methods import Objective
+from finetune.planner import records
+from finetune.planner.peak import plan
 
 
 PHASE = {"name": "start"}
@@ -353,17 +355,17 @@ def planned(cfg: Config, batches: Any, examples: Any) -> dict[str, float] | str:
     from finetune.lengths import STREAMED, Longest, longest_of, row_labelled, row_lengths
 
     if cfg.data.streaming:
-        return plan.record(cfg, Longest(None, STREAMED))
+        return records.record(cfg, Longest(None, STREAMED))
     measured = [mb for step in range(loop.MEMORY_STEPS) for mb in batches.micro_batches(step)]
     per_row = cfg.train.micro_batch_size if batches.flat else 1  # a padding-free micro-batch: its tokens per row it holds
     widest = max(-(-mb["input_ids"].shape[1] // per_row) for mb in measured)
     labelled = max(int((mb["labels"][:, 1:] != IGNORE).sum()) for mb in measured)
-    predicted = plan.record(cfg, Longest(widest, f"the widest micro-batch of the first {loop.MEMORY_STEPS} steps, which "
-                                              "the memory probe measures", labelled))
+    predicted = records.record(cfg, Longest(widest, f"the widest micro-batch of the first {loop.MEMORY_STEPS} steps, which "
+                                                    "the memory probe measures", labelled))
     if isinstance(predicted, str):
         return predicted
-    run = plan.plan(cfg, longest_of(row_lengths(examples), cfg, row_labelled(examples)))
-    return predicted | {"plan_run_width": run.width, "plan_run_peak_mib": (run.total - run.overhead) / plan.MIB}
+    run = plan(cfg, longest_of(row_lengths(examples), cfg, row_labelled(examples)))
+    return predicted | {"plan_run_width": run.width, "plan_run_peak_mib": (run.total - run.overhead) / records.MIB}
 
 
 def saver(cfg: Config, eng: Any, d: dist.Dist, root: Path, batches: Any) -> Any:

@@ -22,7 +22,7 @@ import torch
 from conftest import config_keys, run_cli
 from finetune.config import ModelConfig
 from finetune.families import COUNTED, FAMILIES, Family
-from finetune.plan import architecture
+from finetune.planner.counts import architecture
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402

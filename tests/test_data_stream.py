@@ -256,12 +256,13 @@ def test_stream_settings_without_a_stream_are_refused_and_dpo_streams_with_a_liv
 
 
 def test_the_planner_plans_a_stream_at_max_length(compose):
-    from finetune import plan
+    from finetune.planner.cli import read_longest
+    from finetune.planner.peak import batch_width
     from finetune.lengths import longest_batch
 
     cfg = compose(["+recipe=quickstart_sft", "data.streaming=true"])
     assert longest_batch(cfg) == "data.streaming=true: a stream's lengths are known only as the run reads it"
-    assert plan.batch_width(cfg, plan.read_longest(cfg)) == (64, (
+    assert batch_width(cfg, read_longest(cfg)) == (64, (
         "activations at max_length 64 tokens: an upper bound (the data was not read: data.streaming=true: a stream's lengths are "
         "known only as the run reads it; padded batches are as long as their longest row, at most data.max_length)"))
 

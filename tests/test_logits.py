@@ -192,7 +192,7 @@ def test_the_fused_kernel_equals_the_full_logits(family, method, kernel):
 
 
 def test_planner_counts_one_chunk(compose):
-    from finetune.plan import plan
+    from finetune.planner.peak import plan
 
     full = plan(compose(["+recipe=quickstart_sft", "model.init.vocab_size=32000", "data.max_length=512"]))
     chunked = plan(compose(["+recipe=quickstart_sft", "model.init.vocab_size=32000", "data.max_length=512",

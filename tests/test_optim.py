@@ -363,7 +363,8 @@ def test_bf16_states_are_planned_and_offered_on_sharded_layouts(compose):
     """The planner halves the optimizer's bytes; plan.suggest offers bf16 moments, 8-bit moments and factored
     statistics on every layout but DeepSpeed's, and neither bf16 moments nor the uncompensated optimizers under
     bf16_pure (whose moments are bf16 already)."""
-    from finetune.plan import moves, plan
+    from finetune.planner.peak import plan
+    from finetune.planner.suggest import moves
 
     for layout in (["parallelism=fsdp", "launcher.nproc_per_node=2"], ["parallelism=tp2", "launcher.nproc_per_node=2"],
                    ["parallelism=single", "launcher.nproc_per_node=1"]):

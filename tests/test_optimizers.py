@@ -15,7 +15,8 @@ from finetune import engine, optimizers
 from finetune.config import ConfigError
 from finetune.dist import Dist
 from finetune.launcher import deepspeed_config
-from finetune.plan import plan, state_bytes
+from finetune.planner.counts import state_bytes
+from finetune.planner.peak import plan
 
 from conftest import read_metrics, tiny_model, train_here
 

@@ -96,7 +96,8 @@ def measure(directory: Path, cfg, kind: str) -> dict[str, tuple[float, float]]:
     from finetune.engine.torch_engine import TorchEngine
     from finetune.memory import MemoryProbe
     from finetune.lengths import Longest
-    from finetune.plan import COMPARED, MIB, plan
+    from finetune.planner.peak import plan
+    from finetune.planner.records import COMPARED, MIB
 
     torch.manual_seed(0)
     net = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory), dtype=torch.float32,
@@ -186,7 +187,8 @@ def test_block_saves_what_autograd_saves(family, precision, peft, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from finetune import model
-    from finetune.plan import architecture, block_activation_bytes
+    from finetune.planner.activations import block_activation_bytes
+    from finetune.planner.counts import architecture
 
     directory = model_dir(family, tmp_path)
     cfg = case_config(configs(directory, family)[peft], precision, "none", "padded")
