@@ -30,7 +30,7 @@ from finetune.data.tokenize import IGNORE, Stats, rows_of
 from finetune.engine.common import autocast_dtype
 from finetune.families import router_loss_split, router_loss_under_pp
 from finetune.head import PROBE_TOKENS, ChunkedHead
-from finetune.launcher import ERROR_FILE, LAUNCHER_ENV, RANKS_DIR, deepspeed_config
+from finetune.command import ERROR_FILE, LAUNCHER_ENV, RANKS_DIR, deepspeed_config
 from finetune.memory import MemoryProbe, PeakProbe
 from finetune.methods import Objective
 from finetune.planner import records

@@ -1,4 +1,5 @@
-"""The package's layout as the tests hold it: no import circles (module-level or inside a function).
+"""The package's layout as the tests hold it: no import circles (module-level or inside a function), and
+the launcher side importing no torch.
 
 Read from the source (ast), nothing imported: an import inside a function counts like one at the top (it runs
 when the function does, and a circle it closes is only hidden), one under `if TYPE_CHECKING:` does not (it never
@@ -8,10 +9,26 @@ runs). Importing `a.b.c` runs the packages `a` and `a.b` too: the graph holds th
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "finetune"
+
+LAUNCHER_SIDE = (
+    "finetune.launch", "finetune.command", "finetune.supervise", "finetune.trials", "finetune.compose", "finetune.config",
+    "finetune.rules", "finetune.planner", "finetune.plan", "finetune.families", "finetune.disk", "finetune.lengths",
+    "finetune.optimizers", "finetune.methods", "finetune.sweep", "finetune.rundir", "finetune.errors", "finetune.data.sources",
+    "finetune.data.forms", "finetune.data.tokenize", "finetune.data.examples", "finetune.data.pack", "finetune.structure",
+    "finetune.logs", "finetune.prepare",
+)
+"""What the launcher imports (composition, rules, planner, command, supervision, the data checks): none of it may import
+torch, transformers or deepspeed, so that a dry run is instant on a machine without them. Everything else in
+finetune/ is the rank side (README: "Layout")."""
+
 
 def modules() -> dict[str, Path]:
     """Every module of the package by its dotted name (a package by its own name, from its __init__.py)."""
@@ -128,3 +145,19 @@ def test_the_graph_sees_function_level_imports():
 def test_no_import_circles():
     found = cycles(import_graph())
     assert not found, "import circles in finetune/ (move the shared piece below both): " + "; ".join(" -> ".join(c) for c in found)
+
+
+def test_the_launcher_side_is_a_known_list():
+    known = modules()
+    missing = [m for m in LAUNCHER_SIDE if m not in known]
+    assert not missing, f"LAUNCHER_SIDE names modules that are gone: {missing}"
+
+
+@pytest.mark.parametrize("module", LAUNCHER_SIDE)
+def test_the_launcher_side_imports_no_torch(module):
+    if module not in modules():
+        pytest.skip(f"{module} is not a module of this tree")
+    code = (f"import sys, {module}; heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('torch', 'transformers', 'deepspeed')); print(heavy); sys.exit(bool(heavy))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"{module} imports {done.stdout.strip() or done.stderr[-2000:]}"

@@ -18,7 +18,7 @@ import torch
 from finetune import engine
 from finetune.config import ConfigError
 from finetune.dist import Dist
-from finetune.launcher import deepspeed_config
+from finetune.command import deepspeed_config
 
 from conftest import REPO, read_metrics, run_cli, tiny_model, train_here
 

@@ -14,7 +14,7 @@ import torch
 from finetune import engine, optimizers
 from finetune.config import ConfigError
 from finetune.dist import Dist
-from finetune.launcher import deepspeed_config
+from finetune.command import deepspeed_config
 from finetune.planner.counts import state_bytes
 from finetune.planner.peak import plan
 

@@ -71,7 +71,7 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, kahan: b
     A torch.optim class by name: built with the optim.* keys its constructor takes.
     optim.state_dtype=bf16 (adam/adamw over fp32 weights): `LowPrecisionAdam`, the same update with the
     moments stored in bf16.
-    (The DeepSpeed engine builds the same optimizers from `launcher.deepspeed_config`.)
+    (The DeepSpeed engine builds the same optimizers from `command.deepspeed_config`.)
 
     drop_empty: leave out a parameter group with no parameters (the mesh engine's checkpoints need it).
     kahan (precision=bf16_pure, bf16 parameters): not None selects optimi's class of the record (`pure`), the same
