@@ -27,6 +27,7 @@ from finetune.data.batches import TrainBatches
 from finetune.data.pack import pack
 from finetune.data.examples import load_split
 from finetune.data.tokenize import IGNORE, Stats, rows_of
+from finetune.engine.base import Engine
 from finetune.engine.common import autocast_dtype
 from finetune.families import router_loss_split, router_loss_under_pp
 from finetune.head import PROBE_TOKENS, ChunkedHead
@@ -329,7 +330,7 @@ def probe_batch(examples: Any) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-def make_batches(cfg: Config, examples: Any, eng: Any, pad_id: int, resume_from: Path | None) -> Any:
+def make_batches(cfg: Config, examples: Any, eng: Engine, pad_id: int, resume_from: Path | None) -> Any:
     """Step -> this rank's micro-batches: TrainBatches over the examples held, or StreamBatches over a stream
     (whose DataLoader worker starts reading now, where the checkpoint says when resuming)."""
     shape = {"global_batch": cfg.train.global_batch_size, "micro_batch": cfg.train.micro_batch_size, "dp_rank": eng.dp_rank,
@@ -368,7 +369,7 @@ def planned(cfg: Config, batches: Any, examples: Any) -> dict[str, float] | str:
     return predicted | {"plan_run_width": run.width, "plan_run_peak_mib": (run.total - run.overhead) / records.MIB}
 
 
-def saver(cfg: Config, eng: Any, d: dist.Dist, root: Path, batches: Any) -> Any:
+def saver(cfg: Config, eng: Engine, d: dist.Dist, root: Path, batches: Any) -> Any:
     """step -> the complete checkpoint directory written for it (atomically; keep-K applied), with where
     a stream's next step starts."""
     def save(step: int) -> Path:
@@ -381,7 +382,7 @@ def saver(cfg: Config, eng: Any, d: dist.Dist, root: Path, batches: Any) -> Any:
     return save
 
 
-def probe(cfg: Config, eng: Any, d: dist.Dist, run_dir: Path, planned: dict[str, float] | str | None) -> MemoryProbe | PeakProbe | None:
+def probe(cfg: Config, eng: Engine, d: dist.Dist, run_dir: Path, planned: dict[str, float] | str | None) -> MemoryProbe | PeakProbe | None:
     """train.memory_report's probe (finetune.memory): peak (no hooks, the default), categories (MemTracker; and any
     memory snapshot), or none; `planned`: the plan record, printed beside what is measured."""
     if cfg.train.memory_snapshot and d.device.type != "cuda":

@@ -21,6 +21,8 @@ Objective = Callable[[Any, dict[str, torch.Tensor]], Any]
 
 
 class DeepSpeedEngine:
+    """finetune.engine.base.Engine on DeepSpeed ZeRO stages 0-3."""
+
     owner = True  # every rank's data and loss count in global sums
     def __init__(self, model: torch.nn.Module, *, cfg: Config, dist: Dist) -> None:
         import deepspeed
