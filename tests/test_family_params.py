@@ -1,4 +1,4 @@
-"""The planner counts every family's parameters exactly from its config.json (finetune/families.py),
+"""The planner counts every family's parameters exactly from its config.json (finetune/families/),
 LoRA's trainable parameters as PEFT does, and a hub model's published size from its recipe's
 model.architecture, offline."""
 
@@ -116,7 +116,7 @@ def test_a_model_type_the_planner_cannot_count_is_refused_in_one_line(compose, t
     cfg = compose(["+recipe=quickstart_sft", "model=pretrained", f"model.path={tmp_path / 'm'}"])
     with pytest.raises(ConfigError) as e:
         plan(cfg)
-    assert str(e.value) == (f"the planner cannot count model_type=newfam ({tmp_path / 'm' / 'config.json'}): finetune/families.py "
+    assert str(e.value) == (f"the planner cannot count model_type=newfam ({tmp_path / 'm' / 'config.json'}): finetune/families/records.py "
                             "has no record of its blocks (COUNTED: the decoders whose count tests/test_causal_lm_counts.py checks "
                             "against transformers' own build), and transformers has no causal language model of this model_type "
                             "to build it from; no memory plan can be made for it")

@@ -2,7 +2,7 @@
 
 In the order it computes (each module imports only those before it):
 
-- counts.py: the architecture (finetune/families.py), trainable vs frozen parameters, and the bytes of weights,
+- counts.py: the architecture (finetune/families/), trainable vs frozen parameters, and the bytes of weights,
   gradients and optimizer states per parameter for each engine and precision.
 - activations.py: what a block and the head save for backward, tensor by tensor, and how checkpointing, offload
   and a pipeline hold it through backward.

@@ -1,4 +1,4 @@
-"""Activation bytes, counted tensor by tensor for the block each family runs (finetune/families.py reads what
+"""Activation bytes, counted tensor by tensor for the block each family runs (finetune/families/ reads what
 differs from the config), checked against autograd's saved tensors and MemTracker (tests/test_plan.py,
 tests/test_plan_families.py): one block's saved tensors, the head's, and how checkpointing, offload and a
 pipeline's micro-batches in flight hold them through backward (Korthikanti et al. 2022; docs/memory.md).

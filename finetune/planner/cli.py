@@ -7,7 +7,7 @@ rank that needs the most: weights, gradients, optimizer states, activations, log
 and a fixed framework overhead, and what offload puts in CPU RAM / on NVMe. The total is the
 peak: the larger of the backward peak and the optimizer step (the categories do not all peak
 together). The formulas are those of docs/memory.md (ZeRO paper, Korthikanti et al. 2022),
-with activations counted tensor by tensor for the block each family runs (finetune/families.py
+with activations counted tensor by tensor for the block each family runs (finetune/families/
 reads what differs from the config), checked against autograd's saved tensors and MemTracker
 (tests/test_plan.py, tests/test_plan_families.py), at the longest batch the run will see: the CLI
 reads the data (finetune/lengths.py; without it, data.max_length, an upper bound). `suggest` walks

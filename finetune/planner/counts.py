@@ -1,4 +1,4 @@
-"""Parameters and what training keeps per parameter: the architecture read from the config (finetune/families.py),
+"""Parameters and what training keeps per parameter: the architecture read from the config (finetune/families/),
 trainable vs frozen counts (LoRA/DoRA adapters, modules_to_save, QLoRA's 4-bit base), and the bytes of weights,
 gradients and optimizer states per parameter for each engine and precision (docs/memory.md's table; the
 optimizer's record in finetune/optimizers/ for its state).
@@ -38,7 +38,7 @@ QLORA_DOUBLE_QUANT_BLOCK = 256
 """Double quantization: the absmax constants are 8-bit, with one fp32 constant per 256 of them."""
 
 # ---------------------------------------------------------------------------------------------
-# Architecture: the structure of every block, read from the config (finetune/families.py)
+# Architecture: the structure of every block, read from the config (finetune/families/)
 
 
 def _vocab_of_tokenizer(path: str | None) -> int | None:

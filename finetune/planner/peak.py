@@ -119,10 +119,10 @@ def model_notes(arch: Arch, cfg: Config) -> list[str]:
     """The plan's first lines: how the model is counted, its attention kernel, its rows, its experts under PEFT."""
     notes: list[str] = []
     if not arch.known and arch.model_type in COUNTED:
-        notes.append(f"model_type={arch.model_type}: its parameters are counted as transformers builds them (finetune/families.py "
+        notes.append(f"model_type={arch.model_type}: its parameters are counted as transformers builds them (finetune/families/records.py "
                      "COUNTED); its activations are estimated from the families measured (FAMILIES), not measured for it")
     elif not arch.known:
-        notes.append(f"model_type={arch.model_type}: no record in finetune/families.py, so its parameters are read off transformers' "
+        notes.append(f"model_type={arch.model_type}: no record in finetune/families/records.py, so its parameters are read off transformers' "
                      "build of its config on the meta device (exact); its activations are estimated as for a Llama-style block "
                      "of the same linears, not measured for it")
 
