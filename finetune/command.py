@@ -154,7 +154,7 @@ def deepspeed_config(cfg: Config) -> dict[str, Any]:
 
 
 def deepspeed_optimizer(o: OptimConfig) -> dict[str, Any]:
-    """The JSON "optimizer" section, from the optimizer's record (finetune/optimizers.py): what DeepSpeed builds is
+    """The JSON "optimizer" section, from the optimizer's record (finetune/optimizers/): what DeepSpeed builds is
     what the torch engine builds.
 
     "AdamW" and "Adam" become DeepSpeed's FusedAdam (DeepSpeedCPUAdam with zero.offload_optimizer);

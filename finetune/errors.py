@@ -1,5 +1,5 @@
 """The error every launcher-side check raises, and its hint: below the config schema (finetune.config
-re-exports both), so that the records the schema reads (finetune/optimizers.py) can raise it too without
+re-exports both), so that the records the schema reads (finetune/optimizers/) can raise it too without
 importing the schema back.
 """
 

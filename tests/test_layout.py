@@ -1,5 +1,5 @@
-"""The package's layout as the tests hold it: no import circles (module-level or inside a function), and
-the launcher side importing no torch.
+"""The package's layout as the tests hold it: no import circles (module-level or inside a function), no
+module over MAX_LINES, and the launcher side importing no torch.
 
 Read from the source (ast), nothing imported: an import inside a function counts like one at the top (it runs
 when the function does, and a circle it closes is only hidden), one under `if TYPE_CHECKING:` does not (it never
@@ -18,16 +18,25 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "finetune"
 
+MAX_LINES = 600
+"""No module of finetune/ is longer: one that grows past it does more than one job (split it by topic)."""
+
 LAUNCHER_SIDE = (
-    "finetune.launch", "finetune.command", "finetune.supervise", "finetune.trials", "finetune.compose", "finetune.config",
-    "finetune.rules", "finetune.planner", "finetune.plan", "finetune.families", "finetune.disk", "finetune.lengths",
-    "finetune.optimizers", "finetune.methods", "finetune.sweep", "finetune.rundir", "finetune.errors", "finetune.data.sources",
-    "finetune.data.forms", "finetune.data.tokenize", "finetune.data.examples", "finetune.data.pack", "finetune.structure",
-    "finetune.logs", "finetune.prepare",
+    "finetune.launch", "finetune.compose", "finetune.command", "finetune.supervise", "finetune.trials", "finetune.sweep",
+    "finetune.rundir", "finetune.startup", "finetune.prepare", "finetune.errors", "finetune.config", "finetune.config.fields",
+    "finetune.config.schema", "finetune.config.root", "finetune.rules", "finetune.rules.model", "finetune.rules.data",
+    "finetune.rules.optim", "finetune.rules.layout", "finetune.rules.strategies", "finetune.plan", "finetune.planner",
+    "finetune.planner.counts", "finetune.planner.activations", "finetune.planner.peak", "finetune.planner.records",
+    "finetune.planner.suggest", "finetune.planner.cli", "finetune.lengths", "finetune.disk", "finetune.structure",
+    "finetune.families", "finetune.families.records", "finetune.families.arch", "finetune.families.checks",
+    "finetune.methods", "finetune.methods.base", "finetune.methods.sft", "finetune.methods.dpo", "finetune.optimizers",
+    "finetune.liger", "finetune.logs", "finetune.data", "finetune.data.sources", "finetune.data.forms",
+    "finetune.data.tokenize", "finetune.data.examples", "finetune.data.pack",
 )
-"""What the launcher imports (composition, rules, planner, command, supervision, the data checks): none of it may import
-torch, transformers or deepspeed, so that a dry run is instant on a machine without them. Everything else in
-finetune/ is the rank side (README: "Layout")."""
+"""The launcher side: what `python -m finetune.launch` and `python -m finetune.plan` import (composition, rules,
+planner, command, supervision, the data checks, the records they read). None of it may import torch, transformers
+or deepspeed, so that a dry run is instant on a machine without them. Every other module of finetune/ is the rank
+side (README: "Layout")."""
 
 
 def modules() -> dict[str, Path]:
@@ -147,10 +156,22 @@ def test_no_import_circles():
     assert not found, "import circles in finetune/ (move the shared piece below both): " + "; ".join(" -> ".join(c) for c in found)
 
 
+def test_no_module_is_over_600_lines():
+    long = {str(p.relative_to(ROOT)): n for p in modules().values() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split them by topic): {long}"
+
+
 def test_the_launcher_side_is_a_known_list():
+    """LAUNCHER_SIDE names modules that exist, and the launcher's commands import none but those."""
     known = modules()
     missing = [m for m in LAUNCHER_SIDE if m not in known]
     assert not missing, f"LAUNCHER_SIDE names modules that are gone: {missing}"
+    code = ("import sys, finetune.launch, finetune.plan, finetune.prepare; "
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('finetune'))))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    other = sorted(set(done.stdout.split()) - set(LAUNCHER_SIDE) - {"finetune"})
+    assert not other, f"the launcher imports {other}: add them to LAUNCHER_SIDE (and keep them free of torch) or import them on the ranks"
 
 
 @pytest.mark.parametrize("module", LAUNCHER_SIDE)

@@ -1,4 +1,4 @@
-"""The optimizer records (finetune/optimizers.py): every record is read by the engine, the planner, the rules and the
+"""The optimizer records (finetune/optimizers/): every record is read by the engine, the planner, the rules and the
 launcher; a torch.optim class by name (optim.name=torch.optim.NAdam) is built from its signature, planned from its
 probed state_dict, trains like a plain torch loop, resumes, and is refused where it cannot run, in one line."""
 

@@ -60,7 +60,7 @@ def add_metrics(total: dict[str, float], sums: dict[str, Any]) -> None:
 
 def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, kahan: bool | None = None,
                     drop_empty: bool = False) -> torch.optim.Optimizer:
-    """The torch optimizer `optim.name` names (its record's builder, finetune/optimizers.py), over `param_groups`
+    """The torch optimizer `optim.name` names (its record's builder, finetune/optimizers/), over `param_groups`
     (no decay on 1-D tensors).
 
     adamw: decoupled weight decay. adam: torch's Adam adds weight_decay * w to the gradient (L2

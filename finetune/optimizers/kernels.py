@@ -22,7 +22,7 @@ def kernel(choice: Any, params: list[torch.nn.Parameter]) -> dict[str, bool]:
     parameter is on a CPU or CUDA device, all DTensor shards or none, else torch's default ({}); the loop where
     both kinds are (tensor parallel leaves what it does not split plain tensors, and a fused or foreach call
     takes one kind only). `choice`: an OptimKernel or its value (this module reads no config: the records of
-    finetune/optimizers.py, which the config imports, build through it)."""
+    finetune/optimizers/, which the config imports, build through it)."""
     choice = getattr(choice, "value", choice)
     mixed = len({isinstance(p, DTensor) for p in params}) > 1
     if choice == "auto":

@@ -98,7 +98,7 @@ def model_state_bytes_per_param(optimizer: str, precision: str) -> tuple[int, in
     return 2, 2, 4 + states
 
 
-BNB_MIN_8BIT_SIZE, BNB_BLOCK = optimizers.BNB_MIN_8BIT_SIZE, optimizers.BNB_BLOCK  # adamw_8bit's (finetune/optimizers.py)
+BNB_MIN_8BIT_SIZE, BNB_BLOCK = optimizers.BNB_MIN_8BIT_SIZE, optimizers.BNB_BLOCK  # adamw_8bit's (finetune/optimizers/)
 
 
 def trainable_shapes(arch: Arch, cfg: Config) -> list[tuple[int, ...]]:

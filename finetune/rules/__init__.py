@@ -4,7 +4,7 @@ launch size, options that need or exclude each other, the model's shape against 
 Each rule raises `ConfigError` with one line naming the keys that conflict and what to do
 instead. Per-field constraints are declared beside the fields in `finetune.config` and checked
 when the config is composed, before these rules run. Imports no torch (a torch.optim class named by optim.name
-imports it when its record is made: finetune/optimizers.py).
+imports it when its record is made: finetune/optimizers/).
 
 By topic (as axolotl groups its validation), each module one group of rules; `validate` runs them in order:
 - model.py: the model's own (path or init, structure, context length, attention kernel).

@@ -10,7 +10,7 @@ from finetune.rules.layout import layout_words
 
 
 def validate_optimizer_keys(cfg: Config) -> None:
-    """The optim.* keys the optimizer's constructor takes (its record, finetune/optimizers.py): a built-in ignores betas
+    """The optim.* keys the optimizer's constructor takes (its record, finetune/optimizers/): a built-in ignores betas
     and eps where unused, but optim.momentum set without sgd is refused; a torch class refuses any key it does not take."""
     o = cfg.optim
     rec = optimizers.record(o.name)  # a torch class that does not exist or cannot step is refused here
