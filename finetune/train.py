@@ -19,18 +19,23 @@ from typing import Any
 
 import torch
 
-from finetune import (checkpoint, compiling, config, dist, engine, evaluate, flops, liger, logs, loop, methods, model, objectives, plan,
+from finetune import (checkpoint, compiling, config, dist, engine, evaluate, flops, liger, logs, loop, methods, model, objectives,
                       reference, rules, rundir, startup, varlen)
-from finetune.config import Config, ConfigError, Kernels, Logits, MemoryReport, PeftConfig, PeftMethod, Precision, Strategy, uses_deepspeed
+from finetune.config import Config, ConfigError, Kernels, Logits, MemoryReport, MethodConfig, PeftConfig, PeftMethod, Precision, Strategy, uses_deepspeed
 from finetune.data import stream
 from finetune.data.batches import TrainBatches
 from finetune.data.pack import pack
-from finetune.data.tokenize import IGNORE, Stats, load_split, rows_of
+from finetune.data.examples import load_split
+from finetune.data.tokenize import IGNORE, Stats, rows_of
+from finetune.engine.base import Engine
 from finetune.engine.common import autocast_dtype
 from finetune.families import router_loss_split, router_loss_under_pp
 from finetune.head import PROBE_TOKENS, ChunkedHead
-from finetune.launcher import ERROR_FILE, LAUNCHER_ENV, RANKS_DIR, deepspeed_config
+from finetune.command import ERROR_FILE, LAUNCHER_ENV, RANKS_DIR, deepspeed_config
 from finetune.memory import MemoryProbe, PeakProbe
+from finetune.methods import Objective
+from finetune.planner import records
+from finetune.planner.peak import plan
 
 
 PHASE = {"name": "start"}
@@ -251,7 +256,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
         if d.is_main:
             print(f"router aux loss: not reported under parallelism.pp={cfg.parallelism.pp} (each stage keeps its routers' logits)")
         router = None
-    objective = objectives.build(cfg.method, ref, router, chunked)
+    objective = build_objective(cfg.method, ref, router, chunked)
     if router and d.is_main and router.metric in objective.metrics:  # a sequence classifier (method=reward) returns none to report
         print(router.describe())
     batches = make_batches(cfg, train_examples, eng, tokenizer.pad_token_id, resume_from)
@@ -329,7 +334,7 @@ def probe_batch(examples: Any) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-def make_batches(cfg: Config, examples: Any, eng: Any, pad_id: int, resume_from: Path | None) -> Any:
+def make_batches(cfg: Config, examples: Any, eng: Engine, pad_id: int, resume_from: Path | None) -> Any:
     """Step -> this rank's micro-batches: TrainBatches over the examples held, or StreamBatches over a stream
     (whose DataLoader worker starts reading now, where the checkpoint says when resuming)."""
     shape = {"global_batch": cfg.train.global_batch_size, "micro_batch": cfg.train.micro_batch_size, "dp_rank": eng.dp_rank,
@@ -341,27 +346,34 @@ def make_batches(cfg: Config, examples: Any, eng: Any, pad_id: int, resume_from:
     return TrainBatches(examples, **shape, seed=cfg.train.seed)
 
 
+def build_objective(method: MethodConfig, reference: Any = None, router: objectives.RouterLoss | None = None,
+                    head: ChunkedHead | None = None) -> Objective:
+    """The loss of `method.name`, built by its finetune.methods record. `reference`: what finetune.reference.setup
+    returned ((policy, batch) -> reference log-probs, or None)."""
+    return methods.get(method.name).objective(method, reference, router, head)
+
+
 def planned(cfg: Config, batches: Any, examples: Any) -> dict[str, float] | str:
     """The plan record: at the widest of the micro-batches the memory probe measures (rank 0's first
     loop.MEMORY_STEPS steps), for the comparison; and the peak planned at the longest batch of the whole run.
     A stream is read once, in order, by the loop: planned at data.max_length (an upper bound)."""
-    from finetune.lengths import STREAMED, longest_of, row_labelled, row_lengths
+    from finetune.lengths import STREAMED, Longest, longest_of, row_labelled, row_lengths
 
     if cfg.data.streaming:
-        return plan.record(cfg, plan.Longest(None, STREAMED))
+        return records.record(cfg, Longest(None, STREAMED))
     measured = [mb for step in range(loop.MEMORY_STEPS) for mb in batches.micro_batches(step)]
     per_row = cfg.train.micro_batch_size if batches.flat else 1  # a padding-free micro-batch: its tokens per row it holds
     widest = max(-(-mb["input_ids"].shape[1] // per_row) for mb in measured)
     labelled = max(int((mb["labels"][:, 1:] != IGNORE).sum()) for mb in measured)
-    predicted = plan.record(cfg, plan.Longest(widest, f"the widest micro-batch of the first {loop.MEMORY_STEPS} steps, which "
-                                                      "the memory probe measures", labelled))
+    predicted = records.record(cfg, Longest(widest, f"the widest micro-batch of the first {loop.MEMORY_STEPS} steps, which "
+                                                    "the memory probe measures", labelled))
     if isinstance(predicted, str):
         return predicted
-    run = plan.plan(cfg, longest_of(row_lengths(examples), cfg, row_labelled(examples)))
-    return predicted | {"plan_run_width": run.width, "plan_run_peak_mib": (run.total - run.overhead) / plan.MIB}
+    run = plan(cfg, longest_of(row_lengths(examples), cfg, row_labelled(examples)))
+    return predicted | {"plan_run_width": run.width, "plan_run_peak_mib": (run.total - run.overhead) / records.MIB}
 
 
-def saver(cfg: Config, eng: Any, d: dist.Dist, root: Path, batches: Any) -> Any:
+def saver(cfg: Config, eng: Engine, d: dist.Dist, root: Path, batches: Any) -> Any:
     """step -> the complete checkpoint directory written for it (atomically; keep-K applied), with where
     a stream's next step starts."""
     def save(step: int) -> Path:
@@ -374,7 +386,7 @@ def saver(cfg: Config, eng: Any, d: dist.Dist, root: Path, batches: Any) -> Any:
     return save
 
 
-def probe(cfg: Config, eng: Any, d: dist.Dist, run_dir: Path, planned: dict[str, float] | str | None) -> MemoryProbe | PeakProbe | None:
+def probe(cfg: Config, eng: Engine, d: dist.Dist, run_dir: Path, planned: dict[str, float] | str | None) -> MemoryProbe | PeakProbe | None:
     """train.memory_report's probe (finetune.memory): peak (no hooks, the default), categories (MemTracker; and any
     memory snapshot), or none; `planned`: the plan record, printed beside what is measured."""
     if cfg.train.memory_snapshot and d.device.type != "cuda":

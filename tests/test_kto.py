@@ -13,7 +13,8 @@ from finetune import methods
 from finetune.config import ConfigError, DataConfig, Method, MethodConfig
 from finetune.data.batches import collate, for_generation
 from finetune.data.sources import Rows
-from finetune.data.tokenize import IGNORE, tokenize
+from finetune.data.examples import tokenize
+from finetune.data.tokenize import IGNORE
 from finetune.methods.kto import KTO, Labelled, kto_loss
 from finetune.objectives import sequence_logps
 

@@ -36,10 +36,10 @@ def test_every_recipe_dry_runs_and_shows_its_plan(name, tmp_path):
 
 @pytest.mark.parametrize("name", JOBS)
 def test_each_job_fits_the_hardware_it_is_planned_for(name, compose):
-    from finetune import plan
+    from finetune.planner.peak import plan
 
     cfg = compose([f"+recipe={name}"])
-    pl = plan.plan(cfg)
+    pl = plan(cfg)
     assert cfg.hardware.name != "cpu" and cfg.model.architecture, name  # a hub model, planned offline
     assert pl.fits and pl.total > 0.2 * pl.budget, (name, pl.total / 2**30, pl.budget / 2**30)  # fits, and not by a mistake of 10x
 

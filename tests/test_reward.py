@@ -16,7 +16,7 @@ import torch
 from finetune.config import ASSETS, ConfigError, DataConfig, Method, MethodConfig, ModelConfig
 from finetune.data.batches import collate, eval_batches
 from finetune.data.sources import Rows, load_rows
-from finetune.data.tokenize import tokenize
+from finetune.data.examples import tokenize
 from finetune.families import FAMILIES
 from finetune.methods.base import SCORED
 from finetune.methods.reward import BradleyTerry, bradley_terry
@@ -96,7 +96,7 @@ def test_every_family_builds_a_scored_model_or_is_refused(family, compose, tmp_p
     from transformers import AutoConfig, AutoModelForSequenceClassification
     from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
 
-    from finetune.plan import architecture
+    from finetune.planner.counts import architecture
 
     assert FAMILIES[family].scored == (family in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
     if not FAMILIES[family].scored:
@@ -172,7 +172,7 @@ def test_the_centring_key_belongs_to_reward_models(compose):
 
 
 def test_the_plan_counts_a_score_head_not_an_lm_head(compose):
-    from finetune.plan import plan
+    from finetune.planner.peak import plan
 
     reward, dpo = plan(compose(["method=reward", "data=quickstart_dpo"])), plan(compose(["method=dpo", "data=quickstart_dpo"]))
     net, tok = scored_model()

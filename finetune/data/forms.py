@@ -1,6 +1,6 @@
 """Row forms -> conversations (SFT), preference pairs (DPO) or text, with no heavy imports: the launcher
-converts every row of the local data files with it before any rank starts (`check`), so a malformed row
-is one line naming file and line.
+converts every row of the local data files with it before any rank starts (finetune.data.examples.check),
+so a malformed row is one line naming file and line.
 
 SFT rows come in the forms people's datasets have, told apart by their keys (data.format=auto) or named:
 alpaca (`instruction`, optional `input`, `output`); chat (`messages`: a list of `{role, content}`
@@ -19,8 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from finetune.config import ConfigError, DataConfig, DataFormat, Method
-from finetune.data.sources import all_sources, local_rows
+from finetune.config import ConfigError, DataFormat
 
 ROLES = ("system", "user", "assistant")
 
@@ -219,19 +218,3 @@ def _with_system(messages: list[dict[str, str]], system_prompt: str | None) -> l
     if system_prompt and messages[0]["role"] != "system":
         return [{"role": "system", "content": system_prompt}, *messages]
     return messages
-
-
-def check(cfg: DataConfig, method: Method | str) -> None:
-    """Read every local data file and convert every row; raises ConfigError at the first bad one.
-
-    A local directory is only checked to hold a dataset; its rows, and hub datasets, are checked by
-    the ranks (that needs `datasets`). A streamed data.train is only checked to exist: reading it
-    whole is what streaming avoids (the ranks name a bad row when the stream reaches it). Each row is
-    converted as `method` reads it (its finetune.methods record's `check_row`)."""
-    from finetune.methods import get  # here, not at the top: the methods build on this module
-
-    check_row = get(method).check_row
-    for s in all_sources(cfg):
-        rows = local_rows(s, streamed=cfg.streaming and s.key.startswith("data.train"))
-        for i, row in enumerate(rows.rows if rows is not None else []):
-            check_row(row, cfg, rows.where(i))
