@@ -357,7 +357,7 @@ def check_compatible(step_dir: Path, cfg: Config) -> None:
                               f"{key}={now[key]}: that checkpoint format cannot change it; {RESUME_UNDER[saved['engine']]}")
     rec = optimizers.record(cfg.optim.name)
     if saved["engine"] == "mesh" and rec.shard_bound and (saved["strategy"] == "fsdp" or saved["tp"] > 1):
-        for key in ("world_size", "strategy", "tp", "cp"):  # engine.sharded.ShardedAdamW8bit
+        for key in ("world_size", "strategy", "tp", "cp"):  # optimizers.sharded.ShardedAdamW8bit
             if saved[key] != now[key]:
                 raise ConfigError(f"train.resume: {step_dir} was saved with {key}={saved[key]}, this run has {key}={now[key]}: "
                                   f"{rec.typed}'s {rec.shard_bound}, so its checkpoint "

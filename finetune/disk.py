@@ -16,24 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from finetune.config import AttnImpl, Config, ConfigError, Device, ModelConfig, Precision
+from finetune.families import attention_limits, pick_attention
 
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 """Single-file weights; a sharded checkpoint has WEIGHT.index.json naming its shards instead."""
-
-ALIASES = {
-    "num_hidden_layers": ("n_layer", "n_layers", "num_layers"),
-    "num_attention_heads": ("n_head", "n_heads", "num_heads"),
-    "num_key_value_heads": ("num_kv_heads", "n_head_kv", "multi_query_group_num"),
-    "intermediate_size": ("n_inner", "ffn_dim", "ffn_hidden_size"),
-    "hidden_size": ("n_embd", "d_model"),
-    "max_position_embeddings": ("n_positions", "max_sequence_length", "max_seq_len", "seq_length"),
-    "num_local_experts": ("num_experts", "n_routed_experts", "moe_num_experts"),
-    "num_experts_per_tok": ("moe_topk", "moe_k"),
-    "n_shared_experts": ("num_shared_experts", "moe_num_shared_experts"),
-}
-"""Other names of the same config.json keys in some families (transformers' `attribute_map`s: gpt2's
-n_head/n_layer/n_embd/n_inner/n_positions, OPT's ffn_dim, MPT's n_heads/n_layers, Qwen-MoE's num_experts, Aria's moe_topk...)."""
-
 
 def check(cfg: Config) -> None:
     """The model directory, the tokenizer, the two against each other, and the device. Raises
@@ -100,20 +86,6 @@ def config_source(cfg: ModelConfig) -> str:
     """Where local_config read the model's config from, for messages."""
     file = Path(cfg.path or "").expanduser() / "config.json"
     return str(file) if cfg.path and file.is_file() else "model.architecture"
-
-
-def config_value(arch: dict[str, Any], key: str) -> Any:
-    """`key` of a config.json, under its own name or a family's alias (ALIASES); None if absent."""
-    if key == "num_key_value_heads" and arch.get("multi_query") is True and not arch.get("new_decoder_architecture"):
-        return 1  # gpt_bigcode, falcon (whose new architecture reads num_kv_heads)
-    for name in (key, *ALIASES.get(key, ())):
-        if arch.get(name) is not None:
-            return arch[name]
-    if key == "intermediate_size" and config_value(arch, "hidden_size"):  # gpt2: n_inner null means 4 x n_embd
-        return 4 * config_value(arch, "hidden_size") if "n_inner" in arch else None
-    if key == "num_key_value_heads":
-        return config_value(arch, "num_attention_heads")
-    return None
 
 
 MISSING_KEY = object()
@@ -320,8 +292,6 @@ def attention(cfg: Config, gpu: bool) -> tuple[str, str] | None:
     """(kernel, why) that model.attn_implementation picks for this model on a machine (`gpu`: it has
     one), from the model's config.json as a file (families.pick_attention); None for a hub id
     without model.architecture (the ranks decide). ConfigError for a kernel the model cannot run."""
-    from finetune.families import attention_limits, pick_attention
-
     arch = model_config(cfg.model)
     if arch is None:
         return None

@@ -11,10 +11,11 @@ from finetune.config import TrainConfig
 from finetune.data.batches import collate, eval_batches, for_generation, shard
 from finetune.data.tokenize import Example
 from finetune.dist import Dist
+from finetune.engine.base import Engine
 from finetune.engine.common import add_metrics
 
 
-def evaluate(engine: Any, objective: Any, examples: list[Any], *, dist: Dist, tokenizer: Any, batch_size: int,
+def evaluate(engine: Engine, objective: Any, examples: list[Any], *, dist: Dist, tokenizer: Any, batch_size: int,
              exact_match_samples: int = 0, max_new_tokens: int = 64) -> dict[str, float]:
     """Eval loss (mean over every loss unit of the eval set, all ranks), the objective's own
     metrics (DPO: eval_rewards/accuracy...) and optionally exact match (DPO: of the chosen response)."""
@@ -42,7 +43,7 @@ def evaluate(engine: Any, objective: Any, examples: list[Any], *, dist: Dist, to
     return out
 
 
-def lockstep_extra(engine: Any, total: int, batch_size: int) -> int:
+def lockstep_extra(engine: Engine, total: int, batch_size: int) -> int:
     """Batches this rank must add so every rank runs as many forwards (engines with `lockstep`)."""
     if not engine.lockstep:
         return 0

@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from finetune.config import ConfigError, LogitsKernel
 from finetune.data.tokenize import IGNORE
+from finetune.objectives import forward
 
 PROBE_TOKENS = 64
 """Tokens of the first training row that `ChunkedHead.probe` runs both ways before training."""
@@ -210,8 +211,6 @@ class ChunkedHead:
     def probe(self, model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's own logits for `batch` and this patch's for the same hidden states (an engine's
         `inference` fn: every rank runs it)."""
-        from finetune.objectives import forward
-
         captured: list[torch.Tensor] = []
         self.capture = captured  # taken by the output layer's next call
         try:

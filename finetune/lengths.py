@@ -21,7 +21,7 @@ the plan at data.max_length (an upper bound).
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -32,8 +32,22 @@ from finetune import methods
 from finetune.config import Config, ConfigError, ModelConfig
 from finetune.data.pack import first_fit
 from finetune.data.sources import sources, split_rows
-from finetune.data.tokenize import IGNORE, rows_of, tokenize
-from finetune.plan import Longest
+from finetune.data.examples import tokenize
+from finetune.data.tokenize import IGNORE, rows_of
+
+@dataclass(frozen=True)
+class Longest:
+    """The longest micro-batch a run sees, read from its data (finetune.lengths.longest_batch)."""
+
+    width: int | None
+    """Its tokens per row: a padded batch is as long as its longest row, a packed one as its fullest row
+    (None: the data could not be read)."""
+    why: str
+    """What was read, or why nothing was, for the plan's line (e.g. "the longest of all 4,000 rows of data.train")."""
+    labelled: int | None = None
+    """The most labelled tokens one micro-batch holds (what logits=chunked puts through the output layer; None: at most
+    every token)."""
+
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 

@@ -3,7 +3,7 @@
 Launcher side (no torch, and liger_kernel is never imported: a dry run stays instant): whether the package
 is installed (`installed`) and which model families it patches (`families`: the keys of the installed
 package's own table, `liger_kernel.transformers.monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN`, read from its
-source text), for the refusals in finetune/rules.py.
+source text), for the refusals in finetune/rules/.
 
 Rank side (`apply`): Liger's own function for the family on the loaded model, before PEFT and the layout
 wrap it: its RMSNorm, RoPE and SwiGLU (GeGLU on Gemma) take the place of the family's, the weights and their

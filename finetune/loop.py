@@ -18,6 +18,7 @@ from finetune.config import NonFinite, TrainConfig
 from finetune.data.batches import TrainBatches
 from finetune.data.tokenize import Example
 from finetune.dist import Dist
+from finetune.engine.base import Engine
 from finetune.evaluate import evaluate
 from finetune.logs import MetricsLog
 from finetune.memory import MemoryProbe, PeakProbe
@@ -79,7 +80,7 @@ def handle_signals() -> None:
         signal.signal(s, note)
 
 
-def train(cfg: TrainConfig, *, engine: Any, objective: Any, batches: TrainBatches, evals: list[Example],
+def train(cfg: TrainConfig, *, engine: Engine, objective: Any, batches: TrainBatches, evals: list[Example],
           tokenizer: Any, dist: Dist, log: MetricsLog, save: Callable[[int], Path], resume_from: Path | None,
           probe: MemoryProbe | PeakProbe | None, flops_per_token: float | None = None, peak_flops: float | None = None) -> dict[str, dict[str, float]]:
     """Run optimizer steps up to `cfg.max_steps`. Returns the eval metrics before and after training.

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from finetune import disk
+from finetune.methods.base import CAUSAL_LM, SCORED
 from finetune.families import attention_limits, dora_experts, pick_attention, unmatched_targets
 from finetune.config import (
     AttnImpl,
@@ -30,6 +31,10 @@ from finetune.config import (
 )
 
 BASE_DIR = "base"  # RUN_DIR/base: the random-init base weights a PEFT adapter refers to
+
+PEFT_TASKS = {CAUSAL_LM: "CAUSAL_LM", SCORED: "SEQ_CLS"}
+"""A method's model_class (finetune.methods.base.Method) -> PEFT's task_type for it: SEQ_CLS also trains and saves
+the classifier's score head (PEFT's modules_to_save), which a random init leaves untrained."""
 
 
 def load_tokenizer(cfg: ModelConfig) -> Any:
@@ -101,24 +106,30 @@ def published_limits(model_type: str) -> dict[str, str]:
 
 def load_model(cfg: ModelConfig, tokenizer: Any, *, attention: str, peft: PeftConfig, compute_dtype: torch.dtype,
                zero3: bool, run_dir: Path, is_main: bool, barrier: Any, dtype: torch.dtype = torch.float32,
-               fsdp: bool = False) -> torch.nn.Module:
+               fsdp: bool = False, model_class: str = CAUSAL_LM) -> torch.nn.Module:
     """The model on CPU, the same on every rank (sharded under ZeRO-3): a pretrained one loaded in `dtype` (fp32;
     bf16 for precision=bf16_pure, never an fp32 copy first), a random-init one built in fp32 (the engine casts it).
+    `model_class`: the method's transformers Auto class (a causal LM, or a sequence classifier with one score per
+    row: its head is new, randomly initialised, on top of a causal LM's checkpoint).
 
     For QLoRA the base is loaded 4-bit (bitsandbytes NF4/FP4); a random-init base is first saved to
     RUN_DIR/base and loaded from there, which is also where its adapter says its base lives. Under
     FSDP (`fsdp`) the 4-bit model stays in host memory: fully_shard moves each block's shard to the GPU.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    import transformers
+    from transformers import AutoConfig
 
+    auto, head = getattr(transformers, model_class), head_config(model_class, tokenizer)
     path = cfg.path
     if path is None:
         assert cfg.init is not None
         arch = {k: v for k, v in vars(cfg.init).items() if k not in ("model_type", "seed", "vocab_size")}
-        config = AutoConfig.for_model(cfg.init.model_type, vocab_size=cfg.init.vocab_size or len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **arch)
+        config = AutoConfig.for_model(cfg.init.model_type, vocab_size=cfg.init.vocab_size or len(tokenizer),
+                                      **{"pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
+                                         "eos_token_id": tokenizer.eos_token_id} | arch | head)
         torch.manual_seed(cfg.init.seed)  # every rank builds the same initial weights
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=torch.float32)  # same init in every precision
+        with unbuildable(model_class, cfg.init.model_type):
+            model = auto.from_config(config, attn_implementation=attention, dtype=torch.float32)  # same init in every precision
         if peft.name == PeftMethod.none:
             return model
         path = str(run_dir / BASE_DIR)  # adapters need a base on disk to be merged into later
@@ -133,6 +144,10 @@ def load_model(cfg: ModelConfig, tokenizer: Any, *, attention: str, peft: PeftCo
     kwargs: dict[str, Any] = {"dtype": dtype}
     if cfg.architecture and cfg.path is not None and not disk.is_local(cfg.path):
         kwargs["config"] = check_architecture(cfg)
+        for key, value in head.items():
+            setattr(kwargs["config"], key, value)
+    else:
+        kwargs |= head
     if peft.name == PeftMethod.qlora:
         from transformers import BitsAndBytesConfig
 
@@ -145,8 +160,9 @@ def load_model(cfg: ModelConfig, tokenizer: Any, *, attention: str, peft: PeftCo
         if not zero3:
             kwargs["device_map"] = {"": torch.cuda.current_device()} if torch.cuda.is_available() and not fsdp else "cpu"
     try:
-        return AutoModelForCausalLM.from_pretrained(path, revision=cfg.revision, attn_implementation=attention,
-                                                    trust_remote_code=cfg.trust_remote_code, **kwargs)
+        with unbuildable(model_class, path):
+            return auto.from_pretrained(path, revision=cfg.revision, attn_implementation=attention,
+                                        trust_remote_code=cfg.trust_remote_code, **kwargs)
     except OSError as e:
         raise ConfigError(f"model.path={path!r}: could not load weights: {str(e).splitlines()[0]}") from None
     except Exception as e:
@@ -156,6 +172,26 @@ def load_model(cfg: ModelConfig, tokenizer: Any, *, attention: str, peft: PeftCo
         damaged = [f"{f} ({why})" for f in sorted(local.glob("*.safetensors")) if (why := disk.safetensors_problem(f))]
         which = damaged[0] if damaged else f"a weight file ({str(e).splitlines()[0]})"
         raise ConfigError(f"model.path={path!r}: {which} is damaged or incomplete: copy or download the model again") from None
+
+
+def head_config(model_class: str, tokenizer: Any) -> dict[str, Any]:
+    """Config keys `model_class` needs that a causal LM's checkpoint does not state: a sequence classifier's one
+    label (a scalar score) and the pad id its forward pools by (each row's last token that is not padding, as
+    training batches are padded: the exported config keeps it, so the model scores the same when loaded back)."""
+    return {"num_labels": 1, "pad_token_id": tokenizer.pad_token_id} if model_class == SCORED else {}
+
+
+@contextlib.contextmanager
+def unbuildable(model_class: str, what: Any) -> Any:
+    """transformers' refusal of a model type its Auto class has no class for, as one line (the launcher refuses the
+    families it knows, finetune.families' `scored`; a hub id's type is known here first)."""
+    try:
+        yield
+    except ValueError as e:
+        if "Unrecognized configuration class" not in str(e):
+            raise
+        raise ConfigError(f"{what}: transformers has no {model_class.removeprefix('AutoModelFor')} class for this model type, which "
+                          f"the method needs (its {model_class} lists none): use a model family that has one") from None
 
 
 def check_architecture(cfg: ModelConfig) -> Any:
@@ -182,8 +218,10 @@ def _gathered(model: torch.nn.Module, zero3: bool) -> Any:
     return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
 
 
-def apply_strategies(model: torch.nn.Module, *, checkpointing: CheckpointingConfig, peft: PeftConfig) -> torch.nn.Module:
-    """Adapters, then activation checkpointing / offload, each from its own config slice."""
+def apply_strategies(model: torch.nn.Module, *, checkpointing: CheckpointingConfig, peft: PeftConfig,
+                     model_class: str = CAUSAL_LM) -> torch.nn.Module:
+    """Adapters (PEFT's task type for the method's `model_class`), then activation checkpointing / offload, each from
+    its own config slice."""
     if peft.name != PeftMethod.none:
         from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
@@ -199,7 +237,7 @@ def apply_strategies(model: torch.nn.Module, *, checkpointing: CheckpointingConf
             # PEFT cannot drop out inside a weight it adapts through target_parameters: on a MoE, dropout goes on the
             # linear layers' adapters only (_linear_dropout)
             lora_dropout=0.0 if exact else peft.dropout,
-            modules_to_save=list(peft.modules_to_save) or None, use_dora=peft.name == PeftMethod.dora, task_type="CAUSAL_LM",
+            modules_to_save=list(peft.modules_to_save) or None, use_dora=peft.name == PeftMethod.dora, task_type=PEFT_TASKS[model_class],
         ))
         if exact:
             check_adapted(model, modules, parameters)

@@ -1,5 +1,6 @@
-"""Training objectives: the one seam where methods differ (each method's loss is in its module,
-finetune/methods/; `build` picks it), and what the losses share: forwards, label log-probs, the token loss.
+"""What the training methods' losses share: forwards, label log-probs, the token loss, a MoE's router loss.
+Each method's loss is in its module (finetune/methods/, the `Objective` interface in methods/base.py), built on
+this one; the rank picks it from the method's record (finetune.train.build_objective). Nothing here imports a method.
 
 An objective turns a batch into a *sum* of per-unit losses and the number of units (response
 tokens for SFT, preference pairs for DPO); the loop divides by the global count over all
@@ -15,21 +16,15 @@ output_router_logits, as transformers does when it computes the loss itself (`Ro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
-from finetune import methods
-from finetune.config import MethodConfig
 from finetune.data.tokenize import IGNORE
-from finetune.head import ChunkedHead
-from finetune.methods.base import Objective, Output
-from finetune.methods.dpo import DPO, dpo_loss  # noqa: F401 - where they were: the methods' losses live in finetune.methods
-from finetune.methods.sft import SFT  # noqa: F401
 
-Reference = Callable[[Any, dict[str, torch.Tensor]], torch.Tensor]  # (policy, batch) -> reference log-probs [2B]
-
+if TYPE_CHECKING:
+    from finetune.methods.base import Output
 
 @dataclass(frozen=True)
 class RouterLoss:
@@ -106,8 +101,3 @@ def predicting(positions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     are one longer (a context-parallel slice, whose last position predicts the next slice's first label)."""
     return positions[:, : labels.shape[1] - 1]
 
-
-def build(method: MethodConfig, reference: Reference | None = None, router: RouterLoss | None = None,
-          head: ChunkedHead | None = None) -> Objective:
-    """The loss of `method.name` (its finetune.methods record builds it)."""
-    return methods.get(method.name).objective(method, reference, router, head)

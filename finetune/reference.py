@@ -25,6 +25,7 @@ from finetune import methods
 from finetune.config import Config, ConfigError, Reference
 from finetune.data.batches import collate, shard
 from finetune.data.tokenize import rows_of
+from finetune.engine.base import Engine
 from finetune.dist import Dist
 from finetune.evaluate import lockstep_extra
 from finetune.objectives import logits_logps, sequence_logps
@@ -32,7 +33,7 @@ from finetune.objectives import logits_logps, sequence_logps
 FILE = "reference_logps.pt"
 
 
-def setup(cfg: Config, *, engine: Any, dist: Dist, splits: dict[str, list[Any]], run_dir: Path, resume_from: Path | None,
+def setup(cfg: Config, *, engine: Engine, dist: Dist, splits: dict[str, list[Any]], run_dir: Path, resume_from: Path | None,
           load_model: Callable[[], torch.nn.Module], pad_id: int) -> Callable[[Any, dict[str, torch.Tensor]], torch.Tensor] | None:
     """Prepare the reference for `cfg.method`; returns what its objective calls for reference
     log-probs during training (None: they are in the batches, or the loss needs none)."""
@@ -61,7 +62,7 @@ def adapter_disabled(policy: Any, batch: dict[str, torch.Tensor]) -> torch.Tenso
         return sequence_logps(model, batch)[0]
 
 
-def precompute(engine: Any, splits: dict[str, list[Any]], *, dist: Dist, path: Path, saved: Path | None, batch_size: int,
+def precompute(engine: Engine, splits: dict[str, list[Any]], *, dist: Dist, path: Path, saved: Path | None, batch_size: int,
                pad_id: int, method: methods.Method) -> None:
     """Attach reference log-probs to every example (one per row: a pair's chosen and rejected) and write them
     to `path`: computed now from the initial policy, or, when resuming, read from `saved` (refused if the data
@@ -93,7 +94,7 @@ def precompute(engine: Any, splits: dict[str, list[Any]], *, dist: Dist, path: P
 
 
 @torch.no_grad()
-def score(engine: Any, pairs: list[Any], *, dist: Dist, batch_size: int, pad_id: int, rows: int = 2) -> torch.Tensor:
+def score(engine: Engine, pairs: list[Any], *, dist: Dist, batch_size: int, pad_id: int, rows: int = 2) -> torch.Tensor:
     """[N, rows] log-probs of each example's rows (a pair: chosen, rejected) by the model as it is now; each rank
     scores its share."""
     out = torch.zeros(len(pairs), rows, dtype=torch.float64)

@@ -19,18 +19,23 @@ from typing import Any
 
 import torch
 
-from finetune import (checkpoint, compiling, config, dist, engine, evaluate, flops, liger, logs, loop, model, objectives, plan, reference,
-                      rules, rundir, startup, varlen)
-from finetune.config import Config, ConfigError, Kernels, Logits, MemoryReport, PeftConfig, PeftMethod, Precision, Strategy, uses_deepspeed
+from finetune import (checkpoint, compiling, config, dist, engine, evaluate, flops, liger, logs, loop, methods, model, objectives,
+                      reference, rules, rundir, startup, varlen)
+from finetune.config import Config, ConfigError, Kernels, Logits, MemoryReport, MethodConfig, PeftConfig, PeftMethod, Precision, Strategy, uses_deepspeed
 from finetune.data import stream
 from finetune.data.batches import TrainBatches
 from finetune.data.pack import pack
-from finetune.data.tokenize import IGNORE, Stats, load_split, rows_of
+from finetune.data.examples import load_split
+from finetune.data.tokenize import IGNORE, Stats, rows_of
+from finetune.engine.base import Engine
 from finetune.engine.common import autocast_dtype
 from finetune.families import router_loss_split, router_loss_under_pp
 from finetune.head import PROBE_TOKENS, ChunkedHead
-from finetune.launcher import ERROR_FILE, LAUNCHER_ENV, RANKS_DIR, deepspeed_config
+from finetune.command import ERROR_FILE, LAUNCHER_ENV, RANKS_DIR, deepspeed_config
 from finetune.memory import MemoryProbe, PeakProbe
+from finetune.methods import Objective
+from finetune.planner import records
+from finetune.planner.peak import plan
 
 
 PHASE = {"name": "start"}
@@ -190,13 +195,14 @@ def run(cfg: Config, d: dist.Dist) -> None:
     phase("model")
     zero3 = model.zero3_context(deepspeed_config(cfg) if uses_deepspeed(cfg) else None)
     attention, attention_why = model.resolve_attention(cfg.model, cfg.precision.name, d.device)
+    model_class = methods.get(cfg.method.name).model_class  # a causal LM, or a scored model (method=reward)
 
     def load(peft: PeftConfig) -> torch.nn.Module:
         loaded = model.load_model(cfg.model, tokenizer, attention=attention, peft=peft,
                                   compute_dtype=autocast_dtype(cfg.precision.name) or torch.float32, zero3=cfg.zero.stage == 3,
                                   run_dir=run_dir, is_main=d.is_main, barrier=d.barrier,
                                   dtype=torch.bfloat16 if cfg.precision.name == Precision.bf16_pure else torch.float32,
-                                  fsdp=cfg.parallelism.strategy == Strategy.fsdp)
+                                  fsdp=cfg.parallelism.strategy == Strategy.fsdp, model_class=model_class)
         if cfg.model.kernels == Kernels.liger:  # before PEFT and the layout wrap it (DPO's live reference too)
             liger.apply(loaded, d.device)
         return loaded
@@ -216,7 +222,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
     elif several:
         attention_why += f"; {several}: its variable-length kernel"
     phase("peft" if cfg.peft.name != PeftMethod.none else "model")
-    net = model.apply_strategies(loaded, checkpointing=cfg.checkpointing, peft=cfg.peft)
+    net = model.apply_strategies(loaded, checkpointing=cfg.checkpointing, peft=cfg.peft, model_class=model_class)
     if d.is_main:
         trainable, total = model.trainable_parameters(net)
         print(f"model: {total:,} parameters, {trainable:,} trainable ({trainable / total:.2%}), attention {attention} ({attention_why})")
@@ -250,9 +256,9 @@ def run(cfg: Config, d: dist.Dist) -> None:
         if d.is_main:
             print(f"router aux loss: not reported under parallelism.pp={cfg.parallelism.pp} (each stage keeps its routers' logits)")
         router = None
-    if router and d.is_main:
+    objective = build_objective(cfg.method, ref, router, chunked)
+    if router and d.is_main and router.metric in objective.metrics:  # a sequence classifier (method=reward) returns none to report
         print(router.describe())
-    objective = objectives.build(cfg.method, ref, router, chunked)
     batches = make_batches(cfg, train_examples, eng, tokenizer.pad_token_id, resume_from)
     phase("training")
     loop.STOP["defer"] = True  # from here a signal saves a checkpoint at the next step boundary
@@ -286,7 +292,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
         with startup.timed(ended, "exact match"):
             result["after"]["exact_match"] = evaluate.exact_match_of_export(final, eval_examples, cfg.train, d.device)
     if d.is_main:
-        report(run_dir, final, result, {k: vars(s) for k, s in stats.items()}, cfg.train.loggers)
+        report(run_dir, final, result, {k: vars(s) for k, s in stats.items()}, cfg.train.loggers, model_class)
     del zero3  # alive until here: transformers consults it while loading, generating and saving
 
 
@@ -309,6 +315,9 @@ def load_data(cfg: Config, tokenizer: Any, d: dist.Dist) -> tuple[Any, Any, dict
         samples = len(train)
         if cfg.data.packing:
             train = pack(train, cfg.data.max_length, cfg.train.seed)
+    method = methods.get(cfg.method.name)  # the whole splits read: what the method adds to them (KTO's mismatched rows)
+    train = train if cfg.data.streaming else method.settle(train, cfg.data, "data.train")
+    evals = method.settle(evals, cfg.data, "data.eval") if len(evals) else evals
     if d.is_main:
         if cfg.data.packing and not cfg.data.streaming:
             print(f"packing: {samples} samples -> {len(train)} rows of up to {cfg.data.max_length} tokens")
@@ -325,7 +334,7 @@ def probe_batch(examples: Any) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-def make_batches(cfg: Config, examples: Any, eng: Any, pad_id: int, resume_from: Path | None) -> Any:
+def make_batches(cfg: Config, examples: Any, eng: Engine, pad_id: int, resume_from: Path | None) -> Any:
     """Step -> this rank's micro-batches: TrainBatches over the examples held, or StreamBatches over a stream
     (whose DataLoader worker starts reading now, where the checkpoint says when resuming)."""
     shape = {"global_batch": cfg.train.global_batch_size, "micro_batch": cfg.train.micro_batch_size, "dp_rank": eng.dp_rank,
@@ -337,27 +346,34 @@ def make_batches(cfg: Config, examples: Any, eng: Any, pad_id: int, resume_from:
     return TrainBatches(examples, **shape, seed=cfg.train.seed)
 
 
+def build_objective(method: MethodConfig, reference: Any = None, router: objectives.RouterLoss | None = None,
+                    head: ChunkedHead | None = None) -> Objective:
+    """The loss of `method.name`, built by its finetune.methods record. `reference`: what finetune.reference.setup
+    returned ((policy, batch) -> reference log-probs, or None)."""
+    return methods.get(method.name).objective(method, reference, router, head)
+
+
 def planned(cfg: Config, batches: Any, examples: Any) -> dict[str, float] | str:
     """The plan record: at the widest of the micro-batches the memory probe measures (rank 0's first
     loop.MEMORY_STEPS steps), for the comparison; and the peak planned at the longest batch of the whole run.
     A stream is read once, in order, by the loop: planned at data.max_length (an upper bound)."""
-    from finetune.lengths import STREAMED, longest_of, row_labelled, row_lengths
+    from finetune.lengths import STREAMED, Longest, longest_of, row_labelled, row_lengths
 
     if cfg.data.streaming:
-        return plan.record(cfg, plan.Longest(None, STREAMED))
+        return records.record(cfg, Longest(None, STREAMED))
     measured = [mb for step in range(loop.MEMORY_STEPS) for mb in batches.micro_batches(step)]
     per_row = cfg.train.micro_batch_size if batches.flat else 1  # a padding-free micro-batch: its tokens per row it holds
     widest = max(-(-mb["input_ids"].shape[1] // per_row) for mb in measured)
     labelled = max(int((mb["labels"][:, 1:] != IGNORE).sum()) for mb in measured)
-    predicted = plan.record(cfg, plan.Longest(widest, f"the widest micro-batch of the first {loop.MEMORY_STEPS} steps, which "
-                                                      "the memory probe measures", labelled))
+    predicted = records.record(cfg, Longest(widest, f"the widest micro-batch of the first {loop.MEMORY_STEPS} steps, which "
+                                                    "the memory probe measures", labelled))
     if isinstance(predicted, str):
         return predicted
-    run = plan.plan(cfg, longest_of(row_lengths(examples), cfg, row_labelled(examples)))
-    return predicted | {"plan_run_width": run.width, "plan_run_peak_mib": (run.total - run.overhead) / plan.MIB}
+    run = plan(cfg, longest_of(row_lengths(examples), cfg, row_labelled(examples)))
+    return predicted | {"plan_run_width": run.width, "plan_run_peak_mib": (run.total - run.overhead) / records.MIB}
 
 
-def saver(cfg: Config, eng: Any, d: dist.Dist, root: Path, batches: Any) -> Any:
+def saver(cfg: Config, eng: Engine, d: dist.Dist, root: Path, batches: Any) -> Any:
     """step -> the complete checkpoint directory written for it (atomically; keep-K applied), with where
     a stream's next step starts."""
     def save(step: int) -> Path:
@@ -370,7 +386,7 @@ def saver(cfg: Config, eng: Any, d: dist.Dist, root: Path, batches: Any) -> Any:
     return save
 
 
-def probe(cfg: Config, eng: Any, d: dist.Dist, run_dir: Path, planned: dict[str, float] | str | None) -> MemoryProbe | PeakProbe | None:
+def probe(cfg: Config, eng: Engine, d: dist.Dist, run_dir: Path, planned: dict[str, float] | str | None) -> MemoryProbe | PeakProbe | None:
     """train.memory_report's probe (finetune.memory): peak (no hooks, the default), categories (MemTracker; and any
     memory snapshot), or none; `planned`: the plan record, printed beside what is measured."""
     if cfg.train.memory_snapshot and d.device.type != "cuda":
@@ -405,9 +421,11 @@ def mfu_inputs(cfg: Config, net: Any, d: dist.Dist) -> dict[str, float | None]:
             "peak_flops": flops.peak_flops(d.device, autocast_dtype(cfg.precision.name) or torch.float32)}
 
 
-def report(run_dir: Path, final: Path, result: dict[str, dict[str, float]], stats: dict, loggers: list[str]) -> None:
+def report(run_dir: Path, final: Path, result: dict[str, dict[str, float]], stats: dict, loggers: list[str],
+           model_class: str = model.CAUSAL_LM) -> None:
     """The loss-curve PNG, summary.json (written last: the launcher times the shutdown from it), and the lines a
-    user reads first: before/after, where the results are, where the seconds after training went."""
+    user reads first: before/after, where the results are (`model_class`: what loads final/), where the seconds
+    after training went."""
     with startup.timed(result["after_training"], "plot"):
         logs.plot_loss(run_dir, run_dir / "loss.png")
     (run_dir / "summary.json").write_text(json.dumps({**result, "checkpoint": str(final), "data": stats}, indent=2) + "\n")
@@ -421,7 +439,7 @@ def report(run_dir: Path, final: Path, result: dict[str, dict[str, float]], stat
     if (final / "adapter_config.json").is_file():
         print(f"adapter      {final}  (PEFT format; plain weights: python scripts/merge_adapter.py {final} MERGED_DIR)")
     else:
-        print(f"checkpoint   {final}  (AutoModelForCausalLM.from_pretrained / AutoTokenizer.from_pretrained)")
+        print(f"checkpoint   {final}  ({model_class}.from_pretrained / AutoTokenizer.from_pretrained)")
     written = [str(run_dir / logs.SINKS[name].output) for name in loggers if logs.SINKS[name].output]
     print(f"metrics      {', '.join(written)}, loss curve {run_dir / 'loss.png'}")
     print(startup.after_line(result["after_training"]))

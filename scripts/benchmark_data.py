@@ -6,7 +6,7 @@
 Everything is made here, with no download: N synthetic multi-turn conversations (chat rows of random
 pseudo-words), and a BPE tokenizer (8k vocabulary) with a chat template, trained by `tokenizers` on them.
 Per N, each measured in a fresh process:
-- in memory (before the cache; `data.cache=false`): finetune.data.tokenize.load_split, rows/s on one core;
+- in memory (before the cache; `data.cache=false`): finetune.data.examples.load_split, rows/s on one core;
 - first preparation: finetune.data.cache (what `python -m finetune.prepare` and a first launch run),
   `datasets.map` over every core, with the Arrow files written: seconds, rows/s and rows/s per core;
 - cached start: a new process that finds the cache entry (hashing the data file for the key) and
@@ -71,7 +71,7 @@ t0 = time.perf_counter()
 from transformers import AutoTokenizer
 from finetune.config import DataConfig, Method
 from finetune.data.batches import TrainBatches
-from finetune.data.tokenize import load_split
+from finetune.data.examples import load_split
 spec = json.loads(sys.argv[1])
 cfg = DataConfig(train=spec["train"], max_length=1024, cache_dir=spec["cache"], num_proc=spec.get("num_proc"), packing=spec.get("packing", False))
 tok = AutoTokenizer.from_pretrained(spec["tokenizer"])

@@ -1,4 +1,4 @@
-"""Generate README.md's config reference from the schema (`finetune/config.py`).
+"""Generate README.md's config reference from the schema (`finetune/config/`).
 
     python scripts/config_reference.py                    # print the generated section
     python scripts/config_reference.py --write README.md  # replace it between the marker comments
@@ -9,7 +9,7 @@ per field: key | default | accepts | what it does. The walk is over the dataclas
 order; "accepts" is the field's `checked(...)` words (an enum's values, or true/false), and the
 description is the first sentence of the docstring under the field, read from the source with
 `ast` (field docstrings do not exist at runtime). Nothing else goes in, so the output depends on
-config.py alone.
+finetune/config/ alone.
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     undocumented = [row.key for table in tables() for row in table.rows if not row.doc]
     if undocumented:
-        print(f"note: no docstring under {', '.join(undocumented)} in finetune/config.py: "
+        print(f"note: no docstring under {', '.join(undocumented)} in finetune/config/schema.py or root.py: "
               "their 'what it does' is empty", file=sys.stderr)
     if args.write:
         write(args.write)

@@ -8,7 +8,9 @@ regenerate them (the output is deterministic and committed):
 Writes finetune/assets/tokenizer/ (a Hugging Face fast tokenizer with a chat template),
 finetune/assets/data/quickstart/{train,eval}.jsonl (alpaca-style rows) and
 finetune/assets/data/quickstart_dpo/{train,eval}.jsonl (the same prompts as preference pairs:
-chosen = the right answer, rejected = a plausible wrong one).
+chosen = the right answer, rejected = a plausible wrong one) and
+finetune/assets/data/quickstart_kto/{train,eval}.jsonl (the pairs unpaired, as KTO's data comes: each prompt
+once, with its right answer labelled true or its wrong one labelled false).
 """
 
 from __future__ import annotations
@@ -105,6 +107,16 @@ def make_preferences(rng: random.Random, rows: list[dict]) -> list[dict]:
     return [{"prompt": f"{r['instruction']}\n{r['input']}", "chosen": r["output"], "rejected": near_miss(rng, r)} for r in rows]
 
 
+def make_unpaired(rng: random.Random, pairs: list[dict]) -> list[dict]:
+    """Each pair's prompt once, with either response and its label: about half desirable, as feedback collected
+    one answer at a time is (KTO's data)."""
+    out = []
+    for p in pairs:
+        good = rng.random() < 0.5
+        out.append({"prompt": p["prompt"], "completion": p["chosen"] if good else p["rejected"], "label": good})
+    return out
+
+
 def main() -> None:
     make_tokenizer(ASSETS / "tokenizer")
     rng = random.Random(0)
@@ -113,10 +125,13 @@ def main() -> None:
     data.mkdir(parents=True, exist_ok=True)
     preference = ASSETS / "data" / "quickstart_dpo"
     preference.mkdir(parents=True, exist_ok=True)
-    pair_rng = random.Random(1)
+    unpaired = ASSETS / "data" / "quickstart_kto"
+    unpaired.mkdir(parents=True, exist_ok=True)
+    pair_rng, label_rng = random.Random(1), random.Random(2)
     for split, n in (("eval", 256), ("train", 4000)):  # eval first: train never repeats an eval row
         rows = make_rows(rng, n, seen)
-        for folder, out in ((data, rows), (preference, make_preferences(pair_rng, rows))):
+        pairs = make_preferences(pair_rng, rows)
+        for folder, out in ((data, rows), (preference, pairs), (unpaired, make_unpaired(label_rng, pairs))):
             with open(folder / f"{split}.jsonl", "w") as f:
                 for row in out:
                     f.write(json.dumps(row) + "\n")

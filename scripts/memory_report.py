@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from finetune.plan import compare, plan_record
+from finetune.planner.records import compare, plan_record
 
 
 def table(run_dir: Path) -> str | None:

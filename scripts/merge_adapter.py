@@ -4,7 +4,9 @@ write plain Hugging Face weights that load without peft.
     python scripts/merge_adapter.py RUN_DIR/final MERGED_DIR [--base PATH_OR_HUB_ID] [--dtype bf16]
 
 The base defaults to the one recorded in the adapter (`base_model_name_or_path`); it is loaded
-unquantized (a QLoRA adapter merges into the full-precision base).
+unquantized (a QLoRA adapter merges into the full-precision base), as the class the adapter's task type
+names: a causal LM, or for a reward model (method=reward, task_type SEQ_CLS) a sequence classifier with
+one label whose trained score head the adapter carries; the merged model loads with that Auto class.
 """
 
 from __future__ import annotations
@@ -18,19 +20,31 @@ import torch
 
 
 def merge(adapter: Path, out: Path, base: str | None = None, dtype: str = "fp32") -> Path:
+    import transformers
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     config_file = adapter / "adapter_config.json"
     if not config_file.is_file():
         raise SystemExit(f"error: {adapter} holds no adapter_config.json: is it the final/ of a run with peft=lora|dora|qlora?")
-    base = base or json.loads(config_file.read_text())["base_model_name_or_path"]
+    adapter_config = json.loads(config_file.read_text())
+    base = base or adapter_config["base_model_name_or_path"]
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch_dtype)
+    tokenizer = AutoTokenizer.from_pretrained(adapter)
+    model_class, head = model_of(adapter_config.get("task_type"), tokenizer)
+    model = getattr(transformers, model_class).from_pretrained(base, dtype=torch_dtype, **head)
     merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
     merged.save_pretrained(out)
-    AutoTokenizer.from_pretrained(adapter).save_pretrained(out)
+    tokenizer.save_pretrained(out)
     return out
+
+
+def model_of(task_type: str | None, tokenizer: object) -> tuple[str, dict[str, object]]:
+    """(transformers Auto class, config keys) the adapter's base is loaded as: finetune.model's table read backwards."""
+    from finetune.model import CAUSAL_LM, PEFT_TASKS, head_config
+
+    model_class = next((cls for cls, task in PEFT_TASKS.items() if task == task_type), CAUSAL_LM)
+    return model_class, head_config(model_class, tokenizer)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,7 @@ hardware, and the memory planner's verdict for it.
     python scripts/recipe_table.py --check README.md  # exit 1 when the README's table is not the generated one
 
 Each recipe is composed exactly as `python -m finetune.plan +recipe=NAME` composes it (offline: a
-hub model's recipe declares its `model.architecture`), and planned with `finetune.plan.plan` at
+hub model's recipe declares its `model.architecture`), and planned with `finetune.planner.peak.plan` at
 `data.max_length` (the upper bound: the recipe's data is the user's, not read here).
 Needs no torch and no GPU.
 """
@@ -17,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from finetune import plan
+from finetune.planner.peak import plan
 from finetune.compose import RECIPES, preflight
 from finetune.config import Config, ConfigError, Logits, Offload, PeftMethod, engine_kind
 
@@ -52,7 +52,7 @@ def row(name: str) -> str:
     where = f"{cfg.world_size} x {hw.name}" if hw.name != "cpu" else f"{cfg.world_size} CPU rank{'s' if cfg.world_size > 1 else ''}"
     model = cfg.model.path or "tiny random-init (model.init)"
     try:
-        pl = plan.plan(cfg)
+        pl = plan(cfg)
     except ConfigError:
         if cfg.model.recipe_if_missing is None:
             raise

@@ -123,8 +123,8 @@ def reload_and_evaluate(final: Path, run_dir: Path):
     from finetune import config
     from finetune.data.batches import eval_batches
     from finetune.data.sources import load_rows
-    from finetune.data.tokenize import tokenize
-    from finetune.objectives import SFT
+    from finetune.data.examples import tokenize
+    from finetune.methods.sft import SFT
 
     cfg = config.load(run_dir / "config.yaml")
     tok = AutoTokenizer.from_pretrained(final)

@@ -118,7 +118,7 @@ def test_rows_fit_max_length_untruncated(tok, tmp_path):
     """The synthetic rows are tokenized by our pipeline whole: none is cut at data.max_length, and the longest come
     within a factor 2 of it."""
     from finetune.config import DataConfig
-    from finetune.data.tokenize import load_split
+    from finetune.data.examples import load_split
 
     for max_length in (96, 512):
         path = tmp_path / f"rows_{max_length}.jsonl"

@@ -22,7 +22,7 @@ import torch
 from conftest import config_keys, run_cli
 from finetune.config import ModelConfig
 from finetune.families import COUNTED, FAMILIES, Family
-from finetune.plan import architecture
+from finetune.planner.counts import architecture
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
@@ -130,7 +130,7 @@ def test_summary(tmp_path):
 
 
 def test_a_type_no_record_describes_is_planned_through_the_cli_with_its_exact_count(tmp_path):
-    """A state-space model (Mamba: no attention, no record in finetune/families.py) saved as a model directory:
+    """A state-space model (Mamba: no attention, no record in finetune/families/records.py) saved as a model directory:
     `python -m finetune.plan` counts what transformers loads from it, and says how the rest is estimated."""
     from transformers import AutoTokenizer
 
@@ -145,6 +145,6 @@ def test_a_type_no_record_describes_is_planned_through_the_cli_with_its_exact_co
     assert out.returncode == 0, out.stderr[-2000:]
     total = sum(p.numel() for p in model.parameters())
     assert f"parameters   {total:,} ({total:,} trainable)" in out.stdout.splitlines()
-    assert ("note: model_type=mamba: no record in finetune/families.py, so its parameters are read off transformers' build of "
+    assert ("note: model_type=mamba: no record in finetune/families/records.py, so its parameters are read off transformers' build of "
             "its config on the meta device (exact); its activations are estimated as for a Llama-style block of the same "
             "linears, not measured for it") in out.stdout.splitlines()

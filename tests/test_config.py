@@ -18,6 +18,10 @@ NEEDS = {
     ("launcher", "deepspeed"): ["zero=stage2"],
     ("data", "quickstart_dpo"): ["method=dpo"],
     ("method", "dpo"): ["data=quickstart_dpo"],
+    ("data", "quickstart_kto"): ["method=kto"],
+    ("method", "kto"): ["data=quickstart_kto"],
+    ("method", "orpo"): ["data=quickstart_dpo"],
+    ("method", "reward"): ["data=quickstart_dpo"],
     # layouts with more ranks than the default launch, on a model they fit
     ("parallelism", "pp2_interleaved"): ["launcher.nproc_per_node=2", "model.init.num_hidden_layers=4", "train.global_batch_size=32",
                                          "train.micro_batch_size=8"],

@@ -111,14 +111,15 @@ def test_what_context_parallel_cannot_combine_with_is_refused(compose, overrides
 def test_the_planner_splits_activations_and_suggests_context_parallel(compose):
     """At 128k tokens one H100's activations do not fit even with full recompute; cp8 splits them (the
     long-context recipe), and plan.suggest offers context parallel."""
-    from finetune import plan
+    from finetune.planner.peak import plan
+    from finetune.planner.suggest import suggest
 
     one, split = compose(["+recipe=long_context", "parallelism=fsdp"]), compose(["+recipe=long_context"])
-    whole, cp8 = plan.plan(one), plan.plan(split)
+    whole, cp8 = plan(one), plan(split)
     assert not whole.fits and cp8.fits
     assert cp8.activations < whole.activations / 6  # 1/8 of the tokens per rank, plus the all-to-all buffers
     assert any("context parallel: 16384 of each row's 131072 tokens on each of 8 ranks" in n for n in cp8.notes)
-    suggested = [" ".join(s.overrides) for s in plan.suggest(one, count=5)]
+    suggested = [" ".join(s.overrides) for s in suggest(one, count=5)]
     assert any("parallelism.cp=" in s for s in suggested), suggested
 
 

@@ -13,7 +13,8 @@ from finetune.data.batches import TrainBatches, collate, for_generation, shard
 from finetune.data.forms import to_messages
 from finetune.data.pack import first_fit
 from finetune.data.sources import load_rows
-from finetune.data.tokenize import IGNORE, Example, encode, load_split, segments, tokenize, uses_chat_template
+from finetune.data.examples import load_split, tokenize
+from finetune.data.tokenize import IGNORE, Example, encode, segments, uses_chat_template
 
 
 def labelled(tok, ex) -> str:

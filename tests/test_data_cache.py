@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from finetune.config import ASSETS, ConfigError, DataConfig, LongPrompt, Method, Template
 from finetune.data import cache
 from finetune.data.pack import pack
-from finetune.data.tokenize import load_split
+from finetune.data.examples import load_split
 
 
 MIXED = [  # every SFT form, a multi-turn chat, a response cut at max_length, a prompt too long, a text row split
@@ -44,7 +44,7 @@ def same(a, b):
 @pytest.mark.parametrize("template", [Template.auto, Template.builtin])
 @pytest.mark.parametrize("packing", [False, True])
 def test_cached_examples_equal_in_memory_ones_for_every_form(tok, tmp_path, template, packing):
-    """Labels, positions, prompt lengths, references and the counts: exactly those of finetune.data.tokenize.tokenize
+    """Labels, positions, prompt lengths, references and the counts: exactly those of finetune.data.examples.tokenize
     (the cache runs its `tokenize_row` in `datasets.map` workers), packed rows those of finetune.data.pack.pack."""
     rows = MIXED * 300  # 2,400 rows: two tokenizing processes
     cfg = DataConfig(train=write_jsonl(tmp_path / "t.jsonl", rows), eval_size=40, template=template, max_length=48,

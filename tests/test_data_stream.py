@@ -15,7 +15,8 @@ from finetune.data import stream
 from finetune.data.batches import collate
 from finetune.data.sources import load_rows
 from finetune.data.stream import Position, StreamBatches
-from finetune.data.tokenize import Stats, tokenize
+from finetune.data.examples import tokenize
+from finetune.data.tokenize import Stats
 
 
 ROWS = [  # forms, a multi-turn chat, a response cut at max_length, a prompt too long (dropped), a text row split in pieces
@@ -195,7 +196,7 @@ def test_a_bad_row_met_by_the_worker_is_one_line_naming_its_line(tok, tmp_path):
 
 def test_the_launcher_checks_only_that_a_streamed_file_exists(tmp_path):
     """Reading a stream whole before launch is what streaming avoids: its rows are checked as the stream reaches them."""
-    from finetune.data.forms import check
+    from finetune.data.examples import check
 
     bad = write_jsonl(tmp_path / "t.jsonl", [{"instruction": "x", "output": " "}])
     check(DataConfig(train=bad, streaming=True), Method.sft)
@@ -255,12 +256,13 @@ def test_stream_settings_without_a_stream_are_refused_and_dpo_streams_with_a_liv
 
 
 def test_the_planner_plans_a_stream_at_max_length(compose):
-    from finetune import plan
+    from finetune.planner.cli import read_longest
+    from finetune.planner.peak import batch_width
     from finetune.lengths import longest_batch
 
     cfg = compose(["+recipe=quickstart_sft", "data.streaming=true"])
     assert longest_batch(cfg) == "data.streaming=true: a stream's lengths are known only as the run reads it"
-    assert plan.batch_width(cfg, plan.read_longest(cfg)) == (64, (
+    assert batch_width(cfg, read_longest(cfg)) == (64, (
         "activations at max_length 64 tokens: an upper bound (the data was not read: data.streaming=true: a stream's lengths are "
         "known only as the run reads it; padded batches are as long as their longest row, at most data.max_length)"))
 

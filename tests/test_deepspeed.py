@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from finetune.config import ConfigError
-from finetune.launcher import build, deepspeed_config
+from finetune.command import build, deepspeed_config
 
 from conftest import read_metrics, run_cli, tiny_model
 

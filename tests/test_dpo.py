@@ -13,8 +13,10 @@ from finetune.config import ASSETS, ConfigError, DataConfig, DpoLoss, Method, Me
 from finetune.data.batches import collate
 from finetune.data.forms import to_pair
 from finetune.data.sources import Rows
-from finetune.data.tokenize import IGNORE, tokenize
-from finetune.objectives import DPO, dpo_loss, sequence_logps, token_loss_sum
+from finetune.data.examples import tokenize
+from finetune.data.tokenize import IGNORE
+from finetune.methods.dpo import DPO, dpo_loss
+from finetune.objectives import sequence_logps, token_loss_sum
 
 from conftest import last_line, read_metrics, run_cli, tiny_model, train_here
 
@@ -104,7 +106,7 @@ def test_validation_refuses_what_has_no_effect(compose):
         assert str(e.value) == message, extra
     with pytest.raises(ConfigError) as e:
         compose(["method.beta=0.2"])
-    assert str(e.value) == "method.beta=0.2 has no effect with method=sft (DPO settings): remove it or change the option"
+    assert str(e.value) == "method.beta=0.2 has no effect with method=sft (another method's key): remove it or change the option"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -95,7 +95,9 @@ def test_the_dry_run_refuses_sdpa_on_gemma2_and_says_what_auto_picks(models, tmp
 
 
 def test_the_plan_says_which_attention_and_counts_eager(models):
-    from finetune.plan import architecture, block_activation_bytes, plan
+    from finetune.planner.activations import block_activation_bytes
+    from finetune.planner.counts import architecture
+    from finetune.planner.peak import plan
 
     cfg = preflight(at(models["gemma2"]))
     assert "attention: eager (auto: gemma2 soft-caps attention logits (attn_logit_softcapping=50.0), which sdpa cannot; " \
@@ -132,7 +134,7 @@ def lora(path: Path, *overrides: str):
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_lora_adapts_the_experts_and_the_planner_counts_as_peft(models, family):
     from finetune.model import trainable_parameters
-    from finetune.plan import architecture, count_params
+    from finetune.planner.counts import architecture, count_params
 
     net, cfg = lora(models[family])  # peft.dropout=0.05, the recipe's default: on the linear adapters only
     tuner = net.base_model
@@ -170,9 +172,10 @@ def test_the_router_loss_is_added_when_the_config_asks(models):
 
     from finetune.data.batches import collate
     from finetune.data.sources import load_rows
-    from finetune.data.tokenize import tokenize
+    from finetune.data.examples import tokenize
     from finetune.model import load_tokenizer
-    from finetune.objectives import SFT, router_loss
+    from finetune.methods.sft import SFT
+    from finetune.objectives import router_loss
 
     cfg = preflight(at(models["mixtral"]))
     model = AutoModelForCausalLM.from_pretrained(models["mixtral"], dtype=torch.float32).eval()
@@ -219,7 +222,7 @@ def test_qlora_leaves_the_experts_unquantized_and_the_planner_counts_their_bytes
     """bitsandbytes 4-bit quantizes nn.Linear layers only; a MoE's experts are 3-D parameters, so they stay
     fp32 (4 bytes each): the plan says so, and its weights are the bytes the model holds."""
     from finetune.model import apply_strategies, load_model, load_tokenizer
-    from finetune.plan import plan
+    from finetune.planner.peak import plan
 
     cfg = preflight([*at(models["qwen3_moe"]), "peft=qlora", "parallelism=single", "launcher.nproc_per_node=1"])
     tok = load_tokenizer(cfg.model)

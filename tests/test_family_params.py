@@ -1,4 +1,4 @@
-"""The planner counts every family's parameters exactly from its config.json (finetune/families.py),
+"""The planner counts every family's parameters exactly from its config.json (finetune/families/),
 LoRA's trainable parameters as PEFT does, and a hub model's published size from its recipe's
 model.architecture, offline."""
 
@@ -14,7 +14,7 @@ from conftest import REPO, run_cli
 from finetune.compose import preflight
 from finetune.config import ConfigError, ModelConfig
 from finetune.families import FAMILIES, arch_from_config
-from finetune.plan import architecture, count_params
+from finetune.planner.counts import architecture, count_params
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=100, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -109,14 +109,14 @@ def test_a_missing_key_is_named():
 def test_a_model_type_the_planner_cannot_count_is_refused_in_one_line(compose, tmp_path):
     """Never a Llama-style guess: a model_type outside COUNTED that transformers cannot build either (no causal LM of
     that type: a remote-code model) is refused, naming it (the dry run skips the plan)."""
-    from finetune.plan import plan
+    from finetune.planner.peak import plan
 
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps({**SMALL, "model_type": "newfam"}))
     cfg = compose(["+recipe=quickstart_sft", "model=pretrained", f"model.path={tmp_path / 'm'}"])
     with pytest.raises(ConfigError) as e:
         plan(cfg)
-    assert str(e.value) == (f"the planner cannot count model_type=newfam ({tmp_path / 'm' / 'config.json'}): finetune/families.py "
+    assert str(e.value) == (f"the planner cannot count model_type=newfam ({tmp_path / 'm' / 'config.json'}): finetune/families/records.py "
                             "has no record of its blocks (COUNTED: the decoders whose count tests/test_causal_lm_counts.py checks "
                             "against transformers' own build), and transformers has no causal language model of this model_type "
                             "to build it from; no memory plan can be made for it")
@@ -128,7 +128,7 @@ def test_a_multimodal_wrapper_is_counted_whole_not_as_its_text_model(compose, tm
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.plan import architecture
+    from finetune.planner.counts import architecture
 
     (tmp_path / "m").mkdir()
     text = {**SMALL, "model_type": "gemma3_text", "head_dim": 16}
@@ -191,7 +191,7 @@ def test_the_layout_is_checked_against_the_declared_architecture():
 
 
 def test_a_hub_id_without_architecture_is_refused_by_the_planner():
-    from finetune.plan import plan
+    from finetune.planner.peak import plan
 
     cfg = preflight(["+recipe=quickstart_sft", "model=pretrained", "model.path=org/some-model"])
     with pytest.raises(ConfigError) as e:

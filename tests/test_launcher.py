@@ -8,7 +8,7 @@ import sys
 import yaml
 
 from finetune import config
-from finetune.launcher import build
+from finetune.command import build
 
 from conftest import REPO, run_cli
 

@@ -17,7 +17,7 @@ from conftest import REPO, run_cli
 
 def real_examples(cfg):
     from finetune import model
-    from finetune.data.tokenize import load_split
+    from finetune.data.examples import load_split
 
     tokenizer = model.load_tokenizer(cfg.model)
     train, _, _ = load_split(cfg.data, tokenizer, cfg.train.seed, cfg.method.name)
@@ -29,7 +29,8 @@ def test_light_tokenizer_gives_the_ranks_token_ids(compose, overrides):
     """Chat template, response labels and truncation through finetune.data's code: identical ids."""
     from finetune import lengths
     from finetune.data.sources import load_rows
-    from finetune.data.tokenize import Pair, tokenize
+    from finetune.data.examples import tokenize
+    from finetune.data.tokenize import Pair
 
     cfg = compose(["+recipe=quickstart_sft", *overrides])
     train, _ = real_examples(cfg)

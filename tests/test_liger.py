@@ -161,7 +161,7 @@ def test_the_swapped_model_computes_the_same_loss_and_gradients(family_modules, 
     """Liger's RMSNorm, RoPE and SwiGLU against the family's own: one forward and backward of the quickstart's tiny
     Llama on CUDA, in fp32 and under bf16 autocast, the same weights."""
     from finetune import liger
-    from finetune.objectives import SFT
+    from finetune.methods.sft import SFT
 
     b = {k: v.cuda() for k, v in batch(vocab=100).items()}
     results = []

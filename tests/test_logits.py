@@ -56,14 +56,14 @@ def loss_and_grads(family: str, objective_of, chunk: int | None, b: dict) -> tup
 
 
 def sft(head):
-    from finetune.objectives import SFT
+    from finetune.methods.sft import SFT
     return SFT(head=head)
 
 
 def dpo(head):
     from finetune.config import MethodConfig
     from finetune.config import Method
-    from finetune.objectives import DPO
+    from finetune.methods.dpo import DPO
     return DPO(MethodConfig(name=Method.dpo, beta=0.1), head=head)
 
 
@@ -97,7 +97,7 @@ def test_only_one_chunk_of_logits_exists():
     head = ChunkedHead(model, 5)
     b = batch()
     labelled = int((b["labels"][:, 1:] != IGNORE).sum())
-    from finetune.objectives import SFT
+    from finetune.methods.sft import SFT
     SFT(head=head)(model, b)[0].backward()
     forward = [s for s in seen if len(s) == 2]
     assert [s[0] for s in forward[: len(forward) // 2]] == [5] * (labelled // 5) + ([labelled % 5] if labelled % 5 else [])
@@ -192,7 +192,7 @@ def test_the_fused_kernel_equals_the_full_logits(family, method, kernel):
 
 
 def test_planner_counts_one_chunk(compose):
-    from finetune.plan import plan
+    from finetune.planner.peak import plan
 
     full = plan(compose(["+recipe=quickstart_sft", "model.init.vocab_size=32000", "data.max_length=512"]))
     chunked = plan(compose(["+recipe=quickstart_sft", "model.init.vocab_size=32000", "data.max_length=512",

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from finetune import memory, plan
+from finetune import memory
+from finetune.planner.records import compare
 from finetune.config import MemoryReport
 
 from conftest import read_metrics, train_here
@@ -49,7 +50,7 @@ def test_the_default_measures_the_peak_without_memtracker(tmp_path, monkeypatch,
     assert (f"memory (rank 0, peak of the first steps): {record['mem_peak_rss_mib']:.1f} MiB resident (the whole process, since "
             f"the first step) | planned {expected:.1f} MiB ({planned['plan_peak_mib']:.1f} + 512 for the process); by category: "
             "train.memory_report=categories") in out
-    rows = plan.compare(tmp_path)  # what scripts/memory_report.py prints
+    rows = compare(tmp_path)  # what scripts/memory_report.py prints
     assert rows == [("peak+overhead", pytest.approx(expected), pytest.approx(record["mem_peak_rss_mib"]))]
 
 
@@ -69,14 +70,14 @@ def test_categories_still_measure_by_category(tmp_path, capsys):
     assert summary["memory"]["mem_peak_total_mib"] == record["mem_peak_total_mib"]
     planned = next(r for r in read_metrics(tmp_path) if r["kind"] == "plan")
     assert f"temp {record['mem_temp_mib']:.1f} MiB | planned {planned['plan_peak_mib']:.1f} MiB" in capsys.readouterr().out
-    assert [name for name, *_ in plan.compare(tmp_path)] == ["weights", "gradients", "optimizer", "activations", "peak"]
+    assert [name for name, *_ in compare(tmp_path)] == ["weights", "gradients", "optimizer", "activations", "peak"]
 
 
 def test_a_cuda_peak_record_is_compared_with_the_planned_peak(tmp_path):
     rows = [{"kind": "plan", "step": 0, "plan_peak_mib": 100.0, "plan_overhead_mib": 1024.0},
             {"kind": "memory", "step": 2, "mem_cuda_max_allocated_mib": 90.0, "mem_cuda_max_reserved_mib": 128.0}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert plan.compare(tmp_path) == [("peak", 100.0, 90.0)]
+    assert compare(tmp_path) == [("peak", 100.0, 90.0)]
     line = memory.PeakProbe.__new__(memory.PeakProbe)
     line.planned = rows[0]
     assert line.line(rows[1]) == ("memory (rank 0, peak of the first steps): 90.0 MiB allocated, 128.0 MiB reserved (CUDA) | "

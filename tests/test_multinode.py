@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from finetune.config import ConfigError
-from finetune.launcher import build
+from finetune.command import build
 
 from conftest import REPO, read_metrics, run_cli
 

@@ -18,7 +18,7 @@ import torch
 from finetune import engine
 from finetune.config import ConfigError
 from finetune.dist import Dist
-from finetune.launcher import deepspeed_config
+from finetune.command import deepspeed_config
 
 from conftest import REPO, read_metrics, run_cli, tiny_model, train_here
 
@@ -363,7 +363,8 @@ def test_bf16_states_are_planned_and_offered_on_sharded_layouts(compose):
     """The planner halves the optimizer's bytes; plan.suggest offers bf16 moments, 8-bit moments and factored
     statistics on every layout but DeepSpeed's, and neither bf16 moments nor the uncompensated optimizers under
     bf16_pure (whose moments are bf16 already)."""
-    from finetune.plan import moves, plan
+    from finetune.planner.peak import plan
+    from finetune.planner.suggest import moves
 
     for layout in (["parallelism=fsdp", "launcher.nproc_per_node=2"], ["parallelism=tp2", "launcher.nproc_per_node=2"],
                    ["parallelism=single", "launcher.nproc_per_node=1"]):
@@ -378,7 +379,7 @@ def test_bf16_states_are_planned_and_offered_on_sharded_layouts(compose):
     assert not any(o[0].startswith("optim") for o in offered if o)
 
 
-# Two gloo ranks: engine.sharded's optimizers over DTensor shards (rows as FSDP2 shards them, evenly and not,
+# Two gloo ranks: optimizers.sharded's optimizers over DTensor shards (rows as FSDP2 shards them, evenly and not,
 # columns as a row-wise TP linear does, a replicated vector, a 3-D stack) against the plain optimizers over the
 # whole tensors; prints one JSON line from rank 0.
 SHARDS = """
@@ -386,7 +387,7 @@ import copy, json, os, torch, torch.distributed as dist
 import bitsandbytes as bnb
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from finetune.engine.sharded import ShardedAdafactor, ShardedAdamW8bit
+from finetune.optimizers.sharded import ShardedAdafactor, ShardedAdamW8bit
 
 dist.init_process_group("gloo")
 mesh = init_device_mesh("cpu", (2,))
@@ -574,7 +575,7 @@ def test_dtensor_shards_beside_plain_tensors_step_in_the_loop(monkeypatch):
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
     from finetune.config import OptimKernel
-    from finetune.engine.common import kernel
+    from finetune.optimizers.kernels import kernel
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(29400 + os.getpid() % 500))

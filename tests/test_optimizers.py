@@ -1,4 +1,4 @@
-"""The optimizer records (finetune/optimizers.py): every record is read by the engine, the planner, the rules and the
+"""The optimizer records (finetune/optimizers/): every record is read by the engine, the planner, the rules and the
 launcher; a torch.optim class by name (optim.name=torch.optim.NAdam) is built from its signature, planned from its
 probed state_dict, trains like a plain torch loop, resumes, and is refused where it cannot run, in one line."""
 
@@ -14,8 +14,9 @@ import torch
 from finetune import engine, optimizers
 from finetune.config import ConfigError
 from finetune.dist import Dist
-from finetune.launcher import deepspeed_config
-from finetune.plan import plan, state_bytes
+from finetune.command import deepspeed_config
+from finetune.planner.counts import state_bytes
+from finetune.planner.peak import plan
 
 from conftest import read_metrics, tiny_model, train_here
 
@@ -61,6 +62,14 @@ def test_a_torch_class_is_built_with_the_keys_its_constructor_takes(compose, nam
     assert type(opt) is cls
     assert (opt.defaults["lr"], opt.defaults["betas"], opt.defaults["eps"]) == (2e-3, (0.8, 0.99), 1e-6)
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]  # no decay on biases and norm scales
+
+
+def test_the_probe_step_uses_the_optim_defaults():
+    """optimizers.PROBE_VALUES (what a torch class is probed with) are OptimConfig's defaults."""
+    from finetune.config import OptimConfig
+
+    o = OptimConfig()
+    assert optimizers.PROBE_VALUES == optimizers.ProbeValues(o.lr, tuple(o.betas), o.eps, o.momentum)
 
 
 def test_nadam_state_is_planned_as_its_state_dict_holds():

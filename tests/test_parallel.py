@@ -220,14 +220,16 @@ def test_memory_strategies_combine_with_layouts(tmp_path, tmp_path_factory, layo
     if single == "dpo":
         assert losses(tmp_path)[0] == pytest.approx(0.6931472, abs=1e-5)
     if layout[:2] == ["parallelism=fsdp", "peft=qlora"]:  # planned: 4-bit shards, constants whole, one 4-bit block gathered
-        from finetune import config, plan
+        from finetune import config
+        from finetune.planner.counts import architecture, fsdp_frozen_and_gathered
+        from finetune.planner.records import MIB
 
         rows = read_metrics(tmp_path)
         planned, measured = (next(r for r in rows if r["kind"] == kind) for kind in ("plan", "memory"))
         cfg = config.load(tmp_path / "config.yaml")
-        _, gathered = plan.fsdp_frozen_and_gathered(plan.architecture(cfg.model), cfg, 0.0, 4, 4)
+        _, gathered = fsdp_frozen_and_gathered(architecture(cfg.model), cfg, 0.0, 4, 4)
         # MemTracker's peak is the loss's backward, when no block is gathered: the shards alone
-        assert planned["plan_weights_mib"] - gathered / plan.MIB == pytest.approx(measured["mem_params_mib"], rel=0.05)
+        assert planned["plan_weights_mib"] - gathered / MIB == pytest.approx(measured["mem_params_mib"], rel=0.05)
         assert planned["plan_gradients_mib"] == pytest.approx(measured["mem_grads_mib"], rel=0.01)
         assert planned["plan_optimizer_mib"] == pytest.approx(measured["mem_optimizer_mib"], rel=0.01)
         assert planned["plan_peak_mib"] == pytest.approx(measured["mem_peak_total_mib"], rel=0.15)

@@ -1,4 +1,4 @@
-"""The memory planner (finetune/plan.py): docs/memory.md's formulas, DeepSpeed's estimators, speed, the CLI."""
+"""The memory planner (finetune/planner/): docs/memory.md's formulas, DeepSpeed's estimators, speed, the CLI."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 
 from conftest import REPO, last_line, run_cli
 from finetune.config import machine_ram_gib
-from finetune.plan import architecture, model_state_bytes_per_param, plan, zero_states
+from finetune.planner.counts import architecture, model_state_bytes_per_param, zero_states
+from finetune.planner.peak import plan
 
 LLAMA2_70B = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
               "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 32000, "tie_word_embeddings": False}
@@ -207,7 +208,7 @@ def measured_run(tmp_path: Path, *overrides: str, micro: int = 8, seq: int = 256
     """Two steps of a 3.2M-parameter Llama (h 256, i 768, 4 blocks) in this process; the run's own
     metrics.jsonl holds the plan and the measurement."""
     from conftest import train_here
-    from finetune.plan import compare
+    from finetune.planner.records import compare
 
     run = tmp_path / "run"
     train_here(["data=jsonl", f"data.train={long_rows(tmp_path)}", f"data.max_length={seq}", f"train.micro_batch_size={micro}",
@@ -267,7 +268,7 @@ def llama8b(tmp_path: Path) -> Path:
 
 
 def test_suggestions_fit_when_replanned_and_follow_memory_order(compose, llama8b):
-    from finetune.plan import suggest
+    from finetune.planner.suggest import suggest
 
     base = ["model=pretrained", f"model.path={llama8b}", "hardware=a100_80g", "parallelism=ddp", "launcher.nproc_per_node=8",
             "train.micro_batch_size=8", "train.global_batch_size=64", "data.max_length=4096"]
@@ -379,7 +380,7 @@ def test_block_activations_are_the_tensors_autograd_saves(compose, precision, pe
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from finetune.plan import block_activation_bytes
+    from finetune.planner.activations import block_activation_bytes
 
     cfg = compose(["model.init.hidden_size=256", "model.init.intermediate_size=768", f"precision={precision}",
                    f"model.attn_implementation={attention}", *peft])
@@ -408,8 +409,8 @@ def test_block_activations_are_the_tensors_autograd_saves(compose, precision, pe
 
 
 def test_plan_help_prints_the_usage(capsys):
-    from finetune import plan as planner
+    from finetune.planner import cli
 
-    assert planner.main(["--help"]) == 0
+    assert cli.main(["--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("Memory planner: per-rank bytes of a composed config, before anything starts.\n\n    python -m finetune.plan ")

@@ -90,11 +90,14 @@ def measure(directory: Path, cfg, kind: str) -> dict[str, tuple[float, float]]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune import model, objectives
+    from finetune import model
+    from finetune.methods.sft import SFT
     from finetune.dist import Dist
     from finetune.engine.torch_engine import TorchEngine
     from finetune.memory import MemoryProbe
-    from finetune.plan import COMPARED, MIB, Longest, plan
+    from finetune.lengths import Longest
+    from finetune.planner.peak import plan
+    from finetune.planner.records import COMPARED, MIB
 
     torch.manual_seed(0)
     net = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory), dtype=torch.float32,
@@ -103,7 +106,7 @@ def measure(directory: Path, cfg, kind: str) -> dict[str, tuple[float, float]]:
     dist = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     engine = TorchEngine(net, optim=cfg.optim, precision=cfg.precision, max_steps=2, strategy=cfg.parallelism.strategy, dist=dist)
     probe = MemoryProbe(*engine.memory_targets(), dist.device)
-    sft, steps = objectives.SFT(), batches(kind)
+    sft, steps = SFT(), batches(kind)
     for batch in steps:
         with probe.track():
             engine.train_step([batch], sft, sft.count(batch))
@@ -184,7 +187,8 @@ def test_block_saves_what_autograd_saves(family, precision, peft, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from finetune import model
-    from finetune.plan import architecture, block_activation_bytes
+    from finetune.planner.activations import block_activation_bytes
+    from finetune.planner.counts import architecture
 
     directory = model_dir(family, tmp_path)
     cfg = case_config(configs(directory, family)[peft], precision, "none", "padded")

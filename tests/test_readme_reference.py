@@ -1,7 +1,7 @@
 """README.md's config reference lists every field of the schema, and nothing else, as generated.
 
 The key list is walked here from the dataclasses independently of the generator, so a field the
-generator skipped would show up as missing. A field added to config.py (or a changed default,
+generator skipped would show up as missing. A field added to finetune/config/ (or a changed default,
 constraint or docstring) fails until `python scripts/config_reference.py --write README.md` is run.
 """
 

@@ -127,10 +127,10 @@ class NanAt:
 
 @pytest.mark.parametrize("mode", ["stop", "skip"])
 def test_a_nan_step_stops_naming_the_step_or_is_skipped(mode, tmp_path, monkeypatch):
-    from finetune import loop, objectives
+    from finetune import loop, train
 
-    build = objectives.build
-    monkeypatch.setattr(objectives, "build", lambda *a, **k: NanAt(build(*a, **k), step=3))
+    build = train.build_objective
+    monkeypatch.setattr(train, "build_objective", lambda *a, **k: NanAt(build(*a, **k), step=3))
     weights = {}
     export = "finetune.engine.torch_engine.TorchEngine.export"
     if mode == "stop":

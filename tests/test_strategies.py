@@ -18,10 +18,10 @@ from finetune.config import ASSETS, ConfigError, DataConfig, OptimConfig, Precis
 from finetune.data.batches import collate
 from finetune.data.pack import pack
 from finetune.data.sources import load_rows
-from finetune.data.tokenize import tokenize
+from finetune.data.examples import tokenize
 from finetune.dist import Dist
 from finetune.engine.torch_engine import TorchEngine
-from finetune.objectives import SFT
+from finetune.methods.sft import SFT
 
 from conftest import REPO, read_metrics, run_cli, tiny_model, train_here
 

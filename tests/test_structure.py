@@ -246,7 +246,7 @@ def test_heads_that_do_not_divide_hidden_size_pass_where_the_family_takes_head_d
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.plan import architecture
+    from finetune.planner.counts import architecture
 
     keys = dict(hidden_size=100, num_attention_heads=6, num_key_value_heads=2, head_dim=16)
     cfg = preflight(["+recipe=quickstart_sft", "model=pretrained", f"model.path={config_dir(tmp_path / 'm', model_type, keys)}"])

@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from conftest import read_metrics, train_here
-from finetune import objectives, varlen
-from finetune.config import ConfigError, MethodConfig
+from finetune import varlen
+from finetune.config import ConfigError
 from finetune.data.batches import IGNORE, TrainBatches, collate
 from finetune.data.pack import pack
 from finetune.data.tokenize import Example
 from finetune.families import FAMILIES
+from finetune.methods.sft import SFT
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=256, vocab_size=101, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -140,7 +141,7 @@ def examples(prompted: bool) -> list[Example]:
 def test_a_padding_free_micro_batch_has_the_padded_loss(prompted):
     model = build("llama", "sdpa")
     varlen.Varlen(model)
-    sft = objectives.build(MethodConfig())
+    sft = SFT()
     rows = examples(prompted)
     padded, flat = collate(rows, pad_id=0), collate(rows, pad_id=0, flat=True)
     assert flat["input_ids"].shape == (1, sum(LENGTHS)) and int(flat["real_tokens"].sum()) == int(padded["real_tokens"].sum())

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
-from finetune.data.tokenize import IGNORE, Example, rows_of
+from finetune.data.tokenize import IGNORE, Example
 
 if TYPE_CHECKING:
     import torch
@@ -134,8 +134,10 @@ def shard(items: list[Any], rank: int, world: int) -> list[Any]:
 
 
 def for_generation(examples: list[Any]) -> list[Example]:
-    """What exact match generates from: the example's first row (a pair's chosen response); text rows have no prompt."""
-    return [e for e in (rows_of(e)[0] for e in examples) if e.prompt_len > 0]  # not text rows
+    """What exact match generates from: the example, or an item's target (a pair's chosen response; KTO's desirable
+    rows only); text rows have no prompt."""
+    targets = (e if isinstance(e, Example) else e.target for e in examples)
+    return [e for e in targets if e is not None and e.prompt_len > 0]  # not text rows
 
 
 def eval_batches(examples: list[Any], batch_size: int, pad_id: int) -> Iterator[dict[str, torch.Tensor]]:

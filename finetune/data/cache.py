@@ -42,7 +42,8 @@ from finetune import methods
 from finetune.config import ConfigError, DataConfig, Method
 from finetune.data.pack import first_fit
 from finetune.data.sources import Rows, fingerprint, samples_rows, split_rows
-from finetune.data.tokenize import IGNORE, Example, Stats, rows_of, tokenize_row, uses_chat_template
+from finetune.data.examples import tokenize_row
+from finetune.data.tokenize import IGNORE, Example, Stats, rows_of, uses_chat_template
 
 if TYPE_CHECKING:
     import datasets

@@ -1,6 +1,6 @@
 """Row forms -> conversations (SFT), preference pairs (DPO) or text, with no heavy imports: the launcher
-converts every row of the local data files with it before any rank starts (`check`), so a malformed row
-is one line naming file and line.
+converts every row of the local data files with it before any rank starts (finetune.data.examples.check),
+so a malformed row is one line naming file and line.
 
 SFT rows come in the forms people's datasets have, told apart by their keys (data.format=auto) or named:
 alpaca (`instruction`, optional `input`, `output`); chat (`messages`: a list of `{role, content}`
@@ -19,8 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from finetune.config import ConfigError, DataConfig, DataFormat, Method
-from finetune.data.sources import all_sources, local_rows
+from finetune.config import ConfigError, DataFormat
 
 ROLES = ("system", "user", "assistant")
 
@@ -70,6 +69,9 @@ def to_messages(row: dict[str, Any], fmt: DataFormat, system_prompt: str | None,
                           "add method=dpo, or use alpaca/chat rows for method=sft")
     if fmt == DataFormat.text:
         raise ConfigError(f"{where}: a text row has no prompt or response (it is tokenized whole): data.tokenize reads it")
+    if isinstance(row.get("label"), bool):
+        raise ConfigError(f"{where}: this row's response is labelled (label: {str(row['label']).lower()}), which trains with "
+                          "method=kto (a false one would be learned as a right answer): add method=kto, or remove the labels")
     if fmt == DataFormat.sharegpt:
         return to_messages({"messages": sharegpt_messages(row, where)}, DataFormat.chat, system_prompt, where)
     if fmt == DataFormat.completion:
@@ -138,6 +140,26 @@ def to_pair(row: dict[str, Any], system_prompt: str | None, where: str, method: 
     return _with_system(prompt, system_prompt), chosen, rejected
 
 
+def to_labelled(row: dict[str, Any], data: DataConfig, where: str, method: str) -> list[tuple[list[dict[str, str]], bool]]:
+    """An unpaired row -> [(conversation ending with the response, whether the response is desirable)]: any SFT form
+    with a boolean `label` (TRL's unpaired preference rows: `prompt` and `completion` as text or as messages); a
+    preference pair counts as one desirable and one undesirable row (chosen, rejected). `method`: the method that
+    reads them, as the refusal names it."""
+    if form_of(row, data.format, where) == DataFormat.preference:
+        prompt, chosen, rejected = to_pair(row, data.system_prompt, where, method)
+        return [([*prompt, {"role": "assistant", "content": text}], good) for text, good in ((chosen, True), (rejected, False))]
+    label = row.get("label")
+    if not isinstance(label, bool):
+        raise ConfigError(f"{where}: method={method} needs each row labelled: 'label' true (a desirable response) or false (an "
+                          f"undesirable one), got {label!r}; or give preference pairs (chosen, rejected)")
+    if isinstance(row.get("prompt"), list):  # conversational: the prompt as messages, the completion text or one message
+        prompt = _messages(row["prompt"], where, "prompt")
+        _has_prompt(prompt, where)
+        response = _text(_response(row.get("completion"), where, "completion"), where, "'completion'")
+        return [(_with_system([*prompt, {"role": "assistant", "content": response}], data.system_prompt), label)]
+    return [(to_messages({k: v for k, v in row.items() if k != "label"}, data.format, data.system_prompt, where), label)]
+
+
 FIX = "fix the row or remove it"
 
 
@@ -196,19 +218,3 @@ def _with_system(messages: list[dict[str, str]], system_prompt: str | None) -> l
     if system_prompt and messages[0]["role"] != "system":
         return [{"role": "system", "content": system_prompt}, *messages]
     return messages
-
-
-def check(cfg: DataConfig, method: Method | str) -> None:
-    """Read every local data file and convert every row; raises ConfigError at the first bad one.
-
-    A local directory is only checked to hold a dataset; its rows, and hub datasets, are checked by
-    the ranks (that needs `datasets`). A streamed data.train is only checked to exist: reading it
-    whole is what streaming avoids (the ranks name a bad row when the stream reaches it). Each row is
-    converted as `method` reads it (its finetune.methods record's `check_row`)."""
-    from finetune.methods import get  # here, not at the top: the methods build on this module
-
-    check_row = get(method).check_row
-    for s in all_sources(cfg):
-        rows = local_rows(s, streamed=cfg.streaming and s.key.startswith("data.train"))
-        for i, row in enumerate(rows.rows if rows is not None else []):
-            check_row(row, cfg, rows.where(i))

@@ -33,7 +33,8 @@ from finetune.config import ConfigError, DataConfig, Method
 from finetune.data.batches import collate
 from finetune.data.pack import pack
 from finetune.data.sources import first_rows, load_sources, one_pass, parse_row, sources
-from finetune.data.tokenize import Stats, tokenize, tokenize_row, uses_chat_template
+from finetune.data.examples import tokenize, tokenize_row
+from finetune.data.tokenize import Stats, uses_chat_template
 
 BUFFER = 10_000  # data.shuffle_buffer's default
 PACK_WINDOW = 1_000  # rows whose examples are packed together (first fit over a thousand samples already fills rows well)

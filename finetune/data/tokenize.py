@@ -9,10 +9,8 @@ Preference rows (DPO) become a `Pair` of two examples, prompt + chosen and promp
 through the same templates; only the final response carries labels. A pair's batch is its chosen rows
 followed by its rejected rows, so one forward scores both.
 
-`tokenize_row` is the one place a row becomes examples: in memory (`tokenize`), in the token cache's
-workers (finetune.data.cache) and in a stream's worker (finetune.data.stream). Which of these a row becomes
-is the method's `encode` (finetune.methods), built from the helpers here (`encode`, `encode_pair`,
-`encode_text`, `fit`).
+Which of these a row becomes is the method's `encode` (finetune.methods), built from the helpers here
+(`encode`, `encode_pair`, `encode_text`, `fit`); finetune.data.examples calls it (`tokenize_row`).
 """
 
 from __future__ import annotations
@@ -20,8 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.config import ConfigError, DataConfig, LongPrompt, Method, Template
-from finetune.data.sources import Rows, split_rows
+from finetune.config import ConfigError, DataConfig, LongPrompt, Template
 
 IGNORE = -100  # label of tokens that carry no loss (prompt, padding)
 
@@ -89,6 +86,10 @@ class Pair:
     def rows(self) -> tuple[Example, Example]:
         """Its rows in batch order (finetune.methods.base.Item): a batch of pairs is B chosen rows, then B rejected."""
         return self.chosen, self.rejected
+
+    @property
+    def target(self) -> Example:
+        return self.chosen
 
     def values(self) -> dict[str, tuple[float, ...]]:
         return {"reference_logps": self.reference} if self.reference is not None else {}
@@ -175,13 +176,6 @@ class Encoded:
     split: bool = False  # a text row longer than max_length, in several pieces
 
 
-def tokenize_row(row: dict[str, Any], where: str, tokenizer: Any, cfg: DataConfig, method: Method | str, chat: bool) -> Encoded:
-    """One row -> its examples no longer than cfg.max_length (see `tokenize`): the method's `encode`."""
-    from finetune.methods import get  # here, not at the top: the methods build on this module
-
-    return get(method).encode(row, where, tokenizer, cfg, chat)
-
-
 def fit(item: Any, cfg: DataConfig, where: str) -> Encoded:
     """An example of prompt + response rows (all sharing one prompt), cut to cfg.max_length: each row's response
     cut at the end (the prompt, and the boundary, never lost), or the example dropped (or refused, per
@@ -200,30 +194,3 @@ def fit(item: Any, cfg: DataConfig, where: str) -> Encoded:
         for ex in parts:
             ex.input_ids, ex.labels = ex.input_ids[: cfg.max_length], ex.labels[: cfg.max_length]
     return Encoded([item], truncated=truncated)
-
-
-def tokenize(rows: Rows, tokenizer: Any, cfg: DataConfig, key: str, method: Method | str = Method.sft) -> tuple[list[Any], Stats]:
-    """Rows -> examples (or preference pairs) no longer than cfg.max_length, with truncation counted.
-
-    A pair keeps its prompt whole and cuts each response at the end, so the prompt/response
-    boundary (and the prompt both responses share) is never lost."""
-    chat = uses_chat_template(tokenizer, cfg.template)
-    stats = Stats(rows=len(rows.rows), sources=rows.note)
-    out: list[Any] = []
-    for i, row in enumerate(rows.rows):
-        encoded = tokenize_row(row, rows.where(i), tokenizer, cfg, method, chat)
-        stats.count(encoded)
-        out += encoded.items
-    stats.check(key, rows.source, cfg.max_length, bool(out))
-    return out, stats
-
-
-def load_split(cfg: DataConfig, tokenizer: Any, seed: int, method: Method | str = Method.sft) -> tuple[list[Any], list[Any], dict[str, Stats]]:
-    """The train and eval examples (pairs for DPO), per the data config, with their counts, in memory."""
-    train_rows, eval_rows = split_rows(cfg, seed)
-    train, train_stats = tokenize(train_rows, tokenizer, cfg, "data.train", method)
-    stats = {"train": train_stats}
-    evals: list[Any] = []
-    if eval_rows is not None:
-        evals, stats["eval"] = tokenize(eval_rows, tokenizer, cfg, "data.eval", method)
-    return train, evals, stats

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from finetune import optimizers
-from finetune.config import ConfigError, OptimConfig, OptimKernel, Scheduler, StateDtype
+from finetune.config import ConfigError, OptimConfig, Scheduler, StateDtype
+from finetune.optimizers.kernels import closure_loss
 
 
 @contextlib.contextmanager
@@ -60,18 +60,18 @@ def add_metrics(total: dict[str, float], sums: dict[str, Any]) -> None:
 
 def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, kahan: bool | None = None,
                     drop_empty: bool = False) -> torch.optim.Optimizer:
-    """The torch optimizer `optim.name` names (its record's builder, finetune/optimizers.py), over `param_groups`
+    """The torch optimizer `optim.name` names (its record's builder, finetune/optimizers/), over `param_groups`
     (no decay on 1-D tensors).
 
     adamw: decoupled weight decay. adam: torch's Adam adds weight_decay * w to the gradient (L2
     regularisation, scaled by Adam's normalisation), a different regulariser at the same number.
     sgd: optim.momentum 0 keeps no state, > 0 one momentum buffer per parameter; betas/eps unused.
     adamw_8bit: bitsandbytes' AdamW8bit (runs on CPU too). adafactor: torch's, decoupled weight decay. Over DTensor
-    shards (FSDP2, TP) both are engine.sharded's versions: the same updates, each rank stepping its shard.
+    shards (FSDP2, TP) both are optimizers.sharded's versions: the same updates, each rank stepping its shard.
     A torch.optim class by name: built with the optim.* keys its constructor takes.
     optim.state_dtype=bf16 (adam/adamw over fp32 weights): `LowPrecisionAdam`, the same update with the
     moments stored in bf16.
-    (The DeepSpeed engine builds the same optimizers from `launcher.deepspeed_config`.)
+    (The DeepSpeed engine builds the same optimizers from `command.deepspeed_config`.)
 
     drop_empty: leave out a parameter group with no parameters (the mesh engine's checkpoints need it).
     kahan (precision=bf16_pure, bf16 parameters): not None selects optimi's class of the record (`pure`), the same
@@ -91,34 +91,6 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, kahan: b
     if cfg.state_dtype == StateDtype.bf16 and rec.moments:
         return LowPrecisionAdam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, decoupled=rec.decoupled)
     return rec.build(groups, cfg, params)
-
-
-FUSED_DEVICES = ("cpu", "cuda")
-"""Where torch's fused AdamW/Adam/SGD run (torch.optim's _get_fused_kernels_supported_devices, less the rarer ones)."""
-
-
-def kernel(choice: OptimKernel, params: list[torch.nn.Parameter]) -> dict[str, bool]:
-    """torch.optim's keyword for optim.kernel: fused, foreach, or neither (the loop); auto: fused where every
-    parameter is on a CPU or CUDA device, all DTensor shards or none, else torch's default ({}); the loop where
-    both kinds are (tensor parallel leaves what it does not split plain tensors, and a fused or foreach call
-    takes one kind only)."""
-    mixed = len({isinstance(p, DTensor) for p in params}) > 1
-    if choice == OptimKernel.auto:
-        if mixed:  # torch's own default may pick foreach on CUDA
-            return {"foreach": False}
-        return {"fused": True} if params and all(p.device.type in FUSED_DEVICES for p in params) else {}
-    if mixed and choice != OptimKernel.loop:
-        raise ConfigError(f"optim.kernel={choice.value}: some parameters are DTensor shards (tensor parallel) and some plain "
-                          "tensors, and one fused or foreach call takes one kind: use optim.kernel=auto or loop")
-    return {OptimKernel.fused: {"fused": True}, OptimKernel.foreach: {"foreach": True}, OptimKernel.loop: {"foreach": False}}[choice]
-
-
-def closure_loss(closure: Any) -> Any:
-    """An optimizer step's closure, called with gradients on (torch.optim's contract), or None."""
-    if closure is None:
-        return None
-    with torch.enable_grad():
-        return closure()
 
 
 class LowPrecisionAdam(torch.optim.Optimizer):

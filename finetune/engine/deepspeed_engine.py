@@ -1,6 +1,6 @@
 """The DeepSpeed engine: ZeRO stages 0-3, CPU/NVMe offload, DeepSpeed's fp16 scaler / bf16.
 
-The JSON comes from `launcher.deepspeed_config` (the same pure function the launcher wrote
+The JSON comes from `command.deepspeed_config` (the same pure function the launcher wrote
 RUN_DIR/deepspeed.json with); the learning-rate schedule is the torch engine's, handed to
 DeepSpeed as a client scheduler so both engines follow the same curve.
 """
@@ -15,12 +15,14 @@ import torch
 from finetune.config import Config, ConfigError, Precision
 from finetune.dist import Dist
 from finetune.engine.common import StepResult, add_metrics, build_scheduler, param_groups
-from finetune.launcher import deepspeed_config
+from finetune.command import deepspeed_config
 
 Objective = Callable[[Any, dict[str, torch.Tensor]], Any]
 
 
 class DeepSpeedEngine:
+    """finetune.engine.base.Engine on DeepSpeed ZeRO stages 0-3."""
+
     owner = True  # every rank's data and loss count in global sums
     def __init__(self, model: torch.nn.Module, *, cfg: Config, dist: Dist) -> None:
         import deepspeed

@@ -47,6 +47,8 @@ FLAT = _flat()
 
 
 class MeshEngine:
+    """finetune.engine.base.Engine on a DeviceMesh (FSDP2, tensor, pipeline and context parallel)."""
+
     def __init__(self, model: nn.Module, *, cfg: Config, dist: Dist) -> None:
         p = cfg.parallelism
         self.dist, self.cfg = dist, cfg

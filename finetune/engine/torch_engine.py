@@ -22,6 +22,8 @@ STATE_FILE = "state.pt"
 
 
 class TorchEngine:
+    """finetune.engine.base.Engine on one module (DDP for data parallel)."""
+
     lockstep = False  # each rank holds the whole model: ranks may run different numbers of forwards
     owner = True  # every rank's data and loss count in global sums (no model-parallel copies)
 

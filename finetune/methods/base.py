@@ -1,5 +1,5 @@
 """The interface every training method implements: what the data, the loop, the planner and the rules ask
-of it. One module per method (finetune/methods/sft.py, dpo.py) holds one record, `METHOD`, listed in the
+of it. One module per method (finetune/methods/sft.py, dpo.py, reward.py) holds one record, `METHOD`, listed in the
 registry (finetune/methods/__init__.py); nothing outside finetune/methods/ branches on the method's name.
 
 The record is read on both sides of the launch. The launcher side (rules, planner, data checks, the
@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 
 Output = tuple["torch.Tensor", dict[str, "torch.Tensor"]]  # (summed loss, summed metrics): what an objective returns
 
+CAUSAL_LM, SCORED = "AutoModelForCausalLM", "AutoModelForSequenceClassification"
+"""The `model_class` values: token logits (lm_head), or one score per row (a score head of hidden x 1)."""
+
 
 class Item(Protocol):
     """An example other than one plain row: its rows (a preference pair's two; a KTO row with its label) and the
@@ -33,6 +36,10 @@ class Item(Protocol):
     @property
     def rows(self) -> tuple[Example, ...]:
         """Its rows in batch order (a pair: chosen, rejected)."""
+
+    @property
+    def target(self) -> Example | None:
+        """The row exact match generates from and compares with (a pair's chosen), or None (KTO's undesirable rows)."""
 
     def values(self) -> dict[str, tuple[float, ...]]:
         """Numbers that travel in the batch beside its rows, one per row, as float64 tensors in row order (DPO's
@@ -74,11 +81,12 @@ class Method(Protocol):
     """What one example is called in messages ("pair"): "reference: log-probs of 4 train pairs"."""
 
     columns: tuple[str, ...]
-    """The token cache's column prefix of each of an example's rows, in batch order: ("",) for an example of one
-    row (columns input_ids, labels...); DPO ("chosen_", "rejected_"). Its length is `rows_per_example`."""
+    """The token cache's column prefix of each of an example's rows it keeps, in batch order: ("",) for an example of
+    one row (columns input_ids, labels...); DPO ("chosen_", "rejected_"). The first `len(columns)` of its rows."""
 
     rows_per_example: int
-    """Rows one example puts in a batch: the planner counts micro_batch_size x this many rows of activations."""
+    """Rows one example puts in a batch (its cached rows and those `settle` adds: KTO's mismatched row): the planner
+    counts micro_batch_size x this many rows of activations."""
 
     unpacked: str | None
     """None: its examples may be packed (data.packing) and laid end to end (data.padding_free). Else why not,
@@ -97,6 +105,11 @@ class Method(Protocol):
     """Its examples carry values computed on the ranks (a precomputed reference's log-probs): the token cache's
     rows are then read into objects once, not row by row from the memory map."""
 
+    model_class: str
+    """The transformers Auto class the ranks build the trained model with (finetune.model.load_model), which
+    also loads its final/: "AutoModelForCausalLM" (token logits: SFT, DPO) or "AutoModelForSequenceClassification"
+    (one score per row, num_labels=1, pooled at the last non-pad token: a reward model)."""
+
     def check_row(self, row: dict[str, Any], data: DataConfig, where: str) -> None:
         """Convert one raw row as `encode` would, without a tokenizer (the launcher checks every local row before
         a rank starts): raise ConfigError naming `where` for a malformed row."""
@@ -108,6 +121,11 @@ class Method(Protocol):
 
     def join(self, rows: list[Example], scalars: dict[str, float]) -> Any:
         """The example made of these rows (one per `columns` entry) and `scalars`, as the token cache reads it back."""
+
+    def settle(self, examples: list[Any], data: DataConfig, key: str) -> list[Any]:
+        """A split's examples once all are read on a rank, before the reference is computed (KTO: each example's
+        mismatched row, another example's response after its prompt); `key` names the split (data.train) in a
+        refusal. Most methods return them as they are."""
 
     def reference(self, cfg: MethodConfig) -> Reference | None:
         """How the reference log-probs its loss needs are computed (finetune.reference: precomputed, live,

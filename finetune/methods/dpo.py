@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from finetune.config import Config, ConfigError, DataConfig, DataFormat, DpoLoss, MethodConfig, PeftMethod, Reference, unused
 from finetune.data.forms import to_pair
 from finetune.data.tokenize import IGNORE, Encoded, Example, Pair, encode_pair, fit
-from finetune.methods.base import Output
+from finetune.methods.base import CAUSAL_LM, Output
 
 if TYPE_CHECKING:
     import torch
@@ -34,6 +34,7 @@ class Dpo:
                     "slice of the tokens; use parallelism.cp=1 (with checkpointing=full and logits=chunked for long pairs)")
     scalars = ()
     attached = True  # a precomputed reference's log-probs are attached to each pair on the ranks
+    model_class = CAUSAL_LM
 
     def check_row(self, row: dict[str, Any], data: DataConfig, where: str) -> None:
         to_pair(row, data.system_prompt, where, self.name)
@@ -49,41 +50,53 @@ class Dpo:
 
     def validate(self, cfg: Config) -> None:
         m = cfg.method
+        unused(m, "method", ("name", "loss", "beta", "gamma", "label_smoothing", "sft_weight", "reference"),
+               "with method=dpo (another method's key)")
         if m.loss == DpoLoss.simpo:
             unused(m, "method", ("name", "loss", "beta", "gamma", "label_smoothing", "sft_weight"), "with method.loss=simpo (reference-free)")
         else:
             unused(m, "method", tuple(f.name for f in fields(m) if f.name != "gamma"), f"with method.loss={m.loss.value} (only with simpo)")
         if m.loss in (DpoLoss.ipo, DpoLoss.hinge) and m.label_smoothing:
             raise ConfigError(f"method.label_smoothing={m.label_smoothing} applies to method.loss=sigmoid or simpo, not {m.loss.value}")
-        if m.reference == Reference.adapter_disabled and cfg.peft.name == PeftMethod.none:
-            raise ConfigError("method.reference=adapter_disabled uses the base model under a PEFT adapter: add peft=lora (or qlora/dora), "
-                              "or use method.reference=precomputed")
+        check_reference(cfg)
         if cfg.data.packing:
             raise ConfigError("data.packing=true is not supported with method=dpo (chosen and rejected are scored as separate rows): "
                               "set data.packing=false")
         if cfg.data.format not in (DataFormat.auto, DataFormat.preference):
             raise ConfigError(f"method=dpo trains on preference pairs: data.format={cfg.data.format.value} must be preference or auto")
 
+    def settle(self, examples: list[Any], data: DataConfig, key: str) -> list[Any]:
+        return examples
+
     def objective(self, cfg: MethodConfig, reference: Any, router: Any, head: Any) -> DPO:
         return DPO(cfg, reference, router, head)
+
+
+def check_reference(cfg: Config) -> None:
+    """A reference the config cannot give, refused (the methods that compare with one call it)."""
+    if cfg.method.reference == Reference.adapter_disabled and cfg.peft.name == PeftMethod.none:
+        raise ConfigError("method.reference=adapter_disabled uses the base model under a PEFT adapter: add peft=lora (or qlora/dora), "
+                          "or use method.reference=precomputed")
 
 
 METHOD = Dpo()
 
 
-class DPO:
-    """A DPO-family loss on preference pairs; a batch holds B chosen rows, then B rejected rows.
+class PairLoss:
+    """A loss on preference pairs (DPO's family, ORPO); a batch holds B chosen rows, then B rejected rows.
 
-    Policy log-probs of both responses come from one concatenated forward. Reference log-probs
-    come from the batch (`reference_logps`, precomputed before training), or from `reference`
-    (a live frozen model, or the policy with its adapter disabled), or are not needed (simpo).
-    torch and finetune.objectives are imported where they are used: the launcher reads this module's record.
+    Policy log-probs of both responses come from one concatenated forward. Reference log-probs, when the method
+    needs them (`referenced`), come from the batch (`reference_logps`, precomputed before training), or from
+    `reference` (a live frozen model, or the policy with its adapter disabled). A subclass says what the pair's
+    loss is (`pairs`) and names its metrics. torch and finetune.objectives are imported where they are used: the
+    launcher reads the methods' records.
     """
 
-    def __init__(self, cfg: MethodConfig, reference: Any = None, router: Any = None, head: Any = None) -> None:
-        self.cfg, self.reference, self.router, self.head = cfg, reference, router, head
-        self.metrics = ("logps/chosen", "logps/rejected", "rewards/accuracy", "rewards/chosen", "rewards/margin",
-                        "rewards/rejected") + ((router.metric,) if router else ())
+    metric_names: tuple[str, ...] = ()
+
+    def __init__(self, cfg: MethodConfig, reference: Any = None, router: Any = None, head: Any = None, referenced: bool = True) -> None:
+        self.cfg, self.reference, self.router, self.head, self.referenced = cfg, reference, router, head, referenced
+        self.metrics = self.metric_names + ((router.metric,) if router else ())
 
     def count(self, batch: dict[str, torch.Tensor]) -> int:
         return batch["input_ids"].shape[0] // 2
@@ -94,9 +107,9 @@ class DPO:
         from finetune.objectives import forward_aux, tie
 
         reference = None  # precomputed ones travel in the batch: `loss` reads them there
-        if self.cfg.loss != DpoLoss.simpo and "reference_logps" not in batch:
+        if self.referenced and "reference_logps" not in batch:
             if self.reference is None:
-                raise RuntimeError("DPO needs reference log-probs: precompute them or give a reference model")
+                raise RuntimeError(f"method={self.cfg.name.value} needs reference log-probs: precompute them or give a reference model")
             with torch.no_grad():  # before the policy's forward: nothing of it is kept for backward
                 reference = self.reference(model, batch).float()
         if self.head is not None:  # logits=chunked: the output layer leaves the label log-probs
@@ -122,8 +135,21 @@ class DPO:
         return self.pairs(logps, (batch["labels"][:, 1:] != IGNORE).sum(-1), batch, None)
 
     def pairs(self, logps: torch.Tensor, lengths: torch.Tensor, batch: dict[str, torch.Tensor], reference: torch.Tensor | None) -> Output:
-        """The loss from each row's summed response log-probs and lengths (chosen rows, then rejected)."""
-        if reference is None and self.cfg.loss != DpoLoss.simpo:
+        """(summed loss, summed metrics) from each row's summed response log-probs and lengths (chosen rows, then
+        rejected) and, when `referenced`, the reference's (None: in the batch)."""
+        raise NotImplementedError
+
+
+class DPO(PairLoss):
+    """A DPO-family loss (method.loss) on preference pairs."""
+
+    metric_names = ("logps/chosen", "logps/rejected", "rewards/accuracy", "rewards/chosen", "rewards/margin", "rewards/rejected")
+
+    def __init__(self, cfg: MethodConfig, reference: Any = None, router: Any = None, head: Any = None) -> None:
+        super().__init__(cfg, reference, router, head, referenced=cfg.loss != DpoLoss.simpo)
+
+    def pairs(self, logps: torch.Tensor, lengths: torch.Tensor, batch: dict[str, torch.Tensor], reference: torch.Tensor | None) -> Output:
+        if reference is None and self.referenced:
             reference = batch["reference_logps"].float()
         chosen, rejected = logps.chunk(2)
         n_chosen, n_rejected = lengths.chunk(2)

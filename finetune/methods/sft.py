@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from finetune.config import Config, ConfigError, DataConfig, DataFormat, MethodConfig, Reference, unused
 from finetune.data.forms import form_of, text_of, to_messages
 from finetune.data.tokenize import IGNORE, Encoded, Example, encode, encode_text, fit
-from finetune.methods.base import Output
+from finetune.methods.base import CAUSAL_LM, Output
 
 if TYPE_CHECKING:
     import torch
@@ -30,6 +30,7 @@ class Sft:
     split_tokens = None
     scalars = ()
     attached = False
+    model_class = CAUSAL_LM
 
     def check_row(self, row: dict[str, Any], data: DataConfig, where: str) -> None:
         if form_of(row, data.format, where) == DataFormat.text:
@@ -46,11 +47,14 @@ class Sft:
     def join(self, rows: list[Example], scalars: dict[str, float]) -> Example:
         return rows[0]
 
+    def settle(self, examples: list[Any], data: DataConfig, key: str) -> list[Any]:
+        return examples
+
     def reference(self, cfg: MethodConfig) -> Reference | None:
         return None
 
     def validate(self, cfg: Config) -> None:
-        unused(cfg.method, "method", ("name",), "with method=sft (DPO settings)")
+        unused(cfg.method, "method", ("name",), "with method=sft (another method's key)")
         if cfg.data.format == DataFormat.preference:
             raise ConfigError("data.format=preference holds (prompt, chosen, rejected) pairs for method=dpo; method=sft needs alpaca or chat rows")
 

@@ -1,164 +1,22 @@
-"""The typed config: one dataclass per group, registered in Hydra's ConfigStore, plus the
-cross-group rules that no single group can check.
-
-Every group YAML starts with `defaults: [base_<group>]`, so a typo (`optim.lrr=...`) or a wrong
-type (`optim.lr=fast`) fails when Hydra composes, naming the key. `validate` then checks what
-spans groups (batch sizes vs. launch size, options that need each other) and raises
-`ConfigError` with one line that names the keys and says what to do.
-
-This module imports no torch: the launcher and a dry run stay instant.
+"""The config groups' options and dataclasses: the enumerations a field takes (each spelled as users type it), and
+one dataclass per group (model, data, method, precision, checkpointing, logits, zero, parallelism, peft, optim,
+launcher, plan, hardware), each field's constraint declared beside it and its docstring under it. The run's own
+group (train) and the root `Config` are in finetune/config/root.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import difflib
-import os
-import re
-from dataclasses import dataclass, field, fields, is_dataclass
-from enum import Enum, EnumMeta
-from pathlib import Path
-from typing import Any, Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING
 
 from finetune import logs, optimizers
-
-ASSETS = Path(__file__).resolve().parent / "assets"
-
-
-class ConfigError(ValueError):
-    """A user mistake in the config: the message is one line that says what to change."""
-
-
-# ---------------------------------------------------------------------------------------------
-# What each field accepts: declared beside the field, checked when the config is composed
-
-
-@dataclass(frozen=True)
-class Accepts:
-    """A field's constraint: `ok(value)`, and the words that complete "KEY=VALUE must be ...".
-
-    `outside` holds values just outside what is accepted, as typed on the command line: the
-    schema test composes each one and expects the refusal to name the key."""
-
-    words: str
-    ok: Callable[[Any], bool]
-    outside: tuple[str, ...] = ()
-
-
-def at_least(n: int) -> Accepts:
-    return Accepts(f"at least {n}" if n else "0 or more", lambda v: v >= n, (str(n - 1),))
-
-
-def in_range(lo: float, hi: float, *, hi_open: bool = False, step: float = 0.01) -> Accepts:
-    """A number in [lo, hi] (or [lo, hi) with hi_open); `step`: how far outside the test goes."""
-    close = ")" if hi_open else "]"
-    return Accepts(f"in [{lo:g}, {hi:g}{close}", lambda v: lo <= v < hi if hi_open else lo <= v <= hi,
-                   (f"{lo - step:g}", f"{hi:g}" if hi_open else f"{hi + step:g}"))
-
-
-def unused(section: Any, key: str, used: tuple[str, ...], why: str) -> None:
-    """Refuse fields of `section` (the group `key`) set away from their defaults where the chosen option ignores
-    them (the cross-group rules call it: finetune.rules, finetune.methods)."""
-    default = type(section)()
-    for f in fields(section):
-        if f.name not in used and getattr(section, f.name) != getattr(default, f.name):
-            value = getattr(section, f.name)
-            shown = str(value).lower() if isinstance(value, bool) else getattr(value, "value", value)  # as typed on the command line
-            raise ConfigError(f"{key}.{f.name}={shown} has no effect {why}: remove it or change the option")
-
-
-def one_of(*values: int) -> Accepts:
-    return Accepts(f"one of {', '.join(map(str, values))}", lambda v: v in values, (str(max(values) + 1),))
-
-
-POSITIVE = Accepts("positive", lambda v: v > 0, ("0",))
-PROBABILITY = in_range(0, 1, hi_open=True)
-PORT = Accepts("a port in [1, 65535]", lambda v: 0 < v < 65536, ("0", "65536"))
-TEXT = Accepts("non-empty text", lambda v: bool(str(v).strip()), ("''",))
-SOURCES = Accepts("a path or hub id, or a list of sources", lambda v: isinstance(v, list) and bool(v) or isinstance(v, str) and bool(v.strip()),
-                  ("''", "[]"))
-ANY_TEXT = Accepts("any text", lambda v: True)
-NAMES = Accepts("a list of names", lambda v: all(str(x).strip() for x in v), ("['']",))
-SOME_NAMES = Accepts("a non-empty list of names", lambda v: len(v) > 0 and NAMES.ok(v), ("[]",))
-ENV = Accepts("NAME: value pairs, each NAME a variable name ([A-Za-z_][A-Za-z0-9_]*)",
-              lambda v: all(re.fullmatch(r"[A-Za-z_]\w*", str(k)) for k in v), ("{A-B:x}",))
-BETAS = Accepts("two numbers, each in [0, 1)", lambda v: len(v) == 2 and all(PROBABILITY.ok(b) for b in v), ("[0.9]", "[0.9,1.0]"))
-EXISTING_FILE = Accepts("an existing file", lambda v: Path(v).expanduser().is_file(), ("/nonexistent/file",))
-EXISTING_DIR = Accepts("an existing directory", lambda v: Path(v).expanduser().is_dir(), ("/nonexistent/dir",))
-
-
-def _host_port(value: str) -> bool:
-    host, colon, port = value.rpartition(":") if ":" in value else (value, "", "")
-    return bool(host) and (not colon or (port.isdigit() and 0 < int(port) < 65536))
-
-
-ARCHITECTURE = Accepts("empty, or a mapping of the model's config.json keys that names its model_type",
-                       lambda v: not v or bool(str(v.get("model_type") or "").strip()), ("{hidden_size:64}",))
-
-
-HOST_PORT = Accepts("HOST or HOST:PORT (port in [1, 65535])", _host_port, ("host:0", ":29400"))
-
-
-def checked(accepts: Accepts, default: Any = MISSING, *, factory: Callable[[], Any] | None = None, hint: str = "") -> Any:
-    """A dataclass field with its constraint (null is always allowed where the type allows it);
-    `hint` follows the refusal after a colon: what a right value looks like for this field."""
-    meta = {"accepts": accepts, "hint": hint}
-    if factory is not None:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def check_fields(node: Any, prefix: str = "") -> None:
-    """Refuse the first field value its constraint rejects: `KEY=VALUE must be WORDS`."""
-    for f in fields(node):
-        value, key = getattr(node, f.name), f"{prefix}{f.name}"
-        if is_dataclass(value):
-            check_fields(value, f"{key}.")
-        elif value is not None and "accepts" in f.metadata and not f.metadata["accepts"].ok(value):
-            shown = "''" if value == "" else value
-            hint = f": {f.metadata['hint']}" if f.metadata["hint"] else ""
-            raise ConfigError(f"{key}={shown} must be {f.metadata['accepts'].words}{hint}")
-
-
-def machine_ram_gib() -> float:
-    """This machine's physical RAM in GiB (for hardware=cpu: plan against what is really there)."""
-    return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-
-
-OmegaConf.register_new_resolver("machine_ram_gib", machine_ram_gib, replace=True)
-# `${asset:tokenizer}` in a YAML file is the absolute path of a file the package ships.
-OmegaConf.register_new_resolver("asset", lambda rel: str(ASSETS / rel), replace=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# Enumerations. OmegaConf looks members up by name (`Enum[name]`); `Spelled` lets that lookup take
-# the spellings users type: any case, '-' for '_', the value (`1f1b`) or a common alias (`bfloat16`).
-
-
-ENUM_ALIASES: dict[str, dict[str, str]] = {
-    "Precision": {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"},
-    "AttnImpl": {"flash": "flash_attention_2", "flash_attn": "flash_attention_2", "fa2": "flash_attention_2"},
-    "PipeSchedule": {"interleaved": "interleaved_1f1b"},
-}
-"""Other words users type for an enum's value, by enum class name."""
-
-
-def spelling(word: str) -> str:
-    return word.strip().lower().replace("-", "_")
-
-
-class Spelled(EnumMeta):
-    def __getitem__(cls, name: str) -> Any:
-        members = cls.__members__
-        if name in members:
-            return members[name]
-        spelled = {spelling(n): m for n, m in members.items()} | {spelling(m.value): m for m in members.values()}
-        spelled |= {spelling(a): cls(v) for a, v in ENUM_ALIASES.get(cls.__name__, {}).items()}
-        if isinstance(name, str) and spelling(name) in spelled:
-            return spelled[spelling(name)]
-        raise KeyError(name)
+from finetune.config.fields import (
+    ANY_TEXT, ARCHITECTURE, BETAS, ENV, EXISTING_DIR, EXISTING_FILE, HOST_PORT, NAMES, PORT, POSITIVE, PROBABILITY, SOME_NAMES,
+    SOURCES, TEXT, Accepts, Spelled, at_least, checked, in_range, one_of,
+)
 
 
 class AttnImpl(str, Enum, metaclass=Spelled):
@@ -192,6 +50,9 @@ class LongPrompt(str, Enum, metaclass=Spelled):
 class Method(str, Enum, metaclass=Spelled):
     sft = "sft"
     dpo = "dpo"
+    kto = "kto"
+    orpo = "orpo"
+    reward = "reward"
 
 
 class DpoLoss(str, Enum, metaclass=Spelled):
@@ -281,7 +142,7 @@ class OptimKernel(str, Enum, metaclass=Spelled):
 
 
 OPTIMIZER = Accepts(optimizers.WORDS, lambda v: optimizers.known(v), ("lion", "torch.optim."))
-"""optim.name: a record of finetune/optimizers.py, or a torch.optim class by its dotted name."""
+"""optim.name: a record of finetune/optimizers/, or a torch.optim class by its dotted name."""
 
 
 LOGGERS = Accepts(f"a list of known loggers ({', '.join(logs.SINKS)}), {logs.REQUIRED} among them",
@@ -446,23 +307,36 @@ class DataConfig:
 class MethodConfig:
     name: Method = Method.sft
     """sft: cross-entropy on response tokens only. dpo: preference optimisation on
-    (prompt, chosen, rejected) pairs, with the DPO-family loss `loss`."""
+    (prompt, chosen, rejected) pairs, with the DPO-family loss `loss`. kto: unpaired rows labelled desirable
+    or undesirable (`label: true/false`; pairs count as one of each), against a reference. orpo: pairs, the
+    SFT loss plus an odds-ratio term, no reference model. reward: a reward model (one scalar
+    score per row, AutoModelForSequenceClassification) trained on the same pairs with the Bradley-Terry loss."""
     loss: DpoLoss = DpoLoss.sigmoid
     """dpo: sigmoid (DPO), ipo (squared loss on length-averaged log-ratios), hinge (SLiC),
     simpo (reference-free, length-averaged log-probs, target margin `gamma`)."""
     beta: float | None = checked(POSITIVE, None)
-    """dpo: inverse temperature of the implicit reward; null: 0.1, or 2.0 for simpo (the papers' values)."""
+    """dpo, kto: inverse temperature of the implicit reward; orpo: the weight (lambda) of the odds-ratio term;
+    null: 0.1, or 2.0 for simpo (the papers' values)."""
     gamma: float = checked(at_least(0), 1.0)
     """simpo: the target reward margin between chosen and rejected."""
     label_smoothing: float = checked(in_range(0, 0.5, hi_open=True), 0.0)
     """sigmoid/simpo: probability that a preference label is flipped (conservative DPO), in [0, 0.5)."""
     sft_weight: float = checked(at_least(0), 0.0)
     """dpo: weight of an added SFT loss on the chosen response (per-token mean; RPO-style)."""
+    desirable_weight: float = checked(POSITIVE, 1.0)
+    """kto: the weight of a desirable row's loss (lambda_D; the paper keeps lambda_D x desirable rows / lambda_U x
+    undesirable rows in [1, 4/3])."""
+    undesirable_weight: float = checked(POSITIVE, 1.0)
+    """kto: the weight of an undesirable row's loss (lambda_U)."""
     reference: Reference = Reference.precomputed
-    """dpo: where the reference log-probs come from. precomputed: one no-grad pass of the initial
+    """dpo, kto: where the reference log-probs come from. precomputed: one no-grad pass of the initial
     policy over the data before training (no reference model in memory while training);
     live: a frozen copy of the initial model (sharded like the policy under ZeRO-3);
     adapter_disabled: with peft, the policy itself with its adapter switched off (no copy)."""
+    center_rewards_coefficient: float = checked(at_least(0), 0.0)
+    """reward: weight of the added mean squared sum of the pair's scores, (r_chosen + r_rejected)^2, which keeps
+    the scores centred on 0 (Eisenstein et al. 2023; TRL's RewardConfig.center_rewards_coefficient, 0.01 there);
+    0: the plain Bradley-Terry loss."""
 
     @property
     def beta_value(self) -> float:
@@ -608,9 +482,9 @@ class OptimConfig:
     (bitsandbytes' AdamW8bit: both moments in 8 bits, blockwise-quantized, for tensors of 4,096+
     elements; smaller ones keep 32-bit states) or adafactor (torch.optim.Adafactor: no first moment, the
     second factored into a row and a column vector per matrix; betas and eps unused). Both run on every
-    layout but DeepSpeed's: under FSDP/TP each rank steps its own shard (finetune.engine.sharded). Or a torch.optim
+    layout but DeepSpeed's: under FSDP/TP each rank steps its own shard (finetune.optimizers.sharded). Or a torch.optim
     class by name (torch.optim.NAdam, torch.optim.RAdam): built with the optim.* keys its constructor takes, torch engine
-    only (parallelism=single or ddp). Each is a record in finetune/optimizers.py."""
+    only (parallelism=single or ddp). Each is a record in finetune/optimizers/."""
     lr: float = checked(POSITIVE, 1e-4)
     """Peak learning rate (after warmup)."""
     weight_decay: float = checked(at_least(0), 0.0)
@@ -715,204 +589,3 @@ class HardwareConfig:
     (hardware=cpu reads this machine's RAM: `${machine_ram_gib:}`)."""
     nvme_gib: float = checked(at_least(0), 0.0)
     """Local NVMe space per node in GiB for zero.offload_*=nvme (0: none)."""
-
-
-@dataclass
-class TrainConfig:
-    max_steps: int = checked(at_least(1), 100)
-    """Optimizer steps."""
-    micro_batch_size: int = checked(at_least(1), 8)
-    """Samples per rank per forward/backward."""
-    global_batch_size: int = checked(at_least(1), 32)
-    """Samples per optimizer step over all ranks; accumulation = global / (micro x data-parallel)."""
-    seed: int = checked(at_least(0), 42)
-    """Data order; the same seed gives the same samples per step on any number of ranks."""
-    eval_every: int = checked(at_least(0), 0)
-    """Evaluate every N steps (0: only before and after training)."""
-    eval_batch_size: int = checked(at_least(1), 32)
-    """Samples per rank per forward in evaluation, exact match and the DPO reference pass."""
-    exact_match_samples: int = checked(at_least(0), 0)
-    """Eval rows scored by greedy generation (response == reference) before and after training."""
-    max_new_tokens: int = checked(at_least(1), 64)
-    """Generation length limit for exact match."""
-    log_every: int = checked(at_least(1), 10)
-    """Print a metrics line every N steps when there is no progress bar."""
-    progress_bar: bool = True
-    """A tqdm progress bar on the main rank (else a metrics line every log_every steps)."""
-    loggers: list[str] = checked(LOGGERS, factory=lambda: ["jsonl", "tensorboard"],
-                                 hint="jsonl writes RUN_DIR/metrics.jsonl, which the summary and the loss plot read; "
-                                      "e.g. train.loggers=[jsonl,tensorboard]")
-    """Where the metrics go (finetune/logs.py SINKS): jsonl (RUN_DIR/metrics.jsonl, always: the summary, the loss plot and
-    the sweep summary read it), tensorboard (RUN_DIR/tensorboard)."""
-    tensorboard: bool | None = None
-    """The older switch, still read: true adds tensorboard to train.loggers, false takes it out; null: as
-    train.loggers says."""
-    compile: bool = False
-    """Compile each decoder layer in place (torch.compile, regional: one graph reused by every layer) for the
-    training steps; evaluation and generation run eager. The first step (and each new shape) pays the
-    compile time, reported apart as compile_s. CPU: inductor builds C++ with the system compiler."""
-    memory_report: str = checked(MEMORY_REPORTS, "peak")
-    """Measure memory over the first 2 steps: peak (the allocator's or the process's high-water mark, no cost), categories
-    (parameters, gradients, optimizer, activations, with PyTorch's MemTracker: those steps run 2-3x slower) or off; printed
-    beside the memory plan."""
-    memory_snapshot: bool = False
-    """CUDA only: write RUN_DIR/memory_snapshot.pickle of the first steps (open it at pytorch.org/memory_viz)."""
-    save_every: int = checked(at_least(0), 0)
-    """Save a resumable checkpoint every N steps into RUN_DIR/checkpoints (0: never; SIGTERM/SIGINT
-    save one at the next step boundary in any case)."""
-    keep_checkpoints: int = checked(at_least(0), 0)
-    """Keep only the newest K complete checkpoints (0: keep all)."""
-    on_nonfinite: NonFinite = NonFinite.stop
-    """A step whose loss or gradient norm is inf/nan: stop (naming the step, weights untouched by
-    it) or skip it (no update; counted as `nonfinite_skipped`). fp16's loss scaler skips overflowing
-    gradients on its own either way."""
-    resume: str | None = checked(TEXT, None)
-    """null: start fresh; auto: the newest checkpoint in RUN_DIR/checkpoints (same hydra.run.dir),
-    or start fresh if there is none; a path: that checkpoint directory."""
-    overwrite: bool = False
-    """Start over in a run directory that holds another run's checkpoints or final/: they (and its
-    metrics and summary) are removed first. Without it (or train.resume) such a launch is refused."""
-    device: Device = Device.auto
-    """auto: cuda when available, else cpu."""
-
-    def __post_init__(self) -> None:
-        # A str field, not an enum: OmegaConf refuses a bool for an enum, and true/false are still accepted (MEMORY_REPORT_BOOLS).
-        word = spelling(str(self.memory_report))
-        with contextlib.suppress(KeyError):
-            self.memory_report = MEMORY_REPORT_BOOLS.get(word) or MemoryReport[word]
-        if self.tensorboard is not None:  # train.tensorboard=true/false, as before train.loggers
-            others = [name for name in self.loggers if name != "tensorboard"]
-            self.loggers = [*others, "tensorboard"] if self.tensorboard else others
-
-
-@dataclass
-class Config:
-    model: ModelConfig = MISSING
-    data: DataConfig = MISSING
-    method: MethodConfig = MISSING
-    precision: PrecisionConfig = MISSING
-    checkpointing: CheckpointingConfig = MISSING
-    logits: LogitsConfig = MISSING
-    zero: ZeroConfig = MISSING
-    parallelism: ParallelismConfig = MISSING
-    peft: PeftConfig = MISSING
-    optim: OptimConfig = MISSING
-    launcher: LauncherConfig = MISSING
-    train: TrainConfig = MISSING
-    hardware: HardwareConfig = MISSING
-    """The machine the memory plan is checked against; the ranks themselves ignore it."""
-    plan: PlanConfig = field(default_factory=PlanConfig)
-    """The memory planner's switches (plan.suggest, plan.force)."""
-    run_dir: str | None = checked(TEXT, None)
-    """Where the run writes; null: Hydra's run directory (`hydra.run.dir`)."""
-
-    @property
-    def world_size(self) -> int:
-        return self.launcher.nproc_per_node * self.launcher.nnodes
-
-    @property
-    def data_parallel_size(self) -> int:
-        p = self.parallelism
-        return max(1, self.world_size // (p.tp * p.pp * p.cp))
-
-    @property
-    def grad_accum_steps(self) -> int:
-        return self.train.global_batch_size // (self.train.micro_batch_size * self.data_parallel_size)
-
-
-GROUPS: dict[str, type] = {
-    "model": ModelConfig,
-    "data": DataConfig,
-    "method": MethodConfig,
-    "precision": PrecisionConfig,
-    "checkpointing": CheckpointingConfig,
-    "logits": LogitsConfig,
-    "zero": ZeroConfig,
-    "parallelism": ParallelismConfig,
-    "peft": PeftConfig,
-    "optim": OptimConfig,
-    "launcher": LauncherConfig,
-    "train": TrainConfig,
-    "hardware": HardwareConfig,
-}
-
-
-def uses_deepspeed(cfg: Config) -> bool:
-    """The DeepSpeed engine runs when a ZeRO stage is set."""
-    return cfg.zero.enabled
-
-
-def engine_kind(cfg: Config) -> str:
-    """deepspeed (a ZeRO stage), mesh (FSDP2 / tensor / pipeline parallel) or torch (single, DDP)."""
-    p = cfg.parallelism
-    if uses_deepspeed(cfg):
-        return "deepspeed"
-    return "mesh" if p.strategy == Strategy.fsdp or p.tp * p.pp * p.cp > 1 else "torch"
-
-
-def register() -> None:
-    """Store the schemas: `base_config` for the root, `base_<group>` in each group. Called by finetune.compose, which
-    composes: a rank only reads its config.yaml and needs no Hydra (its import is ~0.2 s of the rank's start)."""
-    from hydra.core.config_store import ConfigStore
-
-    cs = ConfigStore.instance()
-    cs.store(name="base_config", node=Config)
-    for group, schema in GROUPS.items():
-        cs.store(group=group, name=f"base_{group}", node=schema)
-
-
-# ---------------------------------------------------------------------------------------------
-# Typed config <-> YAML
-
-
-def to_config(dcfg: DictConfig) -> Config:
-    """Resolve a composed DictConfig into the typed `Config`.
-
-    Goes through a plain container so that keys added with `+key=...` are checked against the
-    schema too (merging two DictConfigs would let them through).
-    """
-    plain = OmegaConf.to_container(dcfg, resolve=True)
-    plain.pop("hydra", None)
-    merged = OmegaConf.merge(OmegaConf.structured(Config), plain)
-    return OmegaConf.to_object(merged)  # type: ignore[return-value]
-
-
-def to_yaml(cfg: Config) -> str:
-    """The config as YAML, as OmegaConf writes it (through plain values: twice as fast as a structured config)."""
-    return OmegaConf.to_yaml(_plain(cfg))
-
-
-def _plain(value: Any) -> Any:
-    if is_dataclass(value):
-        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
-    if isinstance(value, Enum):
-        return value.name
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
-def load(path: str | Path) -> Config:
-    """Read a resolved config.yaml (what the launcher wrote into the run directory)."""
-    return to_config(OmegaConf.load(path))
-
-
-def launcher_for(cfg: Config) -> LauncherName:
-    """Which launcher `launcher=auto` means: deepspeed for the DeepSpeed engine, else torchrun."""
-    if cfg.launcher.name != LauncherName.auto:
-        return cfg.launcher.name
-    return LauncherName.deepspeed if cfg.zero.enabled else LauncherName.torchrun
-
-
-def __getattr__(name: str) -> Any:
-    if name == "Optimizer":  # the built-in optimizer names as an enum, where they were defined before finetune/optimizers.py
-        return optimizers.Optimizer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def did_you_mean(word: str, options: list[str], prefix: str = "") -> str:
-    """" (did you mean 'PREFIXx'?)" for the option closest to `word`, or "" when none is close."""
-    close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
-    return f" (did you mean '{prefix}{close[0]}'?)" if close else ""

@@ -1,161 +1,19 @@
-"""What differs between model families, read from a transformers config.json (a dict): the
-parameters of every module, counted exactly as `AutoModelForCausalLM.from_config` builds them.
-
-One code path counts every family. Most of what differs is a config key (head_dim,
-tie_word_embeddings, num_local_experts / num_experts / n_routed_experts, moe_intermediate_size,
-shared_expert_intermediate_size, n_shared_experts, which layers are sparse (mlp_layer_types,
-first_k_dense_replace, mlp_only_layers...), kv_lora_rank for DeepSeek's latent attention); what a
-family's config.json does not say is the small `Family` record below, keyed by model_type: which
-key switches which bias (attention_bias, use_bias, mlp_bias... or always, as Qwen2's q/k/v), its
-norms (RMSNorm, LayerNorm, none; q/k norms; how many per block), fused or plain projections and
-their names, sinks and other small parameters (EXTRAS). FAMILIES are supported end to end;
-COUNTED adds the decoders transformers has whose blocks the same records describe, and
-tests/test_causal_lm_counts.py checks every one against `AutoModelForCausalLM.from_config` (meta
-device) with each key its record reads flipped. Any other model_type is refused with the reason
-(`uncountable`: encoder-decoder, other modalities' towers, state-space or linear-attention layers,
-or no record), never counted as a guess.
-
-Mixture-of-experts layers follow transformers 5: each layer's experts are two fused 3-D
-parameters (gate_up_proj, down_proj) and the router a plain weight, none of them an nn.Linear.
-LoRA reaches the experts through PEFT's `target_parameters` (`adapted`): all-linear adapts every
-nn.Linear / Conv1D and the experts' stacks, not the router; bitsandbytes quantizes none of them.
-
-Attention: which kernels a family cannot run (`attention_limits`) is read from the config (soft-capped
-attention logits: sdpa has no soft-capping) and from the family record (what transformers publishes
-as the model class's `_supports_sdpa` / `_supports_flash_attn`; tests check the two agree);
-`pick_attention` chooses for model.attn_implementation=auto and refuses an explicit choice.
-
-Pure arithmetic on the dict: no torch, no transformers.
+"""A family's structure read from a config.json (a dict), counted exactly as `AutoModelForCausalLM.from_config`
+builds it: `arch_from_config` for a family with a record (finetune.families.records), `arch_from_build` off
+transformers' meta-device build for a decoder without one, `uncountable` for what neither can count. The
+`Arch` it returns (blocks of `Linear`s, a `Moe`'s experts) is what the planner, the rules and the layouts read.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from finetune.config import ConfigError
-from finetune.disk import config_value
-
-
-@dataclass(frozen=True)
-class Family:
-    """What a family's config.json does not state (each a default a config key overrides where one exists)."""
-
-    qkv_bias: bool | str = "attention_bias"
-    """Biases on q/k/v (or the fused qkv): a constant (Qwen2: always), or the config.json key that says (absent: none)."""
-    o_bias: bool | str = "attention_bias"
-    """Bias on the attention's output projection: a constant or the config.json key that says."""
-    mlp_bias: bool | str = "mlp_bias"
-    """Biases on the MLP's linears (and a DeepSeek-style shared expert's): a constant or the config.json key that says."""
-    o_square: bool = False
-    """The attention's output projection maps hidden_size to hidden_size whatever the heads' width (Helium)."""
-    qk_norm: str = ""
-    """RMSNorm on queries and keys: "head" (head_dim wide, shared by heads: Qwen3, Gemma-3) or "full"
-    (over all heads: OLMo-2; Cohere's per-head weights); "" none."""
-    qk_norm_key: str = ""
-    """The config.json key that switches the q/k norms on (Cohere's use_qk_norm); "": always there."""
-    qk_norm_bias: bool = False
-    """The q/k norms are LayerNorms with a bias (Persimmon, Phi)."""
-    block_norms: int = 2
-    """Norms of the residual stream per block (Gemma-2/3: pre/post attention and pre/post MLP: 4)."""
-    parallel_key: str = ""
-    """The config.json key under which attention and MLP read one norm in parallel (StableLM's
-    use_parallel_residual): a block then has block_norms - 1."""
-    post_norm_key: str = ""
-    """The config.json key that adds post_norms norms to the block (HyperCLOVAX's use_post_norm); "": always there."""
-    fused: bool = False
-    """One qkv_proj instead of q/k/v (Phi-3, GPT-NeoX)."""
-    mlp: str = "gated"
-    """The MLP: "gated" (gate, up, down), "fused" (one gate_up and down: Phi-3, GLM) or "plain" (up, down)."""
-    names: tuple[tuple[str, str], ...] = ()
-    """Paths inside the block that differ from Llama's (LLAMA_NAMES), by role: q, k, v, o, qkv, gate, up, down, gate_up."""
-    tied: bool = False
-    """tie_word_embeddings when config.json does not say (transformers' default for the family)."""
-    head_dim: int | None = None
-    """head_dim when config.json does not say; None: hidden_size / num_attention_heads."""
-    gpt2: bool = False
-    """GPT-2's layout: Conv1D c_attn/c_proj/c_fc with biases, a plain (not gated) MLP, LayerNorms
-    with biases, learned positions (max_position_embeddings x hidden_size)."""
-    layer_norm: bool = False
-    """LayerNorm (weight and bias) rather than RMSNorm (weight)."""
-    norm_weight: bool = True
-    """The norms have a weight (False: OLMo's parameter-free LayerNorm, nanochat's RMSNorm)."""
-    final_norm: bool = True
-    """A norm after the last block."""
-    extras: tuple[str, ...] = ()
-    """Parameters of a block outside its linears and norms, by kind (EXTRAS): attention sinks (one per head),
-    DiffLlama's lambdas, BitNet's sub-norms, xIELU's two scalars."""
-    head_bias: bool | str = False
-    """The output head has a bias (Phi): a constant or the config.json key that says."""
-    positions: int | None = None
-    """Learned position embeddings: (max_position_embeddings + this) x hidden_size (OPT: 2 rows of offset); None: none."""
-    router: str = "mlp.gate"
-    """A MoE's router weight (its path inside the block, without .weight)."""
-    experts: str = "mlp.experts"
-    """A MoE's fused expert stacks (gate_up_proj, down_proj) live under this path."""
-    expert_bias: bool = False
-    """The router and the experts' stacks carry biases (GPT-OSS)."""
-    shared: str = ""
-    """DeepSeek-style shared experts: the path of their gated MLP, n_shared_experts x shared_width wide; "" none."""
-    shared_width: str = "moe_intermediate_size"
-    """The config.json key of one shared expert's width."""
-    sdpa: bool = True
-    """transformers runs the family with torch's scaled_dot_product_attention (its model class's
-    `_supports_sdpa`; Gemma-2: False, its attention logits are soft-capped)."""
-    flash: bool = True
-    """transformers runs the family with flash-attn (its model class's `_supports_flash_attn`)."""
-    post_norms: int = 0
-    """How many of block_norms normalise a sublayer's output rather than its input (OLMo-2: both of
-    its two; Gemma-2/3: two of four): what the planner's activation count reads."""
-    norm_fp32: bool = False
-    """The RMSNorm keeps its normalised input in fp32 for the weight's gradient (Gemma's (1 + w) x,
-    OLMo-2's w x before the cast back), rather than in the input's dtype (Llama's w x.to(dtype))."""
-    act: str = "silu"
-    """The MLP's activation when config.json names none (hidden_act, hidden_activation, activation_function)."""
-    dropout: float = 0.0
-    """Attention, residual and embedding dropout when config.json names none (GPT-2: 0.1 each)."""
-    softcap: tuple[float, float] = (0.0, 0.0)
-    """(attention, final) logit soft-capping when config.json names none (Gemma-2: 50, 30)."""
-    tp_plan: bool = True
-    """transformers publishes a tensor-parallel plan for the family (its config's base_model_tp_plan), which
-    the ranks apply (finetune/parallel.py); False: tensor parallel is refused before launch (GPT-2's
-    fused Conv1D layers have none). tests/test_families_parallel.py checks it against transformers."""
-    pp_plan: bool = True
-    """transformers publishes a pipeline plan (base_model_pp_plan: the modules before and after the
-    blocks), which pipeline stages follow; False: pipeline parallel is refused before launch."""
-
-
-LLAMA_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-               "qkv": "self_attn.qkv_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
-               "gate_up": "mlp.gate_up_proj"}
-"""Each linear's path inside a block, by role, as Llama (and most families) name them."""
-
-EXTRAS = {"sinks": lambda h, heads, head_dim, i, experts: heads, "lambdas": lambda h, heads, head_dim, i, experts: 4 * head_dim,
-          "sub_norms": lambda h, heads, head_dim, i, experts: h + i, "xielu": lambda h, heads, head_dim, i, experts: 2,
-          "score_bias": lambda h, heads, head_dim, i, experts: experts}
-"""Parameters of one block outside its linears and norms, by kind, from (hidden, heads, head_dim, MLP width,
-routed experts: 0 in a dense block): attention sinks (a logit per head: GPT-OSS), DiffLlama's four head_dim
-lambdas, BitNet's norms inside attention (hidden) and MLP (its width), Apertus' xIELU activation (two
-scalars), a router's score correction bias (one per expert: ERNIE-4.5-MoE)."""
-
-FAMILIES: dict[str, Family] = {
-    "llama": Family(), "mistral": Family(), "mixtral": Family(), "granite": Family(),
-    "qwen2": Family(qkv_bias=True, o_bias=False), "qwen2_moe": Family(qkv_bias=True, o_bias=False),
-    "qwen3": Family(qk_norm="head", head_dim=128), "qwen3_moe": Family(qk_norm="head"),
-    "gemma": Family(tied=True, head_dim=256, norm_fp32=True, act="gelu_pytorch_tanh"),
-    "gemma2": Family(block_norms=4, tied=True, head_dim=256, post_norms=2, norm_fp32=True, act="gelu_pytorch_tanh",
-                     softcap=(50.0, 30.0), sdpa=False),
-    "gemma3_text": Family(qk_norm="head", block_norms=4, tied=True, head_dim=256, post_norms=2, norm_fp32=True,
-                          act="gelu_pytorch_tanh"),
-    "olmo2": Family(qk_norm="full", post_norms=2, norm_fp32=True),
-    "phi3": Family(fused=True, mlp="fused"),
-    "gpt2": Family(gpt2=True, tied=True, layer_norm=True, mlp="plain", positions=0, qkv_bias=True, o_bias=True, mlp_bias=True,
-                   act="gelu_new", dropout=0.1, tp_plan=False, pp_plan=False),
-}
-"""The families supported end to end (loader, layouts, attention kernels, the family matrix); the
-planner counts each exactly (tests/test_family_params.py builds each and compares with numel)."""
+from finetune.families.checks import adapted, attention_limits
+from finetune.families.records import COUNTED, EXTRAS, FAMILIES, LLAMA_NAMES, NORM_TOPK_DEFAULT, Family, config_value
 
 @dataclass(frozen=True)
 class Linear:
@@ -175,11 +33,6 @@ class Linear:
     @property
     def params(self) -> int:
         return self.experts * (self.inputs * self.outputs + (self.outputs if self.bias else 0))
-
-
-NORM_TOPK_DEFAULT = {"qwen2_moe": False, "qwen3_moe": False, "olmoe": False}
-"""transformers' default of norm_topk_prob where a family's config has the key (a config.json may leave it
-out); Mixtral has none and always renormalises."""
 
 
 @dataclass(frozen=True)
@@ -255,6 +108,8 @@ class Arch:
     """tanh soft-capping of the attention logits (attn_logit_softcapping); 0: none."""
     final_softcap: float = 0.0
     """tanh soft-capping of the output logits (final_logit_softcapping); 0: none."""
+    head_outputs: int = 0
+    """The output head's width: 0, the vocabulary (a causal LM's lm_head); 1, a sequence classifier's score (`scored`)."""
 
     @property
     def kv_dim(self) -> int:
@@ -296,9 +151,19 @@ class Arch:
         return self.vocab_size * self.hidden_size
 
     @property
+    def head_width(self) -> int:
+        """Outputs of the head per token: the vocabulary's logits, or one score."""
+        return self.head_outputs or self.vocab_size
+
+    @property
     def head_params(self) -> int:
         """The output head (and its bias); 0 when tied to the embeddings."""
-        return (0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size) + self.head_bias
+        return (0 if self.tie_word_embeddings else self.head_width * self.hidden_size) + self.head_bias
+
+    def scored(self) -> Arch:
+        """The same body under transformers' ForSequenceClassification head (method=reward): a score of hidden x 1, no
+        bias, never tied to the embeddings, no logit soft-capping, in place of lm_head."""
+        return replace(self, head_outputs=1, tie_word_embeddings=False, head_bias=0, final_softcap=0.0)
 
     @property
     def params(self) -> int:
@@ -313,30 +178,6 @@ class Arch:
         return max(self.embedding_params, self.head_params, *experts, *(lin.params for b in self.layers for lin in b.linears))
 
 
-def targeted(name: str, targets: list[str]) -> bool:
-    """Whether PEFT adapts the linear at `name` (its path in the block): all-linear, or a target
-    that is the name or its last dotted components (PEFT's matching)."""
-    return "all-linear" in targets or any(name == t or name.endswith("." + t) for t in targets)
-
-
-def adapted(lin: Linear, targets: list[str]) -> bool:
-    """Whether LoRA adapts `lin` under peft.target_modules: an nn.Linear / Conv1D as PEFT matches it
-    (`targeted`); another module's weight (a MoE's experts, its router) when a target names it or
-    its module (`experts`, `gate_up_proj`, `experts.down_proj`, `gate`), and under all-linear the
-    experts' stacks (not the router: routing is left as pretrained, as in common MoE LoRA recipes)."""
-    if lin.adaptable:
-        return targeted(lin.name, targets)
-    if "all-linear" in targets:
-        return lin.experts > 1
-    module = lin.name.rsplit(".", 1)[0] if lin.experts > 1 else lin.name  # mlp.experts / the router mlp.gate
-    return any(path == t or path.endswith("." + t) for t in targets for path in (lin.name, module))
-
-
-def lora_params(lin: Linear, r: int, dora: bool = False) -> int:
-    """LoRA's parameters for one linear: r x (in + out) (per expert for a fused stack), + out for DoRA's magnitude."""
-    return lin.experts * r * (lin.inputs + lin.outputs) + (lin.outputs if dora else 0)
-
-
 def adapted_outside_linears(arch: dict[str, Any], targets: list[str]) -> bool:
     """Whether peft.target_modules adapt weights outside linear layers (a MoE's experts or router) of
     the model a config.json describes (the structure only: counts it does not need may be missing)."""
@@ -347,91 +188,6 @@ def adapted_outside_linears(arch: dict[str, Any], targets: list[str]) -> bool:
     except ConfigError:  # a key the count needs is missing: all-linear adapts the experts all the same
         return "all-linear" in targets
     return any(adapted(lin, targets) for block in structure.layers for lin in block.linears if not lin.adaptable)
-
-
-def _matches(path: str, target: str) -> bool:
-    """PEFT's matching: the target is the path or its last dotted components."""
-    return path == target or path.endswith("." + target)
-
-
-def unmatched_targets(model_type: str, targets: list[str], linears: list[str], weights: dict[str, int]) -> str | None:
-    """The one-line refusal of the peft.target_modules names that match nothing in a model, listing
-    what exists; None when each name matches. `linears`: the paths of its linear layers (nn.Linear,
-    Conv1D); `weights`: path -> ndim of the weights outside them (a MoE's 3-D experts, its 2-D router),
-    which a name reaches by the weight's path or its module's."""
-    owner = lambda path: path.rsplit(".", 1)[0]  # noqa: E731 - the module holding a weight
-    leaf = lambda path: path.rsplit(".", 1)[-1]  # noqa: E731
-    missing = [t for t in targets if t != "all-linear" and not any(_matches(n, t) for n in linears)
-               and not any(_matches(w, t) or _matches(owner(w), t) for w in weights)]
-    if not missing:
-        return None
-    stacks = sorted({leaf(w) for w, ndim in weights.items() if ndim == 3})
-    experts = sorted({leaf(owner(w)) for w, ndim in weights.items() if ndim == 3})
-    routers = sorted({leaf(owner(w)) for w, ndim in weights.items() if ndim == 2})
-    extra = (f"; its experts' fused weights {', '.join(stacks)} ({', '.join(experts)}: all of them)" if stacks else "") + \
-        (f"; its router {', '.join(routers)}" if routers else "")
-    return (f"peft.target_modules: {', '.join(missing)} {'matches' if len(missing) == 1 else 'match'} no module of this "
-            f"{model_type} model: its linear layers are {', '.join(sorted({leaf(n) for n in linears}))}{extra} (or use [all-linear])")
-
-
-def arch_targets(arch: Arch) -> tuple[list[str], dict[str, int]]:
-    """(linear layer paths, weights outside them -> ndim) of a counted model, as unmatched_targets takes
-    them: every block's linears (paths inside the block) and the output head."""
-    linears = sorted({lin.name for b in arch.layers for lin in b.linears if lin.adaptable} | {"lm_head"})
-    weights = {lin.name if lin.experts > 1 else f"{lin.name}.weight": 3 if lin.experts > 1 else 2
-               for b in arch.layers for lin in b.linears if not lin.adaptable}
-    return linears, weights
-
-
-def dora_experts(model_type: str) -> str:
-    """The refusal of DoRA on a MoE's experts: PEFT adapts them through target_parameters (lora.ParamWrapper), without DoRA."""
-    return (f"peft=dora cannot adapt this {model_type or 'MoE'} model's experts (fused weights, which PEFT adapts through "
-            "target_parameters, without DoRA): use peft=lora, or name linear layers only, e.g. "
-            "peft.target_modules=[q_proj,k_proj,v_proj,o_proj]")
-
-
-SOFTCAP_KEYS = ("attn_logit_softcapping",)
-"""config.json keys that soft-cap the attention logits (tanh(x / c) * c): sdpa has no hook for it."""
-ATTENTION = ("flash_attention_2", "sdpa", "eager")
-"""model.attn_implementation's kernels, in the order auto prefers them (eager runs every family)."""
-
-
-def attention_limits(arch: dict[str, Any]) -> dict[str, str]:
-    """The attention kernels a config.json's model cannot run, each with the reason (a clause said
-    after the family name): soft-capped logits (sdpa), or what transformers publishes for the family."""
-    model_type = str(arch.get("model_type") or "")
-    fam = FAMILIES.get(model_type, Family())
-    limits: dict[str, str] = {}
-    capped = [f"{key}={arch[key]}" for key in SOFTCAP_KEYS if arch.get(key)]
-    if capped:
-        limits["sdpa"] = f"soft-caps attention logits ({', '.join(capped)}), which sdpa cannot"
-    elif not fam.sdpa:
-        limits["sdpa"] = "has no sdpa attention in transformers (its model class's _supports_sdpa is False)"
-    if not fam.flash:
-        limits["flash_attention_2"] = "has no flash-attn attention in transformers (its model class's _supports_flash_attn is False)"
-    return limits
-
-
-def pick_attention(requested: str, model_type: str, limits: dict[str, str], flash: str | None) -> tuple[str, str]:
-    """(kernel, why) for model.attn_implementation=`requested`: auto takes the first of ATTENTION
-    that this model and this device can run; an explicit kernel the model cannot run is a
-    ConfigError naming the key, the reason and what to type instead. `flash`: None when
-    flash_attention_2 can run on the device, else why not (e.g. "needs CUDA")."""
-    family = f"{model_type} model" if model_type else "model"
-    if requested != "auto":
-        if requested in limits:
-            alt = next(k for k in ATTENTION[1:] if k not in limits)  # sdpa or eager: they need no GPU
-            auto = "flash_attention_2 where flash-attn runs, else " + alt if "flash_attention_2" not in limits else alt
-            raise ConfigError(f"model.attn_implementation={requested} cannot run this {family}: it {limits[requested]}: "
-                              f"use model.attn_implementation={alt}, or auto ({auto})")
-        return requested, f"model.attn_implementation={requested}"
-    why = [f"{model_type or 'the model'} {limits[k]}" for k in ATTENTION if k in limits]
-    if flash is not None and "flash_attention_2" not in limits:
-        why.append(f"flash_attention_2 {flash}")
-    for kernel in ATTENTION:
-        if kernel not in limits and (kernel != "flash_attention_2" or flash is None):
-            return kernel, "auto: " + ("flash-attn runs here" if kernel == "flash_attention_2" else "; ".join(why))
-    raise AssertionError("eager runs every family")
 
 
 def _int(arch: dict[str, Any], key: str, source: str, family: str) -> int:
@@ -470,7 +226,7 @@ def uncountable(arch: dict[str, Any]) -> str | None:
     if kinds:
         return f"its layer_types include {', '.join(kinds)}: the planner counts attention + MLP blocks only"
     if model_type not in COUNTED:
-        return ("finetune/families.py has no record of its blocks (COUNTED: the decoders whose count "
+        return ("finetune/families/records.py has no record of its blocks (COUNTED: the decoders whose count "
                 "tests/test_causal_lm_counts.py checks against transformers' own build)")
     return None
 
@@ -591,7 +347,7 @@ def arch_from_config(arch: dict[str, Any], source: str) -> Arch:
         count = config_value(arch, "n_shared_experts") or 0
         if count and not fam.shared:
             raise ConfigError(f"the planner cannot count model_type={model_type} ({source}) with shared experts "
-                              f"(n_shared_experts={count}): finetune/families.py does not describe this family's")
+                              f"(n_shared_experts={count}): finetune/families/records.py does not describe this family's")
         if count:  # DeepSeek-style: n_shared_experts experts' width in one gated MLP on every token
             shared = count * _int(arch, fam.shared_width, source, family)
             shared_mlp, shared_roles = mlp(fam.shared + ".", shared)
@@ -617,101 +373,6 @@ def arch_from_config(arch: dict[str, Any], source: str) -> Arch:
                 embedding_dropout=float(first("embd_pdrop", default=fam.dropout)),
                 attn_softcap=float(first("attn_logit_softcapping", default=fam.softcap[0])),
                 final_softcap=float(first("final_logit_softcapping", default=fam.softcap[1])))
-
-
-def _named(**paths: str) -> tuple[tuple[str, str], ...]:
-    return tuple(paths.items())
-
-
-COUNTED: dict[str, Family] = {
-    **FAMILIES,
-    **{name: Family() for name in ("cwm", "exaone", "internlm3", "iquestcoder", "ministral", "ministral3")},
-    "smollm3": Family(tied=True),
-    "helium": Family(o_bias=False, o_square=True),
-    "ernie4_5": Family(qkv_bias="use_bias", o_bias="use_bias", mlp_bias="use_bias", tied=True),
-    "seed_oss": Family(o_bias="attention_out_bias"),
-    "olmo": Family(norm_weight=False),
-    "olmo3": Family(qk_norm="full", post_norms=2, norm_fp32=True),
-    "exaone4": Family(qk_norm="head", post_norms=2),
-    "hunyuan_v1_dense": Family(qk_norm="head"),
-    "hyperclovax": Family(block_norms=4, post_norms=2, post_norm_key="use_post_norm"),
-    "vaultgemma": Family(tied=True, head_dim=256, norm_fp32=True, act="gelu_pytorch_tanh"),
-    "bitnet": Family(extras=("sub_norms",)),
-    "diffllama": Family(extras=("lambdas",)),
-    "granite_swa": Family(extras=("sinks",), tied=True),
-    "cohere": Family(block_norms=1, tied=True, qk_norm="full", qk_norm_key="use_qk_norm"),
-    "cohere2": Family(block_norms=1, tied=True),
-    "glm": Family(mlp="fused", o_bias=False),
-    "glm4": Family(mlp="fused", o_bias=False, block_norms=4, post_norms=2),
-    "stablelm": Family(layer_norm=True, qkv_bias="use_qkv_bias", o_bias=False, qk_norm="full", qk_norm_key="qk_layernorm",
-                       parallel_key="use_parallel_residual"),
-    "arcee": Family(mlp="plain"),
-    "apertus": Family(mlp="plain", qk_norm="head", extras=("xielu",)),
-    "apertus1p5_text": Family(mlp="plain", qk_norm="head", extras=("xielu",)),
-    "nemotron": Family(mlp="plain", layer_norm=True),
-    "jais2": Family(mlp="plain", layer_norm=True),
-    "nanochat": Family(mlp="plain", norm_weight=False, names=_named(up="mlp.fc1", down="mlp.fc2")),
-    "starcoder2": Family(mlp="plain", layer_norm=True, qkv_bias="use_bias", o_bias="use_bias", mlp_bias="use_bias", tied=True,
-                         names=_named(up="mlp.c_fc", down="mlp.c_proj")),
-    "phi": Family(mlp="plain", layer_norm=True, block_norms=1, qkv_bias=True, o_bias=True, mlp_bias=True, head_bias=True,
-                  qk_norm="head", qk_norm_key="qk_layernorm", qk_norm_bias=True,
-                  names=_named(o="self_attn.dense", up="mlp.fc1", down="mlp.fc2")),
-    "persimmon": Family(fused=True, mlp="plain", layer_norm=True, qkv_bias=True, o_bias=True, mlp_bias=True,
-                        qk_norm="head", qk_norm_key="qk_layernorm", qk_norm_bias=True,
-                        names=_named(qkv="self_attn.query_key_value", o="self_attn.dense", up="mlp.dense_h_to_4h",
-                                     down="mlp.dense_4h_to_h")),
-    "gpt_neox": Family(fused=True, mlp="plain", layer_norm=True, mlp_bias=True,
-                       names=_named(qkv="attention.query_key_value", o="attention.dense", up="mlp.dense_h_to_4h",
-                                    down="mlp.dense_4h_to_h")),
-    "gptj": Family(mlp="plain", layer_norm=True, block_norms=1, qkv_bias=False, o_bias=False, mlp_bias=True, head_bias=True,
-                   names=_named(q="attn.q_proj", k="attn.k_proj", v="attn.v_proj", o="attn.out_proj", up="mlp.fc_in",
-                                down="mlp.fc_out")),
-    "codegen": Family(fused=True, mlp="plain", layer_norm=True, block_norms=1, qkv_bias=False, o_bias=False, mlp_bias=True,
-                      head_bias=True, names=_named(qkv="attn.qkv_proj", o="attn.out_proj", up="mlp.fc_in", down="mlp.fc_out")),
-    "gpt_bigcode": Family(gpt2=True, tied=True, layer_norm=True, mlp="plain", positions=0, act="gelu_pytorch_tanh"),
-    "gpt_neo": Family(mlp="plain", layer_norm=True, qkv_bias=False, o_bias=True, mlp_bias=True, positions=0, tied=True,
-                      act="gelu_new", names=_named(q="attn.attention.q_proj", k="attn.attention.k_proj", v="attn.attention.v_proj",
-                                                   o="attn.attention.out_proj", up="mlp.c_fc", down="mlp.c_proj")),
-    "gpt-sw3": Family(gpt2=True, tied=True, layer_norm=True, mlp="plain", positions=0, act="gelu_new"),
-    # mixtures of experts
-    "granitemoe": Family(router="block_sparse_moe.router", experts="block_sparse_moe.experts"),
-    "mellum": Family(qk_norm="head"),
-    "olmoe": Family(qk_norm="full"),
-    "flex_olmo": Family(qk_norm="full", post_norms=2, norm_fp32=True),
-    "minimax_m2": Family(qk_norm="full"),
-    "phimoe": Family(layer_norm=True, router="mlp.router", head_bias="lm_head_bias"),
-    "gpt_oss": Family(extras=("sinks",), router="mlp.router", expert_bias=True),
-    "cohere2_moe": Family(block_norms=1, tied=True),
-    "solar_open": Family(shared="mlp.shared_experts"),
-    "aria_text": Family(router="mlp.router", shared="mlp.shared_experts", shared_width="intermediate_size"),
-    "exaone_moe": Family(qk_norm="head", shared="mlp.shared_experts"),
-    "hy_v3": Family(qk_norm="head", shared="mlp.shared_experts"),
-    "sarvam_moe": Family(qk_norm="head", qk_norm_key="use_qk_norm", shared="mlp.shared_experts"),
-    "glm4_moe": Family(qk_norm="head", qk_norm_key="use_qk_norm", shared="mlp.shared_experts"),
-    **{name: Family(shared="mlp.shared_experts") for name in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "sarvam_mla")},
-    "minicpm3": Family(tied=True),
-    "youtu": Family(tied=True),
-    "ernie4_5_moe": Family(qkv_bias="use_bias", o_bias="use_bias", mlp_bias="use_bias", tied=True, shared="mlp.shared_experts",
-                           extras=("score_bias",)),
-}
-"""Every model_type the planner counts: FAMILIES, and decoders of transformers whose blocks the same records
-describe (their count only: attention kernels and parallel plans of these are left to the ranks).
-tests/test_family_params.py builds every causal LM transformers has and checks each count listed here
-(within 0.1%) and that every other model_type is refused (uncountable)."""
-
-
-def router_loss_split(layout: str) -> str:
-    """The refusal of a MoE whose config adds its router loss to the loss, under context parallel."""
-    return (f"{layout}: this MoE adds its router loss to the loss (config.json sets output_router_logits), and the load-balancing "
-            "loss of each rank's slice of the tokens is not the sequence's (it multiplies the routers' token fractions): set "
-            "output_router_logits false in config.json (the loss is then reported, not added), or use parallelism.cp=1")
-
-
-def router_loss_under_pp(pp: int) -> str:
-    """The refusal of a MoE whose config adds its router loss to the loss, under pipeline parallel."""
-    return (f"parallelism.pp={pp}: this MoE adds its router loss to the loss (config.json sets output_router_logits), which "
-            "pipeline stages cannot collect (each keeps its routers' logits): set output_router_logits false in config.json, "
-            "or use parallelism=fsdp or tp")
 
 
 O_NAMES = frozenset({"o_proj", "out_proj", "c_proj", "dense", "wo", "o", "proj", "out", "o_dense", "linear_out"})

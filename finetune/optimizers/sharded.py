@@ -18,7 +18,7 @@ import bitsandbytes as bnb
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from finetune.engine.common import closure_loss
+from finetune.optimizers.kernels import closure_loss
 
 
 def _item(t: torch.Tensor) -> float:

@@ -1,4 +1,4 @@
-"""Config -> the exact launch: argv, environment and the files the ranks read.
+"""Config -> the exact launch command: argv, environment and the files the ranks read (`build`).
 
 A pure function of the typed config (plus the python executable, core count and a free port,
 passed in), so it is unit-tested with golden outputs and shown verbatim by a dry run. The
@@ -21,7 +21,7 @@ CONFIG_FILE = "config.yaml"
 DEEPSPEED_FILE = "deepspeed.json"
 ERROR_FILE = "error.txt"  # a rank writes the one-line reason for a user mistake here
 RANKS_DIR = "ranks"  # each rank's pid, host and how it ended (finetune.train.RankStatus)
-LAUNCHER_ENV = "FINETUNE_LAUNCHER"  # pid@host of the launcher process, set for its job (finetune.launch.execute)
+LAUNCHER_ENV = "FINETUNE_LAUNCHER"  # pid@host of the launcher process, set for its job (finetune.supervise.execute)
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,7 @@ def deepspeed_config(cfg: Config) -> dict[str, Any]:
 
 
 def deepspeed_optimizer(o: OptimConfig) -> dict[str, Any]:
-    """The JSON "optimizer" section, from the optimizer's record (finetune/optimizers.py): what DeepSpeed builds is
+    """The JSON "optimizer" section, from the optimizer's record (finetune/optimizers/): what DeepSpeed builds is
     what the torch engine builds.
 
     "AdamW" and "Adam" become DeepSpeed's FusedAdam (DeepSpeedCPUAdam with zero.offload_optimizer);

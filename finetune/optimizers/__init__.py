@@ -11,7 +11,9 @@ tensors and reading its `state_dict`). It runs on the torch engine and checkpoin
 Adding a built-in optimizer is one entry in `RECORDS` (and a recipes/optim/NAME.yaml if it deserves a
 group option): a test walks every record through the engine, the planner, the rules and the launcher.
 
-Imports no torch: the builders and the torch-class records import it when called.
+Imports no torch: the builders and the torch-class records import it when called. The package's other modules are
+the rank side the builders reach: kernels.py (the kernel keyword, the step's closure) and sharded.py (Adafactor and
+8-bit AdamW over DTensor shards).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from enum import Enum
+
+from finetune.errors import ConfigError, did_you_mean
 
 if TYPE_CHECKING:
     import torch
@@ -109,7 +113,7 @@ class OptimizerRecord:
 
 
 def _kernel(o: OptimConfig, params: list[Any]) -> dict[str, bool]:
-    from finetune.engine.common import kernel
+    from finetune.optimizers.kernels import kernel
 
     return kernel(o.kernel, params)
 
@@ -138,7 +142,7 @@ def _sgd(groups: list[dict[str, Any]], o: OptimConfig, params: list[Any]) -> Any
 def _adamw_8bit(groups: list[dict[str, Any]], o: OptimConfig, params: list[Any]) -> Any:
     import bitsandbytes as bnb
 
-    from finetune.engine.sharded import ShardedAdamW8bit
+    from finetune.optimizers.sharded import ShardedAdamW8bit
 
     return (ShardedAdamW8bit if _sharded(params) else bnb.optim.AdamW8bit)(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
 
@@ -146,7 +150,7 @@ def _adamw_8bit(groups: list[dict[str, Any]], o: OptimConfig, params: list[Any])
 def _adafactor(groups: list[dict[str, Any]], o: OptimConfig, params: list[Any]) -> Any:
     import torch
 
-    from finetune.engine.sharded import ShardedAdafactor
+    from finetune.optimizers.sharded import ShardedAdafactor
 
     return (ShardedAdafactor if _sharded(params) else torch.optim.Adafactor)(groups, lr=o.lr)
 
@@ -218,12 +222,6 @@ def known(name: str) -> bool:
 WORDS = f"one of {', '.join(RECORDS)}, or a torch.optim class by name (e.g. torch.optim.NAdam)"
 
 
-def _error(line: str) -> Exception:
-    from finetune.config import ConfigError  # imported here: finetune.config imports this module
-
-    return ConfigError(line)
-
-
 def record(name: str) -> OptimizerRecord:
     """The record of optim.name: a built-in's, or one made from the torch class it names (ConfigError if there is
     none, or it cannot step a probe tensor)."""
@@ -231,7 +229,7 @@ def record(name: str) -> OptimizerRecord:
         return RECORDS[name]
     if TORCH_CLASS.fullmatch(name):
         return torch_record(name)
-    raise _error(f"optim.name={name} must be {WORDS}")
+    raise ConfigError(f"optim.name={name} must be {WORDS}")
 
 
 @functools.cache
@@ -239,15 +237,13 @@ def torch_record(name: str) -> OptimizerRecord:
     """A torch.optim class's record: the keys its constructor takes, and its state measured on a probe step."""
     import torch
 
-    from finetune.config import did_you_mean
-
     attr = TORCH_CLASS.fullmatch(name).group(1)
     cls = getattr(torch.optim, attr, None)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
         classes = sorted(n for n, c in vars(torch.optim).items()
                          if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer)
-        raise _error(f"optim.name={name}: torch.optim has no optimizer class {attr}"
-                     f"{did_you_mean(attr, classes, 'torch.optim.')}; it has {', '.join(classes)}")
+        raise ConfigError(f"optim.name={name}: torch.optim has no optimizer class {attr}"
+                          f"{did_you_mean(attr, classes, 'torch.optim.')}; it has {', '.join(classes)}")
     takes = tuple(k for k in KEYS if k in inspect.signature(cls).parameters)
     per_element, per_tensor = probe(cls, name, takes)
     return OptimizerRecord(
@@ -257,7 +253,7 @@ def torch_record(name: str) -> OptimizerRecord:
         engines=("torch",), runs=f"torch's own choice of implementation for {attr}", step_temp="foreach")
 
 
-def constructor_kwargs(takes: tuple[str, ...], o: OptimConfig) -> dict[str, Any]:
+def constructor_kwargs(takes: tuple[str, ...], o: OptimConfig | ProbeValues) -> dict[str, Any]:
     """The optim.* values a torch class's constructor takes (weight_decay goes per param group)."""
     values = {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "momentum": o.momentum}
     return {k: values[k] for k in takes if k in values}
@@ -273,33 +269,45 @@ PROBES = ((3, 5), (7,))
 """Two probe tensors of different sizes: their state bytes give a rate per element and a constant per tensor."""
 
 
+@dataclass(frozen=True)
+class ProbeValues:
+    """The optim.* values the probe step constructs a class with: optim.*'s defaults (tests/test_optimizers.py
+    checks they are OptimConfig's), here so that this module does not import the schema that imports it."""
+
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    momentum: float = 0.0
+
+
+PROBE_VALUES = ProbeValues()
+
+
 def probe(cls: type, name: str, takes: tuple[str, ...]) -> tuple[float, float]:
     """(bytes per parameter element, bytes per tensor) of `cls`'s state after one step on tiny fp32 CPU tensors, read
     from its state_dict. ConfigError where it cannot step without more (a closure: LBFGS; sparse gradients:
     SparseAdam) or where its state is not a rate per element plus a constant per tensor (a factored one)."""
     import torch
 
-    from finetune.config import OptimConfig
-
     params = [torch.nn.Parameter(torch.linspace(-1, 1, math.prod(s)).reshape(s)) for s in PROBES]
     try:
-        opt = cls([{"params": [p]} for p in params], **constructor_kwargs(takes, OptimConfig()))
+        opt = cls([{"params": [p]} for p in params], **constructor_kwargs(takes, PROBE_VALUES))
         for p in params:
             p.grad = torch.full_like(p, 0.5)
         opt.step()
     except Exception as e:  # noqa: BLE001 - whatever the class needs that a plain step does not give
         why = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise _error(f"optim.name={name}: it cannot step a probe tensor with a plain gradient ({type(e).__name__}: {why}): "
-                     "use another torch.optim class, or optim=adamw") from None
+        raise ConfigError(f"optim.name={name}: it cannot step a probe tensor with a plain gradient ({type(e).__name__}: {why}): "
+                          "use another torch.optim class, or optim=adamw") from None
     sizes = [state_tensor_bytes(opt.state_dict()["state"].get(i, {})) for i in range(len(params))]
     (n1, b1), (n2, b2) = [(math.prod(s), b) for s, b in zip(PROBES, sizes)]
     per_element = (b1 - b2) / (n1 - n2)
     per_tensor = b1 - per_element * n1
     whole = [t for i in range(len(params)) for t in opt.state_dict()["state"].get(i, {}).values() if torch.is_tensor(t)]
     if any(t.numel() not in (1, *map(math.prod, PROBES)) for t in whole) or per_element < 0 or per_tensor < 0:
-        raise _error(f"optim.name={name}: its state is not a fixed number of bytes per parameter (a factored or "
-                     "shaped one), which the planner cannot count from a probe: use optim=adafactor for factored "
-                     "statistics, or another torch.optim class")
+        raise ConfigError(f"optim.name={name}: its state is not a fixed number of bytes per parameter (a factored or "
+                          "shaped one), which the planner cannot count from a probe: use optim=adafactor for factored "
+                          "statistics, or another torch.optim class")
     return per_element, per_tensor
 
 
@@ -317,14 +325,12 @@ def state_dict_bytes(optimizer: "torch.optim.Optimizer") -> int:
 
 def refuse_unused_keys(o: OptimConfig, rec: OptimizerRecord) -> None:
     """A torch class: an optim.* key set away from its default that the class's constructor does not take."""
-    from finetune.config import OptimConfig
-
     if rec.name in RECORDS:
         return
-    defaults = OptimConfig()
+    defaults = type(o)()
     for key in KEYS:
         value = getattr(o, key)
         if key not in rec.takes and value != getattr(defaults, key):
             shown = "[" + ",".join(f"{v:g}" for v in value) + "]" if isinstance(value, list) else f"{value:g}"
-            raise _error(f"optim.{key}={shown} with optim.name={o.name}: its constructor takes no {key} (it takes "
-                         f"{', '.join(rec.takes)} of optim.*): remove optim.{key}, or use an optimizer that takes it")
+            raise ConfigError(f"optim.{key}={shown} with optim.name={o.name}: its constructor takes no {key} (it takes "
+                              f"{', '.join(rec.takes)} of optim.*): remove optim.{key}, or use an optimizer that takes it")

@@ -1,0 +1,210 @@
+"""The root of the config: the run's own group (`TrainConfig`), `Config` (one field per group), the groups as
+Hydra's ConfigStore holds them (`register`), and the typed config's life: composed DictConfig -> `Config`
+(`to_config`), written to RUN_DIR/config.yaml (`to_yaml`), read back by the ranks (`load`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field, fields, is_dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from finetune.config.fields import TEXT, at_least, checked, spelling
+from finetune.config.schema import (
+    LOGGERS, MEMORY_REPORT_BOOLS, MEMORY_REPORTS, CheckpointingConfig, DataConfig, Device, HardwareConfig, LauncherConfig,
+    LauncherName, LogitsConfig, MemoryReport, MethodConfig, ModelConfig, NonFinite, OptimConfig, ParallelismConfig, PeftConfig,
+    PlanConfig, PrecisionConfig, Strategy, ZeroConfig,
+)
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = checked(at_least(1), 100)
+    """Optimizer steps."""
+    micro_batch_size: int = checked(at_least(1), 8)
+    """Samples per rank per forward/backward."""
+    global_batch_size: int = checked(at_least(1), 32)
+    """Samples per optimizer step over all ranks; accumulation = global / (micro x data-parallel)."""
+    seed: int = checked(at_least(0), 42)
+    """Data order; the same seed gives the same samples per step on any number of ranks."""
+    eval_every: int = checked(at_least(0), 0)
+    """Evaluate every N steps (0: only before and after training)."""
+    eval_batch_size: int = checked(at_least(1), 32)
+    """Samples per rank per forward in evaluation, exact match and the DPO reference pass."""
+    exact_match_samples: int = checked(at_least(0), 0)
+    """Eval rows scored by greedy generation (response == reference) before and after training."""
+    max_new_tokens: int = checked(at_least(1), 64)
+    """Generation length limit for exact match."""
+    log_every: int = checked(at_least(1), 10)
+    """Print a metrics line every N steps when there is no progress bar."""
+    progress_bar: bool = True
+    """A tqdm progress bar on the main rank (else a metrics line every log_every steps)."""
+    loggers: list[str] = checked(LOGGERS, factory=lambda: ["jsonl", "tensorboard"],
+                                 hint="jsonl writes RUN_DIR/metrics.jsonl, which the summary and the loss plot read; "
+                                      "e.g. train.loggers=[jsonl,tensorboard]")
+    """Where the metrics go (finetune/logs.py SINKS): jsonl (RUN_DIR/metrics.jsonl, always: the summary, the loss plot and
+    the sweep summary read it), tensorboard (RUN_DIR/tensorboard)."""
+    tensorboard: bool | None = None
+    """The older switch, still read: true adds tensorboard to train.loggers, false takes it out; null: as
+    train.loggers says."""
+    compile: bool = False
+    """Compile each decoder layer in place (torch.compile, regional: one graph reused by every layer) for the
+    training steps; evaluation and generation run eager. The first step (and each new shape) pays the
+    compile time, reported apart as compile_s. CPU: inductor builds C++ with the system compiler."""
+    memory_report: str = checked(MEMORY_REPORTS, "peak")
+    """Measure memory over the first 2 steps: peak (the allocator's or the process's high-water mark, no cost), categories
+    (parameters, gradients, optimizer, activations, with PyTorch's MemTracker: those steps run 2-3x slower) or off; printed
+    beside the memory plan."""
+    memory_snapshot: bool = False
+    """CUDA only: write RUN_DIR/memory_snapshot.pickle of the first steps (open it at pytorch.org/memory_viz)."""
+    save_every: int = checked(at_least(0), 0)
+    """Save a resumable checkpoint every N steps into RUN_DIR/checkpoints (0: never; SIGTERM/SIGINT
+    save one at the next step boundary in any case)."""
+    keep_checkpoints: int = checked(at_least(0), 0)
+    """Keep only the newest K complete checkpoints (0: keep all)."""
+    on_nonfinite: NonFinite = NonFinite.stop
+    """A step whose loss or gradient norm is inf/nan: stop (naming the step, weights untouched by
+    it) or skip it (no update; counted as `nonfinite_skipped`). fp16's loss scaler skips overflowing
+    gradients on its own either way."""
+    resume: str | None = checked(TEXT, None)
+    """null: start fresh; auto: the newest checkpoint in RUN_DIR/checkpoints (same hydra.run.dir),
+    or start fresh if there is none; a path: that checkpoint directory."""
+    overwrite: bool = False
+    """Start over in a run directory that holds another run's checkpoints or final/: they (and its
+    metrics and summary) are removed first. Without it (or train.resume) such a launch is refused."""
+    device: Device = Device.auto
+    """auto: cuda when available, else cpu."""
+
+    def __post_init__(self) -> None:
+        # A str field, not an enum: OmegaConf refuses a bool for an enum, and true/false are still accepted (MEMORY_REPORT_BOOLS).
+        word = spelling(str(self.memory_report))
+        with contextlib.suppress(KeyError):
+            self.memory_report = MEMORY_REPORT_BOOLS.get(word) or MemoryReport[word]
+        if self.tensorboard is not None:  # train.tensorboard=true/false, as before train.loggers
+            others = [name for name in self.loggers if name != "tensorboard"]
+            self.loggers = [*others, "tensorboard"] if self.tensorboard else others
+
+
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    method: MethodConfig = MISSING
+    precision: PrecisionConfig = MISSING
+    checkpointing: CheckpointingConfig = MISSING
+    logits: LogitsConfig = MISSING
+    zero: ZeroConfig = MISSING
+    parallelism: ParallelismConfig = MISSING
+    peft: PeftConfig = MISSING
+    optim: OptimConfig = MISSING
+    launcher: LauncherConfig = MISSING
+    train: TrainConfig = MISSING
+    hardware: HardwareConfig = MISSING
+    """The machine the memory plan is checked against; the ranks themselves ignore it."""
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    """The memory planner's switches (plan.suggest, plan.force)."""
+    run_dir: str | None = checked(TEXT, None)
+    """Where the run writes; null: Hydra's run directory (`hydra.run.dir`)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.launcher.nproc_per_node * self.launcher.nnodes
+
+    @property
+    def data_parallel_size(self) -> int:
+        p = self.parallelism
+        return max(1, self.world_size // (p.tp * p.pp * p.cp))
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.data_parallel_size)
+
+
+GROUPS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "method": MethodConfig,
+    "precision": PrecisionConfig,
+    "checkpointing": CheckpointingConfig,
+    "logits": LogitsConfig,
+    "zero": ZeroConfig,
+    "parallelism": ParallelismConfig,
+    "peft": PeftConfig,
+    "optim": OptimConfig,
+    "launcher": LauncherConfig,
+    "train": TrainConfig,
+    "hardware": HardwareConfig,
+}
+
+
+def uses_deepspeed(cfg: Config) -> bool:
+    """The DeepSpeed engine runs when a ZeRO stage is set."""
+    return cfg.zero.enabled
+
+
+def engine_kind(cfg: Config) -> str:
+    """deepspeed (a ZeRO stage), mesh (FSDP2 / tensor / pipeline parallel) or torch (single, DDP)."""
+    p = cfg.parallelism
+    if uses_deepspeed(cfg):
+        return "deepspeed"
+    return "mesh" if p.strategy == Strategy.fsdp or p.tp * p.pp * p.cp > 1 else "torch"
+
+
+def register() -> None:
+    """Store the schemas: `base_config` for the root, `base_<group>` in each group. Called by finetune.compose, which
+    composes: a rank only reads its config.yaml and needs no Hydra (its import is ~0.2 s of the rank's start)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    for group, schema in GROUPS.items():
+        cs.store(group=group, name=f"base_{group}", node=schema)
+
+
+# ---------------------------------------------------------------------------------------------
+# Typed config <-> YAML
+
+
+def to_config(dcfg: DictConfig) -> Config:
+    """Resolve a composed DictConfig into the typed `Config`.
+
+    Goes through a plain container so that keys added with `+key=...` are checked against the
+    schema too (merging two DictConfigs would let them through).
+    """
+    plain = OmegaConf.to_container(dcfg, resolve=True)
+    plain.pop("hydra", None)
+    merged = OmegaConf.merge(OmegaConf.structured(Config), plain)
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+def to_yaml(cfg: Config) -> str:
+    """The config as YAML, as OmegaConf writes it (through plain values: twice as fast as a structured config)."""
+    return OmegaConf.to_yaml(_plain(cfg))
+
+
+def _plain(value: Any) -> Any:
+    if is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, Enum):
+        return value.name
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def load(path: str | Path) -> Config:
+    """Read a resolved config.yaml (what the launcher wrote into the run directory)."""
+    return to_config(OmegaConf.load(path))
+
+
+def launcher_for(cfg: Config) -> LauncherName:
+    """Which launcher `launcher=auto` means: deepspeed for the DeepSpeed engine, else torchrun."""
+    if cfg.launcher.name != LauncherName.auto:
+        return cfg.launcher.name
+    return LauncherName.deepspeed if cfg.zero.enabled else LauncherName.torchrun

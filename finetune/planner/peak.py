@@ -1,0 +1,338 @@
+"""The plan: per-rank bytes of a composed config for the rank that needs the most, from the counts
+(finetune.planner.counts) and the activations (finetune.planner.activations): weights, gradients, optimizer
+states, activations, logits/loss buffers and a fixed framework overhead, and what offload puts in CPU RAM / on
+NVMe. The total is the peak: the larger of the backward peak and the optimizer step (the categories do not all
+peak together), at the longest batch the run will see (finetune.lengths) or data.max_length, an upper bound.
+
+`plan()` imports only the config and the standard library: no torch (but for `optim.name=torch.optim.CLASS`,
+whose state is measured on a probe step: finetune/optimizers/), well under a second for any model size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from finetune import methods, optimizers
+from finetune.config import Config, Offload, PeftMethod, PipeSchedule, Precision, Reference, StateDtype, Strategy
+from finetune.families import COUNTED, Arch
+from finetune.lengths import Longest
+from finetune.methods.base import SCORED
+from finetune.planner.activations import Activations, activation_bytes, dtypes
+from finetune.planner.counts import (CPU_OVERHEAD_BYTES, GIB, GPU_OVERHEAD_BYTES, Counts, architecture, attention_kernel,
+                                     count_params, engine_state_bytes, fsdp_frozen_and_gathered, module_bytes, moe_notes,
+                                     optimizer_kind, state_bytes, trainable_shapes, trainable_split, zero_states)
+from finetune.rules import several_per_row
+
+
+
+def batch_width(cfg: Config, longest: Longest | None) -> tuple[int, str]:
+    """(tokens per row the activations are planned at, the plan's line saying which and why)."""
+    cap = cfg.data.max_length
+    if cfg.parallelism.pp > 1:
+        return cap, f"activations at data.max_length={cap} tokens: pipeline parallel pads every micro-batch to it"
+    if longest is not None and longest.width is not None:
+        width = min(longest.width, cap)
+        return width, f"activations at the longest batch: {width} tokens (max_length {cap}; {longest.why})"
+    why = f"the data was not read: {longest.why}" if longest is not None else "the data was not read"
+    rows = "packed rows hold up to" if cfg.data.packing else "padded batches are as long as their longest row, at most"
+    return cap, f"activations at max_length {cap} tokens: an upper bound ({why}; {rows} data.max_length)"
+
+
+@dataclass
+class Plan:
+    """Per-rank bytes (the rank that needs the most) and where offloaded states go."""
+
+    params: int
+    trainable: int
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    """Saved for backward when it starts (the blocks' and the head's)."""
+    logits: float
+    """The loss's buffers on top of them while its backward runs."""
+    overhead: float
+    backward: float = 0.0
+    """Activations, loss buffers and gradients held together at the worst moment of backward
+    (gradients fill in block by block as the activations are freed)."""
+    step_temp: float = 0.0
+    """The optimizer step's temporaries (torch's foreach AdamW: one fp32 tensor per parameter)."""
+    cpu_bytes: float = 0.0
+    """CPU RAM per node for offloaded states/activations."""
+    nvme_bytes: float = 0.0
+    """NVMe space per node for offloaded states."""
+    budget: float = 0.0
+    """Memory one rank may use: hardware.gpu_memory_gib, or cpu RAM / ranks per node on CPU."""
+    cpu_budget: float = 0.0
+    nvme_budget: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    measured_activations: float = 0.0
+    """What MemoryProbe's backward_activations measures: activations and temporaries at the start of the
+    model's backward or at its worst moment (the loss's backward runs outside the model)."""
+    width: int = 0
+    """Tokens per row the activations are planned at: the longest batch, or data.max_length."""
+    buckets: float = 0.0
+    """DDP's flat gradient buckets, counted in `gradients`."""
+
+    @property
+    def backward_peak(self) -> float:
+        """Weights, optimizer states and the worst moment of backward."""
+        return self.weights + self.optimizer + self.backward + self.overhead
+
+    @property
+    def step_peak(self) -> float:
+        """Weights, gradients and optimizer states (and its temporaries) at the optimizer step."""
+        return self.weights + self.gradients + self.optimizer + self.step_temp + self.overhead
+
+    @property
+    def total(self) -> float:
+        """The peak: the categories do not peak together (gradients fill in while activations are freed)."""
+        return max(self.backward_peak, self.step_peak)
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.budget and self.cpu_bytes <= self.cpu_budget and self.nvme_bytes <= self.nvme_budget
+
+    @property
+    def headroom(self) -> float:
+        """Bytes left on the rank (negative: short by)."""
+        return self.budget - self.total
+
+
+def plan(cfg: Config, longest: Longest | None = None) -> Plan:
+    """Per-rank memory of `cfg` on `cfg.hardware` (raises ConfigError when the architecture is unknown),
+    its activations at `longest` (the longest batch the run sees, read from its data: finetune.lengths)
+    or, without it, at data.max_length, an upper bound for padded batches."""
+    arch = architecture(cfg.model)
+    if methods.get(cfg.method.name).model_class == SCORED:  # a reward model: a score head of hidden x 1, not lm_head
+        arch = arch.scored()
+    counts = count_params(arch, cfg)
+    on_gpu = cfg.hardware.gpu_memory_gib > 0  # without a GPU, offloading to CPU RAM moves nothing: it stays counted per rank
+    notes = model_notes(arch, cfg)
+    s = model_states(arch, cfg, counts, on_gpu, notes)
+    s.weights += reference_weights(arch, cfg, notes)
+    seq, said = batch_width(cfg, longest)
+    notes.append(said)
+    acts, backward = activations_through_backward(arch, cfg, counts, s, seq, longest, on_gpu, notes)
+    return total(cfg, counts, s, acts, backward, step_temp(arch, cfg, counts, s, on_gpu), seq, on_gpu, notes)
+
+
+def model_notes(arch: Arch, cfg: Config) -> list[str]:
+    """The plan's first lines: how the model is counted, its attention kernel, its rows, its experts under PEFT."""
+    notes: list[str] = []
+    if not arch.known and arch.model_type in COUNTED:
+        notes.append(f"model_type={arch.model_type}: its parameters are counted as transformers builds them (finetune/families/records.py "
+                     "COUNTED); its activations are estimated from the families measured (FAMILIES), not measured for it")
+    elif not arch.known:
+        notes.append(f"model_type={arch.model_type}: no record in finetune/families/records.py, so its parameters are read off transformers' "
+                     "build of its config on the meta device (exact); its activations are estimated as for a Llama-style block "
+                     "of the same linears, not measured for it")
+
+    notes.append("attention: %s (%s)" % attention_kernel(arch, cfg))
+    if several_per_row(cfg):  # finetune.varlen, or flash-attn's variable-length kernel
+        notes.append(f"rows: {several_per_row(cfg)}, each sample attended alone (no mask over the whole row)")
+    return notes + moe_notes(arch, cfg)
+
+
+@dataclass
+class States:
+    """Per-rank bytes of the model states as `model_states` counts them (the frozen base and what is gathered in
+    `weights`), and what offload moves off the rank."""
+
+    trainable: float
+    """Trainable parameters on this rank's tensor x pipeline share (before data-parallel sharding)."""
+    bytes_per_param: tuple[int, int, int]
+    """(weights, gradients, optimizer states) bytes per trainable parameter (counts.engine_state_bytes)."""
+    weights: float = 0.0
+    grads: float = 0.0
+    opt: float = 0.0
+    buckets: float = 0.0
+    """DDP's flat gradient buckets (a second copy of the gradients)."""
+    one_grad: float = 0.0
+    """optim.in_backward: the largest trainable tensor's gradient, the most it holds."""
+    cpu: float = 0.0
+    nvme: float = 0.0
+
+
+def model_states(arch: Arch, cfg: Config, counts: Counts, on_gpu: bool, notes: list[str]) -> States:
+    """Weights (the frozen base and what is gathered included), gradients and optimizer states of this rank: the
+    DeepSpeed engine's ZeRO partitions, or the torch engine's (FSDP2 shards, DDP buckets, stepping in backward)."""
+    p = cfg.parallelism
+    mp = p.tp * p.pp  # weights/grads/optimizer split over tensor x pipeline ranks
+    s = States(counts.trainable / mp, engine_state_bytes(cfg))
+    frozen = counts.frozen / mp
+    frozen_w, gathered = zero_model_states(arch, cfg, s, frozen, counts, on_gpu, notes) if cfg.zero.enabled else \
+        torch_model_states(arch, cfg, s, frozen, counts, on_gpu, notes)
+    s.weights += frozen_w + gathered
+
+    if cfg.peft.name == PeftMethod.dora:
+        notes.append("DoRA: its magnitude path keeps more per forward than LoRA (base and adapter outputs per token, "
+                     "weight-sized norms); counted as LoRA, so activations are low (~1.5-2x at h=256 measured)")
+    return s
+
+
+def zero_model_states(arch: Arch, cfg: Config, s: States, frozen: float, counts: Counts, on_gpu: bool,
+                      notes: list[str]) -> tuple[float, float]:
+    """DeepSpeed ZeRO's partitions of `s`'s states and where offload moves them; (frozen base bytes, gathered bytes)."""
+    z, dp = cfg.zero, cfg.data_parallel_size
+    w, g, k = s.bytes_per_param
+    gathered = 0.0
+    s.weights, s.grads, s.opt = zero_states(z.stage, s.trainable, dp, w, g, k)
+    frozen_w = frozen * counts.frozen_bytes_per_param / (dp if z.stage == 3 else 1)
+    if z.stage == 3:
+        gathered = (w + g) * arch.largest_layer_params  # one module's 16-bit weights + gradients at a time
+    if z.offload_optimizer == Offload.nvme or (z.offload_optimizer == Offload.cpu and on_gpu):
+        # the reduced gradient partition goes straight into an fp32 buffer next to the offloaded states
+        # (docs/memory.md: offload moves the 12P and the fp32 gradient copy); the GPU keeps only reduce buckets
+        moved = s.opt + 4 * s.trainable / dp
+        s.opt = s.grads = 0.0
+        if z.offload_optimizer == Offload.cpu:
+            s.cpu += moved
+        else:
+            s.nvme += moved
+    if z.offload_param == Offload.nvme or (z.offload_param == Offload.cpu and on_gpu):
+        moved = s.weights + frozen_w
+        s.weights = frozen_w = 0.0
+        if z.offload_param == Offload.cpu:
+            s.cpu += moved
+        else:
+            s.nvme += moved
+    notes.append(f"DeepSpeed ZeRO stage {z.stage}: {w}+{g}+{k} bytes/param, sharded over {dp} data-parallel ranks "
+                 "(DeepSpeed's own estimator adds a 4 bytes/param fp32 gradient copy: 18P/N)")
+    return frozen_w, gathered
+
+
+def torch_model_states(arch: Arch, cfg: Config, s: States, frozen: float, counts: Counts, on_gpu: bool,
+                       notes: list[str]) -> tuple[float, float]:
+    """The torch engine's states of `s` (FSDP2 shards, DDP buckets, bf16_pure, optim.in_backward); (frozen base bytes,
+    gathered bytes)."""
+    p, dp = cfg.parallelism, cfg.data_parallel_size
+    mp = p.tp * p.pp
+    w, g, k = s.bytes_per_param
+    gathered = 0.0
+    s.weights, s.grads, s.opt = w * s.trainable, g * s.trainable, k * s.trainable
+    if optimizers.record(cfg.optim.name).by_shape:  # by tensor shape, not per parameter
+        s.opt = state_bytes(trainable_shapes(arch, cfg), cfg.optim.name) / mp
+    frozen_w = frozen * counts.frozen_bytes_per_param
+    if p.strategy == Strategy.fsdp:  # FSDP2: like ZeRO-3 over dp (x cp), fp32 states, one block gathered at a time
+        s.weights, s.grads, s.opt = s.weights / (dp * p.cp), s.grads / (dp * p.cp), s.opt / (dp * p.cp)
+        frozen_w, gathered = fsdp_frozen_and_gathered(arch, cfg, frozen_w, w, g)
+        if p.fsdp_offload and on_gpu:
+            s.cpu += s.weights + s.grads + s.opt + frozen_w
+            s.weights = s.grads = s.opt = frozen_w = 0.0
+        elif not p.fsdp_reshard_after_forward:  # gathered blocks kept from forward to backward
+            gathered += w * arch.params / mp
+    elif p.strategy == Strategy.ddp and dp > 1 and mp == 1 and p.cp == 1:
+        s.buckets = s.grads  # DDP's flat all-reduce buckets: a second copy of the gradients, held throughout
+        notes.append("DDP: gradient buckets counted as a second copy of the gradients")
+    if cfg.precision.name == Precision.bf16_pure:
+        notes.append(f"precision=bf16_pure: bf16 weights, gradients and {optimizer_kind(cfg)} states ({w}+{g}+{k} bytes/param"
+                     + (", 2 of them Kahan's compensation)" if cfg.precision.kahan_sum else ")"))
+    else:
+        states = "bf16 states (optim.state_dtype=bf16: 4 bytes/param)" if cfg.optim.state_dtype == StateDtype.bf16 else "states"
+        notes.append(f"torch engine: fp32 weights and {optimizer_kind(cfg)} {states} in every precision "
+                     "(bf16/fp16 autocast the compute only)")
+    if cfg.optim.in_backward:  # each gradient is stepped and freed in its hook: the largest one is the most held
+        s.one_grad = g * max(math.prod(shape) for shape in trainable_shapes(arch, cfg)) / mp
+        notes.append("optim.in_backward: each parameter steps in backward and frees its gradient: the largest "
+                     "trainable tensor's gradient counted")
+    return frozen_w, gathered
+
+
+def reference_weights(arch: Arch, cfg: Config, notes: list[str]) -> float:
+    """A live reference model (DPO's): its weights (frozen, no gradients, sharded like the policy's frozen part)."""
+    p, method = cfg.parallelism, methods.get(cfg.method.name)
+    if method.reference(cfg.method) != Reference.live:
+        return 0.0
+    ref_bytes = module_bytes(cfg) * arch.params / (p.tp * p.pp)
+    if (cfg.zero.enabled and cfg.zero.stage == 3) or p.strategy == Strategy.fsdp:
+        ref_bytes /= cfg.data_parallel_size * p.cp
+    notes.append(f"{method.name.upper()} reference=live: a frozen copy of the model's weights")
+    return ref_bytes
+
+
+def activations_through_backward(arch: Arch, cfg: Config, counts: Counts, s: States, seq: int, longest: Longest | None,
+                                 on_gpu: bool, notes: list[str]) -> tuple[Activations, float]:
+    """The activations of a micro batch (x the method's rows per example: 2 for DPO pairs) at `seq` tokens per row,
+    pipeline stages in flight, and the worst moment of backward with the gradients held by then (`s.grads` gains DDP's
+    buckets; under optim.in_backward it becomes the one gradient held)."""
+    p, z = cfg.parallelism, cfg.zero
+    rows = cfg.train.micro_batch_size * methods.get(cfg.method.name).rows_per_example
+    tokens = -(-seq // p.cp) * rows  # context parallel: this rank's slice of every row (attention: all of it, 1/cp of the heads)
+    labelled = longest.labelled if longest is not None else None
+    exchange = 0.0
+    if p.cp > 1:  # one block's all-to-all buffers in flight: q, k, v as sent and as received
+        exchange = tokens * 2 * dtypes(cfg).compute * (arch.q_dim + 2 * arch.kv_dim) / p.tp
+        labelled = -(-labelled // p.cp) if labelled is not None else None
+        notes.append(f"context parallel: {tokens // rows} of each row's {seq} tokens on each of {p.cp} ranks; attention over all "
+                     f"{seq} for 1/{p.cp} of the heads (the score terms stay per token x {seq}); one block's all-to-all "
+                     "buffers added")
+    # padding (rows of different lengths) or packed samples: sdpa gets a mask (context parallel's own: packed rows only),
+    # unless each sample is attended alone (finetune.varlen: packed rows and padding-free micro-batches)
+    masked = not several_per_row(cfg) and (cfg.data.packing or (rows > 1 and p.cp == 1))
+    layers = math.ceil(arch.num_hidden_layers / p.pp)
+    micro_batches = max(1, cfg.grad_accum_steps)
+    in_flight = 1 if p.pp == 1 else (micro_batches if p.pp_schedule == PipeSchedule.gpipe else min(p.pp, micro_batches))
+    # gradients held throughout backward: those of earlier micro-batches (accumulation, or a pipeline's
+    # schedule), and buffers allocated up front (DDP buckets; DeepSpeed's gradient partitions / buckets);
+    # otherwise they fill in block by block, the head's first
+    per_param = s.grads / max(s.trainable, 1)  # gradient bytes per trainable parameter held here
+    block_trainable, head_trainable = trainable_split(arch, cfg, counts)
+    resident = s.grads if (z.enabled or micro_batches > 1 or p.pp > 1) else 0.0
+    block_grads = 0.0 if resident else per_param * block_trainable / p.tp
+    head_grads = 0.0 if resident else per_param * head_trainable / p.tp
+    if cfg.optim.in_backward:  # stepped and freed in backward: one gradient at a time, never all of them
+        s.grads = resident = s.one_grad
+        block_grads = head_grads = 0.0
+    acts = activation_bytes(arch, cfg, layers, in_flight, seq, tokens, block_grads, head_grads, moves=on_gpu, masked=masked,
+                            labelled=labelled, exchange=exchange)
+    # the worst moment of backward: the loss's own backward (everything saved, and its buffers), or
+    # inside the blocks (the gradients filled in by then)
+    backward = s.buckets + resident + max(acts.stored + acts.loss, acts.filled)
+    s.grads += s.buckets
+    if p.pp > 1:
+        notes.append(f"pipeline: {layers} blocks per stage, {in_flight} micro-batches in flight on the first stage; "
+                     "the logits (last stage) are added too: a conservative worst rank")
+    return acts, backward
+
+
+def step_temp(arch: Arch, cfg: Config, counts: Counts, s: States, on_gpu: bool) -> float:
+    """The optimizer step's temporaries.
+
+    Adam/AdamW's step: on GPU torch's foreach implementation makes torch._foreach_sqrt(exp_avg_sq), one fp32
+    tensor per trainable parameter held here; on CPU it runs tensor by tensor (the largest one's worth).
+    optim.state_dtype=bf16 steps tensor by tensor everywhere, with the moments and the denominator in fp32;
+    adafactor too, with one fp32 temporary of the tensor's size (its second-moment estimate, then the update)."""
+    p, z, dp = cfg.parallelism, cfg.zero, cfg.data_parallel_size
+    shard = (dp * p.cp if p.strategy == Strategy.fsdp else 1) * p.tp * p.pp
+    if cfg.optim.state_dtype == StateDtype.bf16 and cfg.precision.name != Precision.bf16_pure:
+        return 12 * min(counts.trainable, arch.largest_layer_params) / shard
+    if optimizers.record(cfg.optim.name).step_temp == "tensor" and not z.enabled:
+        return 4 * min(counts.trainable, arch.largest_layer_params) / shard
+    if optimizers.record(cfg.optim.name).step_temp == "foreach" and not (z.enabled and z.offload_optimizer != Offload.none):
+        return 4 * (s.trainable / (dp * p.cp if (z.enabled or p.strategy == Strategy.fsdp) else 1) if on_gpu
+                    else min(counts.trainable, arch.largest_layer_params))
+    return 0.0
+
+
+def total(cfg: Config, counts: Counts, s: States, acts: Activations, backward: float, temp: float, seq: int, on_gpu: bool,
+          notes: list[str]) -> Plan:
+    """The Plan: per-rank categories, CPU RAM and NVMe per node (QLoRA under FSDP loads the whole base first), and the
+    budgets they are checked against."""
+    hw, p = cfg.hardware, cfg.parallelism
+    ranks_per_node = cfg.launcher.nproc_per_node
+    cpu = (s.cpu + acts.cpu) * ranks_per_node  # per rank -> per node
+    if cfg.peft.name == PeftMethod.qlora and p.strategy == Strategy.fsdp and on_gpu:
+        # each rank quantizes the whole base in host memory before fully_shard moves its shard to the GPU
+        loading = counts.frozen * counts.frozen_bytes_per_param * ranks_per_node
+        notes.append(f"QLoRA under FSDP: each rank loads the whole 4-bit base into host memory before sharding it: "
+                     f"{loading / ranks_per_node / GIB:.2f} GiB per rank, {loading / GIB:.2f} GiB per node at start")
+        cpu = max(cpu, loading)
+    nvme = s.nvme * ranks_per_node
+    budget = hw.gpu_memory_gib * GIB if on_gpu else hw.cpu_memory_gib * GIB / ranks_per_node
+    return Plan(params=counts.total, trainable=counts.trainable, weights=s.weights, gradients=s.grads, optimizer=s.opt,
+                activations=acts.stored, logits=acts.loss, overhead=GPU_OVERHEAD_BYTES if on_gpu else CPU_OVERHEAD_BYTES,
+                backward=backward, step_temp=temp, measured_activations=acts.measured, width=seq, buckets=s.buckets,
+                cpu_bytes=cpu, nvme_bytes=nvme, budget=budget,
+                cpu_budget=hw.cpu_memory_gib * GIB if on_gpu else math.inf, nvme_budget=hw.nvme_gib * GIB, notes=notes)

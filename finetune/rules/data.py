@@ -1,0 +1,91 @@
+"""The data's and the method's rules: the sources, streaming, the method's own rules and the forms it reads, packing
+and padding-free rows (`padding_free`, `several_per_row`, which the planner reads too), an eval set where asked.
+"""
+
+from __future__ import annotations
+
+from finetune.config import Config, ConfigError, DataFormat, Reference
+from finetune import methods
+from finetune.data.sources import sources
+
+
+def validate_sources(cfg: Config) -> None:
+    """data.train and data.eval: a mixture's entries, each named when malformed."""
+    for value, split, key in ((cfg.data.train, cfg.data.train_split, "data.train"), (cfg.data.eval, cfg.data.eval_split, "data.eval")):
+        if value is not None:
+            sources(value, split, key)  # a mixture's entries, each named when malformed
+
+
+def validate_streaming(cfg: Config) -> None:
+    """What a stream (data.streaming=true) cannot do, each refused with what to do instead; and its
+    shuffle buffer set without one."""
+    d, m = cfg.data, cfg.method
+    if not d.streaming:
+        if d.shuffle_buffer is not None:
+            raise ConfigError(f"data.shuffle_buffer={d.shuffle_buffer} applies to data.streaming=true only (otherwise the whole set is "
+                              "shuffled by train.seed): remove it, or set data.streaming=true")
+        return
+    for name in ("cache_dir", "num_proc"):
+        if getattr(d, name) is not None:
+            raise ConfigError(f"data.{name}={getattr(d, name)} has no effect with data.streaming=true (a stream is tokenized on the fly, "
+                              "with no token cache): remove it, or set data.streaming=false")
+    srcs = sources(d.train, d.train_split, "data.train")
+    for s in srcs:
+        if s.rows is not None:
+            raise ConfigError(f"{s.key}.rows={s.rows} is an exact count of the source's rows, whose number data.streaming=true does "
+                              "not read ahead: give the source a weight instead")
+        if s.weight is None and len(srcs) > 1:
+            raise ConfigError(f"{s.key}: a streamed mixture draws each next row from a source by its weight (data.streaming=true): "
+                              "give every source a weight")
+    if len(srcs) > 1 and d.eval is None and d.eval_size:
+        raise ConfigError(f"data.eval_size={d.eval_size} with a streamed mixture: data.streaming=true holds out the first rows of one "
+                          "source, and a mixture has several: set data.eval")
+    method = methods.get(m.name)
+    if method.reference(m) == Reference.precomputed:
+        raise ConfigError(f"method.reference=precomputed scores every train {method.unit} before training, which a stream cannot "
+                          "(data.streaming=true): use method.reference=live (or adapter_disabled with peft), or data.streaming=false")
+
+
+def padding_free(cfg: Config) -> tuple[bool, str]:
+    """(whether the training micro-batches are padding-free, why): data.padding_free, null resolved."""
+    asked = cfg.data.padding_free
+    p = cfg.parallelism
+    why_not = methods.get(cfg.method.name).unpacked or (
+        f"parallelism.pp={p.pp} sends every micro-batch through the stages at one shape (data.max_length)" if p.pp > 1 else
+        f"parallelism.cp={p.cp} splits each row's tokens over ranks and masks the whole row" if p.cp > 1 else None)
+    if asked is False:
+        return False, "data.padding_free=false"
+    if why_not is not None:
+        if asked:
+            raise ConfigError(f"data.padding_free=true cannot run here: {why_not}: set data.padding_free=false (or null)")
+        return False, f"padded: {why_not}"
+    if asked is None and cfg.train.micro_batch_size == 1:
+        return False, "padded: one row per micro-batch has no padding"
+    return True, "data.padding_free=true" if asked else "auto"
+
+
+def several_per_row(cfg: Config) -> str:
+    """What lays several samples in a training row, each attended alone (finetune.varlen; "" when nothing does):
+    packing, padding-free micro-batches. Under pipeline or context parallel the rows keep transformers' mask."""
+    if cfg.parallelism.pp > 1 or cfg.parallelism.cp > 1:
+        return ""
+    return " and ".join(w for w, on in (("packed rows", cfg.data.packing), ("padding-free micro-batches", padding_free(cfg)[0])) if on)
+
+
+def validate_method(cfg: Config) -> None:
+    """The method's own rules (its finetune.methods record), then what every method's record declares: the data
+    forms it reads, whether its rows can be packed."""
+    method = methods.get(cfg.method.name)
+    method.validate(cfg)
+    fmt = cfg.data.format
+    if fmt != DataFormat.auto and fmt not in method.forms:
+        raise ConfigError(f"method={method.name} reads data.format={' or '.join(f.value for f in method.forms)} rows (or auto): "
+                          f"data.format={fmt.value} is not one of them")
+    if cfg.data.packing and method.unpacked:
+        raise ConfigError(f"data.packing=true cannot run here: {method.unpacked}: set data.packing=false")
+
+
+def validate_eval(cfg: Config) -> None:
+    """train.exact_match_samples needs an eval set."""
+    if cfg.train.exact_match_samples and cfg.data.eval is None and cfg.data.eval_size == 0:
+        raise ConfigError("train.exact_match_samples needs an eval set: set data.eval or data.eval_size")
