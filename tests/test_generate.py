@@ -11,7 +11,6 @@ import torch
 
 from conftest import REPO, readme_commands, run_shell
 
-pytestmark = pytest.mark.slow
 RUN = "outputs/quickstart_sft"
 
 
@@ -40,6 +39,7 @@ def greedy(run_dir, messages: list[dict[str, str]], max_new_tokens: int = 128) -
     return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
+@pytest.mark.slow
 def test_a_prompt_is_rendered_as_the_training_data_was(shipped):
     """The run's eval example's prompt tokens are the tokens generate puts before the response."""
     import argparse
@@ -62,6 +62,7 @@ def test_a_prompt_is_rendered_as_the_training_data_was(shipped):
     assert chat.tokenizer.decode(chat.prompt_ids([{"role": "user", "content": "hi"}])) == "<|system|>be brief\n<|user|>hi\n<|assistant|>"
 
 
+@pytest.mark.slow
 def test_readme_prompt_streams_the_greedy_answer(shipped):
     out = run_shell(command("--prompt"), cwd=shipped)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -71,6 +72,7 @@ def test_readme_prompt_streams_the_greedy_answer(shipped):
     assert out.stdout == answer + "\n"  # TextStreamer ends the stream with a newline
 
 
+@pytest.mark.slow
 def test_readme_file_of_prompts_prints_one_json_line_each(shipped):
     from test_readme import heredocs
 
@@ -83,6 +85,7 @@ def test_readme_file_of_prompts_prints_one_json_line_each(shipped):
                                                    for p in ("reverse\nhello", "double\nabc")]
 
 
+@pytest.mark.slow
 def test_readme_chat_on_stdin_keeps_the_conversation_until_reset(shipped):
     out = run_shell(command("printf"), cwd=shipped)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -93,12 +96,14 @@ def test_readme_chat_on_stdin_keeps_the_conversation_until_reset(shipped):
     assert turns == [first + "\n", after_reset + "\n"]
 
 
+@pytest.mark.slow
 def test_sampling_is_seeded(shipped):
     args = f"python -m finetune.generate {RUN} --prompt $'reverse\\nabc' --temperature 1.5 --top-p 0.95 --max-new-tokens 12 --seed 3"
     one, two = (run_shell(args, cwd=shipped) for _ in range(2))
     assert one.returncode == 0 and one.stdout == two.stdout
 
 
+@pytest.mark.slow
 def test_a_model_directory_without_a_run_uses_its_own_chat_template(shipped, tmp_path):
     """The export of the run (a merged model, no config.yaml) answers as the run does: the tokenizer's chat template
     is what the run trained with (data.template=auto)."""
@@ -108,6 +113,7 @@ def test_a_model_directory_without_a_run_uses_its_own_chat_template(shipped, tmp
     assert out.stdout == greedy(shipped / RUN, [{"role": "user", "content": "reverse\nhello"}]) + "\n"
 
 
+@pytest.mark.slow
 def test_refusals_are_one_line(shipped):
     out = run_shell("python -m finetune.generate no/such/run --prompt hi", cwd=shipped)
     assert out.returncode == 2 and out.stderr.strip() == \
@@ -115,3 +121,21 @@ def test_refusals_are_one_line(shipped):
     out = run_shell(f"python -m finetune.generate {RUN} --file missing.txt", cwd=shipped)
     assert out.returncode == 2 and out.stderr.strip() == "error: --file missing.txt: no such file"
     assert REPO.is_dir()
+
+
+def test_prompt_files_txt_and_jsonl_and_their_mistakes(tmp_path):
+    from finetune.finished import Refusal
+    from finetune.generate import read_prompts
+
+    txt = tmp_path / "p.txt"
+    txt.write_text("reverse abc\n\nupper\n")
+    assert list(read_prompts(txt)) == [[{"role": "user", "content": "reverse abc"}], [{"role": "user", "content": "upper"}]]
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('{"prompt": "a"}\n{"messages": [{"role": "user", "content": "b"}]}\n')
+    assert list(read_prompts(jsonl)) == [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]]
+    jsonl.write_text('{"prompt": "a"}\n{"text": "b"}\n')
+    with pytest.raises(Refusal, match=r'p.jsonl:2: a line needs \{"prompt": TEXT\} or \{"messages": \[...\]\}'):
+        list(read_prompts(jsonl))
+    jsonl.write_text("{oops\n")
+    with pytest.raises(Refusal, match=r"p.jsonl:1: not JSON"):
+        list(read_prompts(jsonl))
