@@ -138,8 +138,12 @@ def validate(cfg: Config) -> None:
     _validate_strategies(cfg)
     _validate_method(cfg)
     padding_free(cfg)
-    if t.exact_match_samples and cfg.data.eval is None and cfg.data.eval_size == 0:
-        raise ConfigError("train.exact_match_samples needs an eval set: set data.eval or data.eval_size")
+    for key, value in (("exact_match_samples", t.exact_match_samples), ("sample_prompts", t.sample_prompts)):
+        if value and cfg.data.eval is None and cfg.data.eval_size == 0:
+            raise ConfigError(f"train.{key} needs an eval set: set data.eval or data.eval_size")
+    if t.sample_prompts and cfg.parallelism.pp > 1:
+        raise ConfigError(f"train.sample_prompts={t.sample_prompts} with parallelism.pp={cfg.parallelism.pp}: pipeline stages cannot "
+                          "generate while training (exact match is measured on final/ after it); set train.sample_prompts=0")
 
 
 def _validate_optimizer_keys(cfg: Config) -> None:
