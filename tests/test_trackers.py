@@ -272,7 +272,7 @@ def test_readme_mlflow_command_and_a_sweep_grouped(offline, monkeypatch):
     fewer steps; then a 2-trial sweep: both trials nested under one MLflow parent run and in one W&B group."""
     monkeypatch.chdir(offline)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")  # README: export MLFLOW_TRACKING_URI=sqlite:///mlflow.db
-    short = ["train.max_steps=4", "train.eval_every=2", "train.exact_match_samples=0", "data.eval_size=16"]
+    short = ["train.max_steps=4", "optim.warmup_steps=1", "train.eval_every=2", "train.exact_match_samples=0", "data.eval_size=16"]
     out = run_cli(*readme_command("train.loggers=[jsonl,mlflow]"), *short, f"hydra.run.dir={offline / 'run'}", cwd=offline)
     assert out.returncode == 0, out.stderr[-3000:]
     from mlflow import MlflowClient
@@ -288,6 +288,7 @@ def test_readme_mlflow_command_and_a_sweep_grouped(offline, monkeypatch):
 
     sweep = offline / "sweep"
     out = run_cli("-m", "+recipe=quickstart_sft", "train.loggers=[jsonl,mlflow,wandb]", "optim.lr=1e-3,2e-3", *short,
+                  "parallelism=single", "launcher.nproc_per_node=1",  # one process a trial: the grouping is what is tested
                   f"hydra.sweep.dir={sweep}", cwd=offline)
     assert out.returncode == 0, out.stderr[-3000:]
     trials = client.search_runs([experiment], f"tags.`finetune.group` = '{sweep}'")
@@ -302,3 +303,18 @@ def test_the_readme_names_every_tracker():
     text = (REPO / "README.md").read_text()
     for name in trackers.TRACKERS:
         assert f"train.loggers=[jsonl,{name}]" in text, name
+
+
+@pytest.mark.parametrize("overrides,error", [
+    (["train.sample_prompts=4", "train.exact_match_samples=0", "data.eval_size=0", "data.eval=null"],
+     "train.sample_prompts needs an eval set: set data.eval or data.eval_size"),
+    (["train.sample_prompts=4", "parallelism=pp2", "launcher.nproc_per_node=2"],
+     "train.sample_prompts=4 with parallelism.pp=2: pipeline stages cannot generate while training (exact match is measured "
+     "on final/ after it); set train.sample_prompts=0"),
+])
+def test_samples_need_an_eval_set_and_a_rank_that_generates(compose, overrides, error):
+    from finetune.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        compose(["+recipe=quickstart_sft", *overrides])
+    assert str(e.value) == error
