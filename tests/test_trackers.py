@@ -28,7 +28,9 @@ TINY = ["train.max_steps=4", "train.global_batch_size=8", "train.micro_batch_siz
 
 @pytest.fixture
 def offline(tmp_path, monkeypatch):
-    """Every tracker local: W&B offline, MLflow in a SQLite file, trackio in a directory of tmp_path."""
+    """Every tracker local: W&B offline, MLflow in a SQLite file, trackio in a directory of tmp_path; run from tmp_path
+    (MLflow's local artifact root is ./mlruns of the working directory)."""
+    monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -135,6 +137,20 @@ def test_one_run_logs_the_same_numbers_to_every_tracker(offline):
     outputs = generate(model, tok, evals[:3], batch_size=8, max_new_tokens=8, device=torch.device("cpu"))
     assert [r["output"] for r in samples if r["step"] == 4] == outputs
     assert [r["reference"] for r in samples if r["step"] == 4] == [e.reference for e in evals[:3]]
+
+
+def test_a_failed_run_is_marked_failed(offline):
+    """Training that raises inside the run's MetricsLog: W&B's run exits 1, MLflow's is FAILED; no files are kept."""
+    with pytest.raises(RuntimeError), logs.MetricsLog(offline, enabled=True, loggers=["jsonl", "wandb", "mlflow"]) as log:
+        log.write("train", 1, {"loss": 2.5})
+        raise RuntimeError("a rank failed")
+    assert [r["exit"]["exit_code"] for r in wandb_records(offline) if r["type"] == "exit"] == [1]
+    from mlflow import MlflowClient
+
+    client = MlflowClient()
+    (found,) = client.search_runs([client.get_experiment_by_name("finetune").experiment_id])
+    assert found.info.status == "FAILED" and found.data.metrics == {"train/loss": 2.5}
+    assert client.list_artifacts(found.info.run_id) == []
 
 
 class Broken:
@@ -270,7 +286,6 @@ def readme_command(marker: str) -> list[str]:
 def test_readme_mlflow_command_and_a_sweep_grouped(offline, monkeypatch):
     """README's MLflow command through the real CLI (2 ranks: the samples gathered from both, in eval-set order), with
     fewer steps; then a 2-trial sweep: both trials nested under one MLflow parent run and in one W&B group."""
-    monkeypatch.chdir(offline)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")  # README: export MLFLOW_TRACKING_URI=sqlite:///mlflow.db
     short = ["train.max_steps=4", "optim.warmup_steps=1", "train.eval_every=2", "train.exact_match_samples=0", "data.eval_size=16"]
     out = run_cli(*readme_command("train.loggers=[jsonl,mlflow]"), *short, f"hydra.run.dir={offline / 'run'}", cwd=offline)
@@ -282,7 +297,8 @@ def test_readme_mlflow_command_and_a_sweep_grouped(offline, monkeypatch):
     (found,) = client.search_runs([experiment])
     rows = read_metrics(offline / "run")
     samples = [r for r in rows if r["kind"] == logs.SAMPLE]
-    assert [r["index"] for r in samples if r["step"] == 4] == list(range(4))
+    _, _, _, evals = reload_and_evaluate(offline / "run" / "final", offline / "run")
+    assert [(r["index"], r["reference"]) for r in samples if r["step"] == 4] == [(i, e.reference) for i, e in enumerate(evals[:4])]
     loss = [(m.step, m.value) for m in sorted(client.get_metric_history(found.info.run_id, "train/loss"), key=lambda m: m.step)]
     assert loss == pytest.approx([(r["step"], r["loss"]) for r in rows if r["kind"] == "train"])
 
