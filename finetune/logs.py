@@ -199,7 +199,7 @@ class Queued:
     def __getattr__(self, method: str) -> Any:
         if method not in ("start", "write", "samples", "close", "end"):
             raise AttributeError(method)
-        return lambda *args: self.calls.put((method, args))
+        return lambda *args: self.calls.put((method, tuple(dict(a) if isinstance(a, dict) else a for a in args)))  # as of now
 
     def join(self, timeout: float) -> None:
         self.calls.put(None)
