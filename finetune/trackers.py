@@ -147,7 +147,9 @@ class WandbSink(WandbApi):
                 environ.get("WANDB_DISABLED", "").lower() in ("true", "1"):
             return None
         base = environ.get("WANDB_BASE_URL", "https://api.wandb.ai").rstrip("/")
-        key = environ.get("WANDB_API_KEY") or _netrc_password(base)
+        if environ.get("WANDB_IDENTITY_TOKEN_FILE"):  # OIDC: W&B exchanges the token itself
+            return None
+        key = environ.get("WANDB_API_KEY") or _netrc_password(base, environ) or _wandb_settings_key(environ)
         offline = "or log offline with WANDB_MODE=offline (then `wandb sync RUN_DIR/wandb/offline-run-*`)"
         if not key:
             return f"no W&B API key for {base}: run `wandb login` or set WANDB_API_KEY, {offline}"
@@ -304,13 +306,24 @@ def _ask(url: str, headers: dict[str, str], data: bytes | None = None) -> int | 
         return str(getattr(reason, "strerror", None) or reason)
 
 
-def _netrc_password(base: str) -> str | None:
-    """The password ~/.netrc holds for the URL's host (where `wandb login` keeps the key)."""
+def _netrc_password(base: str, environ: dict[str, str]) -> str | None:
+    """The password ~/.netrc (or $NETRC) holds for the URL's host (where `wandb login` keeps the key)."""
     try:
-        entry = netrc.netrc().authenticators(urllib.parse.urlparse(base).hostname or "")
+        path = environ.get("NETRC") or str(Path(environ.get("HOME") or Path.home()) / ".netrc")
+        entry = netrc.netrc(path).authenticators(urllib.parse.urlparse(base).netloc)
     except (OSError, netrc.NetrcParseError):
         return None
     return entry[2] if entry else None
+
+
+def _wandb_settings_key(environ: dict[str, str]) -> str | None:
+    """An api_key in W&B's global settings file (WANDB_CONFIG_DIR, by default ~/.config/wandb)."""
+    import configparser
+
+    settings = configparser.ConfigParser()
+    home = Path(environ.get("HOME") or Path.home())
+    settings.read(Path(environ.get("WANDB_CONFIG_DIR") or home / ".config" / "wandb") / "settings")
+    return settings.get("default", "api_key", fallback=None)
 
 
 def _mlflow_auth(environ: dict[str, str]) -> dict[str, str]:

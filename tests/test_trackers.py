@@ -241,6 +241,10 @@ def test_a_tracker_that_cannot_start_is_named_in_one_line(refusing_server, tmp_p
         "offline with WANDB_MODE=offline (then `wandb sync RUN_DIR/wandb/offline-run-*`); or take wandb out of train.loggers"]
     assert trackers.problems(["wandb"], {**env, "WANDB_API_KEY": "x" * 40, "WANDB_BASE_URL": refusing_server})[0].startswith(
         f"train.loggers has wandb, but {refusing_server} refused the W&B API key (HTTP 401): run `wandb login --relogin`")
+    netrc = tmp_path / ".netrc"  # where `wandb login` keeps the key
+    netrc.write_text(f"machine {refusing_server.removeprefix('http://')}\n  login user\n  password {'k' * 40}\n")
+    netrc.chmod(0o600)
+    assert "refused the W&B API key (HTTP 401)" in trackers.problems(["wandb"], {**env, "WANDB_BASE_URL": refusing_server})[0]
     assert trackers.problems(["mlflow"], {"MLFLOW_TRACKING_URI": "http://127.0.0.1:1"}) == [
         "train.loggers has mlflow, but cannot reach the MLflow server at MLFLOW_TRACKING_URI=http://127.0.0.1:1 (Connection "
         "refused): start it (mlflow server ...), or point MLFLOW_TRACKING_URI at a reachable server or a local sqlite:///PATH; "
