@@ -187,7 +187,8 @@ def warn(name: str, method: str, e: BaseException, step: int | None = None) -> N
 
 class Queued:
     """A tracker's calls, in order, in a thread of its own: the loop only puts them on a queue, so a slow or hanging
-    service never holds a training step. The first call that raises is warned about once, and the rest are dropped."""
+    service never holds a training step. Rows that waited go out together where the sink takes several at once
+    (`write_rows`). The first call that raises is warned about once, and the rest are dropped."""
 
     def __init__(self, name: str, sink: Any) -> None:
         self.name, self.sink = name, sink
@@ -209,15 +210,30 @@ class Queued:
                   "waiting for it (metrics.jsonl has every row)", file=sys.stderr, flush=True)
 
     def _run(self) -> None:
-        while (call := self.calls.get()) is not None:
+        later = None  # a call taken off the queue while gathering rows, done next
+        while (call := later or self.calls.get()) is not None:
+            later = None
             method, args = call
-            if self.failed:
-                continue
-            try:
-                getattr(self.sink, method)(*args)
-            except Exception as e:  # noqa: BLE001 - warned once; training goes on
-                self.failed = True
-                warn(self.name, method, e, step=args[1] if method == "write" else None)
+            if method == "write" and hasattr(self.sink, "write_rows"):  # the rows waiting, in one request
+                rows = [args]
+                while len(rows) < 1000 and not self.calls.empty():
+                    later = self.calls.get()
+                    if later is None or later[0] != "write":
+                        break
+                    rows.append(later[1])
+                    later = None
+                method, args = "write_rows", (rows,)
+            self._do(method, args)
+
+    def _do(self, method: str, args: tuple) -> None:
+        if self.failed:
+            return
+        try:
+            getattr(self.sink, method)(*args)
+        except Exception as e:  # noqa: BLE001 - warned once; training goes on
+            self.failed = True
+            step = args[1] if method == "write" else args[0][0][1] if method == "write_rows" else None
+            warn(self.name, method.removesuffix("_rows"), e, step=step)
 
 
 def read(run_dir: Path) -> list[dict[str, Any]]:

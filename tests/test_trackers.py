@@ -212,6 +212,35 @@ def test_a_tracker_that_hangs_never_holds_a_step(tmp_path, monkeypatch, capfd):
            "(metrics.jsonl has every row)" in capfd.readouterr().err
 
 
+def test_rows_that_waited_go_out_together_in_order(tmp_path, monkeypatch):
+    """A queued sink with `write_rows` (MLflow's: one request per batch) gets the rows that piled up behind a slow call
+    in one call, and the calls after them in order."""
+    release, calls = threading.Event(), []
+
+    class Batching(Broken):
+        queued = True
+
+        def start(self, run_dir, config):
+            release.wait(30)  # a slow start: the rows wait in the queue
+
+        def write_rows(self, rows):
+            calls.append(("write_rows", [step for _, step, _ in rows]))
+
+        def samples(self, step, rows):
+            calls.append(("samples", step))
+
+    monkeypatch.setitem(logs.SINKS, "batching", Batching)
+    log = logs.MetricsLog(tmp_path, enabled=True, loggers=["jsonl", "batching"])
+    for step in (1, 2, 3):
+        log.write("train", step, {"loss": 1.0})
+    log.samples(3, [])
+    log.write("train", 4, {"loss": 1.0})
+    release.set()
+    log.close()
+    log.end()
+    assert calls == [("write_rows", [1, 2, 3]), ("samples", 3), ("write_rows", [4])]
+
+
 class Answer(http.server.BaseHTTPRequestHandler):
     """A local stand-in for a tracker's server that refuses every credential."""
 
