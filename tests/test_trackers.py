@@ -298,6 +298,9 @@ def test_the_launcher_refuses_an_unreachable_tracker_without_importing_it(tmp_pa
         "(Connection refused): start it (mlflow server ...), or point MLFLOW_TRACKING_URI at a reachable server or a local "
         "sqlite:///PATH; or take mlflow out of train.loggers")
     assert not (tmp_path / "run" / "ranks").exists()
+    readme = (REPO / "README.md").read_text()  # README shows this command and this line
+    assert "MLFLOW_TRACKING_URI=http://127.0.0.1:1 python -m finetune.launch +recipe=quickstart_sft train.loggers=[jsonl,mlflow]\n" \
+        f"{last_line(out.stderr)}\n" in readme
     probe = ("import sys; from finetune import launch, trackers; trackers.problems(['wandb', 'mlflow', 'trackio'], "
              "{'WANDB_MODE': 'offline', 'MLFLOW_TRACKING_URI': 'sqlite:///m.db', 'TRACKIO_DIR': 't'}); "
              "print(sorted(m for m in ('wandb', 'mlflow', 'trackio') if m in sys.modules))")
@@ -336,7 +339,7 @@ def test_readme_mlflow_command_and_a_sweep_grouped(offline, monkeypatch):
     assert loss == pytest.approx([(r["step"], r["loss"]) for r in rows if r["kind"] == "train"])
 
     sweep = offline / "sweep"
-    out = run_cli("-m", "+recipe=quickstart_sft", "train.loggers=[jsonl,mlflow,wandb]", "optim.lr=1e-3,2e-3", *short,
+    out = run_cli(*readme_command("-m +recipe=quickstart_sft train.loggers=[jsonl,mlflow,wandb]"), *short,
                   "parallelism=single", "launcher.nproc_per_node=1",  # one process a trial: the grouping is what is tested
                   f"hydra.sweep.dir={sweep}", cwd=offline)
     assert out.returncode == 0, out.stderr[-3000:]
