@@ -30,9 +30,7 @@ import json
 import netrc
 import os
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import asdict, is_dataclass
 from enum import Enum
 from pathlib import Path
@@ -303,6 +301,9 @@ def problems(loggers: list[str], environ: dict[str, str] | None = None) -> list[
 
 def _ask(url: str, headers: dict[str, str], data: bytes | None = None) -> int | str:
     """The HTTP status of one request (an error status too), or why there was none (refused, timed out...)."""
+    import urllib.error
+    import urllib.request  # here: http.client and ssl cost every config import ~20 ms
+
     try:
         with urllib.request.urlopen(urllib.request.Request(url, data=data, headers=headers), timeout=TIMEOUT_S) as reply:
             return reply.status
