@@ -185,6 +185,10 @@ def warn(name: str, method: str, e: BaseException, step: int | None = None) -> N
           f"of the run, which goes on (metrics.jsonl has every row)", file=sys.stderr, flush=True)
 
 
+STOP = ("stop",)
+"""What `Queued.join` puts after a tracker's last call: its thread ends there."""
+
+
 class Queued:
     """A tracker's calls, in order, in a thread of its own: the loop only puts them on a queue, so a slow or hanging
     service never holds a training step. Rows that waited go out together where the sink takes several at once
@@ -203,7 +207,7 @@ class Queued:
         return lambda *args: self.calls.put((method, tuple(dict(a) if isinstance(a, dict) else a for a in args)))  # as of now
 
     def join(self, timeout: float) -> None:
-        self.calls.put(None)
+        self.calls.put(STOP)
         self.thread.join(timeout)
         if self.thread.is_alive():
             print(f"warning: train.loggers: {self.name} had not sent everything after {timeout:.0f} s; the run ends without "
@@ -211,14 +215,14 @@ class Queued:
 
     def _run(self) -> None:
         later = None  # a call taken off the queue while gathering rows, done next
-        while (call := later or self.calls.get()) is not None:
+        while (call := later or self.calls.get()) is not STOP:
             later = None
             method, args = call
             if method == "write" and hasattr(self.sink, "write_rows"):  # the rows waiting, in one request
                 rows = [args]
                 while len(rows) < 1000 and not self.calls.empty():
                     later = self.calls.get()
-                    if later is None or later[0] != "write":
+                    if later is STOP or later[0] != "write":
                         break
                     rows.append(later[1])
                     later = None

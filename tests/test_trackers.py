@@ -239,6 +239,14 @@ def test_rows_that_waited_go_out_together_in_order(tmp_path, monkeypatch):
     log.close()
     log.end()
     assert calls == [("write_rows", [1, 2, 3]), ("samples", 3), ("write_rows", [4])]
+    release.clear()
+    queued = logs.Queued("batching", Batching())  # rows right before the end of the queue: sent, and the thread ends
+    queued.start(tmp_path, None)
+    queued.write("train", 5, {"loss": 1.0})
+    queued.write("train", 6, {"loss": 1.0})
+    threading.Timer(0.2, release.set).start()
+    queued.join(10)
+    assert not queued.thread.is_alive() and calls[-1] == ("write_rows", [5, 6])
 
 
 class Answer(http.server.BaseHTTPRequestHandler):
