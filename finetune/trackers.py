@@ -59,7 +59,7 @@ def flat(config: Any) -> dict[str, Any]:
         elif isinstance(value, Enum):
             out[prefix[:-1]] = value.value
         elif isinstance(value, (list, tuple)):
-            out[prefix[:-1]] = json.dumps([v.value if isinstance(v, Enum) else v for v in value])
+            out[prefix[:-1]] = json.dumps([v.value if isinstance(v, Enum) else v for v in value], default=str)
         else:
             out[prefix[:-1]] = value
 
