@@ -1,4 +1,5 @@
-"""Evaluation: loss over the held-out set, and exact match of greedy generations."""
+"""Evaluation: loss over the held-out set, exact match of greedy generations, and generation samples (each prompt,
+its reference and the model's output) for the logs."""
 
 from __future__ import annotations
 
@@ -16,9 +17,12 @@ from finetune.engine.common import add_metrics
 
 
 def evaluate(engine: Engine, objective: Any, examples: list[Any], *, dist: Dist, tokenizer: Any, batch_size: int,
-             exact_match_samples: int = 0, max_new_tokens: int = 64) -> dict[str, float]:
+             exact_match_samples: int = 0, sample_prompts: int = 0, max_new_tokens: int = 64) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Eval loss (mean over every loss unit of the eval set, all ranks), the objective's own
-    metrics (DPO: eval_rewards/accuracy...) and optionally exact match (DPO: of the chosen response)."""
+    metrics (DPO: eval_rewards/accuracy...) and optionally exact match (DPO: of the chosen response).
+
+    Returns the metrics and, with `sample_prompts`, the first that many eval prompts with their reference and the greedy
+    output (on the main rank; [] on the others): one generation serves both, sharded over the data-parallel ranks."""
     mine = shard(examples, engine.dp_rank, engine.dp_size)
     owner = int(engine.owner)  # tp/pp: one rank per model replica counts
     loss_sum = count = 0.0
@@ -33,14 +37,25 @@ def evaluate(engine: Engine, objective: Any, examples: list[Any], *, dist: Dist,
     loss_sum, count, *values = dist.sum(loss_sum, count, *(metrics.get(k, 0.0) for k in objective.metrics))
     out = {"eval_loss": loss_sum / max(count, 1)} | {f"eval_{k}": v / max(count, 1) for k, v in zip(objective.metrics, values)}
     examples = for_generation(examples)  # none for text rows: there is no prompt to continue
-    if exact_match_samples and examples and engine.generation_model is not None:  # pipeline stages: exact_match_of_export, after training
-        scored = shard(examples[:exact_match_samples], engine.dp_rank, engine.dp_size)
-        extra = lockstep_extra(engine, min(exact_match_samples, len(examples)), batch_size)
-        correct = exact_match(engine.generation_model, tokenizer, scored + examples[:1] * extra * batch_size, batch_size=batch_size,
-                              max_new_tokens=max_new_tokens, device=dist.device, synced=engine.lockstep, count=len(scored))
-        correct, total = dist.sum(owner * correct, owner * len(scored))
+    wanted = min(max(exact_match_samples, sample_prompts), len(examples))
+    if not wanted or engine.generation_model is None:  # pipeline stages: exact_match_of_export, after training
+        return out, []
+    indices = shard(range(wanted), engine.dp_rank, engine.dp_size)  # this rank's share, by position in the eval set
+    scored = [examples[i] for i in indices]
+    extra = lockstep_extra(engine, wanted, batch_size)
+    texts = generate(engine.generation_model, tokenizer, scored + examples[:1] * extra * batch_size, batch_size=batch_size,
+                     max_new_tokens=max_new_tokens, device=dist.device, synced=engine.lockstep)[: len(scored)]
+    if exact_match_samples:
+        hits = [text.strip() == e.reference.strip() for i, text, e in zip(indices, texts, scored) if i < exact_match_samples]
+        correct, total = dist.sum(owner * sum(hits), owner * len(hits))
         out["exact_match"] = correct / max(total, 1)
-    return out
+    samples: list[dict[str, Any]] = []
+    if sample_prompts:
+        shares = dist.gather([(i, text) for i, text in zip(indices, texts)] if owner else [])  # one replica's ranks answer alike
+        outputs = dict(pair for share in shares for pair in share)
+        samples = [{"index": i, "prompt": tokenizer.decode(examples[i].input_ids[: examples[i].prompt_len]),
+                    "reference": examples[i].reference, "output": outputs[i]} for i in range(min(sample_prompts, wanted))]
+    return out, samples if dist.is_main else []
 
 
 def lockstep_extra(engine: Engine, total: int, batch_size: int) -> int:
@@ -64,7 +79,6 @@ def exact_match_of_export(path: Path, examples: list[Any], cfg: TrainConfig, dev
     return correct / max(len(scored), 1)
 
 
-@torch.no_grad()
 def exact_match(model: Any, tokenizer: Any, examples: list[Example], *, batch_size: int, max_new_tokens: int,
                 device: torch.device, synced: bool = False, count: int | None = None) -> int:
     """How many greedy continuations of the prompt equal the reference response (stripped).
@@ -73,9 +87,21 @@ def exact_match(model: Any, tokenizer: Any, examples: list[Example], *, batch_si
         synced: ZeRO-3 across ranks: every rank keeps generating until all are done.
         count: score only the first `count` examples (the rest keep ranks in lockstep).
     """
-    model.eval()
-    correct = 0
+    texts = generate(model, tokenizer, examples, batch_size=batch_size, max_new_tokens=max_new_tokens, device=device, synced=synced)
     count = len(examples) if count is None else count
+    return sum(text.strip() == e.reference.strip() for text, e in zip(texts[:count], examples))
+
+
+@torch.no_grad()
+def generate(model: Any, tokenizer: Any, examples: list[Example], *, batch_size: int, max_new_tokens: int,
+             device: torch.device, synced: bool = False) -> list[str]:
+    """The greedy continuation of each example's prompt, decoded without special tokens.
+
+    Args:
+        synced: ZeRO-3 across ranks: every rank keeps generating until all are done.
+    """
+    model.eval()
+    texts: list[str] = []
     for i in range(0, len(examples), batch_size):
         chunk = examples[i : i + batch_size]
         width = max(e.prompt_len for e in chunk)
@@ -87,6 +113,5 @@ def exact_match(model: Any, tokenizer: Any, examples: list[Example], *, batch_si
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                              synced_gpus=synced)
-        texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-        correct += sum(text.strip() == e.reference.strip() for j, (text, e) in enumerate(zip(texts, chunk)) if i + j < count)
-    return correct
+        texts += tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+    return texts

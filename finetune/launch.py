@@ -27,7 +27,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from finetune import disk, rundir, startup, sweep
+from finetune import disk, rundir, startup, sweep, trackers
 from finetune.command import ERROR_FILE, RANKS_DIR, LaunchSpec, build
 from finetune.compose import RECIPES, fail, preflight, run_once, sweep_trials, typed
 from finetune.config import Config, ConfigError
@@ -63,7 +63,8 @@ def main() -> None:
     if not hydra_only:
         try:
             for overrides in sweep_trials(args.overrides):
-                preflight(overrides, config_dir=args.config_dir, config_name=args.config_name or "config", rules=False)
+                cfg = preflight(overrides, config_dir=args.config_dir, config_name=args.config_name or "config", rules=False)
+                check_trackers(cfg)  # once for the sweep, not once per trial
         except ConfigError as e:
             fail(e)
     _hydra_main()
@@ -143,6 +144,7 @@ def _launch_once(dcfg: DictConfig, cfg: Config | None = None) -> float | None:
         cfg = cfg or typed(dcfg)
         threads = env_threads()
         examples.check(cfg.data, cfg.method.name)  # missing file or malformed row: one line now, not N ranks later
+        check_trackers(cfg)
         make_model_first(cfg)
         disk.check(cfg)  # the model, tokenizer and device as files on this machine: one line now, not in each rank
     except ConfigError as e:
@@ -182,6 +184,13 @@ def _launch_once(dcfg: DictConfig, cfg: Config | None = None) -> float | None:
             print(f"[finetune] {said}", flush=True)
     loss = sweep.eval_loss(run_dir)
     return loss if loss is not None else float("inf")
+
+
+def check_trackers(cfg: Config) -> None:
+    """A tracker in train.loggers that cannot start here (not installed, no credentials, no server): one line now,
+    not a warning from rank 0 later. Imports no tracker package (finetune/trackers.py)."""
+    if problems := trackers.problems(cfg.train.loggers):
+        raise ConfigError(problems[0])
 
 
 def check_memory(cfg: Config, overrides: list[str]) -> None:

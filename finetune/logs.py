@@ -1,16 +1,23 @@
-"""Metrics to the sinks `train.loggers` names (rank 0): JSONL and TensorBoard today, behind one interface; and the
-loss-curve plot.
+"""Metrics to the sinks `train.loggers` names (rank 0): JSONL, TensorBoard and the experiment trackers (W&B, MLflow,
+trackio: finetune/trackers.py), behind one interface; and the loss-curve plot.
 
-A sink is a class with `start(run_dir, config)`, `write(kind, step, metrics)` and `close()` (`Sink`), registered by
-name in `SINKS`. `MetricsLog` fans every row out to the chosen ones. jsonl is always among them (the rules refuse a
-list without it): RUN_DIR/metrics.jsonl is what the run's summary, the loss plot, the sweep summary and the tests read.
-Imports no torch (TensorBoard's writer is imported when its sink starts)."""
+A sink is a class with `start(run_dir, config)`, `write(kind, step, metrics)`, `samples(step, rows)`, `close()` and
+`end(files, failed)` (`Sink`), registered by name in `SINKS`. `MetricsLog` fans every row out to the chosen ones. jsonl
+is always among them (the rules refuse a list without it): RUN_DIR/metrics.jsonl is what the run's summary, the loss
+plot, the sweep summary and the tests read, and its failure is the run's. Any other sink that fails is warned about
+once and left out from then on; a tracker (`queued`) runs in a thread of its own, so that neither its failure nor a
+slow service holds a training step. Imports no torch (TensorBoard's writer is imported when its sink starts)."""
 
 from __future__ import annotations
 
 import json
+import queue
+import sys
+import threading
 from pathlib import Path
 from typing import Any, Protocol
+
+from finetune.trackers import TRACKERS, kept
 
 METRICS = "metrics.jsonl"
 
@@ -27,8 +34,15 @@ class Sink(Protocol):
     def write(self, kind: str, step: int, metrics: dict[str, float]) -> None:
         """One row: `metrics` measured at `step`."""
 
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Generations at the evaluation of `step` (train.sample_prompts): each row's index, prompt, reference, output."""
+
     def close(self) -> None:
-        """Flush and close; called once, also when training fails."""
+        """Flush and close what it writes under RUN_DIR; called once, also when training fails."""
+
+    def end(self, files: list[Path], failed: bool) -> None:
+        """After the run's last file: keep `files` (loss.png, summary.json, config.yaml: those written) with the run and
+        end it, marked failed when the run failed (a tracker's; the files' sinks have nothing left). Called once, after close."""
 
 
 class JsonlSink:
@@ -39,12 +53,20 @@ class JsonlSink:
     def start(self, run_dir: Path, config: Any) -> None:
         self.file = open(run_dir / METRICS, "a")
 
-    def write(self, kind: str, step: int, metrics: dict[str, float]) -> None:
+    def write(self, kind: str, step: int, metrics: dict[str, Any]) -> None:
         self.file.write(json.dumps({"kind": kind, "step": step, **metrics}) + "\n")
         self.file.flush()
 
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """A row of kind `sample` per generation: {"kind": "sample", "step", "index", "prompt", "reference", "output"}."""
+        for row in rows:
+            self.write(SAMPLE, step, row)
+
     def close(self) -> None:
         self.file.close()
+
+    def end(self, files: list[Path], failed: bool) -> None:
+        pass
 
 
 class TensorBoardSink:
@@ -61,40 +83,161 @@ class TensorBoardSink:
         for k, v in metrics.items():
             self.writer.add_scalar(f"{kind}/{k}", v, step)
 
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """A text summary `samples` at the step: a Markdown table of prompt, reference and output."""
+        cell = lambda text: str(text).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+        table = ["| prompt | reference | output |", "|---|---|---|"]
+        self.writer.add_text("samples", "\n".join(table + [f"| {cell(r['prompt'])} | {cell(r['reference'])} | {cell(r['output'])} |"
+                                                         for r in rows]), step)
+
     def close(self) -> None:
         self.writer.close()
 
+    def end(self, files: list[Path], failed: bool) -> None:
+        pass
 
-SINKS: dict[str, type[Sink]] = {"jsonl": JsonlSink, "tensorboard": TensorBoardSink}
-"""train.loggers' names -> sink classes. A new logger (W&B, MLflow, ...) is one class with start/write/close here."""
+
+SINKS: dict[str, type[Sink]] = {"jsonl": JsonlSink, "tensorboard": TensorBoardSink, **TRACKERS}
+"""train.loggers' names -> sink classes. A new logger is one class with the `Sink` methods: here, or a tracker in
+finetune/trackers.py (with `problem`, the launcher's check that it can start, and `queued = True`)."""
+
+SAMPLE = "sample"
+"""The kind of metrics.jsonl's generation rows (train.sample_prompts)."""
 
 REQUIRED = "jsonl"
 """The sink every run has: RUN_DIR/metrics.jsonl feeds the summary, the loss plot and the sweep summary."""
 
 
 class MetricsLog:
-    """The run's sinks (`train.loggers`), on the main rank only: every row goes to each of them."""
+    """The run's sinks (`train.loggers`), on the main rank only: every row goes to each of them. A sink other than jsonl
+    that raises is warned about once (stderr) and left out from then on: training goes on, metrics.jsonl complete."""
+
+    END_TIMEOUT_S = 120.0
+    """How long `end` waits for a tracker to send what it was given before the run ends without it."""
 
     def __init__(self, run_dir: Path, *, enabled: bool, loggers: list[str], config: Any = None) -> None:
-        self.enabled = enabled
-        self.sinks: list[Sink] = [SINKS[name]() for name in loggers] if enabled else []
-        for sink in self.sinks:
-            sink.start(run_dir, config)
+        self.enabled, self.run_dir, self.ended = enabled, run_dir, False
+        self.sinks: dict[str, Any] = {}
+        for name in loggers if enabled else []:
+            sink = SINKS[name]()
+            self.sinks[name] = Queued(name, sink) if getattr(sink, "queued", False) else sink
+            self._call(name, "start", run_dir, config)
 
     def write(self, kind: str, step: int, values: dict[str, float]) -> None:
-        for sink in self.sinks:
-            sink.write(kind, step, values)
+        for name in list(self.sinks):
+            self._call(name, "write", kind, step, values)
+
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        for name in list(self.sinks):
+            self._call(name, "samples", step, rows)
 
     def close(self) -> None:
-        """Close every sink, even when one fails (the first failure is raised after)."""
+        """Close every sink's files (jsonl's failure is raised, after the others closed)."""
         failed: list[Exception] = []
-        for sink in self.sinks:
+        for name in list(self.sinks):
             try:
-                sink.close()
+                self._call(name, "close")
             except Exception as e:  # noqa: BLE001 - the others still flush
                 failed.append(e)
         if failed:
             raise failed[0]
+
+    def end(self, failed: bool = False) -> None:
+        """After the run's last file (or its failure): the trackers keep RUN_DIR's loss.png, summary.json and config.yaml
+        and end their runs (marked failed), each given END_TIMEOUT_S to send what it still holds. Once; never raises."""
+        if self.ended:
+            return
+        self.ended = True
+        files = [] if failed else kept(self.run_dir)
+        for name in list(self.sinks):
+            try:
+                self._call(name, "end", files, failed)
+                if isinstance(self.sinks.get(name), Queued):
+                    self.sinks[name].join(self.END_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - jsonl's end does nothing; this is the end of the run
+                warn(name, "end", e)
+
+    def __enter__(self) -> "MetricsLog":
+        return self
+
+    def __exit__(self, kind: Any, *_: Any) -> None:
+        self.end(failed=kind is not None)
+
+    def _call(self, name: str, method: str, *args: Any) -> None:
+        sink = self.sinks.get(name)
+        if sink is None:
+            return
+        if name == REQUIRED:
+            getattr(sink, method)(*args)
+            return
+        try:
+            getattr(sink, method)(*args)
+        except Exception as e:  # noqa: BLE001 - a logger never stops training
+            del self.sinks[name]
+            warn(name, method, e, step=args[1] if method == "write" else None)
+
+
+def warn(name: str, method: str, e: BaseException, step: int | None = None) -> None:
+    """The one line a failed sink gets."""
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    at = f" at step {step}" if step is not None else ""
+    print(f"warning: train.loggers: {name} failed in {method}{at} ({type(e).__name__}: {first}); it is left out for the rest "
+          f"of the run, which goes on (metrics.jsonl has every row)", file=sys.stderr, flush=True)
+
+
+STOP = ("stop",)
+"""What `Queued.join` puts after a tracker's last call: its thread ends there."""
+
+
+class Queued:
+    """A tracker's calls, in order, in a thread of its own: the loop only puts them on a queue, so a slow or hanging
+    service never holds a training step. Rows that waited go out together where the sink takes several at once
+    (`write_rows`). The first call that raises is warned about once, and the rest are dropped."""
+
+    def __init__(self, name: str, sink: Any) -> None:
+        self.name, self.sink = name, sink
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.failed = False
+        self.thread = threading.Thread(target=self._run, name=f"logger-{name}", daemon=True)
+        self.thread.start()
+
+    def __getattr__(self, method: str) -> Any:
+        if method not in ("start", "write", "samples", "close", "end"):
+            raise AttributeError(method)
+        return lambda *args: self.calls.put((method, tuple(dict(a) if isinstance(a, dict) else a for a in args)))  # as of now
+
+    def join(self, timeout: float) -> None:
+        self.calls.put(STOP)
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            print(f"warning: train.loggers: {self.name} had not sent everything after {timeout:.0f} s; the run ends without "
+                  "waiting for it (metrics.jsonl has every row)", file=sys.stderr, flush=True)
+
+    def _run(self) -> None:
+        later = None  # a call taken off the queue while gathering rows, done next
+        while (call := later or self.calls.get()) is not STOP:
+            later = None
+            method, args = call
+            if method == "write" and hasattr(self.sink, "write_rows"):  # the rows waiting, in one request
+                rows = [args]
+                while len(rows) < 1000 and not self.calls.empty():
+                    later = self.calls.get()
+                    if later is STOP or later[0] != "write":
+                        break
+                    rows.append(later[1])
+                    later = None
+                method, args = "write_rows", (rows,)
+            self._do(method, args)
+
+    def _do(self, method: str, args: tuple) -> None:
+        if self.failed:
+            return
+        try:
+            getattr(self.sink, method)(*args)
+        except Exception as e:  # noqa: BLE001 - warned once; training goes on
+            self.failed = True
+            step = args[1] if method == "write" else args[0][0][1] if method == "write_rows" else None
+            warn(self.name, method.removesuffix("_rows"), e, step=step)
 
 
 def read(run_dir: Path) -> list[dict[str, Any]]:

@@ -95,9 +95,12 @@ def train(cfg: TrainConfig, *, engine: Engine, objective: Any, batches: TrainBat
         if not evals:
             return {}
         with compiling.eager():  # train.compile: the training step's graphs only
-            metrics = evaluate(engine, objective, evals, dist=dist, tokenizer=tokenizer, batch_size=cfg.eval_batch_size,
-                               exact_match_samples=cfg.exact_match_samples if final else 0, max_new_tokens=cfg.max_new_tokens)
+            metrics, samples = evaluate(engine, objective, evals, dist=dist, tokenizer=tokenizer, batch_size=cfg.eval_batch_size,
+                                        exact_match_samples=cfg.exact_match_samples if final else 0,
+                                        sample_prompts=cfg.sample_prompts, max_new_tokens=cfg.max_new_tokens)
         log.write("eval", step, metrics)
+        if samples:  # train.sample_prompts: what the model answers now, beside the reference
+            log.samples(step, samples)
         say(dist, bar, f"step {step:>5}  " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         return metrics
 

@@ -263,36 +263,37 @@ def run(cfg: Config, d: dist.Dist) -> None:
     phase("training")
     loop.STOP["defer"] = True  # from here a signal saves a checkpoint at the next step boundary
     log = logs.MetricsLog(run_dir, enabled=d.is_main, loggers=cfg.train.loggers, config=cfg)
-    predicted = None
-    if d.is_main:  # the planner's prediction for this config, beside what the probe measures (python -m finetune.plan)
-        predicted = planned(cfg, batches, train_examples)
-        if isinstance(predicted, str):
-            print(f"memory plan: not recorded ({predicted})")
-        else:
-            log.write("plan", 0, predicted)
-    closing: dict[str, float] = {}
-    try:
-        result = loop.train(cfg.train, engine=eng, objective=objective, batches=batches, evals=eval_examples,
-                            tokenizer=tokenizer, dist=d, log=log, save=saver(cfg, eng, d, run_dir / "checkpoints", batches),
-                            resume_from=resume_from, probe=probe(cfg, eng, d, run_dir, predicted),
-                            **mfu_inputs(cfg, net, d))
-    finally:
-        with startup.timed(closing, "logs"):  # TensorBoard's last flush
-            log.close()
-            if cfg.data.streaming:
-                batches.close()
-    if cfg.data.streaming:  # the counts of the rows the stream read
-        stats["train"] = batches.stats
-    phase("export")
-    ended, final = result["after_training"], run_dir / "final"  # the final evaluation's, from the loop
-    ended |= closing
-    with startup.timed(ended, "export"):
-        eng.export(final, tokenizer)
-    if d.is_main and cfg.parallelism.pp > 1 and cfg.train.exact_match_samples:  # stages cannot generate: rank 0 scores final/
-        with startup.timed(ended, "exact match"):
-            result["after"]["exact_match"] = evaluate.exact_match_of_export(final, eval_examples, cfg.train, d.device)
-    if d.is_main:
-        report(run_dir, final, result, {k: vars(s) for k, s in stats.items()}, cfg.train.loggers, model_class)
+    with log:  # the trackers end their runs after the run's last file (report), or marked failed if this raises
+        predicted = None
+        if d.is_main:  # the planner's prediction for this config, beside what the probe measures (python -m finetune.plan)
+            predicted = planned(cfg, batches, train_examples)
+            if isinstance(predicted, str):
+                print(f"memory plan: not recorded ({predicted})")
+            else:
+                log.write("plan", 0, predicted)
+        closing: dict[str, float] = {}
+        try:
+            result = loop.train(cfg.train, engine=eng, objective=objective, batches=batches, evals=eval_examples,
+                                tokenizer=tokenizer, dist=d, log=log, save=saver(cfg, eng, d, run_dir / "checkpoints", batches),
+                                resume_from=resume_from, probe=probe(cfg, eng, d, run_dir, predicted),
+                                **mfu_inputs(cfg, net, d))
+        finally:
+            with startup.timed(closing, "logs"):  # TensorBoard's last flush
+                log.close()
+                if cfg.data.streaming:
+                    batches.close()
+        if cfg.data.streaming:  # the counts of the rows the stream read
+            stats["train"] = batches.stats
+        phase("export")
+        ended, final = result["after_training"], run_dir / "final"  # the final evaluation's, from the loop
+        ended |= closing
+        with startup.timed(ended, "export"):
+            eng.export(final, tokenizer)
+        if d.is_main and cfg.parallelism.pp > 1 and cfg.train.exact_match_samples:  # stages cannot generate: rank 0 scores final/
+            with startup.timed(ended, "exact match"):
+                result["after"]["exact_match"] = evaluate.exact_match_of_export(final, eval_examples, cfg.train, d.device)
+        if d.is_main:
+            report(run_dir, final, result, {k: vars(s) for k, s in stats.items()}, log, model_class)
     del zero3  # alive until here: transformers consults it while loading, generating and saving
 
 
@@ -421,11 +422,11 @@ def mfu_inputs(cfg: Config, net: Any, d: dist.Dist) -> dict[str, float | None]:
             "peak_flops": flops.peak_flops(d.device, autocast_dtype(cfg.precision.name) or torch.float32)}
 
 
-def report(run_dir: Path, final: Path, result: dict[str, dict[str, float]], stats: dict, loggers: list[str],
+def report(run_dir: Path, final: Path, result: dict[str, dict[str, float]], stats: dict, log: logs.MetricsLog,
            model_class: str = model.CAUSAL_LM) -> None:
-    """The loss-curve PNG, summary.json (written last: the launcher times the shutdown from it), and the lines a
-    user reads first: before/after, where the results are (`model_class`: what loads final/), where the seconds
-    after training went."""
+    """The loss-curve PNG, summary.json (the launcher times the shutdown from it), the trackers' end (they keep both),
+    and the lines a user reads first: before/after, where the results are (`model_class`: what loads final/), where the
+    seconds after training went."""
     with startup.timed(result["after_training"], "plot"):
         logs.plot_loss(run_dir, run_dir / "loss.png")
     (run_dir / "summary.json").write_text(json.dumps({**result, "checkpoint": str(final), "data": stats}, indent=2) + "\n")
@@ -440,8 +441,10 @@ def report(run_dir: Path, final: Path, result: dict[str, dict[str, float]], stat
         print(f"adapter      {final}  (PEFT format; plain weights: python scripts/merge_adapter.py {final} MERGED_DIR)")
     else:
         print(f"checkpoint   {final}  ({model_class}.from_pretrained / AutoTokenizer.from_pretrained)")
-    written = [str(run_dir / logs.SINKS[name].output) for name in loggers if logs.SINKS[name].output]
-    print(f"metrics      {', '.join(written)}, loss curve {run_dir / 'loss.png'}")
+    written = [str(run_dir / logs.SINKS[name].output) for name in log.sinks if logs.SINKS[name].output]
+    trackers = [name for name in log.sinks if name in logs.TRACKERS]
+    print(f"metrics      {', '.join(written)}, loss curve {run_dir / 'loss.png'}" + (f"; {', '.join(trackers)}" if trackers else ""))
+    log.end()
     print(startup.after_line(result["after_training"]))
 
 

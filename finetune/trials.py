@@ -32,6 +32,8 @@ def run_trial(dcfg: DictConfig, sweep_dir: Path, trial_dir: Path, launch_once: C
     SWEEP["trials"].append(trial_dir.name)
     dry_run = OmegaConf.select(dcfg, "launcher.dry_run", default=False) is True
     SWEEP["summary"] |= not dry_run
+    if OmegaConf.select(dcfg, "train.group", default=None) is None:  # the trackers group the trials by their sweep
+        dcfg.train.group = str(sweep_dir)
     if not dry_run:
         update_summary(sweep_dir)
     failure, loss = None, None

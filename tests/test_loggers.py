@@ -31,7 +31,7 @@ def tensorboard_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
 
 def test_every_sink_has_the_interface():
     for name, cls in logs.SINKS.items():
-        assert all(callable(getattr(cls, m, None)) for m in ("start", "write", "close")), name
+        assert all(callable(getattr(cls, m, None)) for m in ("start", "write", "samples", "close", "end")), name
         assert isinstance(cls.output, str), name
 
 
@@ -48,6 +48,22 @@ def test_tensorboard_sink_reads_back_through_its_event_reader(tmp_path):
     assert scalars["train/loss"] == [(1, 2.5), (2, 2.25)]
     assert scalars["eval/eval_loss"] == [(2, 2.0)]
     assert [json.loads(line)["step"] for line in (tmp_path / logs.METRICS).read_text().splitlines()] == [1, 2, 2]
+
+
+def test_samples_go_to_jsonl_and_tensorboard(tmp_path):
+    """train.sample_prompts' rows: a metrics.jsonl row of kind `sample` each; a Markdown table in TensorBoard's text."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rows = [{"index": 0, "prompt": "reverse: abc", "reference": "cba", "output": "c|a"}]
+    log = logs.MetricsLog(tmp_path, enabled=True, loggers=["jsonl", "tensorboard"])
+    log.samples(5, rows)
+    log.close()
+    log.end()
+    assert logs.read(tmp_path) == [{"kind": "sample", "step": 5, **rows[0]}]
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    (text,) = events.Tensors("samples/text_summary")
+    assert text.step == 5 and text.tensor_proto.string_val[0].decode().splitlines()[-1] == "| reverse: abc | cba | c\\|a |"
 
 
 def test_off_the_main_rank_nothing_is_written(tmp_path):
@@ -68,12 +84,12 @@ def test_train_loggers_and_the_older_tensorboard_switch(compose, overrides, logg
     assert compose(overrides).train.loggers == loggers
 
 
-@pytest.mark.parametrize("value", ["[jsonl,wandb]", "[tensorboard]"])
+@pytest.mark.parametrize("value", ["[jsonl,comet]", "[tensorboard]"])
 def test_an_unknown_logger_or_one_without_jsonl_is_refused_naming_the_known_ones(compose, value):
     with pytest.raises(ConfigError) as e:
         compose([f"train.loggers={value}"])
     shown = str(value.strip("[]").split(",")).replace('"', "'")
-    assert str(e.value) == (f"train.loggers={shown} must be a list of known loggers (jsonl, tensorboard), jsonl among them: "
+    assert str(e.value) == (f"train.loggers={shown} must be a list of known loggers (jsonl, tensorboard, wandb, mlflow, trackio), jsonl among them: "
                             "jsonl writes RUN_DIR/metrics.jsonl, which the summary and the loss plot read; e.g. "
                             "train.loggers=[jsonl,tensorboard]")
 

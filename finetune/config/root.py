@@ -38,7 +38,10 @@ class TrainConfig:
     exact_match_samples: int = checked(at_least(0), 0)
     """Eval rows scored by greedy generation (response == reference) before and after training."""
     max_new_tokens: int = checked(at_least(1), 64)
-    """Generation length limit for exact match."""
+    """Generation length limit for exact match and the samples."""
+    sample_prompts: int = checked(at_least(0), 0)
+    """Generate for the first N eval prompts at each evaluation and log prompt, reference and output (metrics.jsonl rows
+    of kind `sample`, a table in each tracker, text in TensorBoard); 0: off."""
     log_every: int = checked(at_least(1), 10)
     """Print a metrics line every N steps when there is no progress bar."""
     progress_bar: bool = True
@@ -47,7 +50,11 @@ class TrainConfig:
                                  hint="jsonl writes RUN_DIR/metrics.jsonl, which the summary and the loss plot read; "
                                       "e.g. train.loggers=[jsonl,tensorboard]")
     """Where the metrics go (finetune/logs.py SINKS): jsonl (RUN_DIR/metrics.jsonl, always: the summary, the loss plot and
-    the sweep summary read it), tensorboard (RUN_DIR/tensorboard)."""
+    the sweep summary read it), tensorboard (RUN_DIR/tensorboard), and the trackers wandb, mlflow, trackio
+    (finetune/trackers.py; `pip install -e ".[track]"`, each configured by its own environment variables)."""
+    group: str | None = checked(TEXT, None)
+    """The trackers' group for this run (W&B group, MLflow parent run, trackio group); null: none, except that a
+    sweep's trials get their sweep directory (the launcher sets it)."""
     tensorboard: bool | None = None
     """The older switch, still read: true adds tensorboard to train.loggers, false takes it out; null: as
     train.loggers says."""

@@ -86,6 +86,11 @@ def validate_method(cfg: Config) -> None:
 
 
 def validate_eval(cfg: Config) -> None:
-    """train.exact_match_samples needs an eval set."""
-    if cfg.train.exact_match_samples and cfg.data.eval is None and cfg.data.eval_size == 0:
-        raise ConfigError("train.exact_match_samples needs an eval set: set data.eval or data.eval_size")
+    """train.exact_match_samples and train.sample_prompts need an eval set; the samples need ranks that can generate."""
+    t = cfg.train
+    for key, value in (("exact_match_samples", t.exact_match_samples), ("sample_prompts", t.sample_prompts)):
+        if value and cfg.data.eval is None and cfg.data.eval_size == 0:
+            raise ConfigError(f"train.{key} needs an eval set: set data.eval or data.eval_size")
+    if t.sample_prompts and cfg.parallelism.pp > 1:
+        raise ConfigError(f"train.sample_prompts={t.sample_prompts} with parallelism.pp={cfg.parallelism.pp}: pipeline stages cannot "
+                          "generate while training (exact match is measured on final/ after it); set train.sample_prompts=0")
