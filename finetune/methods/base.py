@@ -115,7 +115,7 @@ class Method(Protocol):
         a rank starts): raise ConfigError naming `where` for a malformed row."""
 
     def encode(self, row: dict[str, Any], where: str, tokenizer: Any, data: DataConfig, chat: bool) -> Encoded:
-        """One row -> its examples, no longer than data.max_length (finetune.data.tokenize.tokenize_row calls it,
+        """One row -> its examples, no longer than data.max_length (finetune.data.examples.tokenize_row calls it,
         in memory, in the token cache's workers and in a stream's worker). `chat`: render with the tokenizer's
         chat template. `finetune.data.tokenize.fit` cuts prompt + response rows to length the shared way."""
 
