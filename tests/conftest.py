@@ -168,13 +168,26 @@ def kill_whole_job(launcher: subprocess.Popen, run_dir: Path) -> None:
 
 
 @pytest.fixture(scope="session")
-def shipped(tmp_path_factory):
+def shipped(tmp_path_factory, worker_id):
     """A short quickstart run where README's after-training commands expect it, outputs/quickstart_sft under the returned
-    directory (the commands run there): 2 ranks, 200 steps (enough for responses other than EOS), for export and generate."""
+    directory (the commands run there): 2 ranks, 200 steps (enough for responses other than EOS), for export, generate and
+    evaluate. Trained once for the whole suite (the first pytest-xdist worker to ask, under a file lock), then copied into
+    this worker's own directory, so the commands that write into it do not meet another worker's."""
+    import shutil
+
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
+    trained = shared / "shipped-trained"
+    with FileLock(str(shared / "shipped-trained.lock")):
+        if not (trained / "outputs/quickstart_sft/summary.json").is_file():
+            shutil.rmtree(trained, ignore_errors=True)
+            trained.mkdir()
+            out = run_cli("+recipe=quickstart_sft", "train.max_steps=200", "optim.warmup_steps=5", "train.exact_match_samples=32",
+                          "train.progress_bar=false", "hydra.run.dir=outputs/quickstart_sft", cwd=trained)
+            assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     tmp = tmp_path_factory.mktemp("shipped")
-    out = run_cli("+recipe=quickstart_sft", "train.max_steps=200", "optim.warmup_steps=5", "train.exact_match_samples=32",
-                  "train.progress_bar=false", "hydra.run.dir=outputs/quickstart_sft", cwd=tmp)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    shutil.copytree(trained / "outputs", tmp / "outputs")
     return tmp
 
 
