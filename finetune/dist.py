@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -70,10 +71,24 @@ def init(device: Device, *, deepspeed: bool = False) -> Dist:
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(minutes=10))
     if deepspeed:
-        import deepspeed as ds
-
-        ds.init_distributed(dist_backend=backend)
+        import_deepspeed().init_distributed(dist_backend=backend)
     return Dist(rank=rank, local_rank=local_rank, world_size=world, device=dev)
+
+
+def import_deepspeed() -> Any:
+    """`import deepspeed`, without the `import mlflow` its autotuner tries at import (deepspeed.autotuning.autotuner):
+    2 s per rank where mlflow is installed, for an autotuner no run here starts. mlflow itself still imports afterwards
+    (train.loggers=[mlflow] on rank 0)."""
+    if "deepspeed" not in sys.modules and "mlflow" not in sys.modules:
+        sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` raises ImportError: has_mlflow = False
+        try:
+            import deepspeed
+        finally:
+            if sys.modules.get("mlflow", 0) is None:
+                del sys.modules["mlflow"]
+    import deepspeed
+
+    return deepspeed
 
 
 def shutdown() -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from finetune import disk
+from finetune.dist import import_deepspeed
 from finetune.methods.base import CAUSAL_LM, SCORED
 from finetune.families import attention_limits, dora_experts, pick_attention, unmatched_targets
 from finetune.config import (
@@ -213,9 +214,7 @@ def check_architecture(cfg: ModelConfig) -> Any:
 def _gathered(model: torch.nn.Module, zero3: bool) -> Any:
     if not zero3:
         return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
+    return import_deepspeed().zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
 
 
 def apply_strategies(model: torch.nn.Module, *, checkpointing: CheckpointingConfig, peft: PeftConfig,

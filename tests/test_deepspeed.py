@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from finetune.config import ConfigError
 from finetune.command import build, deepspeed_config
 
-from conftest import read_metrics, run_cli, tiny_model
+from conftest import REPO, read_metrics, run_cli, tiny_model
 
 
 def test_stage3_offload_fp16_recipe_golden(compose):
@@ -232,3 +232,14 @@ def test_dpo_under_zero_matches_single_process_torch(zero, reference, start_mode
     assert [m["loss"] for m in ours] == pytest.approx([m["loss"] for m in ref], rel=1e-4)
     assert [m["rewards/margin"] for m in ours] == pytest.approx([m["rewards/margin"] for m in ref], abs=1e-5)
     assert final_eval(tmp_path / "run") == pytest.approx(final_eval(torch_dpo), rel=1e-4)
+
+
+def test_deepspeed_imports_without_its_autotuners_mlflow_and_mlflow_still_imports_after():
+    """deepspeed.autotuning tries `import mlflow` at import (2 s); a rank never runs the autotuner, so it is skipped, and
+    the mlflow tracker's own import afterwards still works."""
+    code = ("import sys; from finetune.dist import import_deepspeed; ds = import_deepspeed(); "
+            "from deepspeed.autotuning import autotuner; print('mlflow' in sys.modules, autotuner.has_mlflow); "
+            "import mlflow; print(type(mlflow.MlflowClient).__name__)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines()[-2:] == ["False False", "type"]  # (DeepSpeed prints its accelerator warning first)

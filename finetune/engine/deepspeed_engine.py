@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 
 from finetune.config import Config, ConfigError, Precision
-from finetune.dist import Dist
+from finetune.dist import Dist, import_deepspeed
 from finetune.engine.common import StepResult, add_metrics, build_scheduler, param_groups
 from finetune.command import deepspeed_config
 
@@ -25,7 +25,7 @@ class DeepSpeedEngine:
 
     owner = True  # every rank's data and loss count in global sums
     def __init__(self, model: torch.nn.Module, *, cfg: Config, dist: Dist) -> None:
-        import deepspeed
+        deepspeed = import_deepspeed()
         from deepspeed.accelerator import get_accelerator
 
         if cfg.precision.name == Precision.fp16 and not get_accelerator().is_fp16_supported():
@@ -79,8 +79,7 @@ class DeepSpeedEngine:
         engine: the same precision, and under ZeRO-3 sharded like the policy (built in zero.Init)."""
         import copy
 
-        import deepspeed
-
+        deepspeed = import_deepspeed()
         config = copy.deepcopy(self.config)
         for key in ("optimizer", "scheduler", "gradient_clipping"):
             config.pop(key, None)
