@@ -86,7 +86,11 @@ class Method(Protocol):
 
     rows_per_example: int
     """Rows one example puts in a batch (its cached rows and those `settle` adds: KTO's mismatched row): the planner
-    counts micro_batch_size x this many rows of activations."""
+    counts micro_batch_size x this many rows of activations, less `no_grad_rows`."""
+
+    no_grad_rows: int
+    """Of those, rows forwarded without gradients outside a pipeline (KTO's mismatched row): no activations kept for
+    backward, so the planner does not count them (a pipeline's stages keep every row of the micro-batch)."""
 
     unpacked: str | None
     """None: its examples may be packed (data.packing) and laid end to end (data.padding_free). Else why not,

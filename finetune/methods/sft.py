@@ -26,6 +26,7 @@ class Sft:
     unit = "example"
     columns = ("",)
     rows_per_example = 1
+    no_grad_rows = 0
     unpacked = None
     split_tokens = None
     scalars = ()

@@ -254,11 +254,13 @@ def reference_weights(arch: Arch, cfg: Config, notes: list[str]) -> float:
 
 def activations_through_backward(arch: Arch, cfg: Config, counts: Counts, s: States, seq: int, longest: Longest | None,
                                  on_gpu: bool, notes: list[str]) -> tuple[Activations, float]:
-    """The activations of a micro batch (x the method's rows per example: 2 for DPO pairs) at `seq` tokens per row,
+    """The activations of a micro batch (x the method's rows per example with gradients: 2 for DPO pairs, 1 for KTO's
+    row and its mismatched row outside a pipeline) at `seq` tokens per row,
     pipeline stages in flight, and the worst moment of backward with the gradients held by then (`s.grads` gains DDP's
     buckets; under optim.in_backward it becomes the one gradient held)."""
     p, z = cfg.parallelism, cfg.zero
-    rows = cfg.train.micro_batch_size * methods.get(cfg.method.name).rows_per_example
+    method = methods.get(cfg.method.name)
+    rows = cfg.train.micro_batch_size * (method.rows_per_example - (method.no_grad_rows if p.pp == 1 else 0))
     tokens = -(-seq // p.cp) * rows  # context parallel: this rank's slice of every row (attention: all of it, 1/cp of the heads)
     labelled = longest.labelled if longest is not None else None
     exchange = 0.0
