@@ -23,6 +23,7 @@ import yaml
 
 from finetune.config import Config, PeftMethod, Precision
 from finetune.finished import DTYPES, Finished, Refusal, load, locate
+from finetune.methods.base import CAUSAL_LM
 
 PRECISION_DTYPE = {Precision.bf16: "bf16", Precision.bf16_pure: "bf16", Precision.fp16: "fp16"}
 """The default --dtype: what the run computed in (fp32 otherwise)."""
@@ -74,6 +75,9 @@ def check(run: Finished, args: argparse.Namespace) -> str:
     if args.gguf:
         from finetune import gguf_file
 
+        if run.model_class != CAUSAL_LM:
+            raise Refusal(f"--gguf {args.gguf}: {run.run_dir} is a reward model (a sequence classifier), and GGUF holds causal language "
+                          "models for llama.cpp: export it without --gguf")
         try:
             import gguf  # noqa: F401
         except ImportError:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.config import Config, PeftMethod, load as load_config
+from finetune.methods.base import CAUSAL_LM, SCORED
 from finetune.rundir import FINAL
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -47,6 +48,26 @@ class Finished:
         """The base model an adapter applies to (None: a whole model)."""
         return self.adapter["base_model_name_or_path"] if self.adapter else None
 
+    @property
+    def model_class(self) -> str:
+        """The transformers Auto class the model loads as: the run's method's (method=reward: a sequence classifier),
+        else what the adapter's task type or the model's config.json says (a causal LM unless it is a classifier)."""
+        if self.config is not None:
+            from finetune import methods
+
+            return methods.get(self.config.method.name).model_class
+        if self.adapter is not None:
+            return SCORED if self.adapter.get("task_type") == "SEQ_CLS" else CAUSAL_LM
+        file = Path(self.model) / "config.json"
+        architectures = json.loads(file.read_text()).get("architectures") or [] if file.is_file() else []
+        return SCORED if any(a.endswith("ForSequenceClassification") for a in architectures) else CAUSAL_LM
+
+    def generative(self, command: str) -> None:
+        """Refuse a model that scores rather than generates (a reward model) for `command`."""
+        if self.model_class != CAUSAL_LM:
+            raise Refusal(f"{self.run_dir or self.model} is a reward model (a sequence classifier: one score per text), which "
+                          f"{command} cannot use: it needs a causal language model (method=sft, dpo, kto or orpo)")
+
 
 def locate(where: str, *, need_run: bool = False) -> Finished:
     """A run directory (config.yaml + final/), a model directory, or (without `need_run`) a hub id.
@@ -74,33 +95,42 @@ def locate(where: str, *, need_run: bool = False) -> Finished:
 
 
 def load(run: Finished, dtype: str = "fp32") -> tuple[Any, Any]:
-    """(model, tokenizer): the whole model in `dtype` (fp32, bf16, fp16), an adapter merged into its base, in eval mode."""
+    """(model, tokenizer): the whole model in `dtype` (fp32, bf16, fp16), an adapter merged into its base, in eval mode,
+    as its `model_class` (a reward model's sequence classifier keeps its score head and the pad id it pools by)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import transformers
+    from transformers import AutoTokenizer
+
+    from finetune.model import head_config
 
     torch_dtype = getattr(torch, DTYPES[dtype])
     tokenizer = AutoTokenizer.from_pretrained(run.model)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    auto = getattr(transformers, run.model_class)
     if run.adapter is None:
-        return AutoModelForCausalLM.from_pretrained(run.model, dtype=torch_dtype).eval(), tokenizer
+        return auto.from_pretrained(run.model, dtype=torch_dtype).eval(), tokenizer
     from peft import PeftModel
 
-    base = quantized_base(run) if run.config is not None and run.config.peft.name == PeftMethod.qlora else \
-        AutoModelForCausalLM.from_pretrained(run.base, dtype=torch.float32)
+    qlora = run.config is not None and run.config.peft.name == PeftMethod.qlora
+    head = head_config(run.model_class, tokenizer)
+    base = quantized_base(run, head) if qlora else auto.from_pretrained(run.base, dtype=torch.float32, **head)
     merged = PeftModel.from_pretrained(base, run.model).merge_and_unload()  # merged in fp32, then cast
     return merged.to(torch_dtype).eval(), tokenizer
 
 
-def quantized_base(run: Finished) -> Any:
-    """A QLoRA run's base as it trained: quantized to 4 bits as the run did, then dequantized to fp32."""
+def quantized_base(run: Finished, head: dict[str, Any]) -> Any:
+    """A QLoRA run's base as it trained: quantized to 4 bits as the run did, then dequantized to fp32 (`head`: the config
+    keys its model class needs, finetune.model.head_config)."""
     import torch
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    import transformers
+    from transformers import BitsAndBytesConfig
 
     assert run.config is not None
     peft = run.config.peft
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=peft.quant_type.value,
                                bnb_4bit_use_double_quant=peft.double_quant, bnb_4bit_compute_dtype=torch.float32)
     device = {"": torch.cuda.current_device()} if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(run.base, quantization_config=quant, dtype=torch.float32, device_map=device)
+    model = getattr(transformers, run.model_class).from_pretrained(run.base, quantization_config=quant, dtype=torch.float32,
+                                                                   device_map=device, **head)
     return model.dequantize().to("cpu", torch.float32)

@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.file is not None and not args.file.is_file():
             raise Refusal(f"--file {args.file}: no such file")
         run = locate(args.model)
+        run.generative("python -m finetune.generate")
         chat = Chat(run, args)
         if args.prompt is not None:
             chat.reply([{"role": "user", "content": args.prompt}], stream=True)

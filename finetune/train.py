@@ -438,7 +438,7 @@ def report(run_dir: Path, final: Path, result: dict[str, dict[str, float]], stat
             was = fmt.format(before[key]) if key in before else "(not measured)"
             print(f"{label:<12} {was} -> {fmt.format(after[key])}")
     if (final / "adapter_config.json").is_file():
-        print(f"adapter      {final}  (PEFT format; plain weights: python scripts/merge_adapter.py {final} MERGED_DIR)")
+        print(f"adapter      {final}  (PEFT format; merged weights and a model card: python -m finetune.export {run_dir})")
     else:
         print(f"checkpoint   {final}  ({model_class}.from_pretrained / AutoTokenizer.from_pretrained)")
     written = [str(run_dir / logs.SINKS[name].output) for name in log.sinks if logs.SINKS[name].output]

@@ -3,10 +3,12 @@ write plain Hugging Face weights that load without peft.
 
     python scripts/merge_adapter.py RUN_DIR/final MERGED_DIR [--base PATH_OR_HUB_ID] [--dtype bf16]
 
-The base defaults to the one recorded in the adapter (`base_model_name_or_path`); it is loaded
-unquantized (a QLoRA adapter merges into the full-precision base), as the class the adapter's task type
-names: a causal LM, or for a reward model (method=reward, task_type SEQ_CLS) a sequence classifier with
-one label whose trained score head the adapter carries; the merged model loads with that Auto class.
+For a run's `final/` (its config.yaml beside it) this is `finetune.finished.load`, what `python -m finetune.export
+RUN_DIR` also writes (with a model card): a QLoRA adapter merges into the base as the run quantized it to 4 bits, the
+weights it trained against. For an adapter alone, or with --base, the base defaults to the one recorded in the adapter
+(`base_model_name_or_path`) and is loaded unquantized, as the class the adapter's task type names: a causal LM, or for a
+reward model (method=reward, task_type SEQ_CLS) a sequence classifier with one label whose trained score head the
+adapter carries; the merged model loads with that Auto class.
 """
 
 from __future__ import annotations
@@ -28,6 +30,15 @@ def merge(adapter: Path, out: Path, base: str | None = None, dtype: str = "fp32"
     if not config_file.is_file():
         raise SystemExit(f"error: {adapter} holds no adapter_config.json: is it the final/ of a run with peft=lora|dora|qlora?")
     adapter_config = json.loads(config_file.read_text())
+    if base is None and (adapter.parent / "config.yaml").is_file():
+        from finetune.finished import locate, load
+
+        run = locate(str(adapter.parent))
+        if Path(run.model).resolve() == adapter.resolve():
+            model, tokenizer = load(run, dtype)
+            model.save_pretrained(out)
+            tokenizer.save_pretrained(out)
+            return out
     base = base or adapter_config["base_model_name_or_path"]
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     tokenizer = AutoTokenizer.from_pretrained(adapter)

@@ -236,6 +236,19 @@ def test_lora_trains_and_saves_the_score_head_and_merges_into_a_classifier(tmp_p
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads((tmp_path / "merged/config.json").read_text())["architectures"] == ["LlamaForSequenceClassification"]
     assert eval_scores(tmp_path / "merged", tmp_path / "run") == pytest.approx(summary["after"], rel=1e-5, abs=1e-6)
+    # finetune.export merges it into a classifier too (not a causal LM with a fresh head); GGUF and generate refuse it
+    out = subprocess.run([sys.executable, "-m", "finetune.export", str(tmp_path / "run"), "--out", str(tmp_path / "export")],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert eval_scores(tmp_path / "export", tmp_path / "run") == pytest.approx(summary["after"], rel=1e-5, abs=1e-6)
+    for argv, line in ((["finetune.export", "--gguf", "f16"], f"error: --gguf f16: {tmp_path / 'run'} is a reward model (a sequence "
+                        "classifier), and GGUF holds causal language models for llama.cpp: export it without --gguf"),
+                       (["finetune.generate", "--prompt", "hi"], f"error: {tmp_path / 'run'} is a reward model (a sequence classifier: "
+                        "one score per text), which python -m finetune.generate cannot use: it needs a causal language model "
+                        "(method=sft, dpo, kto or orpo)")):
+        out = subprocess.run([sys.executable, "-m", argv[0], str(tmp_path / "run"), *argv[1:]], capture_output=True, text=True,
+                             timeout=120, cwd=REPO)
+        assert (out.returncode, last_line(out.stderr)) == (2, line)
 
 
 @pytest.mark.parametrize("overrides", [["peft=dora", "checkpointing=full", "precision=bf16"], ["precision=fp16", "checkpointing=offload"],
