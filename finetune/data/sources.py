@@ -446,6 +446,8 @@ def fingerprint(cfg: DataConfig) -> dict[str, dict[str, Any]]:
             out[s.key] = {"hub": s.path, "split": s.split}
         else:
             out[s.key] = {"files": {str(p): _sha256(p.resolve(), *_stamp(p)) for p in files}}
+            if path.is_dir():  # which of its splits (a data file has none)
+                out[s.key]["split"] = s.split
         out[s.key] |= {k: v for k, v in (("weight", s.weight), ("rows", s.rows), ("name", s.name), ("revision", s.revision),
                                          ("columns", dict(s.columns) or None)) if v is not None}
     return out
