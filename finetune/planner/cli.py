@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import sys
 
-from finetune import lengths
+from finetune import lengths, steps
 from finetune.config import Config, ConfigError
 from finetune.lengths import Longest
 from finetune.planner.counts import GIB
@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         cfg = preflight(args)
+        steps.resolve(cfg, lambda line: print(f"# {line}"))  # train.epochs -> train.max_steps, as the launcher counts them
         longest = read_longest(cfg)
         pl = plan(cfg, longest)
     except ConfigError as e:
