@@ -23,8 +23,8 @@ def rows(n):
     return [{"instruction": f"reverse {'ab' * (i % 7)}{i}", "output": f"{i}"} for i in range(n)]
 
 
-def small(tmp_path, n=50, *more):
-    return [f"data.train={write_jsonl(tmp_path / 'train.jsonl', rows(n))}", "data.eval=null", "data.eval_size=0",
+def small(tmp_path, n=50, *more, eval_size=0):
+    return [f"data.train={write_jsonl(tmp_path / 'train.jsonl', rows(n))}", "data.eval=null", f"data.eval_size={eval_size}",
             "train.exact_match_samples=0", "optim.warmup_steps=0", "train.max_steps=null", f"data.cache_dir={tmp_path / 'tokens'}",
             *more]
 
@@ -56,12 +56,21 @@ def test_the_steps_are_the_hand_computation_on_any_layout_with_and_without_packi
 
 
 def test_the_token_cache_gives_the_count_the_launcher_tokenized(compose, tok, tmp_path):
-    """A resume (or any later launch) reads the count from the cache entry the ranks built: the same steps."""
-    cfg = compose(["+recipe=quickstart_sft", *small(tmp_path, 37), "train.epochs=2", "data.packing=true"])
+    """A resume (or any later launch) reads the count from the cache entry the ranks built: the same steps (the rows
+    held out for evaluation not among them)."""
+    cfg = compose(["+recipe=quickstart_sft", *small(tmp_path, 37, eval_size=5), "train.epochs=2", "data.packing=true"])
     first, where = steps.count_examples(cfg)
     assert where == "by tokenizing data.train here"
-    *_, entry = cache.load(cfg.data, tok, cfg.train.seed, Method.sft, builder=True, progress=False, say=lambda line: None)
+    train, _, _, _, entry = cache.load(cfg.data, tok, cfg.train.seed, Method.sft, builder=True, progress=False, say=lambda line: None)
+    assert len(train) == first < 32
     assert steps.count_examples(cfg) == (first, f"from the token cache {entry}")
+
+
+def test_the_planner_counts_the_steps_as_the_launcher_does(capsys):
+    from finetune.planner.cli import main
+
+    assert main(["+recipe=quickstart_sft", "train.max_steps=null", "train.epochs=2"]) == 0
+    assert capsys.readouterr().out.startswith("# train.epochs=2: train.max_steps=250 = ceil(2 x 4,000 examples of data.train")
 
 
 @pytest.mark.parametrize("epochs,dp", [(1, 1), (2, 1), (2, 2), (1.5, 4)])

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         cfg = preflight(args)
-        steps.resolve(cfg, lambda line: print(f"# {line}"))  # train.epochs -> train.max_steps, as the launcher counts them
+        counted(cfg)
         longest = read_longest(cfg)
         pl = plan(cfg, longest)
     except ConfigError as e:
@@ -79,6 +79,15 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.plan.suggest and not pl.fits:
         print(render_suggestions(suggest(cfg, args, cfg.plan.suggestions, longest=longest)))
     return 0 if pl.fits else 1
+
+
+def counted(cfg: Config) -> None:
+    """train.epochs -> train.max_steps as the launcher counts them (which rows the steps reach); when they cannot be
+    counted here, the plan goes on without (it needs only the longest batch) and says why."""
+    try:
+        steps.resolve(cfg, lambda line: print(f"# {line}"))
+    except ConfigError as e:
+        print(f"# train.max_steps not counted: {e}")
 
 
 def read_longest(cfg: Config) -> Longest | None:
