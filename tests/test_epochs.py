@@ -130,17 +130,18 @@ def test_the_dry_run_prints_the_steps_and_a_sweep_counts_each_trial(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_of_one_epoch_takes_the_counted_steps_and_a_resume_counts_the_same(compose, tmp_path):
-    data = small(tmp_path, 8, "train.epochs=1", "train.global_batch_size=4", "train.micro_batch_size=2")
+def test_a_run_of_one_epoch_takes_the_counted_steps_and_a_resume_counts_from_the_cache(tmp_path):
+    data = small(tmp_path, 8, "train.global_batch_size=4", "train.micro_batch_size=2")
     overrides = ["+recipe=quickstart_sft", *data, "launcher.nproc_per_node=1", "parallelism=single", "train.progress_bar=false",
-                 "train.log_every=1"]
-    out = run_cli(*overrides, f"run_dir={tmp_path / 'run'}", cwd=tmp_path)
+                 "train.log_every=1", "train.save_every=2", f"run_dir={tmp_path / 'run'}"]
+    out = run_cli(*overrides, "train.epochs=1", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "[finetune] train.epochs=1: train.max_steps=2 = ceil(1 x 8 examples of data.train / 4 per step" in out.stdout
-    trained = [m for m in read_metrics(tmp_path / "run") if m.get("kind", "train") == "train" and "loss" in m]
-    assert [m["step"] for m in trained] == [1, 2] and trained[-1]["epoch"] == 1.0  # the epoch done after the step
+    assert "[finetune] train.epochs=1: train.max_steps=2 = ceil(1 x 8 examples of data.train / 4 per step (micro_batch 2 x " \
+           "grad_accum 2 x dp 1)); counted by tokenizing data.train here" in out.stdout
     written = (tmp_path / "run" / "config.yaml").read_text()  # what the ranks read: the counted steps, and the epochs asked
     assert "  max_steps: 2\n  epochs: 1.0\n" in written
-    again = compose(overrides)  # a resume's launch counts from the cache entry the run built: the same steps
-    steps.resolve(again, lambda line: None)
-    assert again.train.max_steps == 2 and steps.count_examples(again)[1].startswith("from the token cache")
+    more = run_cli(*overrides, "train.epochs=2", "train.resume=auto", cwd=tmp_path)  # the second epoch, from step 2's checkpoint
+    assert more.returncode == 0, more.stderr[-2000:]
+    assert re.search(r"train.epochs=2: train.max_steps=4 = .*; counted from the token cache ", more.stdout)
+    trained = [m for m in read_metrics(tmp_path / "run") if m.get("kind", "train") == "train" and "loss" in m]
+    assert [(m["step"], m["epoch"]) for m in trained] == [(1, 0.5), (2, 1.0), (3, 1.5), (4, 2.0)]
