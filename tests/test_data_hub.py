@@ -71,6 +71,15 @@ def test_a_subset_split_and_column_map_read_like_a_plain_file(tok, tmp_path, hub
     assert alpaca == load_split(plain(tmp_path, "a.jsonl", [{"instruction": f"q{i}", "output": f"a{i}"} for i in range(4)]), tok, 0)[0]
 
 
+def test_a_mixture_of_subsets(hub):
+    from finetune.data.sources import load_sources
+
+    mixed = load_sources([{"path": hub, "name": "chat", "split": "train_sft", "columns": {"messages": "conversation"}, "rows": 3},
+                          {"path": hub, "name": "alpaca"}], "train", "data.train", seed=1)
+    assert [sorted(r) for r in mixed.rows] == [["id", "messages"]] * 3 + [["instruction", "output"]] * 4
+    assert mixed.note == f"data.train: 7 rows from 2 sources ({hub} subset chat 3 of 6, rows=3; {hub} subset alpaca 4 of 4)"
+
+
 def test_the_plain_string_form_and_a_parquet_hub_layout(tok, tmp_path):
     """A directory of data/SPLIT-*.parquet files (no subsets): the string form reads its `train` split; a dict picks another."""
     import datasets
@@ -89,6 +98,10 @@ def test_the_plain_string_form_and_a_parquet_hub_layout(tok, tmp_path):
 @pytest.mark.parametrize("spec,message", [
     ({"name": "nope"}, "data.train: the local dataset directory {hub} has no subset name=nope: its subsets are chat, alpaca; "
                        "set name to one of them"),
+    ({}, "data.train: the local dataset directory {hub} has several subsets and no default: name one, e.g. "
+         "data.train={{path: {hub}, name: SUBSET}} (its subsets: chat, alpaca)"),
+    ({"name": "chat", "revision": "v1"}, "data.train.revision: {hub} is a local directory, which has no revisions (a hub "
+                                         "dataset's branch, tag or commit): remove revision"),
     ({"name": "chat", "split": "validation"}, "data.train: the local dataset directory {hub} (subset chat) has no split "
                                               "'validation': its splits are train_sft, test_sft"),
     ({"name": "chat", "split": "train_sft", "columns": {"messages": "conversations"}},
@@ -126,17 +139,38 @@ def test_the_hub_form_composes_from_the_command_line(compose):
     assert (s.path, s.name, s.split, s.revision, s.columns) == ("ORG/NAME", "SUBSET", "train_sft", "v1", (("messages", "conversation"),))
 
 
-def test_the_token_cache_keys_on_subset_split_revision_and_column_map(tok, tmp_path, hub):
+def test_the_token_cache_keys_on_subset_split_revision_and_column_map(tok, tmp_path, hub, monkeypatch):
     base = DataConfig(train={"path": hub, "name": "chat", "split": "train_sft", "columns": {"messages": "conversation"}},
                       cache_dir=str(tmp_path / "cache"))
     key = lambda train: cache.key_of(cache.key_inputs(replace(base, train=train), tok, Method.sft, 0))  # noqa: E731
-    keys = {key(base.train), key({**base.train, "split": "test_sft"}), key({**base.train, "revision": "v2"}),
-            key({**base.train, "columns": {"messages": "conversation", "text": "id"}}), key({"path": hub, "name": "alpaca"})}
-    assert len(keys) == 5
+    keys = {key(base.train), key({**base.train, "split": "test_sft"}), key({"path": hub, "name": "alpaca"}),
+            key({**base.train, "columns": {"messages": "conversation", "text": "id"}})}
+    assert len(keys) == 4
     assert key(dict(base.train)) == key(base.train)
     train, _, _, _, entry = cache.load(base, tok, 0, Method.sft, builder=True, progress=False, say=lambda line: None)
     assert list(train) == load_split(base, tok, 0)[0]
     assert json.loads((entry / "meta.json").read_text())["inputs"]["sources"]["data.train"]["columns"] == {"messages": "conversation"}
+    asked = []  # a hub dataset (not downloaded here): its `datasets` fingerprint is read at the subset, split and revision
+    monkeypatch.setattr(cache, "_hub_fingerprint", lambda *args: asked.append(args) or "same content")
+    hub_keys = {key({"path": "org/name", "name": "chat", "revision": revision}) for revision in ("v1", "v2", None)}
+    assert len(hub_keys) == 3 and asked == [("org/name", "train", "chat", r) for r in ("v1", "v2", None)]
+
+
+def test_a_hub_id_is_loaded_with_its_subset_split_and_revision(monkeypatch):
+    """The hub path itself (no network here): `datasets.load_dataset(path, name=, split=, revision=)`, then the column map."""
+    import datasets
+
+    calls = []
+
+    def load_dataset(path, **kwargs):
+        calls.append((path, kwargs))
+        return datasets.Dataset.from_list([{"conversation": chat(0), "id": 0}])
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    (s,) = sources({"path": "ORG/NAME", "name": "SUBSET", "split": "train_sft", "revision": "abc123",
+                    "columns": {"messages": "conversation"}}, "train", "data.train")
+    assert s.load().rows == [{"id": 0, "messages": chat(0)}]
+    assert calls == [("ORG/NAME", {"name": "SUBSET", "split": "train_sft", "revision": "abc123", "streaming": False})]
 
 
 def test_the_launchers_check_of_local_rows_reads_the_column_map(tmp_path):

@@ -98,6 +98,9 @@ def _source(entry: Any, split: str, at: str) -> Source:
     for name in ("name", "split", "revision"):
         if entry.get(name) is not None and (not isinstance(entry[name], (str, int)) or not str(entry[name]).strip()):
             raise ConfigError(f"{at}.{name}={entry[name]!r} must be non-empty text")
+    if entry.get("revision") is not None and Path(path).expanduser().is_dir():
+        raise ConfigError(f"{at}.revision: {path} is a local directory, which has no revisions (a hub dataset's branch, tag or "
+                          "commit): remove revision")
     if Path(path).suffix in (".jsonl", ".json") and (entry.get("name") is not None or entry.get("revision") is not None):
         which = "name" if entry.get("name") is not None else "revision"
         raise ConfigError(f"{at}.{which}: {path} is a data file, which has no subsets or revisions: remove {which}, or point "
@@ -183,7 +186,7 @@ def load_sources(value: Any, split: str, key: str, seed: int) -> Rows:
         rows += [r.rows[j] for j in idx]
         wheres += [r.where(j) for j in idx]
         how = f", weight {s.weight:g}" if s.weight is not None else f", rows={s.rows}" if s.rows is not None else ""
-        parts.append(f"{s.path} {n:,} of {len(r.rows):,}{how}")
+        parts.append(f"{s.path}{'' if s.name is None else f' subset {s.name}'} {n:,} of {len(r.rows):,}{how}")
     return Rows(rows, key, wheres=wheres, note=f"{key}: {len(rows):,} rows from {len(srcs)} sources ({'; '.join(parts)})")
 
 
@@ -262,9 +265,10 @@ def _choices(e: Exception, path: str, name: str | None, split: str, revision: st
     import datasets
 
     if "Unknown split" not in str(e):
-        names = datasets.get_dataset_config_names(path, revision=revision)
-        asked = f"subset name={name}" if name is not None else "no subset (data.train/eval {path: ..., name: SUBSET})"
-        return f"{key}: {what} has no {asked}: its subsets are {', '.join(names)}; set name to one of them"
+        names = ", ".join(datasets.get_dataset_config_names(path, revision=revision))
+        if name is None:
+            return f"{key}: {what} has several subsets and no default: name one, e.g. {key}={{path: {path}, name: SUBSET}} (its subsets: {names})"
+        return f"{key}: {what} has no subset name={name}: its subsets are {names}; set name to one of them"
     splits = datasets.get_dataset_split_names(path, name, revision=revision)
     return f"{key}: {what}{'' if name is None else f' (subset {name})'} has no split {split!r}: its splits are {', '.join(splits)}"
 
