@@ -501,7 +501,7 @@ class OptimConfig:
     scheduler: Scheduler = Scheduler.cosine
     """cosine or linear decay after warmup, or constant."""
     warmup_steps: int = checked(at_least(0), 0)
-    """Steps of linear warmup from 0 to lr (must be below train.max_steps)."""
+    """Steps of linear warmup from 0 to lr (must be below train.max_steps, or the steps train.epochs makes)."""
     min_lr_ratio: float = checked(in_range(0, 1), 0.0)
     """Cosine decays to lr * min_lr_ratio."""
     max_grad_norm: float | None = checked(POSITIVE, 1.0)
