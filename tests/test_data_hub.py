@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 from conftest import write_jsonl
 
-from finetune.config import ConfigError, DataConfig, Method
+from finetune.config import ConfigError, DataConfig, Method, load, to_yaml
 from finetune.data import cache, stream
 from finetune.data.examples import check, load_split
 from finetune.data.sources import sources
@@ -132,11 +132,14 @@ def test_malformed_hub_sources_are_one_line_at_compose(compose, value, message):
     assert str(e.value) == message
 
 
-def test_the_hub_form_composes_from_the_command_line(compose):
+def test_the_hub_form_composes_from_the_command_line(compose, tmp_path):
     cfg = compose(["+recipe=quickstart_sft", "data.train={path:ORG/NAME,name:SUBSET,split:train_sft,revision:v1,"
                    "columns:{messages:conversation}}"])
     (s,) = sources(cfg.data.train, cfg.data.train_split, "data.train")
     assert (s.path, s.name, s.split, s.revision, s.columns) == ("ORG/NAME", "SUBSET", "train_sft", "v1", (("messages", "conversation"),))
+    written = tmp_path / "config.yaml"  # as the launcher writes it and the ranks read it back
+    written.write_text(to_yaml(cfg))
+    assert sources(load(written).data.train, "train", "data.train") == [s]
 
 
 def test_the_token_cache_keys_on_subset_split_revision_and_column_map(tok, tmp_path, hub, monkeypatch):
