@@ -367,6 +367,9 @@ def check_compatible(step_dir: Path, cfg: Config) -> None:
         raise ConfigError(f"train.resume: {change} since {step_dir} was saved: the resumed run would train on other data; "
                           "restore it, or start a fresh run")
     if meta["step"] >= cfg.train.max_steps:
+        if cfg.train.epochs is not None:
+            raise ConfigError(f"train.resume: {step_dir} is at step {meta['step']}, and train.epochs={cfg.train.epochs:g} is "
+                              f"{cfg.train.max_steps} steps: nothing to do: raise train.epochs")
         raise ConfigError(f"train.resume: {step_dir} is at step {meta['step']}, train.max_steps={cfg.train.max_steps}: "
                           f"nothing to do: raise train.max_steps above {meta['step']}")
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from finetune import methods
 from finetune.config import Config, ConfigError, ModelConfig
+from finetune.data.batches import epoch_steps
 from finetune.data.pack import first_fit
 from finetune.data.sources import sources, split_rows
 from finetune.data.examples import tokenize
@@ -151,10 +152,15 @@ def tokenizer_files(m: ModelConfig) -> dict[str, Path] | None:
 def seen_rows(n: int, cfg: Config) -> np.ndarray:
     """Indices of the training rows that the run's steps reach (TrainBatches' stream: one seeded
     permutation per epoch); all of them once the steps cover an epoch."""
-    total = cfg.train.max_steps * cfg.train.global_batch_size
+    total = steps_of(cfg, n) * cfg.train.global_batch_size
     if total >= n:
         return np.arange(n)
     return np.random.default_rng([cfg.train.seed, 0]).permutation(n)[:total]
+
+
+def steps_of(cfg: Config, n: int) -> int:
+    """train.max_steps, or the steps train.epochs makes of `n` training examples when the launcher has not counted them."""
+    return cfg.train.max_steps or epoch_steps(cfg.train.epochs, n, cfg.train.global_batch_size)
 
 
 def row_lengths(examples: list[Any]) -> list[int]:
@@ -183,7 +189,7 @@ def longest_of(lengths: list[int], cfg: Config, labelled: list[int] | None = Non
     most = cfg.train.micro_batch_size * max(labelled[i] for i in seen) if labelled else None
     what = "packed rows" if cfg.data.packing else "rows"
     scope = f"all {len(lengths):,} {what} of data.train" if len(seen) == len(lengths) else \
-        f"the {len(seen):,} {what} of data.train its {cfg.train.max_steps} steps reach, of {len(lengths):,}"
+        f"the {len(seen):,} {what} of data.train its {steps_of(cfg, len(lengths))} steps reach, of {len(lengths):,}"
     return Longest(width, f"the longest of {scope}", most)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from finetune import (checkpoint, compiling, config, dist, engine, evaluate, flops, liger, logs, loop, methods, model, objectives,
-                      reference, rules, rundir, startup, varlen)
+                      reference, rules, rundir, startup, steps, varlen)
 from finetune.config import Config, ConfigError, Kernels, Logits, MemoryReport, MethodConfig, PeftConfig, PeftMethod, Precision, Strategy, uses_deepspeed
 from finetune.data import stream
 from finetune.data.batches import TrainBatches
@@ -318,6 +318,8 @@ def load_data(cfg: Config, tokenizer: Any, d: dist.Dist) -> tuple[Any, Any, dict
             train = pack(train, cfg.data.max_length, cfg.train.seed)
     method = methods.get(cfg.method.name)  # the whole splits read: what the method adds to them (KTO's mismatched rows)
     train = train if cfg.data.streaming else method.settle(train, cfg.data, "data.train")
+    if not cfg.data.streaming:
+        steps.check_count(cfg, len(train))  # train.epochs: the examples the launcher counted its steps from
     evals = method.settle(evals, cfg.data, "data.eval") if len(evals) else evals
     if d.is_main:
         if cfg.data.packing and not cfg.data.streaming:

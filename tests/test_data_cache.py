@@ -219,12 +219,13 @@ def test_a_mixture_caches_like_it_tokenizes_and_its_key_follows_the_draw(tok, tm
 
 
 @pytest.mark.parametrize("value,message", [
-    ("[a.jsonl,{path:b.jsonl,wieght:0.5}]", "data.train[1]: unknown key 'wieght': a source has path, and optionally split, weight or rows"),
+    ("[a.jsonl,{path:b.jsonl,wieght:0.5}]", "data.train[1]: unknown key 'wieght': a source has path, and optionally name, split, revision, "
+                                                   "columns, weight, rows"),
     ("[{path:a.jsonl,weight:0.5,rows:3}]", "data.train[0]: set weight (its share of the mixture) or rows (an exact count), not both"),
     ("[{path:a.jsonl,weight:0}]", "data.train[0].weight=0 must be a number above 0"),
     ("[{path:a.jsonl,rows:1.5}]", "data.train[0].rows=1.5 must be an integer of at least 1"),
     ("[{weight:1}]", "data.train[0].path must be a path or hub id (got None)"),
-    ("[]", "data.train=[] must be a path or hub id, or a list of sources"),
+    ("[]", "data.train=[] must be a path or hub id, a source {path, name, split, revision, columns}, or a list of sources"),
 ])
 def test_malformed_mixtures_are_one_line_at_compose(compose, value, message):
     with pytest.raises(ConfigError) as e:

@@ -31,7 +31,7 @@ LAUNCHER_SIDE = (
     "finetune.families", "finetune.families.records", "finetune.families.arch", "finetune.families.checks",
     "finetune.methods", "finetune.optimizers",
     "finetune.liger", "finetune.logs", "finetune.trackers", "finetune.data", "finetune.data.sources", "finetune.data.forms",
-    "finetune.data.tokenize", "finetune.data.examples", "finetune.data.pack",
+    "finetune.data.tokenize", "finetune.data.examples", "finetune.data.pack", "finetune.data.batches", "finetune.steps",
 )
 """The launcher side: what `python -m finetune.launch` and `python -m finetune.plan` import (composition, rules,
 planner, command, supervision, the data checks, the records they read; every module of finetune/methods/ is added

@@ -65,7 +65,8 @@ POSITIVE = Accepts("positive", lambda v: v > 0, ("0",))
 PROBABILITY = in_range(0, 1, hi_open=True)
 PORT = Accepts("a port in [1, 65535]", lambda v: 0 < v < 65536, ("0", "65536"))
 TEXT = Accepts("non-empty text", lambda v: bool(str(v).strip()), ("''",))
-SOURCES = Accepts("a path or hub id, or a list of sources", lambda v: isinstance(v, list) and bool(v) or isinstance(v, str) and bool(v.strip()),
+SOURCES = Accepts("a path or hub id, a source {path, name, split, revision, columns}, or a list of sources",
+                  lambda v: isinstance(v, (list, dict)) and bool(v) or isinstance(v, str) and bool(v.strip()),
                   ("''", "[]"))
 ANY_TEXT = Accepts("any text", lambda v: True)
 NAMES = Accepts("a list of names", lambda v: all(str(x).strip() for x in v), ("['']",))

@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from finetune.config.fields import TEXT, at_least, checked, spelling
+from finetune.config.fields import POSITIVE, TEXT, at_least, checked, spelling
 from finetune.config.schema import (
     LOGGERS, MEMORY_REPORT_BOOLS, MEMORY_REPORTS, CheckpointingConfig, DataConfig, Device, HardwareConfig, LauncherConfig,
     LauncherName, LogitsConfig, MemoryReport, MethodConfig, ModelConfig, NonFinite, OptimConfig, ParallelismConfig, PeftConfig,
@@ -23,8 +23,13 @@ from finetune.config.schema import (
 
 @dataclass
 class TrainConfig:
-    max_steps: int = checked(at_least(1), 100)
-    """Optimizer steps."""
+    max_steps: int | None = checked(at_least(1), 100)
+    """Optimizer steps; null with `epochs`, which the launcher turns into max_steps before any rank starts."""
+    epochs: float | None = checked(POSITIVE, None)
+    """Passes over the training examples instead of max_steps (set max_steps=null; fractions such as 1.5 are fine):
+    max_steps = ceil(epochs x examples / global_batch_size), the examples counted after packing (the token cache's
+    count when it holds the run's data, else tokenized by the launcher without torch). Every example is seen once per
+    whole epoch; the last step may take a few of the next epoch's. Not with data.streaming (no length ahead)."""
     micro_batch_size: int = checked(at_least(1), 8)
     """Samples per rank per forward/backward."""
     global_batch_size: int = checked(at_least(1), 32)

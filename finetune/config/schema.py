@@ -250,10 +250,12 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     train: Any = checked(SOURCES, MISSING)
-    """A local .jsonl/.json file, a local dataset directory, or a hub dataset id; or a mixture: a list of
-    those, each optionally {path, split, weight, rows}. `rows`: exactly that many rows of it (seeded
-    sample; repeated past its size); `weight`: the weighted sources share their part of the mixture
-    in these proportions, as many rows as that allows without repeating one."""
+    """A local .jsonl/.json file, a local dataset directory, or a hub dataset id; or one source as people name a hub
+    dataset, {path: ORG/NAME, name: SUBSET, split: SPLIT, revision: REV, columns: {messages: conversation}}
+    (`datasets.load_dataset(path, name=, split=, revision=)`; `columns` renames the dataset's columns to the keys the
+    row forms read); or a mixture: a list of those, each optionally with a weight or rows. `rows`: exactly that
+    many rows of it (seeded sample; repeated past its size); `weight`: the weighted sources share their part of the
+    mixture in these proportions, as many rows as that allows without repeating one."""
     eval: Any = checked(SOURCES, None)
     """The same forms as `train`; null: hold out `eval_size` rows of `train` instead."""
     eval_size: int = checked(at_least(0), 0)
@@ -499,7 +501,7 @@ class OptimConfig:
     scheduler: Scheduler = Scheduler.cosine
     """cosine or linear decay after warmup, or constant."""
     warmup_steps: int = checked(at_least(0), 0)
-    """Steps of linear warmup from 0 to lr (must be below train.max_steps)."""
+    """Steps of linear warmup from 0 to lr (must be below train.max_steps, or the steps train.epochs makes)."""
     min_lr_ratio: float = checked(in_range(0, 1), 0.0)
     """Cosine decays to lr * min_lr_ratio."""
     max_grad_norm: float | None = checked(POSITIVE, 1.0)

@@ -7,6 +7,8 @@ this with its own order: finetune.data.stream.)
 
 from __future__ import annotations
 
+import math
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
@@ -91,7 +93,8 @@ class TrainBatches:
 
     The global batch of step k is positions [k*G, (k+1)*G) of an endless stream made of one
     seeded permutation of the dataset per epoch. It is split into contiguous blocks, one per
-    data-parallel rank, and each block into micro-batches.
+    data-parallel rank, and each block into micro-batches. So epoch e is positions [e*N, (e+1)*N):
+    every example exactly once; a step that straddles the boundary ends one epoch and starts the next.
     """
 
     pure = True  # a step's micro-batches depend on the step alone: the loop makes the next step's ahead (loop.Ahead)
@@ -124,6 +127,12 @@ class TrainBatches:
 
     def epoch(self, step: int) -> float:
         return step * self.global_batch / len(self.examples)
+
+
+def epoch_steps(epochs: float, examples: int, global_batch: int) -> int:
+    """The optimizer steps of `epochs` passes over `examples` (train.epochs): ceil(epochs x examples / global_batch),
+    with epochs read as the decimal it was written as (1.1 x 100 / 10 is 11 steps, not 12)."""
+    return math.ceil(Fraction(str(epochs)) * examples / global_batch)
 
 
 def shard(items: list[Any], rank: int, world: int) -> list[Any]:

@@ -1,7 +1,7 @@
 """Tokenized data as an on-disk Arrow artifact: made once, then memory-mapped by every rank.
 
 The key is a hash of everything that changes the tokens (`key_inputs`): the source files' content (a
-hub dataset: its `datasets` fingerprint), the tokenizer (its whole tokenizer.json and chat template),
+hub dataset: its `datasets` fingerprint) and each source's subset, split, revision and column map, the tokenizer (its whole tokenizer.json and chat template),
 the data settings (form, template, system prompt, max_length, long prompts, packing, the held-out eval
 rows), the method, and the seed where it matters (held-out rows, packing). Under `data.cache_dir`
 (default ~/.cache/finetune/tokens) the directory KEY/ holds `train.arrow` and `eval.arrow` (Arrow IPC
@@ -80,7 +80,7 @@ def key_inputs(cfg: DataConfig, tokenizer: Any, method: Method | str, seed: int)
     sources = fingerprint(cfg)
     for entry in sources.values():
         if "hub" in entry:  # the dataset's own fingerprint (revision and content), from its local cache
-            entry["fingerprint"] = _hub_fingerprint(entry["hub"], entry["split"])
+            entry["fingerprint"] = _hub_fingerprint(entry["hub"], entry["split"], entry.get("name"), entry.get("revision"))
     held_out = cfg.eval is None and cfg.eval_size > 0
     seeded = held_out or cfg.packing or samples_rows(cfg)
     return {
@@ -91,11 +91,11 @@ def key_inputs(cfg: DataConfig, tokenizer: Any, method: Method | str, seed: int)
     }
 
 
-def _hub_fingerprint(source: str, split: str) -> str | None:
+def _hub_fingerprint(source: str, split: str, name: str | None, revision: str | None) -> str | None:
     try:
         import datasets
 
-        return datasets.load_dataset(source, split=split)._fingerprint
+        return datasets.load_dataset(source, name=name, split=split, revision=revision)._fingerprint
     except Exception:  # noqa: BLE001 - loading it for real names the problem (finetune.data.sources.load_rows)
         return None
 

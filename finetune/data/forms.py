@@ -30,6 +30,8 @@ def is_preference(row: dict[str, Any]) -> bool:
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
                   "model": "assistant", "system": "system"}
+ROW_KEYS = ("messages", "conversations", "instruction", "input", "output", "prompt", "completion", "question", "answer", "text",
+            "chosen", "rejected", "label")  # every key a row form reads: what a source's column map may rename a column to
 KNOWN_FORMS = ("alpaca (instruction, output), chat (messages), sharegpt (conversations), completion (prompt and completion, "
                "or question and answer), text (text)")
 

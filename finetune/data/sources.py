@@ -56,39 +56,88 @@ class Source:
     key: str  # the config key that names it, e.g. data.train[1]
     weight: float | None = None
     rows: int | None = None
+    name: str | None = None  # the dataset's subset (its config name: `datasets.load_dataset(path, name=...)`)
+    revision: str | None = None  # a hub dataset's branch, tag or commit
+    columns: tuple[tuple[str, str], ...] = ()  # (our key, the dataset's column): renamed before a row is read
+
+    def load(self) -> Rows:
+        return load_rows(self.path, self.split, self.key, name=self.name, revision=self.revision, columns=self.columns)
 
 
-SOURCE_KEYS = ("path", "split", "weight", "rows")
-SOURCE_FORM = ("a path or hub id, or a list of sources, each a path or {path, split, weight, rows}, "
-               "e.g. data.train=[a.jsonl,{path:b.jsonl,weight:0.3}]")
+SOURCE_KEYS = ("path", "name", "split", "revision", "columns", "weight", "rows")
+SOURCE_FORM = ("a path or hub id, a source {path, name, split, revision, columns}, or a list of sources (each also with a weight "
+               "or rows), e.g. data.train={path:ORG/NAME,name:SUBSET,split:train_sft,columns:{messages:conversation}}")
 
 
 def sources(value: Any, split: str, key: str) -> list[Source]:
     """data.train / data.eval as a list of sources; one line naming the entry for a malformed one."""
     if isinstance(value, str):
         return [Source(value, split, key)]
+    if isinstance(value, dict):  # one source with its subset, split, revision or column map
+        return [_source(value, split, key)]
     if not isinstance(value, (list, tuple)) or not value:
         raise ConfigError(f"{key} must be {SOURCE_FORM}")
-    out = []
-    for i, entry in enumerate(value):
-        at = f"{key}[{i}]"
-        entry = {"path": entry} if isinstance(entry, str) else entry
-        if not isinstance(entry, dict):
-            raise ConfigError(f"{at}={entry!r}: a source is a path or {{path, split, weight, rows}}")
-        unknown = sorted(set(entry) - set(SOURCE_KEYS))
-        if unknown:
-            raise ConfigError(f"{at}: unknown key {unknown[0]!r}: a source has path, and optionally split, weight or rows")
-        path, weight, rows = entry.get("path"), entry.get("weight"), entry.get("rows")
-        if not isinstance(path, str) or not path.strip():
-            raise ConfigError(f"{at}.path must be a path or hub id (got {path!r})")
-        if weight is not None and rows is not None:
-            raise ConfigError(f"{at}: set weight (its share of the mixture) or rows (an exact count), not both")
-        if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0):
-            raise ConfigError(f"{at}.weight={weight} must be a number above 0")
-        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
-            raise ConfigError(f"{at}.rows={rows} must be an integer of at least 1")
-        out.append(Source(path, str(entry.get("split", split)), at, None if weight is None else float(weight), rows))
-    return out
+    return [_source({"path": entry} if isinstance(entry, str) else entry, split, f"{key}[{i}]") for i, entry in enumerate(value)]
+
+
+def _source(entry: Any, split: str, at: str) -> Source:
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{at}={entry!r}: a source is a path or {{path, name, split, revision, columns, weight, rows}}")
+    unknown = sorted(set(entry) - set(SOURCE_KEYS))
+    if unknown:
+        raise ConfigError(f"{at}: unknown key {unknown[0]!r}: a source has path, and optionally {', '.join(SOURCE_KEYS[1:])}")
+    path, weight, rows = entry.get("path"), entry.get("weight"), entry.get("rows")
+    if not isinstance(path, str) or not path.strip():
+        raise ConfigError(f"{at}.path must be a path or hub id (got {path!r})")
+    if weight is not None and rows is not None:
+        raise ConfigError(f"{at}: set weight (its share of the mixture) or rows (an exact count), not both")
+    if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0):
+        raise ConfigError(f"{at}.weight={weight} must be a number above 0")
+    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+        raise ConfigError(f"{at}.rows={rows} must be an integer of at least 1")
+    for name in ("name", "split", "revision"):
+        if entry.get(name) is not None and (not isinstance(entry[name], (str, int)) or not str(entry[name]).strip()):
+            raise ConfigError(f"{at}.{name}={entry[name]!r} must be non-empty text")
+    if entry.get("revision") is not None and Path(path).expanduser().is_dir():
+        raise ConfigError(f"{at}.revision: {path} is a local directory, which has no revisions (a hub dataset's branch, tag or "
+                          "commit): remove revision")
+    if Path(path).suffix in (".jsonl", ".json") and (entry.get("name") is not None or entry.get("revision") is not None):
+        which = "name" if entry.get("name") is not None else "revision"
+        raise ConfigError(f"{at}.{which}: {path} is a data file, which has no subsets or revisions: remove {which}, or point "
+                          "path at a dataset directory or hub id")
+    return Source(path, str(entry.get("split") or split), at, None if weight is None else float(weight), rows,
+                  _text(entry.get("name")), _text(entry.get("revision")), column_map(entry.get("columns"), at))
+
+
+def _text(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def column_map(value: Any, at: str) -> tuple[tuple[str, str], ...]:
+    """A source's `columns` ({our key: the dataset's column}) as pairs; refused when it is not such a map (one naming a
+    key no row form reads is refused by finetune.rules.data, which knows the forms)."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or not value or not all(isinstance(v, str) and v for v in value.values()):
+        raise ConfigError(f"{at}.columns must map the keys rows are read by to the dataset's columns, "
+                          f"e.g. {{messages: conversation}} (got {value!r})")
+    if len(set(value.values())) < len(value):
+        raise ConfigError(f"{at}.columns maps one column onto two keys ({value}): map each column once")
+    return tuple((str(k), v) for k, v in value.items())
+
+
+def renamed(row: dict[str, Any], columns: tuple[tuple[str, str], ...], where: str, key: str) -> dict[str, Any]:
+    """A row with its columns renamed to our keys (a source's `columns`); one line naming the row for a column it
+    lacks, with the columns it has."""
+    if not columns:
+        return row
+    theirs = {c for _, c in columns}
+    for ours, column in columns:
+        if column not in row:
+            raise ConfigError(f"{key}.columns.{ours}={column}: {where} has no column {column!r} (its columns: "
+                              f"{', '.join(sorted(row)) or 'none'})")
+    out = {k: v for k, v in row.items() if k not in theirs}
+    return out | {ours: row[column] for ours, column in columns}
 
 
 def samples_rows(cfg: DataConfig) -> bool:
@@ -126,8 +175,8 @@ def load_sources(value: Any, split: str, key: str, seed: int) -> Rows:
     """The rows of data.train or data.eval: one source's, or a mixture's (drawn per `mixture_counts`, seeded)."""
     srcs = sources(value, split, key)
     if len(srcs) == 1 and srcs[0].weight is None and srcs[0].rows is None:
-        return load_rows(srcs[0].path, srcs[0].split, srcs[0].key)
-    loaded = [load_rows(s.path, s.split, s.key) for s in srcs]
+        return srcs[0].load()
+    loaded = [s.load() for s in srcs]
     counts = mixture_counts(srcs, [len(r.rows) for r in loaded])
     rows: list[dict[str, Any]] = []
     wheres: list[str] = []
@@ -137,17 +186,20 @@ def load_sources(value: Any, split: str, key: str, seed: int) -> Rows:
         rows += [r.rows[j] for j in idx]
         wheres += [r.where(j) for j in idx]
         how = f", weight {s.weight:g}" if s.weight is not None else f", rows={s.rows}" if s.rows is not None else ""
-        parts.append(f"{s.path} {n:,} of {len(r.rows):,}{how}")
+        parts.append(f"{s.path}{'' if s.name is None else f' subset {s.name}'} {n:,} of {len(r.rows):,}{how}")
     return Rows(rows, key, wheres=wheres, note=f"{key}: {len(rows):,} rows from {len(srcs)} sources ({'; '.join(parts)})")
 
 
-def load_rows(source: str, split: str, key: str) -> Rows:
+def load_rows(source: str, split: str, key: str, *, name: str | None = None, revision: str | None = None,
+              columns: tuple[tuple[str, str], ...] = ()) -> Rows:
     """Read a local .jsonl/.json file, a local dataset directory, or a hub dataset id.
 
     Args:
         source: the path or hub id.
         split: split name for directories and hub datasets.
         key: the config key that named `source` (for messages), e.g. "data.train".
+        name, revision: the dataset's subset and (hub) revision, for directories and hub datasets.
+        columns: (our key, the dataset's column) pairs: each row's columns renamed (`renamed`).
 
     Raises:
         ConfigError: one line naming the file and line of a bad row, or, for a source that cannot
@@ -158,8 +210,11 @@ def load_rows(source: str, split: str, key: str) -> Rows:
         rows = _read_jsonl(path) if _data_file(path, source, key) == ".jsonl" else _read_json(path)
         if not rows.rows:
             raise ConfigError(f"{key}: {source} has no rows ({'the file is empty' if not path.stat().st_size else 'only blank lines'})")
-        return rows
-    return Rows(rows=list(_open_dataset(source, split, key, streaming=False)), source=source)
+    else:
+        rows = Rows(rows=list(_open_dataset(source, split, key, streaming=False, name=name, revision=revision)), source=source)
+    if columns:
+        rows.rows = [renamed(row, columns, rows.where(i), key) for i, row in enumerate(rows.rows)]
+    return rows
 
 
 def _data_file(path: Path, source: str, key: str) -> str:
@@ -170,9 +225,10 @@ def _data_file(path: Path, source: str, key: str) -> str:
     return path.suffix
 
 
-def _open_dataset(source: str, split: str, key: str, *, streaming: bool) -> Any:
+def _open_dataset(source: str, split: str, key: str, *, streaming: bool, name: str | None = None, revision: str | None = None) -> Any:
     """A local dataset directory (data files or save_to_disk output) or a hub id, through `datasets`: a Dataset, or
-    with `streaming` an IterableDataset read as it is iterated (save_to_disk output is memory-mapped either way)."""
+    with `streaming` an IterableDataset read as it is iterated (save_to_disk output is memory-mapped either way).
+    `name`: its subset (config); `revision`: a hub dataset's branch, tag or commit."""
     path = Path(source).expanduser()
     if looks_local(source) and not path.exists():
         raise ConfigError(f"{key}: no such file or directory: {source}")
@@ -180,17 +236,41 @@ def _open_dataset(source: str, split: str, key: str, *, streaming: bool) -> Any:
         _check_directory(path, key)
     import datasets
 
+    saved = path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file())
+    if saved and name is not None:
+        raise ConfigError(f"{key}.name={name}: {source} is save_to_disk output, which has no subsets: remove name")
     try:
-        if path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()):
+        if saved:
             ds = datasets.load_from_disk(str(path))
             return ds[split] if isinstance(ds, datasets.DatasetDict) else ds
-        return datasets.load_dataset(str(path) if path.is_dir() else source, split=split, streaming=streaming)
+        return datasets.load_dataset(str(path) if path.is_dir() else source, name=name, split=split, revision=revision,
+                                     streaming=streaming)
     except Exception as e:  # noqa: BLE001 - whatever `datasets` raises, the user needs one line
+        what = f"the local dataset directory {source}" if path.is_dir() else repr(source)
+        if _subset_or_split(e):
+            raise ConfigError(_choices(e, str(path) if path.is_dir() else source, name, split, revision, key, what)) from None
         if path.is_dir():
-            raise ConfigError(f"{key}: could not load the local dataset directory {source} (split {split!r}): "
-                              f"{str(e).splitlines()[0]}") from None
+            raise ConfigError(f"{key}: could not load {what} (split {split!r}): {str(e).splitlines()[0]}") from None
         raise ConfigError(f"{key}: could not load {source!r}: as a local path: no such file or directory; as a hub dataset "
                           f"(split {split!r}): {_hub_failure(e)}") from None
+
+
+def _subset_or_split(e: Exception) -> bool:
+    text = str(e)
+    return isinstance(e, ValueError) and ("BuilderConfig" in text or "Unknown split" in text or "Config name is missing" in text)
+
+
+def _choices(e: Exception, path: str, name: str | None, split: str, revision: str | None, key: str, what: str) -> str:
+    """An unknown subset or split of a dataset, in one line with the ones it has."""
+    import datasets
+
+    if "Unknown split" not in str(e):
+        names = ", ".join(datasets.get_dataset_config_names(path, revision=revision))
+        if name is None:
+            return f"{key}: {what} has several subsets and no default: name one, e.g. {key}={{path: {path}, name: SUBSET}} (its subsets: {names})"
+        return f"{key}: {what} has no subset name={name}: its subsets are {names}; set name to one of them"
+    splits = datasets.get_dataset_split_names(path, name, revision=revision)
+    return f"{key}: {what}{'' if name is None else f' (subset {name})'} has no split {split!r}: its splits are {', '.join(splits)}"
 
 
 DATA_FILES = (".jsonl", ".json", ".csv", ".parquet", ".arrow", ".txt")  # what `datasets` reads from a directory
@@ -275,11 +355,13 @@ def _decode(raw: bytes, path: Path, line: int | None) -> str:
 # Streams: data.train read as it is needed (data.streaming=true)
 
 
-def records(source: str, split: str, key: str, start: int = 0) -> Iterator[dict[str, str]]:
+def records(source: str, split: str, key: str, start: int = 0, *, name: str | None = None, revision: str | None = None,
+            columns: tuple[tuple[str, str], ...] = ()) -> Iterator[dict[str, str]]:
     """One source's rows in its own order from its row `start` on, read as they are needed, each as
     {"row": its JSON text, "where": FILE:LINE or SOURCE row I} (rows travel as text: `datasets` would give rows of
     different forms each other's keys, as nulls). A .jsonl file is read line by line, a dataset directory or a hub
-    id through `datasets` streaming (save_to_disk output memory-mapped), a .json file (one list) whole.
+    id (its subset `name`, at `revision`) through `datasets` streaming (save_to_disk output memory-mapped), a .json
+    file (one list) whole; `columns` renames each row's columns (`renamed`).
 
     Raises:
         ConfigError: a source that cannot be read, or one with no rows from `start` on (data.eval_size held them out).
@@ -291,13 +373,21 @@ def records(source: str, split: str, key: str, start: int = 0) -> Iterator[dict[
         found = ({"row": json.dumps(row), "where": f"{path} row {i}"} for i, row in enumerate(_read_json(path).rows))
     else:
         found = ({"row": json.dumps(row, default=str), "where": f"{source} row {i}"}
-                 for i, row in enumerate(_open_dataset(source, split, key, streaming=True)))
+                 for i, row in enumerate(_open_dataset(source, split, key, streaming=True, name=name, revision=revision)))
+    if columns:
+        found = ({"row": json.dumps(renamed(parse_row(r["row"], r["where"]), columns, r["where"], key), default=str),
+                  "where": r["where"]} for r in found)
     empty = True
     for record in itertools.islice(found, start, None):
         empty = False
         yield record
     if empty:
         raise ConfigError(f"data.eval_size={start} leaves no training rows in {source}" if start else f"{key}: {source} has no rows")
+
+
+def _reads(s: Source) -> dict[str, Any]:
+    """`records`' arguments for a source."""
+    return {"source": s.path, "split": s.split, "key": s.key, "name": s.name, "revision": s.revision, "columns": s.columns}
 
 
 def one_pass(cfg: DataConfig, seed: int, buffer: int) -> Any:
@@ -310,7 +400,7 @@ def one_pass(cfg: DataConfig, seed: int, buffer: int) -> Any:
 
     srcs = sources(cfg.train, cfg.train_split, "data.train")
     start = cfg.eval_size if cfg.eval is None else 0
-    parts = [datasets.IterableDataset.from_generator(records, gen_kwargs={"source": s.path, "split": s.split, "key": s.key, "start": start})
+    parts = [datasets.IterableDataset.from_generator(records, gen_kwargs=_reads(s) | {"start": start})
              .shuffle(generator=np.random.default_rng([seed, 7919, i]), buffer_size=buffer) for i, s in enumerate(srcs)]
     if len(parts) == 1:
         return parts[0]
@@ -322,7 +412,7 @@ def one_pass(cfg: DataConfig, seed: int, buffer: int) -> Any:
 def first_rows(cfg: DataConfig) -> Rows:
     """The eval rows of a streamed data.train: its first data.eval_size rows, in the source's order."""
     (s,) = sources(cfg.train, cfg.train_split, "data.train")  # one source (finetune.rules)
-    held = list(itertools.islice(records(s.path, s.split, s.key), cfg.eval_size))
+    held = list(itertools.islice(records(**_reads(s)), cfg.eval_size))
     if len(held) < cfg.eval_size:
         raise ConfigError(f"data.eval_size={cfg.eval_size} leaves no training rows in {s.path}")
     return Rows([parse_row(r["row"], r["where"]) for r in held], s.path, wheres=[r["where"] for r in held])
@@ -351,7 +441,7 @@ def split_rows(cfg: DataConfig, seed: int) -> tuple[Rows, Rows | None]:
 def fingerprint(cfg: DataConfig) -> dict[str, dict[str, Any]]:
     """What the data of a run is, for a resume to compare: per source (data.train, data.eval, or
     data.train[i] of a mixture, with its weight or row count), the sha256 of each local file (a
-    directory: each file in it), or a hub dataset's id and split."""
+    directory: each file in it), or a hub dataset's id and split; and its subset, revision and column map where set."""
     out: dict[str, dict[str, Any]] = {}
     for s in all_sources(cfg):
         path = Path(s.path).expanduser()
@@ -360,7 +450,10 @@ def fingerprint(cfg: DataConfig) -> dict[str, dict[str, Any]]:
             out[s.key] = {"hub": s.path, "split": s.split}
         else:
             out[s.key] = {"files": {str(p): _sha256(p.resolve(), *_stamp(p)) for p in files}}
-        out[s.key] |= {k: v for k, v in (("weight", s.weight), ("rows", s.rows)) if v is not None}
+            if path.is_dir():  # which of its splits (a data file has none)
+                out[s.key]["split"] = s.split
+        out[s.key] |= {k: v for k, v in (("weight", s.weight), ("rows", s.rows), ("name", s.name), ("revision", s.revision),
+                                         ("columns", dict(s.columns) or None)) if v is not None}
     return out
 
 
@@ -404,4 +497,4 @@ def local_rows(s: Source, *, streamed: bool) -> Rows | None:
     if streamed:
         _data_file(path, s.path, s.key)
         return None
-    return load_rows(s.path, "train", s.key)
+    return s.load()

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import sys
 
-from finetune import lengths
+from finetune import lengths, steps
 from finetune.config import Config, ConfigError
 from finetune.lengths import Longest
 from finetune.planner.counts import GIB
@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         cfg = preflight(args)
+        counted(cfg)
         longest = read_longest(cfg)
         pl = plan(cfg, longest)
     except ConfigError as e:
@@ -78,6 +79,15 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.plan.suggest and not pl.fits:
         print(render_suggestions(suggest(cfg, args, cfg.plan.suggestions, longest=longest)))
     return 0 if pl.fits else 1
+
+
+def counted(cfg: Config) -> None:
+    """train.epochs -> train.max_steps as the launcher counts them (which rows the steps reach); when they cannot be
+    counted here, the plan goes on without (it needs only the longest batch) and says why."""
+    try:
+        steps.resolve(cfg, lambda line: print(f"# {line}"))
+    except ConfigError as e:
+        print(f"# train.max_steps not counted: {e}")
 
 
 def read_longest(cfg: Config) -> Longest | None:

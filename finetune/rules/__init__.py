@@ -38,6 +38,7 @@ def validate(cfg: Config) -> None:
     layout.validate_launcher(cfg)
     layout.validate_hardware(cfg)
     optim.validate_optimizer_keys(cfg)
+    optim.validate_length(cfg)
     optim.validate_schedule(cfg)
     layout.validate_zero(cfg)
     layout.validate_layout(cfg)

@@ -6,14 +6,18 @@ from __future__ import annotations
 
 from finetune.config import Config, ConfigError, DataFormat, Reference
 from finetune import methods
-from finetune.data.sources import sources
+from finetune.data.forms import ROW_KEYS
+from finetune.data.sources import all_sources, sources
 
 
 def validate_sources(cfg: Config) -> None:
-    """data.train and data.eval: a mixture's entries, each named when malformed."""
-    for value, split, key in ((cfg.data.train, cfg.data.train_split, "data.train"), (cfg.data.eval, cfg.data.eval_split, "data.eval")):
-        if value is not None:
-            sources(value, split, key)  # a mixture's entries, each named when malformed
+    """data.train and data.eval: a mixture's entries, each named when malformed; a column map onto a key no row form
+    reads."""
+    for s in all_sources(cfg.data):  # a mixture's entries, each named when malformed
+        for ours, _ in s.columns:
+            if ours not in ROW_KEYS:
+                raise ConfigError(f"{s.key}.columns.{ours}: no row form reads a key {ours!r}: map the dataset's columns onto "
+                                  f"{', '.join(ROW_KEYS)}")
 
 
 def validate_streaming(cfg: Config) -> None:

@@ -31,8 +31,32 @@ def validate_schedule(cfg: Config) -> None:
     if cfg.train.on_nonfinite == NonFinite.skip and cfg.zero.enabled:
         raise ConfigError("train.on_nonfinite=skip needs the torch engine: DeepSpeed applies a step before its loss can be checked "
                           "(use train.on_nonfinite=stop, or zero=none)")
-    if cfg.optim.warmup_steps >= cfg.train.max_steps and cfg.optim.warmup_steps > 0:
-        raise ConfigError(f"optim.warmup_steps={cfg.optim.warmup_steps} must be below train.max_steps={cfg.train.max_steps}")
+    check_warmup(cfg)
+
+
+def check_warmup(cfg: Config) -> None:
+    """optim.warmup_steps below the steps (known at compose with train.max_steps; with train.epochs once the launcher has
+    counted them: finetune.steps calls it again)."""
+    steps, how = cfg.train.max_steps, f"train.max_steps={cfg.train.max_steps}"
+    if steps is not None and cfg.train.epochs is not None:
+        how = f"the {steps} steps of train.epochs={cfg.train.epochs:g}"
+    if steps is not None and cfg.optim.warmup_steps >= steps and cfg.optim.warmup_steps > 0:
+        raise ConfigError(f"optim.warmup_steps={cfg.optim.warmup_steps} must be below {how}")
+
+
+def validate_length(cfg: Config) -> None:
+    """How long training runs: train.max_steps or train.epochs, exactly one (epochs only where the data's length is
+    known ahead). The launcher fills max_steps in from epochs (finetune.steps), so a resolved config has both."""
+    t = cfg.train
+    if t.epochs is None and t.max_steps is None:
+        raise ConfigError("train.max_steps=null and no train.epochs: set train.max_steps=N (optimizer steps) or train.epochs=N "
+                          "(passes over data.train)")
+    if t.epochs is not None and t.max_steps is not None:
+        raise ConfigError(f"train.epochs={t.epochs:g} and train.max_steps={t.max_steps} both set how long training runs: add "
+                          "train.max_steps=null to train for epochs, or remove train.epochs")
+    if t.epochs is not None and cfg.data.streaming:
+        raise ConfigError(f"train.epochs={t.epochs:g} needs the number of training examples, which a stream (data.streaming=true) "
+                          "does not know before the run reads it: set train.max_steps instead")
 
 
 def validate_optimizer_engine(cfg: Config) -> None:
