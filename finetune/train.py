@@ -222,7 +222,8 @@ def run(cfg: Config, d: dist.Dist) -> None:
     elif several:
         attention_why += f"; {several}: its variable-length kernel"
     phase("peft" if cfg.peft.name != PeftMethod.none else "model")
-    net = model.apply_strategies(loaded, checkpointing=cfg.checkpointing, peft=cfg.peft, model_class=model_class)
+    net = model.apply_strategies(loaded, checkpointing=cfg.checkpointing, peft=cfg.peft, model_class=model_class,
+                                 neftune_alpha=cfg.train.neftune_alpha)
     if d.is_main:
         trainable, total = model.trainable_parameters(net)
         print(f"model: {total:,} parameters, {trainable:,} trainable ({trainable / total:.2%}), attention {attention} ({attention_why})")

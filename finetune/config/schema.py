@@ -112,6 +112,14 @@ class PeftMethod(str, Enum, metaclass=Spelled):
     dora = "dora"
 
 
+class LoraInit(str, Enum, metaclass=Spelled):
+    default = "default"
+    gaussian = "gaussian"
+    pissa = "pissa"
+    olora = "olora"
+    loftq = "loftq"
+
+
 class QuantType(str, Enum, metaclass=Spelled):
     nf4 = "nf4"
     fp4 = "fp4"
@@ -468,6 +476,15 @@ class PeftConfig:
     """Module names to adapt (e.g. [q_proj,v_proj]); [all-linear]: every linear layer but the output head."""
     modules_to_save: list[str] = checked(NAMES, factory=list)
     """Modules trained fully and saved with the adapter (e.g. [lm_head,embed_tokens])."""
+    use_rslora: bool = False
+    """Rank-stabilized LoRA: scale the update by alpha / sqrt(r) instead of alpha / r (PEFT's use_rslora)."""
+    init: LoraInit = LoraInit.default
+    """The adapters' initial weights (PEFT's init_lora_weights): default (A Kaiming-uniform, B zero), gaussian (A
+    normal(0, 1/r), B zero), pissa (A and B the weight's top-r singular vectors, taken out of the base weight: the
+    model is unchanged at step 0), olora (the same with a QR decomposition), loftq (refused: PEFT runs it on CUDA only
+    and replaces the base with its 4-bit approximation, which no saved adapter can convert back). With pissa/olora
+    final/ holds the adapter converted back to the original base (rank 2r, PEFT's
+    path_initial_model_for_weight_conversion), so it applies to model.path like any LoRA adapter."""
     quant_type: QuantType = QuantType.nf4
     """qlora: 4-bit data type of the frozen base."""
     double_quant: bool = True
@@ -502,6 +519,9 @@ class OptimConfig:
     """Steps of linear warmup from 0 to lr (must be below train.max_steps)."""
     min_lr_ratio: float = checked(in_range(0, 1), 0.0)
     """Cosine decays to lr * min_lr_ratio."""
+    loraplus_lr_ratio: float | None = checked(POSITIVE, None)
+    """LoRA+ (with peft): the adapters' B matrices (lora_B) learn at optim.lr x this (the paper suggests 16), the rest
+    at optim.lr: separate parameter groups, so every optimizer and engine gets it; null: one rate."""
     max_grad_norm: float | None = checked(POSITIVE, 1.0)
     """Clip the global gradient norm to this; null: no clipping."""
     state_dtype: StateDtype | None = None
