@@ -74,9 +74,11 @@ def start_model(tmp_path_factory):
 
 @pytest.mark.slow
 def test_zero3_step_export_equals_final(start_model, tmp_path):
-    """DeepSpeed ZeRO-3 over 2 ranks: zero_to_fp32's weights of the last step == final/'s gathered ones (fp32 run)."""
+    """DeepSpeed ZeRO-3 over 2 ranks, LoRA with LoRA+'s groups: zero_to_fp32's adapter of the last step == final/'s
+    gathered one (an fp32 run)."""
     run = tmp_path / "run"
-    out = run_cli("+recipe=quickstart_sft", *TWO, "zero=stage3", "model=pretrained", f"model.path={start_model}",
+    out = run_cli("+recipe=quickstart_sft", *TWO, "optim.warmup_steps=0", "zero=stage3", "peft=lora", "optim.loraplus_lr_ratio=4",
+                  "train.progress_bar=false", "model=pretrained", f"model.path={start_model}",
                   f"hydra.run.dir={run}", cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert_same(step_export.converted(run, load_config(run / "config.yaml"), 2), run / "final")
