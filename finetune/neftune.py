@@ -4,11 +4,14 @@ The noise of the NEFTune paper (Jain et al., 2023) and of transformers' `neftune
 alpha / sqrt(L x d), d the hidden size. transformers takes L as the padded width of the batch; here L is each
 sequence's real length: the attention mask's count of a padded row, or the length of its sample in a packed or
 padding-free row (position_ids restart at 0 at each sample). A forward hook on the input embedding adds it while the
-model is in train mode; evaluation, exact match and generation run in eval mode and see none.
+model is in train mode; evaluation, exact match and generation run in eval mode and see none, and neither does a
+reference computed inside a training step (DPO/KTO's adapter_disabled: `silenced`).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -48,3 +51,15 @@ def add_noise(model: torch.nn.Module, alpha: float) -> None:
 
     inner.register_forward_pre_hook(remember, with_kwargs=True)
     inner.get_input_embeddings().register_forward_hook(noisy)
+
+
+@contextlib.contextmanager
+def silenced(model: torch.nn.Module) -> Iterator[None]:
+    """No NEFTune noise inside (the embedding in eval mode, which only the hook reads): a reference's forward."""
+    embedding = model.get_input_embeddings()
+    was = embedding.training
+    embedding.eval()
+    try:
+        yield
+    finally:
+        embedding.train(was)

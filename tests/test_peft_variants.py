@@ -194,3 +194,19 @@ def test_variants_compose_where_they_work(compose):
     assert (cfg.peft.init, cfg.optim.loraplus_lr_ratio, cfg.train.neftune_alpha) == (LoraInit.pissa, 16, 5)
     compose(["peft=qlora", "optim.loraplus_lr_ratio=16", "zero=stage2", "train.neftune_alpha=5"])
     compose(["peft=lora", "parallelism=fsdp", "launcher.nproc_per_node=2", "optim.loraplus_lr_ratio=4", "train.neftune_alpha=5"])
+
+
+def test_an_adapter_disabled_reference_sees_no_noise_in_a_training_step():
+    from finetune.reference import adapter_disabled
+
+    torch.manual_seed(0)
+    net, _ = tiny_model()
+    peft = PeftConfig(name=PeftMethod.lora, dropout=0.0)
+    noisy = model.apply_strategies(net, checkpointing=CheckpointingConfig(), peft=peft, neftune_alpha=5.0)
+    batch = {"input_ids": IDS, "labels": IDS, "attention_mask": torch.ones_like(IDS)}
+    noisy.train()
+    with torch.no_grad():
+        quiet = adapter_disabled(noisy, batch)
+        assert noisy.get_input_embeddings().training is True  # put back as it was: the policy's forward is noisy
+        noisy.eval()
+        assert torch.equal(quiet, adapter_disabled(noisy, batch))
