@@ -86,3 +86,17 @@ def test_zero3_step_export_equals_final(start_model, tmp_path):
     # 2-step cosine), so without the ratio no |B| passes 4.5e-3; at 4x the group's rate the largest come near 1.8e-2
     largest = max(float(v.abs().max()) for k, v in weights(run / "final").items() if "lora_B" in k)
     assert 1.5 * 4.5e-3 < largest <= 4 * 4.5e-3 * 1.01, largest
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_dcp_checkpoint_reads_whole_with_the_models_names(tmp_path, pp):
+    """The mesh engine's layout (torch.distributed.checkpoint, {"model", "optim"}), read by dcp_to_torch_save; under
+    pipeline parallel the stages' ModuleList index leaves the names, as the export of final/ does."""
+    import torch.distributed.checkpoint as dcp
+
+    net, _ = tiny_model()
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    saved = {f"{i % 2}.{k}": v for i, (k, v) in enumerate(state.items())} if pp > 1 else state
+    dcp.save({"model": saved, "optim": {"state": {}}}, checkpoint_id=str(tmp_path / "step_1"))
+    read = step_export.native_state(tmp_path / "step_1", {"engine": "mesh", "pp": pp})
+    assert set(read) == set(state) and all(torch.equal(read[k], state[k]) for k in state)
