@@ -46,6 +46,10 @@ TRAJECTORY = {
 }
 
 
+HF = "hf"
+"""step_N/hf/: the checkpoint in transformers' form, as final/ is (train.save_hf, or `finetune.export RUN_DIR --step N`)."""
+
+
 def tag(step: int) -> str:
     return f"step_{step}"
 

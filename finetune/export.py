@@ -1,14 +1,17 @@
 """Ship a finished run: a merged model with its model card, optionally a GGUF file, optionally uploaded to the hub.
 
-    python -m finetune.export RUN_DIR [--out DIR] [--dtype bf16|fp16|fp32] [--gguf f16|q8_0] [--push-to-hub REPO]
+    python -m finetune.export RUN_DIR [--step N] [--out DIR] [--dtype bf16|fp16|fp32] [--gguf f16|q8_0] [--push-to-hub REPO]
 
 Writes into DIR (default RUN_DIR/export): the model with any adapter merged into its base (finetune.finished),
 saved by save_pretrained in --dtype (default: the run's precision), its tokenizer, README.md (the model card: base
 model, data and its fingerprints, method, strategies, hyper-parameters, final metrics, the command that reproduces
 the run) and with --gguf RUN_NAME-FORMAT.gguf (finetune.gguf_file). --push-to-hub REPO uploads DIR to the hub
 (huggingface_hub: create_repo, then upload_folder), with the token huggingface_hub finds (HF_TOKEN, or
-`hf auth login`). A mistake is one line and exit code 2: no run directory, no final/, a family or tokenizer
-GGUF cannot hold here, no token for the upload.
+`hf auth login`). --step N exports checkpoint N instead of final/ (a finished run or not; default DIR
+RUN_DIR/export_step_N): its transformers form RUN_DIR/checkpoints/step_N/hf/, as train.save_hf wrote it or converted
+now from the engine's own checkpoint (finetune.step_export). A mistake is one line and exit code 2: no run directory,
+no final/, no checkpoint of step N (the steps there are listed), a family or tokenizer GGUF cannot hold here, no token
+for the upload.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ PRECISION_DTYPE = {Precision.bf16: "bf16", Precision.bf16_pure: "bf16", Precisio
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m finetune.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", help="the run directory (its config.yaml and final/)")
-    parser.add_argument("--out", type=Path, help="where to write (default: RUN_DIR/export)")
+    parser.add_argument("--step", type=int, help="export checkpoint N (RUN_DIR/checkpoints/step_N) instead of final/")
+    parser.add_argument("--out", type=Path, help="where to write (default: RUN_DIR/export, RUN_DIR/export_step_N with --step)")
     parser.add_argument("--dtype", choices=list(DTYPES), help="weights' dtype (default: the run's precision, fp32 for fp32 runs)")
     parser.add_argument("--gguf", choices=["f16", "q8_0"], help="also write a GGUF file in this format (pip install -e '.[ship]')")
     parser.add_argument("--push-to-hub", metavar="REPO", help="upload the export to this hub repository (user/name)")
@@ -43,10 +47,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     try:
-        run = locate(args.run_dir, need_run=True)
+        run = locate(args.run_dir, need_run=True) if args.step is None else at_step(args.run_dir, args.step)
         assert run.run_dir is not None and run.config is not None
         model_type = check(run, args)
-        out = args.out or run.run_dir / "export"
+        out = args.out or run.run_dir / ("export" if args.step is None else f"export_step_{args.step}")
         dtype = args.dtype or PRECISION_DTYPE.get(run.config.precision.name, "fp32")
         model, tokenizer = load(run, "fp32")  # merged in fp32: the GGUF is made from these weights, then the cast is saved
         out.mkdir(parents=True, exist_ok=True)
@@ -60,6 +64,20 @@ def main(argv: list[str] | None = None) -> int:
     except Refusal as e:
         _fail(str(e))
     return 0
+
+
+def at_step(where: str, step: int) -> Finished:
+    """A run directory's checkpoint `step` in transformers' form (converted if train.save_hf did not write it)."""
+    from finetune import step_export
+    from finetune.config import load as load_config
+
+    path = Path(where).expanduser()
+    if not (path / "config.yaml").is_file():
+        locate(where, need_run=True)  # its refusal: no such directory, or not a run directory
+    cfg = load_config(path / "config.yaml")
+    hf = step_export.converted(path, cfg, step)
+    print(f"step {step}      {hf}")
+    return Finished(str(hf), path, cfg)
 
 
 def _fail(line: str) -> None:

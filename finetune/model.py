@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from finetune.config import (
     Checkpointing,
     CheckpointingConfig,
     ConfigError,
+    LoraInit,
     ModelConfig,
     PeftConfig,
     PeftMethod,
@@ -218,9 +221,9 @@ def _gathered(model: torch.nn.Module, zero3: bool) -> Any:
 
 
 def apply_strategies(model: torch.nn.Module, *, checkpointing: CheckpointingConfig, peft: PeftConfig,
-                     model_class: str = CAUSAL_LM) -> torch.nn.Module:
+                     model_class: str = CAUSAL_LM, neftune_alpha: float | None = None) -> torch.nn.Module:
     """Adapters (PEFT's task type for the method's `model_class`), then activation checkpointing / offload, each from
-    its own config slice."""
+    its own config slice; NEFTune's embedding noise (train.neftune_alpha) last."""
     if peft.name != PeftMethod.none:
         from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
@@ -237,7 +240,10 @@ def apply_strategies(model: torch.nn.Module, *, checkpointing: CheckpointingConf
             # linear layers' adapters only (_linear_dropout)
             lora_dropout=0.0 if exact else peft.dropout,
             modules_to_save=list(peft.modules_to_save) or None, use_dora=peft.name == PeftMethod.dora, task_type=PEFT_TASKS[model_class],
+            use_rslora=peft.use_rslora, init_lora_weights=LORA_INIT[peft.init],
         ))
+        if peft.init in MUTATING:
+            keep_initial_adapter(model)
         if exact:
             check_adapted(model, modules, parameters)
             if peft.dropout:
@@ -252,7 +258,44 @@ def apply_strategies(model: torch.nn.Module, *, checkpointing: CheckpointingConf
                 block.gradient_checkpointing = i % checkpointing.every == 0
     elif checkpointing.name == Checkpointing.offload:
         model.forward = functools.partial(_offloaded_forward, model.forward)
+    if neftune_alpha:
+        from finetune.neftune import add_noise
+
+        add_noise(model, neftune_alpha)
     return model
+
+
+LORA_INIT = {LoraInit.default: True, LoraInit.gaussian: "gaussian", LoraInit.pissa: "pissa", LoraInit.olora: "olora",
+             LoraInit.loftq: "loftq"}
+"""peft.init -> LoraConfig's init_lora_weights."""
+MUTATING = (LoraInit.pissa, LoraInit.olora)
+"""Inits that move part of each base weight into the adapter (the base holds the residual)."""
+
+
+def keep_initial_adapter(model: torch.nn.Module) -> None:
+    """pissa/olora: keep the adapter's step-0 weights, from which `adapter_save_kwargs` converts the trained adapter
+    into a plain LoRA adapter of the original base (PEFT's documented conversion at save)."""
+    from peft import get_peft_model_state_dict
+
+    model.initial_adapter = {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(model).items()}
+
+
+@contextlib.contextmanager
+def adapter_save_kwargs(model: torch.nn.Module) -> Iterator[dict[str, Any]]:
+    """save_pretrained's extra keywords for `model`: with a pissa/olora adapter, the step-0 adapter written to a
+    temporary directory as path_initial_model_for_weight_conversion (PEFT then saves the difference to the original
+    base: rank 2r, alpha doubled); nothing otherwise."""
+    initial = getattr(model, "initial_adapter", None)
+    if initial is None:
+        yield {}
+        return
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        where = Path(tmp, "initial")
+        where.mkdir()
+        save_file(initial, str(where / "adapter_model.safetensors"))
+        yield {"path_initial_model_for_weight_conversion": str(where)}
 
 
 def keep_4bit_layout(model: torch.nn.Module) -> None:

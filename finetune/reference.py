@@ -28,6 +28,7 @@ from finetune.data.tokenize import rows_of
 from finetune.engine.base import Engine
 from finetune.dist import Dist
 from finetune.evaluate import lockstep_extra
+from finetune.neftune import silenced
 from finetune.objectives import logits_logps, sequence_logps
 
 FILE = "reference_logps.pt"
@@ -58,7 +59,7 @@ def adapter_disabled(policy: Any, batch: dict[str, torch.Tensor]) -> torch.Tenso
     model = policy
     while not hasattr(model, "disable_adapter"):  # DDP / DeepSpeed wrap the PEFT model in `.module`
         model = model.module
-    with model.disable_adapter():
+    with model.disable_adapter(), silenced(model):  # the base as it was: no NEFTune noise either
         return sequence_logps(model, batch)[0]
 
 

@@ -222,7 +222,8 @@ def run(cfg: Config, d: dist.Dist) -> None:
     elif several:
         attention_why += f"; {several}: its variable-length kernel"
     phase("peft" if cfg.peft.name != PeftMethod.none else "model")
-    net = model.apply_strategies(loaded, checkpointing=cfg.checkpointing, peft=cfg.peft, model_class=model_class)
+    net = model.apply_strategies(loaded, checkpointing=cfg.checkpointing, peft=cfg.peft, model_class=model_class,
+                                 neftune_alpha=cfg.train.neftune_alpha)
     if d.is_main:
         trainable, total = model.trainable_parameters(net)
         print(f"model: {total:,} parameters, {trainable:,} trainable ({trainable / total:.2%}), attention {attention} ({attention_why})")
@@ -274,7 +275,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
         closing: dict[str, float] = {}
         try:
             result = loop.train(cfg.train, engine=eng, objective=objective, batches=batches, evals=eval_examples,
-                                tokenizer=tokenizer, dist=d, log=log, save=saver(cfg, eng, d, run_dir / "checkpoints", batches),
+                                tokenizer=tokenizer, dist=d, log=log, save=saver(cfg, eng, d, run_dir / "checkpoints", batches, tokenizer),
                                 resume_from=resume_from, probe=probe(cfg, eng, d, run_dir, predicted),
                                 **mfu_inputs(cfg, net, d))
         finally:
@@ -376,12 +377,14 @@ def planned(cfg: Config, batches: Any, examples: Any) -> dict[str, float] | str:
     return predicted | {"plan_run_width": run.width, "plan_run_peak_mib": (run.total - run.overhead) / records.MIB}
 
 
-def saver(cfg: Config, eng: Engine, d: dist.Dist, root: Path, batches: Any) -> Any:
+def saver(cfg: Config, eng: Engine, d: dist.Dist, root: Path, batches: Any, tokenizer: Any) -> Any:
     """step -> the complete checkpoint directory written for it (atomically; keep-K applied), with where
-    a stream's next step starts."""
+    a stream's next step starts, and with train.save_hf its transformers form in hf/ (written as final/ is)."""
     def save(step: int) -> Path:
         with checkpoint.writing(root, step, cfg, d, keep=cfg.train.keep_checkpoints) as directory:
             eng.save(directory, step)
+            if cfg.train.save_hf:
+                eng.export(directory / checkpoint.HF, tokenizer)
             if cfg.data.streaming and d.is_main:
                 batches.save(directory)
         return root / checkpoint.tag(step)

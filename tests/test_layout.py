@@ -24,8 +24,8 @@ MAX_LINES = 600
 LAUNCHER_SIDE = (
     "finetune.launch", "finetune.compose", "finetune.command", "finetune.supervise", "finetune.trials", "finetune.sweep",
     "finetune.rundir", "finetune.startup", "finetune.prepare", "finetune.errors", "finetune.config", "finetune.config.fields",
-    "finetune.config.schema", "finetune.config.root", "finetune.rules", "finetune.rules.model", "finetune.rules.data",
-    "finetune.rules.optim", "finetune.rules.layout", "finetune.rules.strategies", "finetune.plan", "finetune.planner",
+    "finetune.config.schema", "finetune.config.peft", "finetune.config.root", "finetune.rules", "finetune.rules.model", "finetune.rules.data",
+    "finetune.rules.optim", "finetune.rules.layout", "finetune.rules.strategies", "finetune.rules.peft", "finetune.plan", "finetune.planner",
     "finetune.planner.counts", "finetune.planner.activations", "finetune.planner.peak", "finetune.planner.records",
     "finetune.planner.suggest", "finetune.planner.cli", "finetune.lengths", "finetune.disk", "finetune.structure",
     "finetune.families", "finetune.families.records", "finetune.families.arch", "finetune.families.checks",

@@ -28,7 +28,7 @@ from finetune.config.root import (
 )
 from finetune.config.schema import (
     AttnImpl, DataFormat, Template, LongPrompt, Method, DpoLoss, Reference, Precision, Offload, Checkpointing,
-    Logits, LogitsKernel, Kernels, PeftMethod, QuantType, Strategy, PipeSchedule, StateDtype, OptimKernel,
+    Logits, LogitsKernel, Kernels, LoraInit, PeftMethod, QuantType, Strategy, PipeSchedule, StateDtype, OptimKernel,
     OPTIMIZER, LOGGERS, Scheduler, LauncherName, NonFinite, Device, MemoryReport, MEMORY_REPORT_BOOLS,
     MEMORY_REPORTS, ModelInit, ModelConfig, DataConfig, MethodConfig, PrecisionConfig, CheckpointingConfig,
     LogitsConfig, ZeroConfig, ParallelismConfig, PeftConfig, OptimConfig, LauncherConfig, PlanConfig, HardwareConfig
@@ -42,7 +42,7 @@ __all__ = [
     "Config", "ConfigError", "DataConfig", "DataFormat", "Device", "DpoLoss", "HardwareConfig", "Kernels",
     "LauncherConfig", "LauncherName", "Logits", "LogitsConfig", "LogitsKernel", "LongPrompt", "MemoryReport",
     "Method", "MethodConfig", "ModelConfig", "ModelInit", "NonFinite", "Offload", "OptimConfig", "OptimKernel",
-    "ParallelismConfig", "PeftConfig", "PeftMethod", "PipeSchedule", "PlanConfig", "Precision", "PrecisionConfig",
+    "LoraInit", "ParallelismConfig", "PeftConfig", "PeftMethod", "PipeSchedule", "PlanConfig", "Precision", "PrecisionConfig",
     "QuantType", "Reference", "Scheduler", "Spelled", "StateDtype", "Strategy", "Template", "TrainConfig",
     "ZeroConfig", "at_least", "check_fields", "checked", "did_you_mean", "engine_kind", "in_range", "launcher_for",
     "load", "machine_ram_gib", "one_of", "register", "spelling", "to_config", "to_yaml", "unused", "uses_deepspeed"

@@ -78,6 +78,12 @@ class TrainConfig:
     save one at the next step boundary in any case)."""
     keep_checkpoints: int = checked(at_least(0), 0)
     """Keep only the newest K complete checkpoints (0: keep all)."""
+    save_hf: bool = False
+    """Write each checkpoint also as a transformers-loadable step-N/hf/ (the whole model, or the adapter with peft), as
+    final/ is written; without it, `python -m finetune.export RUN_DIR --step N` converts a checkpoint afterwards."""
+    neftune_alpha: float | None = checked(POSITIVE, None)
+    """NEFTune: add uniform(-1, 1) x alpha / sqrt(L x d) noise to the input embeddings in training steps only (L: each
+    sequence's real length, padding excluded; d: the hidden size); the paper uses 5 to 15. null: no noise."""
     on_nonfinite: NonFinite = NonFinite.stop
     """A step whose loss or gradient norm is inf/nan: stop (naming the step, weights untouched by
     it) or skip it (no update; counted as `nonfinite_skipped`). fp16's loss scaler skips overflowing

@@ -17,6 +17,7 @@ from finetune.config.fields import (
     ANY_TEXT, ARCHITECTURE, BETAS, ENV, EXISTING_DIR, EXISTING_FILE, HOST_PORT, NAMES, PORT, POSITIVE, PROBABILITY, SOME_NAMES,
     SOURCES, TEXT, Accepts, Spelled, at_least, checked, in_range, one_of,
 )
+from finetune.config.peft import LoraInit, PeftConfig, PeftMethod, QuantType  # noqa: F401 - the peft group, re-exported
 
 
 class AttnImpl(str, Enum, metaclass=Spelled):
@@ -103,18 +104,6 @@ class LogitsKernel(str, Enum, metaclass=Spelled):
 class Kernels(str, Enum, metaclass=Spelled):
     none = "none"
     liger = "liger"
-
-
-class PeftMethod(str, Enum, metaclass=Spelled):
-    none = "none"
-    lora = "lora"
-    qlora = "qlora"
-    dora = "dora"
-
-
-class QuantType(str, Enum, metaclass=Spelled):
-    nf4 = "nf4"
-    fp4 = "fp4"
 
 
 class Strategy(str, Enum, metaclass=Spelled):
@@ -457,26 +446,6 @@ class ParallelismConfig:
 
 
 @dataclass
-class PeftConfig:
-    name: PeftMethod = PeftMethod.none
-    """none (full fine-tuning), lora, dora (weight-decomposed LoRA), or qlora (LoRA on a 4-bit base)."""
-    r: int = checked(at_least(1), 16)
-    """Adapter rank."""
-    alpha: int = checked(at_least(1), 32)
-    """Scaling: the adapter's update is multiplied by alpha / r."""
-    dropout: float = checked(PROBABILITY, 0.05)
-    """Dropout on the adapter's input (lora_dropout)."""
-    target_modules: list[str] = checked(SOME_NAMES, factory=lambda: ["all-linear"])
-    """Module names to adapt (e.g. [q_proj,v_proj]); [all-linear]: every linear layer but the output head."""
-    modules_to_save: list[str] = checked(NAMES, factory=list)
-    """Modules trained fully and saved with the adapter (e.g. [lm_head,embed_tokens])."""
-    quant_type: QuantType = QuantType.nf4
-    """qlora: 4-bit data type of the frozen base."""
-    double_quant: bool = True
-    """qlora: quantize the quantization constants too (~0.4 bits/param less)."""
-
-
-@dataclass
 class OptimConfig:
     name: str = checked(OPTIMIZER, "adamw")
     """adamw (decoupled weight decay), adam (weight decay added to the gradient: L2), sgd
@@ -504,6 +473,9 @@ class OptimConfig:
     """Steps of linear warmup from 0 to lr (must be below train.max_steps, or the steps train.epochs makes)."""
     min_lr_ratio: float = checked(in_range(0, 1), 0.0)
     """Cosine decays to lr * min_lr_ratio."""
+    loraplus_lr_ratio: float | None = checked(POSITIVE, None)
+    """LoRA+ (with peft): the adapters' B matrices (lora_B) learn at optim.lr x this (the paper suggests 16), the rest
+    at optim.lr: separate parameter groups, so every optimizer and engine gets it; null: one rate."""
     max_grad_norm: float | None = checked(POSITIVE, 1.0)
     """Clip the global gradient norm to this; null: no clipping."""
     state_dtype: StateDtype | None = None

@@ -7,7 +7,7 @@ import functools
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator
 
 import torch
 
@@ -59,7 +59,7 @@ def add_metrics(total: dict[str, float], sums: dict[str, Any]) -> None:
 
 
 def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, kahan: bool | None = None,
-                    drop_empty: bool = False) -> torch.optim.Optimizer:
+                    drop_empty: bool = False, fast: Collection[int] = ()) -> torch.optim.Optimizer:
     """The torch optimizer `optim.name` names (its record's builder, finetune/optimizers/), over `param_groups`
     (no decay on 1-D tensors).
 
@@ -74,12 +74,13 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, kahan: b
     (The DeepSpeed engine builds the same optimizers from `command.deepspeed_config`.)
 
     drop_empty: leave out a parameter group with no parameters (the mesh engine's checkpoints need it).
+    fast: ids of the LoRA B matrices (`lora_b`), which learn at optim.lr x optim.loraplus_lr_ratio when it is set (LoRA+).
     kahan (precision=bf16_pure, bf16 parameters): not None selects optimi's class of the record (`pure`), the same
     update as torch's, with the states in the parameters' dtype and, when True, Kahan-compensated addition of
     each update (a bf16 compensation buffer per parameter).
     """
     rec = optimizers.record(cfg.name)
-    groups = param_groups(params, cfg.weight_decay)
+    groups = param_groups(params, cfg.weight_decay, fast=fast, fast_lr=loraplus_lr(cfg))
     if drop_empty:  # DCP's flattened optimizer state cannot load a group without parameters (LoRA: no 1-D ones)
         groups = [g for g in groups if g["params"]] or groups[:1]
     if kahan is not None:
@@ -177,12 +178,36 @@ def to_bf16(model: torch.nn.Module) -> None:
             p.data = p.data.to(torch.bfloat16)
 
 
-def param_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
-    """No weight decay on biases and norm scales (1-D tensors), as is standard for transformers."""
-    return [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+def param_groups(params: list[torch.nn.Parameter], weight_decay: float, *, fast: Collection[int] = (),
+                 fast_lr: float | None = None) -> list[dict[str, Any]]:
+    """No weight decay on biases and norm scales (1-D tensors), as is standard for transformers. With `fast_lr`
+    (LoRA+), the parameters whose id is in `fast` (the B matrices) go into groups of their own at that rate: torch's
+    optimizers, optimi's, bitsandbytes' and DeepSpeed's take a group's "lr" over the default, and the scheduler scales
+    each group's own rate."""
+    slow = [p for p in params if fast_lr is None or id(p) not in fast]
+    groups = [
+        {"params": [p for p in slow if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in slow if p.ndim < 2], "weight_decay": 0.0},
     ]
+    if fast_lr is not None:
+        quick = [p for p in params if id(p) in fast]
+        groups += [g for g in ({"params": [p for p in quick if p.ndim >= 2], "weight_decay": weight_decay, "lr": fast_lr},
+                               {"params": [p for p in quick if p.ndim < 2], "weight_decay": 0.0, "lr": fast_lr}) if g["params"]]
+    return groups
+
+
+def loraplus_lr(cfg: OptimConfig) -> float | None:
+    """The LoRA B matrices' rate under LoRA+ (optim.loraplus_lr_ratio), None without it."""
+    return cfg.lr * cfg.loraplus_lr_ratio if cfg.loraplus_lr_ratio else None
+
+
+LORA_B = ("lora_B", "lora_embedding_B")
+"""PEFT's names of the adapters' B matrices (linear and embedding adapters), the ones LoRA+ speeds up."""
+
+
+def lora_b(*modules: torch.nn.Module) -> set[int]:
+    """ids of the LoRA B parameters in `modules` (the ones a LoRA+ group trains at the higher rate)."""
+    return {id(p) for m in modules for name, p in m.named_parameters() if any(f".{b}." in f".{name}" for b in LORA_B)}
 
 
 class InBackward:
@@ -195,10 +220,12 @@ class InBackward:
     rate to the per-parameter optimizers before each backward. The gradient norm is summed in the hooks
     (reported, not clipped: a global norm is known only after every parameter has stepped)."""
 
-    def __init__(self, params: list[torch.nn.Parameter], cfg: OptimConfig, kahan: bool | None) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], cfg: OptimConfig, kahan: bool | None, fast: Collection[int] = ()) -> None:
         self.params = params
-        self.lead = build_optimizer(params, cfg, kahan)
-        self.optimizers = [build_optimizer([p], cfg, kahan) for p in params]
+        self.lead = build_optimizer(params, cfg, kahan, fast=fast)
+        self.optimizers = [build_optimizer([p], cfg, kahan, fast=fast) for p in params]
+        self.peak = cfg.lr  # each optimizer's groups keep their own peak (LoRA+): begin() scales them all alike
+        self.peaks = [[g["lr"] for g in opt.param_groups] for opt in self.optimizers]
         self.handles: list[Any] = []
         self.squares: torch.Tensor | None = None
 
@@ -219,10 +246,10 @@ class InBackward:
 
     def begin(self) -> None:
         self.hook()
-        lr = self.lead.param_groups[0]["lr"]
-        for opt in self.optimizers:
-            for group in opt.param_groups:
-                group["lr"] = lr
+        factor = self.lead.param_groups[0]["lr"] / self.peak
+        for opt, peaks in zip(self.optimizers, self.peaks):
+            for group, peak in zip(opt.param_groups, peaks):
+                group["lr"] = peak * factor
         self.squares = None
 
     def end(self) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from finetune.config import Config, ConfigError, Precision
 from finetune.dist import Dist, import_deepspeed
-from finetune.engine.common import StepResult, add_metrics, build_scheduler, param_groups
+from finetune.engine.common import StepResult, add_metrics, build_scheduler, lora_b, loraplus_lr, param_groups
 from finetune.command import deepspeed_config
 
 Objective = Callable[[Any, dict[str, torch.Tensor]], Any]
@@ -40,7 +40,7 @@ class DeepSpeedEngine:
         params = [p for p in model.parameters() if p.requires_grad]
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=model,
-            model_parameters=param_groups(params, cfg.optim.weight_decay),
+            model_parameters=param_groups(params, cfg.optim.weight_decay, fast=lora_b(model), fast_lr=loraplus_lr(cfg.optim)),
             config=deepspeed_config(cfg),
             lr_scheduler=lambda opt: build_scheduler(opt, cfg.optim, cfg.train.max_steps),
         )

@@ -26,7 +26,7 @@ from finetune import parallel
 from finetune.context import ContextParallel
 from finetune.config import Config, ConfigError, Logits, PipeSchedule, Precision, Strategy
 from finetune.dist import Dist
-from finetune.engine.common import (StepResult, add_metrics, autocast_dtype, build_optimizer, build_scheduler, no_deepspeed_probe,
+from finetune.engine.common import (StepResult, add_metrics, autocast_dtype, build_optimizer, build_scheduler, lora_b, no_deepspeed_probe,
                                     to_bf16)
 
 STATE_FILE = "trainer_state.pt"  # scheduler and step, beside the DCP shards
@@ -90,7 +90,8 @@ class MeshEngine:
         self.context = ContextParallel(model, self.mesh["cp"].get_group(), self.cp_rank, self.cp) if self.cp > 1 else None
         self.params = [q for m in modules for q in m.parameters() if q.requires_grad]
         self.max_grad_norm = cfg.optim.max_grad_norm
-        self.optimizer = build_optimizer(self.params, cfg.optim, cfg.precision.kahan_sum if pure else None, drop_empty=True)
+        self.optimizer = build_optimizer(self.params, cfg.optim, cfg.precision.kahan_sum if pure else None, drop_empty=True,
+                                         fast=lora_b(*modules))
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
         self._schedule: Any = None
         if p.pp > 1 and dist.is_main:

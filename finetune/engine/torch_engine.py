@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from finetune.config import ConfigError, OptimConfig, Precision, PrecisionConfig, Strategy
 from finetune.dist import Dist
-from finetune.engine.common import (InBackward, StepResult, add_metrics, autocast_dtype, build_optimizer, build_scheduler, no_deepspeed_probe,
+from finetune.engine.common import (InBackward, StepResult, add_metrics, autocast_dtype, build_optimizer, build_scheduler, lora_b, no_deepspeed_probe,
                                     to_bf16)
 
 Objective = Callable[[Any, dict[str, torch.Tensor]], Any]
@@ -41,8 +41,9 @@ class TorchEngine:
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.max_grad_norm = optim.max_grad_norm
         kahan = precision.kahan_sum if pure else None
-        self.in_backward = InBackward(self.params, optim, kahan) if optim.in_backward else None
-        self.optimizer = self.in_backward.lead if self.in_backward else build_optimizer(self.params, optim, kahan)
+        fast = lora_b(self.module)  # LoRA+'s B matrices (their own rate with optim.loraplus_lr_ratio)
+        self.in_backward = InBackward(self.params, optim, kahan, fast) if optim.in_backward else None
+        self.optimizer = self.in_backward.lead if self.in_backward else build_optimizer(self.params, optim, kahan, fast=fast)
         self.scheduler = build_scheduler(self.optimizer, optim, max_steps)
         self.dtype = autocast_dtype(precision.name)
         self.scaler = None
@@ -157,10 +158,13 @@ class TorchEngine:
         return state["step"]
 
     def export(self, path: Path, tokenizer: Any) -> None:
-        """Hugging Face format (safetensors + config + tokenizer), written by rank 0."""
+        """Hugging Face format (safetensors + config + tokenizer), written by rank 0; a pissa/olora adapter converted to
+        one of the original base (model.adapter_save_kwargs)."""
+        from finetune.model import adapter_save_kwargs
+
         if self.dist.is_main:
-            with no_deepspeed_probe():
-                self.module.save_pretrained(path)
+            with no_deepspeed_probe(), adapter_save_kwargs(self.module) as kwargs:
+                self.module.save_pretrained(path, **kwargs)
             tokenizer.save_pretrained(path)
         self.dist.barrier()
 

@@ -12,12 +12,13 @@ By topic (as axolotl groups its validation), each module one group of rules; `va
 - optim.py: the optimizer's record against the config (keys, schedule, engines, precisions, kernel).
 - layout.py: launcher, hardware, ZeRO, the parallel layout against the model, batch sizes.
 - strategies.py: checkpointing, PEFT, precision, logits and kernel options that need or exclude each other.
+- peft.py: PEFT's variants (peft.init, LoRA+) and NEFTune against the base, the engine and the layout.
 """
 
 from __future__ import annotations
 
 from finetune.config import Config
-from finetune.rules import data, layout, model, optim, strategies
+from finetune.rules import data, layout, model, optim, peft, strategies
 from finetune.rules.data import padding_free, several_per_row
 from finetune.rules.layout import check_layout_fits_model, layout_words
 from finetune.rules.model import SHAPE, family_defaults, model_shape
@@ -50,6 +51,8 @@ def validate(cfg: Config) -> None:
     optim.validate_compile(cfg)
     optim.validate_in_backward(cfg)
     strategies.validate_strategies(cfg)
+    peft.validate_peft_variants(cfg)
+    peft.validate_neftune(cfg)
     data.validate_method(cfg)
     data.padding_free(cfg)
     data.validate_eval(cfg)

@@ -22,7 +22,7 @@ def validate_strategies(cfg: Config) -> None:
     if peft.name == PeftMethod.none:
         _unused(peft, "peft", ("name",), "with peft=none")
     elif peft.name != PeftMethod.qlora:
-        _unused(peft, "peft", ("name", "r", "alpha", "dropout", "target_modules", "modules_to_save"), f"with peft={peft.name.value} (only with qlora)")
+        _unused(peft, "peft", ("name", "r", "alpha", "dropout", "target_modules", "modules_to_save", "use_rslora", "init"), f"with peft={peft.name.value} (only with qlora)")
     own = {Precision.fp16: ("initial_scale_power", "loss_scale_window"), Precision.bf16_pure: ("kahan_sum",)}
     for owner, keys in own.items():  # each precision's own keys, refused under the others
         if owner != cfg.precision.name:
