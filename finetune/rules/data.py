@@ -1,10 +1,10 @@
-"""The data's and the method's rules: the sources, streaming, the method's own rules and the forms it reads, packing
+"""The data's and the method's rules: the sources, streaming, the chat template, the method's own rules and the forms it reads, packing
 and padding-free rows (`padding_free`, `several_per_row`, which the planner reads too), an eval set where asked.
 """
 
 from __future__ import annotations
 
-from finetune.config import Config, ConfigError, DataFormat, Reference
+from finetune.config import Config, ConfigError, DataFormat, Reference, Template
 from finetune import methods
 from finetune.data.sources import sources
 
@@ -14,6 +14,13 @@ def validate_sources(cfg: Config) -> None:
     for value, split, key in ((cfg.data.train, cfg.data.train_split, "data.train"), (cfg.data.eval, cfg.data.eval_split, "data.eval")):
         if value is not None:
             sources(value, split, key)  # a mixture's entries, each named when malformed
+
+
+def validate_template(cfg: Config) -> None:
+    """data.chat_template replaces the tokenizer's template, which data.template=builtin does not render with."""
+    if cfg.data.chat_template and cfg.data.template == Template.builtin:
+        raise ConfigError(f"data.chat_template={cfg.data.chat_template} has no effect with data.template=builtin (rows are rendered "
+                          "with the built-in template): remove one of them")
 
 
 def validate_streaming(cfg: Config) -> None:
