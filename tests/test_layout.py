@@ -24,6 +24,7 @@ MAX_LINES = 600
 LAUNCHER_SIDE = (
     "finetune.launch", "finetune.compose", "finetune.command", "finetune.supervise", "finetune.trials", "finetune.sweep",
     "finetune.rundir", "finetune.startup", "finetune.prepare", "finetune.errors", "finetune.config", "finetune.config.fields",
+    "finetune.config.data",
     "finetune.config.schema", "finetune.config.root", "finetune.rules", "finetune.rules.model", "finetune.rules.data",
     "finetune.rules.optim", "finetune.rules.layout", "finetune.rules.strategies", "finetune.plan", "finetune.planner",
     "finetune.planner.counts", "finetune.planner.activations", "finetune.planner.peak", "finetune.planner.records",
@@ -31,7 +32,7 @@ LAUNCHER_SIDE = (
     "finetune.families", "finetune.families.records", "finetune.families.arch", "finetune.families.checks",
     "finetune.methods", "finetune.optimizers",
     "finetune.liger", "finetune.logs", "finetune.trackers", "finetune.data", "finetune.data.sources", "finetune.data.forms",
-    "finetune.data.tokenize", "finetune.data.examples", "finetune.data.pack",
+    "finetune.data.tokenize", "finetune.data.examples", "finetune.data.pack", "finetune.data.templates", "finetune.data.tools",
 )
 """The launcher side: what `python -m finetune.launch` and `python -m finetune.plan` import (composition, rules,
 planner, command, supervision, the data checks, the records they read; every module of finetune/methods/ is added
