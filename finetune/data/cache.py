@@ -306,7 +306,8 @@ def tokenize_split(rows: Rows, tokenizer: Any, cfg: DataConfig, key: str, method
     dropped = kind == DROPPED
     stats = Stats(rows=count, sources=rows.note, truncated=int(((flags & TRUNCATED) > 0).sum()), split=int(((flags & SPLIT) > 0).sum()),
                   dropped=int(dropped.sum()), shortest_dropped_prompt=int(prompt[dropped].min()) if dropped.any() else 0,
-                  reasoning=int((thought > 0).sum()), thought=int(thought.sum()), reasoning_mode=cfg.reasoning.value)
+                  reasoning=int((thought > 0).sum()), thought=int(thought.sum()),
+                  reasoning_mode=cfg.reasoning.value if thought.any() else Stats.reasoning_mode)
     stats.check(key, rows.source, cfg.max_length, not dropped.all() and len(ds) > 0)
     if dropped.any():
         columns = columns.filter(pa.array(~dropped))

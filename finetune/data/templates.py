@@ -82,9 +82,10 @@ def _after(prompt: str, upto: str) -> int:
 
 def _common(a: str, b: str) -> int:
     """The length of the longest common prefix of a and b."""
+    if b.startswith(a):  # the usual case: a prefix-stable template
+        return len(a)
     n = min(len(a), len(b))
-    i = next((k for k in range(n) if a[k] != b[k]), n)
-    return i
+    return next((k for k in range(n) if a[k] != b[k]), n)
 
 
 PROBE_TOOLS = [{"type": "function", "function": {

@@ -151,14 +151,14 @@ class Stats:
     sources: str = ""  # a mixture: the rows drawn from each source
     reasoning: int = 0  # rows with reasoning blocks
     thought: int = 0  # their tokens, `reasoning_mode`
-    reasoning_mode: str = "keep"  # data.reasoning
+    reasoning_mode: str = "keep"  # data.reasoning, once a row had reasoning
 
     def count(self, encoded: Encoded) -> None:
         self.truncated += encoded.truncated
         self.split += encoded.split
         self.reasoning += encoded.thought > 0
         self.thought += encoded.thought
-        self.reasoning_mode = encoded.reasoning_mode
+        self.reasoning_mode = encoded.reasoning_mode if encoded.thought else self.reasoning_mode
         if encoded.dropped is not None:
             self.dropped += 1
             self.shortest_dropped_prompt = min(self.shortest_dropped_prompt or encoded.dropped, encoded.dropped)
