@@ -17,7 +17,7 @@ Which of these a row becomes is the method's `encode` (finetune.methods), built 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from finetune.config import ConfigError, DataConfig, LongPrompt, Reasoning, Template
@@ -68,7 +68,9 @@ class Example:
     prompt_len: int  # tokens before the last response: what generation continues from
     reference: str  # the last response's text, for exact match
     position_ids: list[int] | None = None  # packed rows: positions restart at 0 for every sample
-    thought: int = 0  # tokens of reasoning blocks in its labelled responses (dropped: in any assistant message), per data.reasoning
+    thought: int = field(default=0, compare=False)
+    """Tokens of reasoning blocks in its labelled responses (dropped: in any assistant message), per data.reasoning: a
+    count for the data line, which the token cache keeps per row of its own (not with the example)."""
 
 
 @dataclass
