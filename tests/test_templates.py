@@ -184,12 +184,14 @@ def test_reasoning_tags_are_configurable_and_a_response_of_only_reasoning_is_ref
 
 
 def test_preference_rows_with_tool_turns_in_the_prompt():
-    """DPO's rows may hold the call and its result in the prompt: only each response is labelled."""
+    """DPO's (and KTO's) rows may hold the call and its result in the prompt: only each response is labelled."""
     tok = family("qwen2_5")
     r = row("train_dpo.jsonl")
     pair = methods.get("dpo").encode(r, "f:1", tok, data(), True).items[0]
     assert spans(tok, pair.chosen) == [f"{r['chosen']}<|im_end|>\n"] and spans(tok, pair.rejected) == [f"{r['rejected']}<|im_end|>\n"]
     assert "<tool_response>\nebpdl\n</tool_response>" in tok.decode(pair.chosen.input_ids)
+    kto = methods.get("kto").encode(r, "f:1", tok, data(), True).items  # a pair: one desirable and one undesirable row
+    assert [spans(tok, e.row) for e in kto] == [[f"{r['chosen']}<|im_end|>\n"], [f"{r['rejected']}<|im_end|>\n"]]
     bad = {**r, "chosen": {"role": "assistant", "content": None, "tool_calls": r["prompt"][1]["tool_calls"]}}
     with pytest.raises(ConfigError, match=r"^f:1: 'chosen' is a tool call: a preference response must be text"):
         methods.get("dpo").check_row(bad, data(), "f:1")
