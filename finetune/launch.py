@@ -32,6 +32,7 @@ from finetune.command import ERROR_FILE, RANKS_DIR, LaunchSpec, build
 from finetune.compose import RECIPES, fail, preflight, run_once, sweep_trials, typed
 from finetune.config import Config, ConfigError
 from finetune.data import examples
+from finetune.lengths import check_tools_template
 from finetune.planner.cli import read_longest, render
 from finetune.planner.counts import GIB
 from finetune.planner.peak import plan
@@ -143,7 +144,8 @@ def _launch_once(dcfg: DictConfig, cfg: Config | None = None) -> float | None:
     try:
         cfg = cfg or typed(dcfg)
         threads = env_threads()
-        examples.check(cfg.data, cfg.method.name)  # missing file or malformed row: one line now, not N ranks later
+        tools_at = examples.check(cfg.data, cfg.method.name)  # missing file or malformed row: one line now, not N ranks later
+        check_tools_template(cfg, tools_at)  # a row with tools that the chat template cannot render: the same
         steps.resolve(cfg, lambda line: print(f"{'#' if cfg.launcher.dry_run else '[finetune]'} {line}", flush=True))  # epochs
         check_trackers(cfg)
         make_model_first(cfg)

@@ -34,7 +34,8 @@ from finetune.data.batches import epoch_steps
 from finetune.data.pack import first_fit
 from finetune.data.sources import sources, split_rows
 from finetune.data.examples import tokenize
-from finetune.data.tokenize import IGNORE, rows_of
+from finetune.data.templates import check_tools, override
+from finetune.data.tokenize import IGNORE, rows_of, uses_chat_template
 
 @dataclass(frozen=True)
 class Longest:
@@ -86,12 +87,13 @@ class LightTokenizer:
             return {"input_ids": [e.ids for e in self._tokenizer.encode_batch(text, add_special_tokens=add_special_tokens)]}
         return {"input_ids": self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids}
 
-    def apply_chat_template(self, messages: list[dict[str, str]], tokenize: bool = False, add_generation_prompt: bool = False) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, tokenize: bool = False,
+                            add_generation_prompt: bool = False) -> str:
         """The conversation rendered as transformers' apply_chat_template(tokenize=False) renders it."""
         assert not tokenize, "finetune.data renders, then tokenizes segment by segment"
-        if self._compiled is None:
-            self._compiled = _compile(self.chat_template or "")
-        return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+        if self._compiled is None or self._compiled[0] != self.chat_template:  # data.chat_template may replace it
+            self._compiled = (self.chat_template, _compile(self.chat_template or ""))
+        return self._compiled[1].render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                      documents=None, **{k: v for k, v in self.special.items() if v is not None})
 
 
@@ -201,7 +203,7 @@ def _from_cache(cfg: Config, files: dict[str, Path]) -> Longest | None:
     from finetune.data import cache
 
     try:
-        entry = cache.find(cfg.data, LightTokenizer(files), cfg.method.name, cfg.train.seed)
+        entry = cache.find(cfg.data, override(LightTokenizer(files), cfg.data), cfg.method.name, cfg.train.seed)
     except Exception:  # noqa: BLE001 - the tokenizer this light reader cannot read: tokenize below, which says why
         return None
     if entry is None:
@@ -229,7 +231,7 @@ def longest_batch(cfg: Config) -> Longest | str:
         return cached
     try:
         rows = split_rows(replace(cfg.data, eval=None) if cfg.data.eval is not None else cfg.data, cfg.train.seed)[0]
-        examples, _ = tokenize(rows, LightTokenizer(files), cfg.data, "data.train", cfg.method.name)
+        examples, _ = tokenize(rows, override(LightTokenizer(files), cfg.data), cfg.data, "data.train", cfg.method.name)
     except ConfigError as e:  # the launcher names data mistakes itself
         return f"data.train could not be read ({e})"
     except Exception as e:  # a tokenizer or template this light reader cannot handle
@@ -239,3 +241,13 @@ def longest_batch(cfg: Config) -> Longest | str:
         packed = first_fit(lengths, cfg.data.max_length, cfg.train.seed)
         lengths, labelled = [sum(lengths[i] for i in row) for row in packed], [sum(labelled[i] for i in row) for row in packed]
     return longest_of(lengths, cfg, labelled)
+
+
+def check_tools_template(cfg: Config, where: str | None) -> None:
+    """Before launch: refuse data whose first row with tools (at `where`; None: no such row) the run's chat template cannot
+    render (finetune.data.templates.check_tools), read with `LightTokenizer`; a tokenizer not here is probed by the ranks."""
+    files = tokenizer_files(cfg.model) if where is not None else None
+    if files is None:
+        return
+    tokenizer = override(LightTokenizer(files), cfg.data)
+    check_tools(tokenizer, uses_chat_template(tokenizer, cfg.data.template), where)

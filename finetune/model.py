@@ -27,6 +27,7 @@ from finetune.config import (
     Checkpointing,
     CheckpointingConfig,
     ConfigError,
+    DataConfig,
     LoraInit,
     ModelConfig,
     PeftConfig,
@@ -41,8 +42,12 @@ PEFT_TASKS = {CAUSAL_LM: "CAUSAL_LM", SCORED: "SEQ_CLS"}
 the classifier's score head (PEFT's modules_to_save), which a random init leaves untrained."""
 
 
-def load_tokenizer(cfg: ModelConfig) -> Any:
+def load_tokenizer(cfg: ModelConfig, data: DataConfig | None = None) -> Any:
+    """The model's tokenizer, with data.chat_template's template in place of its own when `data` sets one (the run's saved
+    tokenizer then carries the template it trained with)."""
     from transformers import AutoTokenizer
+
+    from finetune.data.templates import override
 
     source = cfg.tokenizer or cfg.path
     try:
@@ -54,7 +59,7 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
         if tok.eos_token is None:
             raise ConfigError(f"model.tokenizer={source!r} has neither a pad nor an eos token to pad with")
         tok.pad_token = tok.eos_token
-    return tok
+    return override(tok, data) if data is not None else tok
 
 
 def zero3_context(ds_config: dict[str, Any] | None) -> Any:

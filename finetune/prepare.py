@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         from finetune import model
         from finetune.data import cache
 
-        tokenizer = model.load_tokenizer(cfg.model)
+        tokenizer = model.load_tokenizer(cfg.model, cfg.data)
         train, evals, stats, samples, target = cache.load(cfg.data, tokenizer, cfg.train.seed, cfg.method.name, builder=True,
                                                           progress=True, say=print)
     except ConfigError as e:

@@ -189,7 +189,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
     run_dir = Path(cfg.run_dir)
     torch.manual_seed(cfg.train.seed)
     phase("tokenizer")
-    tokenizer = model.load_tokenizer(cfg.model)
+    tokenizer = model.load_tokenizer(cfg.model, cfg.data)
     phase("data")
     train_examples, eval_examples, stats = load_data(cfg, tokenizer, d)
     phase("model")

@@ -10,7 +10,10 @@ finetune/assets/data/quickstart/{train,eval}.jsonl (alpaca-style rows) and
 finetune/assets/data/quickstart_dpo/{train,eval}.jsonl (the same prompts as preference pairs:
 chosen = the right answer, rejected = a plausible wrong one) and
 finetune/assets/data/quickstart_kto/{train,eval}.jsonl (the pairs unpaired, as KTO's data comes: each prompt
-once, with its right answer labelled true or its wrong one labelled false).
+once, with its right answer labelled true or its wrong one labelled false) and
+finetune/assets/data/quickstart_tools/ (the same tasks as tool calls: `make_tool_rows`), and
+finetune/assets/tokenizers/NAME/ (the tokenizer's vocabulary with each real family's template of
+finetune/assets/templates/NAME.jinja: Qwen2.5's, Llama 3.1's, Mistral's v0.3, Gemma's).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_tokenizer(out: Path) -> None:
+def make_tokenizer(out: Path, template: str = CHAT_TEMPLATE) -> None:
     vocab = {tok: i for i, tok in enumerate(SPECIAL + CHARS)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character, newlines too
@@ -50,7 +53,7 @@ def make_tokenizer(out: Path) -> None:
         eos_token="</s>",
         unk_token="<unk>",
         additional_special_tokens=SPECIAL[4:],
-        chat_template=CHAT_TEMPLATE,
+        chat_template=template,
         model_max_length=512,
     )
     fast.save_pretrained(out)
@@ -117,8 +120,55 @@ def make_unpaired(rng: random.Random, pairs: list[dict]) -> list[dict]:
     return out
 
 
+TOOL = {"type": "function", "function": {
+    "name": "string_task", "description": "Apply a string task to a word and return the result.",
+    "parameters": {"type": "object", "properties": {"task": {"type": "string", "enum": list(TASKS)}, "word": {"type": "string"}},
+                   "required": ["task", "word"]}}}
+
+
+TOOL_ROWS = {"eval": 32, "train": 400}  # quickstart_tools: the first rows of each split as tool calls
+
+
+def tool_row(row: dict, n: int, think: bool) -> dict:
+    """One task as a tool call, OpenAI's shape: the user asks, the assistant calls string_task, the tool answers, the
+    assistant answers from it (after a reasoning block when `think`)."""
+    call_id = f"call{n:05d}"  # 9 characters: Mistral's template needs exactly that
+    call = {"type": "function", "id": call_id, "function": {"name": "string_task", "arguments": json.dumps(
+        {"task": row["instruction"], "word": row["input"]})}}
+    answer = (f"<think>string_task gave {row['output']}</think>" if think else "") + row["output"]
+    return {"tools": [TOOL], "messages": [
+        {"role": "user", "content": f"{row['instruction']} {row['input']}"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call_id, "name": "string_task", "content": row["output"]},
+        {"role": "assistant", "content": answer}]}
+
+
+def sharegpt_tool_row(row: dict) -> dict:
+    """The same in LLaMA-Factory's ShareGPT shape: function_call and observation turns, `tools` as JSON text."""
+    call = {"name": "string_task", "arguments": {"task": row["instruction"], "word": row["input"]}}
+    return {"tools": json.dumps([TOOL["function"]]), "conversations": [
+        {"from": "human", "value": f"{row['instruction']} {row['input']}"}, {"from": "function_call", "value": json.dumps(call)},
+        {"from": "observation", "value": row["output"]}, {"from": "gpt", "value": row["output"]}]}
+
+
+def make_tool_rows(rows: list[dict], pairs: list[dict]) -> dict[str, list[dict]]:
+    """quickstart_tools' files: every other row with a reasoning block; preference pairs whose prompt holds the call and
+    its result (chosen: the right answer, rejected: the near miss)."""
+    chat = [tool_row(r, n + 1, think=n % 2 == 1) for n, r in enumerate(rows)]
+    preference = [{"tools": c["tools"], "prompt": c["messages"][:3], "chosen": p["chosen"], "rejected": p["rejected"]}
+                  for c, p in zip(chat, pairs)]
+    return {"chat": chat, "sharegpt": [sharegpt_tool_row(r) for r in rows], "preference": preference}
+
+
+def make_family_tokenizers(out: Path) -> None:
+    """The shipped tokenizer with each family's chat template (the same vocabulary: a tiny model trains with any)."""
+    for template in sorted((ASSETS / "templates").glob("*.jinja")):
+        make_tokenizer(out / template.stem, template.read_text())
+
+
 def main() -> None:
     make_tokenizer(ASSETS / "tokenizer")
+    make_family_tokenizers(ASSETS / "tokenizers")
     rng = random.Random(0)
     seen: set[tuple[str, str]] = set()
     data = ASSETS / "data" / "quickstart"
@@ -127,12 +177,17 @@ def main() -> None:
     preference.mkdir(parents=True, exist_ok=True)
     unpaired = ASSETS / "data" / "quickstart_kto"
     unpaired.mkdir(parents=True, exist_ok=True)
+    tools = ASSETS / "data" / "quickstart_tools"
+    tools.mkdir(parents=True, exist_ok=True)
     pair_rng, label_rng = random.Random(1), random.Random(2)
     for split, n in (("eval", 256), ("train", 4000)):  # eval first: train never repeats an eval row
         rows = make_rows(rng, n, seen)
         pairs = make_preferences(pair_rng, rows)
-        for folder, out in ((data, rows), (preference, pairs), (unpaired, make_unpaired(label_rng, pairs))):
-            with open(folder / f"{split}.jsonl", "w") as f:
+        tool_rows = make_tool_rows(rows[:TOOL_ROWS[split]], pairs)
+        for path, out in ((data / f"{split}.jsonl", rows), (preference / f"{split}.jsonl", pairs),
+                          (unpaired / f"{split}.jsonl", make_unpaired(label_rng, pairs)), (tools / f"{split}.jsonl", tool_rows["chat"]),
+                          (tools / f"{split}_sharegpt.jsonl", tool_rows["sharegpt"]), (tools / f"{split}_dpo.jsonl", tool_rows["preference"])):
+            with open(path, "w") as f:
                 for row in out:
                     f.write(json.dumps(row) + "\n")
     print(f"wrote {ASSETS}")

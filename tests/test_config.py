@@ -20,6 +20,7 @@ NEEDS = {
     ("method", "dpo"): ["data=quickstart_dpo"],
     ("data", "quickstart_kto"): ["method=kto"],
     ("method", "kto"): ["data=quickstart_kto"],
+    ("data", "quickstart_tools"): ["model.init.max_position_embeddings=1536"],
     ("method", "orpo"): ["data=quickstart_dpo"],
     ("method", "reward"): ["data=quickstart_dpo"],
     # layouts with more ranks than the default launch, on a model they fit

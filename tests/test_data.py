@@ -107,10 +107,12 @@ def test_chat_template_labels_only_the_responses(tok):
     assert ex.reference == "AB"
 
 
-def test_non_prefix_chat_template_is_refused(tok):
+def test_unalignable_chat_template_is_refused(tok):
+    """A template whose rendering of the response cannot be found in the whole conversation (here: in reverse order) is
+    refused; templates that are only not prefix-stable are aligned (tests/test_templates.py)."""
     weird = AutoTokenizer.from_pretrained(ASSETS / "tokenizer")
     weird.chat_template = "{% for m in messages|reverse %}{{ m['content'] }}{% endfor %}"
-    with pytest.raises(ConfigError, match="use data.template=builtin"):
+    with pytest.raises(ConfigError, match="renders assistant message 1 differently inside the whole conversation than at its end"):
         encode([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], weird, chat_template=True)
 
 

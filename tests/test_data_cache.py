@@ -10,7 +10,7 @@ import pytest
 from conftest import run_cli, write_jsonl
 from transformers import AutoTokenizer
 
-from finetune.config import ASSETS, ConfigError, DataConfig, LongPrompt, Method, Template
+from finetune.config import ASSETS, ConfigError, DataConfig, LongPrompt, Method, Reasoning, Template
 from finetune.data import cache
 from finetune.data.pack import pack
 from finetune.data.examples import load_split
@@ -72,6 +72,17 @@ def test_shipped_datasets_cache_to_the_same_examples(tok, tmp_path, shipped, met
     same(train, ctrain)
     same(evals, cevals)
     assert isinstance(ctrain, list) == (method == Method.dpo)  # DPO pairs are materialized (they carry reference log-probs)
+
+
+def test_tool_rows_cache_to_the_same_examples_and_counts(tmp_path):
+    """Tool calls through Qwen2.5's template with reasoning masked: the cache's labels and reasoning counts are the
+    in-memory path's."""
+    tok = AutoTokenizer.from_pretrained(ASSETS / "tokenizers" / "qwen2_5")
+    folder = ASSETS / "data" / "quickstart_tools"
+    cfg = DataConfig(train=str(folder / "eval.jsonl"), max_length=1536, reasoning=Reasoning.mask, cache_dir=str(tmp_path))
+    (train, _, stats), (ctrain, _, cstats, _, _) = in_memory_and_cached(cfg, tok)
+    same(train, ctrain)
+    assert vars(stats["train"]) == vars(cstats["train"]) and stats["train"].reasoning == 16
 
 
 def test_a_second_load_reads_the_cache(tok, tmp_path):

@@ -31,7 +31,8 @@ LAUNCHER_SIDE = (
     "finetune.families", "finetune.families.records", "finetune.families.arch", "finetune.families.checks",
     "finetune.methods", "finetune.optimizers",
     "finetune.liger", "finetune.logs", "finetune.trackers", "finetune.data", "finetune.data.sources", "finetune.data.forms",
-    "finetune.data.tokenize", "finetune.data.examples", "finetune.data.pack", "finetune.data.batches", "finetune.steps",
+    "finetune.data.tokenize", "finetune.data.examples", "finetune.data.pack", "finetune.data.batches", "finetune.data.templates",
+    "finetune.data.tools", "finetune.steps", "finetune.config.data",
 )
 """The launcher side: what `python -m finetune.launch` and `python -m finetune.plan` import (composition, rules,
 planner, command, supervision, the data checks, the records they read; every module of finetune/methods/ is added

@@ -9,7 +9,7 @@ spans groups (batch sizes vs. launch size, options that need each other) and rai
 This module imports no torch: the launcher and a dry run stay instant.
 
 The package: fields.py (what a field accepts, how an enum is spelled), schema.py (the enums and the groups'
-dataclasses), root.py (train, the root `Config`, register / to_config / to_yaml / load). Every name is
+dataclasses; data.py: the data group's), root.py (train, the root `Config`, register / to_config / to_yaml / load). Every name is
 re-exported here: `from finetune.config import X` is how the rest of finetune reads the schema.
 """
 
@@ -27,7 +27,7 @@ from finetune.config.root import (
     TrainConfig, Config, GROUPS, uses_deepspeed, engine_kind, register, to_config, to_yaml, load, launcher_for
 )
 from finetune.config.schema import (
-    AttnImpl, DataFormat, Template, LongPrompt, Method, DpoLoss, Reference, Precision, Offload, Checkpointing,
+    AttnImpl, DataFormat, Template, LongPrompt, Reasoning, Method, DpoLoss, Reference, Precision, Offload, Checkpointing,
     Logits, LogitsKernel, Kernels, LoraInit, PeftMethod, QuantType, Strategy, PipeSchedule, StateDtype, OptimKernel,
     OPTIMIZER, LOGGERS, Scheduler, LauncherName, NonFinite, Device, MemoryReport, MEMORY_REPORT_BOOLS,
     MEMORY_REPORTS, ModelInit, ModelConfig, DataConfig, MethodConfig, PrecisionConfig, CheckpointingConfig,
@@ -43,7 +43,7 @@ __all__ = [
     "LauncherConfig", "LauncherName", "Logits", "LogitsConfig", "LogitsKernel", "LongPrompt", "MemoryReport",
     "Method", "MethodConfig", "ModelConfig", "ModelInit", "NonFinite", "Offload", "OptimConfig", "OptimKernel",
     "LoraInit", "ParallelismConfig", "PeftConfig", "PeftMethod", "PipeSchedule", "PlanConfig", "Precision", "PrecisionConfig",
-    "QuantType", "Reference", "Scheduler", "Spelled", "StateDtype", "Strategy", "Template", "TrainConfig",
+    "QuantType", "Reasoning", "Reference", "Scheduler", "Spelled", "StateDtype", "Strategy", "Template", "TrainConfig",
     "ZeroConfig", "at_least", "check_fields", "checked", "did_you_mean", "engine_kind", "in_range", "launcher_for",
     "load", "machine_ram_gib", "one_of", "register", "spelling", "to_config", "to_yaml", "unused", "uses_deepspeed"
 ]

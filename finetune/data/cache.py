@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     import datasets
     import pyarrow as pa
 
-VERSION = 1  # bump when the layout or the tokenization changes: old entries are then never read
+VERSION = 2  # bump when the layout or the tokenization changes: old entries are then never read
 META = "meta.json"
 ROWS_PER_PROCESS = 1000  # fewer rows than this per process: starting the process costs more than it saves
 SFT_COLUMNS = ("input_ids", "labels")
@@ -88,6 +88,7 @@ def key_inputs(cfg: DataConfig, tokenizer: Any, method: Method | str, seed: int)
         "format": cfg.format.value, "template": cfg.template.value, "system_prompt": cfg.system_prompt,
         "max_length": cfg.max_length, "long_prompt": cfg.long_prompt.value, "packing": cfg.packing,
         "eval_size": cfg.eval_size if held_out else 0, "seed": seed if seeded else None,
+        "reasoning": [cfg.reasoning.value, *cfg.reasoning_tags],  # data.chat_template: in the tokenizer's fingerprint
     }
 
 
@@ -203,7 +204,7 @@ def _features(method: Method | str) -> datasets.Features:
     from datasets import Features, Sequence, Value
 
     ids = Sequence(Value("int32"))
-    common = {"kind": Value("int8"), "prompt": Value("int32"), "flags": Value("int8")}
+    common = {"kind": Value("int8"), "prompt": Value("int32"), "flags": Value("int8"), "thought": Value("int32")}
     m = methods.get(method)
     return Features({f"{c}{name}": ids for c in m.columns for name in ("input_ids", "labels")}
                     | {f"{c}prompt_len": Value("int32") for c in m.columns} | {f"{c}reference": Value("string") for c in m.columns}
@@ -223,11 +224,13 @@ def _encode_batch(batch: dict[str, list[Any]], indices: list[int], *, origin: Ro
         items: list[Any] = encoded.items or [None]
         for n, item in enumerate(items):
             flags = (TRUNCATED * encoded.truncated + SPLIT * encoded.split) if n == 0 else 0
-            _append(out, item, method, kind=DROPPED if item is None else KEPT, prompt=encoded.dropped or 0, flags=flags)
+            _append(out, item, method, kind=DROPPED if item is None else KEPT, prompt=encoded.dropped or 0, flags=flags,
+                    thought=encoded.thought if n == 0 else 0)
     return out
 
 
-def _append(out: dict[str, list[Any]], item: Any, method: Method | str, *, kind: int, prompt: int, flags: int) -> None:
+def _append(out: dict[str, list[Any]], item: Any, method: Method | str, *, kind: int, prompt: int, flags: int, thought: int) -> None:
+    out["thought"].append(thought)
     out["kind"].append(kind)
     out["prompt"].append(prompt)
     out["flags"].append(flags)
@@ -299,14 +302,16 @@ def tokenize_split(rows: Rows, tokenizer: Any, cfg: DataConfig, key: str, method
     finally:
         gc.unfreeze()
     columns = ds.data.table
-    kind, flags, prompt = (columns.column(c).to_numpy() for c in ("kind", "flags", "prompt"))
+    kind, flags, prompt, thought = (columns.column(c).to_numpy() for c in ("kind", "flags", "prompt", "thought"))
     dropped = kind == DROPPED
     stats = Stats(rows=count, sources=rows.note, truncated=int(((flags & TRUNCATED) > 0).sum()), split=int(((flags & SPLIT) > 0).sum()),
-                  dropped=int(dropped.sum()), shortest_dropped_prompt=int(prompt[dropped].min()) if dropped.any() else 0)
+                  dropped=int(dropped.sum()), shortest_dropped_prompt=int(prompt[dropped].min()) if dropped.any() else 0,
+                  reasoning=int((thought > 0).sum()), thought=int(thought.sum()),
+                  reasoning_mode=cfg.reasoning.value if thought.any() else Stats.reasoning_mode)
     stats.check(key, rows.source, cfg.max_length, not dropped.all() and len(ds) > 0)
     if dropped.any():
         columns = columns.filter(pa.array(~dropped))
-    return columns.drop_columns(["kind", "prompt", "flags"]), stats
+    return columns.drop_columns(["kind", "prompt", "flags", "thought"]), stats
 
 
 class _bound:

@@ -14,20 +14,26 @@ from finetune import methods
 from finetune.config import DataConfig, Method
 from finetune.data.sources import Rows, all_sources, local_rows, split_rows
 from finetune.data.tokenize import Encoded, Stats, uses_chat_template
+from finetune.data.tools import uses_tools
 
 
-def check(cfg: DataConfig, method: Method | str) -> None:
-    """Read every local data file and convert every row; raises ConfigError at the first bad one.
+def check(cfg: DataConfig, method: Method | str) -> str | None:
+    """Read every local data file and convert every row; raises ConfigError at the first bad one. Returns where the
+    first row with tools or tool turns is (its template is then probed: finetune.data.templates.check_tools), or None.
 
     A local directory is only checked to hold a dataset; its rows, and hub datasets, are checked by
     the ranks (that needs `datasets`). A streamed data.train is only checked to exist: reading it
     whole is what streaming avoids (the ranks name a bad row when the stream reaches it). Each row is
     converted as `method` reads it (its finetune.methods record's `check_row`)."""
     check_row = methods.get(method).check_row
+    first_tools = None
     for s in all_sources(cfg):
         rows = local_rows(s, streamed=cfg.streaming and s.key.startswith("data.train"))
         for i, row in enumerate(rows.rows if rows is not None else []):
             check_row(row, cfg, rows.where(i))
+            if first_tools is None and uses_tools(row):
+                first_tools = rows.where(i)
+    return first_tools
 
 
 def tokenize_row(row: dict[str, Any], where: str, tokenizer: Any, cfg: DataConfig, method: Method | str, chat: bool) -> Encoded:

@@ -5,7 +5,8 @@ so a malformed row is one line naming file and line.
 SFT rows come in the forms people's datasets have, told apart by their keys (data.format=auto) or named:
 alpaca (`instruction`, optional `input`, `output`); chat (`messages`: a list of `{role, content}`
 ending with the assistant's response, OpenAI-style, other keys such as `name` ignored); sharegpt
-(`conversations`: `{from, value}` with from human/gpt/system); completion (`prompt` + `completion`,
+(`conversations`: `{from, value}` with from human/gpt/system); chat and sharegpt rows may offer `tools` and hold
+tool calls and their results (OpenAI's and LLaMA-Factory's shapes: finetune.data.tools); completion (`prompt` + `completion`,
 or `question` + `answer`); text (`text`: continued pre-training, no template, every token trained on).
 
 Preference rows (method=dpo) hold a prompt and two responses, in either form:
@@ -19,9 +20,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from finetune.config import ConfigError, DataFormat
+from finetune.config import ConfigError, DataConfig, DataFormat
+from finetune.data import tools as tool_turns
+from finetune.data.tools import FIX, TOOL_TURNS, Message, check_calls, tools_of
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 def is_preference(row: dict[str, Any]) -> bool:
@@ -60,7 +63,7 @@ def text_of(row: dict[str, Any], where: str) -> str:
     return text
 
 
-def to_messages(row: dict[str, Any], fmt: DataFormat, system_prompt: str | None, where: str) -> list[dict[str, str]]:
+def to_messages(row: dict[str, Any], fmt: DataFormat, system_prompt: str | None, where: str) -> list[Message]:
     """One SFT row -> a conversation ending with the assistant's response.
 
     Refused (one line naming `where`): a row of no known form, a response with no text, a
@@ -102,14 +105,15 @@ def to_messages(row: dict[str, Any], fmt: DataFormat, system_prompt: str | None,
         if not messages:
             raise ConfigError(f"{where}: chat rows need a non-empty 'messages' list (keys present: {', '.join(sorted(row))})")
         _ends_with_response(messages, where, "messages")
-        for i, m in enumerate(messages):  # every assistant turn is trained on
-            if m["role"] == "assistant":
+        for i, m in enumerate(messages):  # every assistant turn is trained on: its text, or its tool calls
+            if m["role"] == "assistant" and not m.get("tool_calls"):
                 _text(m["content"], where, f"the assistant's messages[{i}]")
         _has_prompt(messages[:-1], where)
+        check_calls(messages, tools_of(row, where), where)
     return _with_system(messages, system_prompt)
 
 
-def to_pair(row: dict[str, Any], system_prompt: str | None, where: str, method: str = "dpo") -> tuple[list[dict[str, str]], str, str]:
+def to_pair(row: dict[str, Any], system_prompt: str | None, where: str, method: str = "dpo") -> tuple[list[Message], str, str]:
     """One preference row -> (prompt messages, chosen response text, rejected response text).
 
     Refused as for SFT rows, and a pair whose two responses are the same text (it prefers nothing); `method`:
@@ -134,15 +138,18 @@ def to_pair(row: dict[str, Any], system_prompt: str | None, where: str, method: 
             _ends_with_response(conv, where, key)
         if whole[0][:-1] != whole[1][:-1]:
             raise ConfigError(f"{where}: 'chosen' and 'rejected' must share every message but the last (the prompt); they differ before it")
+        for key, conv in zip(("chosen", "rejected"), whole):
+            _no_call(conv[-1], where, key)
         prompt, chosen, rejected = whole[0][:-1], whole[0][-1]["content"], whole[1][-1]["content"]
     _has_prompt(prompt, where)
+    check_calls(prompt, tools_of(row, where), where)
     chosen, rejected = _text(chosen, where, "'chosen'"), _text(rejected, where, "'rejected'")
     if chosen.strip() == rejected.strip():
         raise ConfigError(f"{where}: 'chosen' and 'rejected' are the same response, so the pair prefers nothing: {FIX}")
     return _with_system(prompt, system_prompt), chosen, rejected
 
 
-def to_labelled(row: dict[str, Any], data: DataConfig, where: str, method: str) -> list[tuple[list[dict[str, str]], bool]]:
+def to_labelled(row: dict[str, Any], data: DataConfig, where: str, method: str) -> list[tuple[list[Message], bool]]:
     """An unpaired row -> [(conversation ending with the response, whether the response is desirable)]: any SFT form
     with a boolean `label` (TRL's unpaired preference rows: `prompt` and `completion` as text or as messages); a
     preference pair counts as one desirable and one undesirable row (chosen, rejected). `method`: the method that
@@ -162,9 +169,6 @@ def to_labelled(row: dict[str, Any], data: DataConfig, where: str, method: str) 
     return [(to_messages({k: v for k, v in row.items() if k != "label"}, data.format, data.system_prompt, where), label)]
 
 
-FIX = "fix the row or remove it"
-
-
 def _text(text: str, where: str, what: str) -> str:
     """A response to train on: refused when it holds nothing but whitespace."""
     if not text.strip():
@@ -172,7 +176,7 @@ def _text(text: str, where: str, what: str) -> str:
     return text
 
 
-def _has_prompt(messages: list[dict[str, str]], where: str) -> None:
+def _has_prompt(messages: list[Message], where: str) -> None:
     if not any(m["role"] == "user" and m["content"].strip() for m in messages):
         raise ConfigError(f"{where}: no user message with text before the response (a response to nothing): {FIX}")
 
@@ -184,39 +188,66 @@ def _response(value: Any, where: str, key: str) -> str:
     messages = _messages([value] if isinstance(value, dict) else value, where, key)
     if len(messages) != 1 or messages[0]["role"] != "assistant":
         raise ConfigError(f"{where}: '{key}' must be the response: text or one assistant message, got {len(messages)} message(s)")
+    _no_call(messages[0], where, key)
     return messages[0]["content"]
 
 
-def _messages(value: Any, where: str, key: str) -> list[dict[str, str]]:
+def _no_call(message: Message, where: str, key: str) -> None:
+    if message.get("tool_calls"):
+        raise ConfigError(f"{where}: '{key}' is a tool call: a preference response must be text (tool calls and results may be in "
+                          "the prompt): make the responses the answers, or train the calls with method=sft")
+
+
+def _messages(value: Any, where: str, key: str) -> list[Message]:
+    """Messages as templates read them: {role, content}, an assistant's `tool_calls`, a tool result's id and name."""
     if not isinstance(value, list):
         raise ConfigError(f"{where}: '{key}' must be a list of {{role, content}} messages, got {type(value).__name__}")
-    for i, m in enumerate(value):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise ConfigError(f"{where}: {key}[{i}] must be {{role: system|user|assistant, content: text}}, got {m!r}")
-    return [{"role": m["role"], "content": m["content"]} for m in value]
-
-
-def sharegpt_messages(row: dict[str, Any], where: str) -> list[dict[str, str]]:
-    """ShareGPT's `conversations` ({from, value}) as {role, content} messages."""
-    turns = row.get("conversations")
-    if not isinstance(turns, list) or not turns:
-        raise ConfigError(f"{where}: sharegpt rows need a non-empty 'conversations' list of {{from, value}} turns")
     out = []
-    for i, t in enumerate(turns):
-        role = SHAREGPT_ROLES.get(t.get("from")) if isinstance(t, dict) else None
-        if role is None or not isinstance(t.get("value"), str):
-            raise ConfigError(f"{where}: conversations[{i}] must be {{from: {'|'.join(SHAREGPT_ROLES)}, value: text}}, got {t!r}")
-        out.append({"role": role, "content": t["value"]})
+    for i, m in enumerate(value):
+        role = m.get("role") if isinstance(m, dict) else None
+        if role == "tool":
+            out.append(tool_turns.tool_message(m, where, f"{key}[{i}]"))
+        elif role == "assistant" and m.get("tool_calls") and (m.get("content") is None or isinstance(m["content"], str)):
+            out.append({"role": role, "content": m.get("content") or "", "tool_calls": tool_turns.calls(m["tool_calls"], where, f"{key}[{i}]")})
+        elif role not in ROLES or not isinstance(m.get("content"), str):
+            raise ConfigError(f"{where}: {key}[{i}] must be {{role: system|user|assistant|tool, content: text}} (an assistant's "
+                              f"content may be null beside tool_calls), got {m!r}")
+        else:
+            out.append({"role": role, "content": m["content"]})
     return out
 
 
-def _ends_with_response(messages: list[dict[str, str]], where: str, key: str) -> None:
+def sharegpt_messages(row: dict[str, Any], where: str) -> list[Message]:
+    """ShareGPT's `conversations` ({from, value}) as {role, content} messages; function_call and observation turns as
+    tool calls and their results (finetune.data.tools)."""
+    turns = row.get("conversations")
+    if not isinstance(turns, list) or not turns:
+        raise ConfigError(f"{where}: sharegpt rows need a non-empty 'conversations' list of {{from, value}} turns")
+    out: list[Message] = []
+    pending: list[tuple[str, str]] = []
+    answered = [0]
+    for i, t in enumerate(turns):
+        source = t.get("from") if isinstance(t, dict) else None
+        role = SHAREGPT_ROLES.get(source) if source not in TOOL_TURNS else source
+        if role is None or not isinstance(t.get("value"), str):
+            raise ConfigError(f"{where}: conversations[{i}] must be {{from: {'|'.join([*SHAREGPT_ROLES, *TOOL_TURNS])}, value: text}}, "
+                              f"got {t!r}")
+        if role == "function_call":
+            out.append(tool_turns.sharegpt_call(t["value"], where, f"conversations[{i}]", pending))
+        elif role == "observation":
+            out.append(tool_turns.sharegpt_observation(t["value"], where, f"conversations[{i}]", pending, answered))
+        else:
+            out.append({"role": role, "content": t["value"]})
+    return out
+
+
+def _ends_with_response(messages: list[Message], where: str, key: str) -> None:
     if messages[-1]["role"] != "assistant":
         of = "" if key == "messages" else f" of '{key}'"
         raise ConfigError(f"{where}: the last message{of} must be the assistant's response, got role {messages[-1]['role']!r}")
 
 
-def _with_system(messages: list[dict[str, str]], system_prompt: str | None) -> list[dict[str, str]]:
+def _with_system(messages: list[Message], system_prompt: str | None) -> list[Message]:
     if system_prompt and messages[0]["role"] != "system":
         return [{"role": "system", "content": system_prompt}, *messages]
     return messages

@@ -1,8 +1,10 @@
 """Conversations, pairs and text -> token ids with response-only labels (finetune.data.forms gives the rows' shapes).
 
-SFT rows become a list of messages, rendered by the tokenizer's chat template or our built-in one, and
-tokenized segment by segment so that we know exactly which tokens are the response: only those carry
-labels. Text rows (continued pre-training) are tokenized whole, every token a label, split into
+SFT rows become a list of messages (and the tools they offer), rendered by the tokenizer's chat template (or
+data.chat_template's) or our built-in one, and tokenized segment by segment so that we know exactly which tokens are the
+response: only those carry labels (the assistant's text and tool calls; never tool results). finetune.data.templates
+finds each response in the rendered conversation, probes a template for tools and splits reasoning blocks out
+(data.reasoning=mask: in the input, out of the loss; drop: removed). Text rows (continued pre-training) are tokenized whole, every token a label, split into
 max_length pieces.
 
 Preference rows (DPO) become a `Pair` of two examples, prompt + chosen and prompt + rejected, rendered
@@ -15,10 +17,12 @@ Which of these a row becomes is the method's `encode` (finetune.methods), built 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from finetune.config import ConfigError, DataConfig, LongPrompt, Template
+from finetune.config import ConfigError, DataConfig, LongPrompt, Reasoning, Template
+from finetune.data import templates
+from finetune.data.tools import Message
 
 IGNORE = -100  # label of tokens that carry no loss (prompt, padding)
 
@@ -30,28 +34,22 @@ def uses_chat_template(tokenizer: Any, template: Template) -> bool:
     return template == Template.tokenizer or (template == Template.auto and has)
 
 
-def segments(messages: list[dict[str, str]], tokenizer: Any, chat_template: bool) -> list[tuple[str, bool]]:
-    """Split a rendered conversation into (text, is_response) pieces, in order."""
+def segments(messages: list[Message], tokenizer: Any, chat_template: bool, tools: templates.Tools = None,
+             where: str = "a row") -> list[tuple[str, bool]]:
+    """Split a rendered conversation into (text, is_response) pieces, in order (finetune.data.templates.spans)."""
     if not chat_template:
         return _builtin_segments(messages, tokenizer)
+    full, found = templates.spans(messages, tokenizer, tools, where)
     out: list[tuple[str, bool]] = []
-    done = ""
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        prompt = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-        full = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
-        if not (prompt.startswith(done) and full.startswith(prompt)):
-            raise ConfigError(
-                "the tokenizer's chat template does not render a conversation as a prefix of its continuation, "
-                "so prompt and response tokens cannot be separated: use data.template=builtin"
-            )
-        out += [(prompt[len(done) :], False), (full[len(prompt) :], True)]
-        done = full
+    done = 0
+    for start, end in found:
+        out += [(full[done:start], False), (full[start:end], True)]
+        done = end
+    out.append((full[done:], False))
     return [(text, resp) for text, resp in out if text]
 
 
-def _builtin_segments(messages: list[dict[str, str]], tokenizer: Any) -> list[tuple[str, bool]]:
+def _builtin_segments(messages: list[Message], tokenizer: Any) -> list[tuple[str, bool]]:
     """Our template for tokenizers without one: '### Role:' headers, EOS after each response."""
     out: list[tuple[str, bool]] = [(tokenizer.bos_token, False)] if tokenizer.bos_token else []
     for m in messages:
@@ -70,6 +68,9 @@ class Example:
     prompt_len: int  # tokens before the last response: what generation continues from
     reference: str  # the last response's text, for exact match
     position_ids: list[int] | None = None  # packed rows: positions restart at 0 for every sample
+    thought: int = field(default=0, compare=False)
+    """Tokens of reasoning blocks in its labelled responses (dropped: in any assistant message), per data.reasoning: a
+    count for the data line, which the token cache keeps per row of its own (not with the example)."""
 
 
 @dataclass
@@ -100,25 +101,46 @@ def rows_of(item: Any) -> tuple[Example, ...]:
     return (item,) if isinstance(item, Example) else item.rows
 
 
-def encode(messages: list[dict[str, str]], tokenizer: Any, chat_template: bool, last_only: bool = False) -> Example:
-    """Token ids and labels; every assistant response is labelled (only the last with `last_only`)."""
+def encode(messages: list[Message], tokenizer: Any, chat_template: bool, last_only: bool = False, *, tools: templates.Tools = None,
+           data: DataConfig | None = None, where: str = "a row") -> Example:
+    """Token ids and labels; every assistant response is labelled (only the last with `last_only`). `tools`: the
+    functions the row offers; `data`: its data.reasoning and data.reasoning_tags (None: reasoning kept, uncounted)."""
+    if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        templates.check_tools(tokenizer, chat_template, where)
+    mode, tags = (data.reasoning, data.reasoning_tags) if data is not None else (Reasoning.keep, None)
+    dropped: list[str] = []
+    if mode == Reasoning.drop:
+        messages, dropped = templates.drop_reasoning(messages, tags)
+        if not messages[-1]["content"].strip() and not messages[-1].get("tool_calls"):
+            raise ConfigError(f"{where}: the response is nothing but reasoning, which data.reasoning=drop removes: fix the row, or "
+                              "set data.reasoning=keep or mask")
+    pieces = segments(messages, tokenizer, chat_template, tools, where)
+    last = max(i for i, (_, is_response) in enumerate(pieces) if is_response)
+    flat = [(text, is_response and (i == last or not last_only), i == last, False) for i, (text, is_response) in enumerate(pieces)]
+    counted = dropped  # reasoning text to count apart from the pieces: dropped, or kept (tokenized as it is rendered)
+    if mode == Reasoning.mask:  # (text, labelled, last response, reasoning): each labelled block a piece of its own
+        flat = [(t, on, end, thought) for text, on, end, _ in flat
+                for t, thought in (templates.split_reasoning(text, tags) if on else [(text, False)])]
+    elif mode == Reasoning.keep and tags is not None:
+        counted = [t for text, on, *_ in flat if on for t, thought in templates.split_reasoning(text, tags) if thought]
+    tokens = tokenizer([text for text, *_ in flat] + counted, add_special_tokens=False)["input_ids"]  # each piece alone, in one call
     ids: list[int] = []
     labels: list[int] = []
-    prompt_len = 0
-    pieces = segments(messages, tokenizer, chat_template)
-    last = max(i for i, (_, is_response) in enumerate(pieces) if is_response)
-    tokens = tokenizer([text for text, _ in pieces], add_special_tokens=False)["input_ids"]  # each piece alone, in one call
-    for i, ((_, is_response), piece) in enumerate(zip(pieces, tokens)):
-        if is_response:
+    prompt_len = None
+    thought = sum(len(t) for t in tokens[len(flat):])
+    for (_, on, end, is_thought), piece in zip(flat, tokens):
+        if end and prompt_len is None:
             prompt_len = len(ids)
+        thought += len(piece) if is_thought else 0
         ids += piece
-        labels += piece if is_response and (i == last or not last_only) else [IGNORE] * len(piece)
-    return Example(ids, labels, prompt_len, messages[-1]["content"])
+        labels += piece if on and not is_thought else [IGNORE] * len(piece)
+    return Example(ids, labels, prompt_len or 0, messages[-1]["content"], thought=thought)
 
 
-def encode_pair(prompt: list[dict[str, str]], chosen: str, rejected: str, tokenizer: Any, chat_template: bool) -> Pair:
-    return Pair(*(encode([*prompt, {"role": "assistant", "content": text}], tokenizer, chat_template, last_only=True)
-                  for text in (chosen, rejected)))
+def encode_pair(prompt: list[Message], chosen: str, rejected: str, tokenizer: Any, chat_template: bool, *,
+                tools: templates.Tools = None, data: DataConfig | None = None, where: str = "a row") -> Pair:
+    return Pair(*(encode([*prompt, {"role": "assistant", "content": text}], tokenizer, chat_template, last_only=True, tools=tools,
+                         data=data, where=where) for text in (chosen, rejected)))
 
 
 @dataclass
@@ -129,10 +151,16 @@ class Stats:
     shortest_dropped_prompt: int = 0
     split: int = 0  # text rows longer than max_length, split into pieces (none of their tokens lost)
     sources: str = ""  # a mixture: the rows drawn from each source
+    reasoning: int = 0  # rows with reasoning blocks
+    thought: int = 0  # their tokens, `reasoning_mode`
+    reasoning_mode: str = "keep"  # data.reasoning, once a row had reasoning
 
     def count(self, encoded: Encoded) -> None:
         self.truncated += encoded.truncated
         self.split += encoded.split
+        self.reasoning += encoded.thought > 0
+        self.thought += encoded.thought
+        self.reasoning_mode = encoded.reasoning_mode if encoded.thought else self.reasoning_mode
         if encoded.dropped is not None:
             self.dropped += 1
             self.shortest_dropped_prompt = min(self.shortest_dropped_prompt or encoded.dropped, encoded.dropped)
@@ -153,8 +181,12 @@ class Stats:
         return (
             f"data {name}: {self.rows} rows, {self.truncated} responses truncated at max_length={max_length}, "
             f"{self.dropped} dropped (prompt too long)" + (f", {self.split} text rows split into max_length pieces" if self.split else "")
+            + (f", {self.reasoning} rows with reasoning ({self.thought} tokens {THOUGHT[self.reasoning_mode]})" if self.reasoning else "")
             + (f"\n{self.sources}" if self.sources else "")
         )
+
+
+THOUGHT = {"keep": "trained on", "mask": "masked out of the loss", "drop": "dropped"}  # data.reasoning, as the data line says it
 
 
 def encode_text(text: str, tokenizer: Any, max_length: int) -> list[Example]:
@@ -174,6 +206,8 @@ class Encoded:
     truncated: bool = False  # its response was cut at max_length
     dropped: int | None = None  # the prompt's length, when it leaves no room for a response token (no items)
     split: bool = False  # a text row longer than max_length, in several pieces
+    thought: int = 0  # reasoning tokens of its rows (finetune.data.tokenize.Example.thought), per data.reasoning
+    reasoning_mode: str = "keep"
 
 
 def fit(item: Any, cfg: DataConfig, where: str) -> Encoded:
@@ -193,4 +227,4 @@ def fit(item: Any, cfg: DataConfig, where: str) -> Encoded:
     if truncated:
         for ex in parts:
             ex.input_ids, ex.labels = ex.input_ids[: cfg.max_length], ex.labels[: cfg.max_length]
-    return Encoded([item], truncated=truncated)
+    return Encoded([item], truncated=truncated, thought=sum(ex.thought for ex in parts), reasoning_mode=cfg.reasoning.value)

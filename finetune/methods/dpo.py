@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from finetune.config import Config, ConfigError, DataConfig, DataFormat, DpoLoss, MethodConfig, PeftMethod, Reference, unused
 from finetune.data.forms import to_pair
+from finetune.data.tools import tools_of
 from finetune.data.tokenize import IGNORE, Encoded, Example, Pair, encode_pair, fit
 from finetune.methods.base import CAUSAL_LM, Output
 
@@ -41,7 +42,9 @@ class Dpo:
         to_pair(row, data.system_prompt, where, self.name)
 
     def encode(self, row: dict[str, Any], where: str, tokenizer: Any, data: DataConfig, chat: bool) -> Encoded:
-        return fit(encode_pair(*to_pair(row, data.system_prompt, where, self.name), tokenizer, chat), data, where)
+        pair = encode_pair(*to_pair(row, data.system_prompt, where, self.name), tokenizer, chat, tools=tools_of(row, where), data=data,
+                           where=where)
+        return fit(pair, data, where)
 
     def join(self, rows: list[Example], scalars: dict[str, float]) -> Pair:
         return Pair(*rows)

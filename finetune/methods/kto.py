@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from finetune.config import Config, ConfigError, DataConfig, DataFormat, MethodConfig, Reference, unused
 from finetune.data.forms import to_labelled
+from finetune.data.tools import tools_of
 from finetune.data.tokenize import IGNORE, Encoded, Example, encode, fit
 from finetune.methods.base import CAUSAL_LM, Output
 from finetune.methods.dpo import check_reference
@@ -83,10 +84,12 @@ class Kto:
         to_labelled(row, data, where, self.name)
 
     def encode(self, row: dict[str, Any], where: str, tokenizer: Any, data: DataConfig, chat: bool) -> Encoded:
-        parts = [fit(Labelled(encode(messages, tokenizer, chat, last_only=True), good), data, where)
+        tools = tools_of(row, where)
+        parts = [fit(Labelled(encode(messages, tokenizer, chat, last_only=True, tools=tools, data=data, where=where), good), data, where)
                  for messages, good in to_labelled(row, data, where, self.name)]
         return Encoded([i for p in parts for i in p.items], truncated=any(p.truncated for p in parts),
-                       dropped=parts[0].dropped if not any(p.items for p in parts) else None)
+                       dropped=parts[0].dropped if not any(p.items for p in parts) else None, thought=sum(p.thought for p in parts),
+                       reasoning_mode=data.reasoning.value)
 
     def join(self, rows: list[Example], scalars: dict[str, float]) -> Labelled:
         return Labelled(rows[0], bool(scalars["desirable"]))

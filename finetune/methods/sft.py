@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from finetune.config import Config, ConfigError, DataConfig, DataFormat, MethodConfig, Reference, unused
 from finetune.data.forms import form_of, text_of, to_messages
+from finetune.data.tools import tools_of
 from finetune.data.tokenize import IGNORE, Encoded, Example, encode, encode_text, fit
 from finetune.methods.base import CAUSAL_LM, Output
 
@@ -43,7 +44,8 @@ class Sft:
         if form_of(row, data.format, where) == DataFormat.text:
             pieces = encode_text(text_of(row, where), tokenizer, data.max_length)
             return Encoded(pieces, split=len(pieces) > 1)
-        return fit(encode(to_messages(row, data.format, data.system_prompt, where), tokenizer, chat), data, where)
+        messages = to_messages(row, data.format, data.system_prompt, where)
+        return fit(encode(messages, tokenizer, chat, tools=tools_of(row, where), data=data, where=where), data, where)
 
     def join(self, rows: list[Example], scalars: dict[str, float]) -> Example:
         return rows[0]

@@ -8,7 +8,7 @@ imports it when its record is made: finetune/optimizers/).
 
 By topic (as axolotl groups its validation), each module one group of rules; `validate` runs them in order:
 - model.py: the model's own (path or init, structure, context length, attention kernel).
-- data.py: sources, streaming, the method's rules and forms, packing and padding-free rows.
+- data.py: sources, streaming, the chat template, the method's rules and forms, packing and padding-free rows.
 - optim.py: the optimizer's record against the config (keys, schedule, engines, precisions, kernel).
 - layout.py: launcher, hardware, ZeRO, the parallel layout against the model, batch sizes.
 - strategies.py: checkpointing, PEFT, precision, logits and kernel options that need or exclude each other.
@@ -35,6 +35,7 @@ def validate(cfg: Config) -> None:
     model.validate_context(cfg)
     data.validate_sources(cfg)
     data.validate_streaming(cfg)
+    data.validate_template(cfg)
     model.validate_attention(cfg)
     layout.validate_launcher(cfg)
     layout.validate_hardware(cfg)

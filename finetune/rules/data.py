@@ -1,10 +1,10 @@
-"""The data's and the method's rules: the sources, streaming, the method's own rules and the forms it reads, packing
+"""The data's and the method's rules: the sources, streaming, the chat template, the method's own rules and the forms it reads, packing
 and padding-free rows (`padding_free`, `several_per_row`, which the planner reads too), an eval set where asked.
 """
 
 from __future__ import annotations
 
-from finetune.config import Config, ConfigError, DataFormat, Reference
+from finetune.config import Config, ConfigError, DataFormat, Reference, Template
 from finetune import methods
 from finetune.data.forms import ROW_KEYS
 from finetune.data.sources import all_sources, sources
@@ -18,6 +18,13 @@ def validate_sources(cfg: Config) -> None:
             if ours not in ROW_KEYS:
                 raise ConfigError(f"{s.key}.columns.{ours}: no row form reads a key {ours!r}: map the dataset's columns onto "
                                   f"{', '.join(ROW_KEYS)}")
+
+
+def validate_template(cfg: Config) -> None:
+    """data.chat_template replaces the tokenizer's template, which data.template=builtin does not render with."""
+    if cfg.data.chat_template and cfg.data.template == Template.builtin:
+        raise ConfigError(f"data.chat_template={cfg.data.chat_template} has no effect with data.template=builtin (rows are rendered "
+                          "with the built-in template): remove one of them")
 
 
 def validate_streaming(cfg: Config) -> None:

@@ -1,0 +1,159 @@
+"""Chat templates: which one a run renders with, where each assistant message lies in a rendered conversation,
+whether a template renders tools, and reasoning blocks in responses. No heavy imports (the launcher probes templates).
+
+- The template: the tokenizer's, or data.chat_template's (a .jinja file, or a shipped one by name from
+  finetune/assets/templates/: qwen2_5, llama3_1, gemma, mistral), set on the tokenizer (`override`) so that the
+  token cache's key, generation and the run's saved tokenizer all see the one that trained.
+- Response spans (`spans`): the whole conversation is rendered once; each assistant message's text is what the
+  template adds for it after the conversation before it (rendered with the generation prompt), found in the whole
+  rendering at or after where that prefix stops matching it (the two aligned by difflib where the prefix is not
+  one). Templates that are prefix-stable (a conversation renders
+  as a prefix of its continuation: ChatML, Llama 3, Gemma) align trivially; others align too (Mistral's puts the system
+  message and the tools in the last user turn). Refused, naming the message: a template that renders an assistant
+  message differently inside the conversation than at its end (e.g. one that strips earlier turns' reasoning), whose
+  text then is nowhere to be found.
+- Tools (`check_tools`): a template is probed once with a conversation that offers a tool, calls it and returns
+  its result; one whose rendering leaves out the schema, the call's name or arguments, or the result is refused.
+- Reasoning (data.reasoning, data.reasoning_tags): `split_reasoning` / `drop_reasoning` on response text.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from finetune.config import ConfigError, DataConfig
+from finetune.config.data import template_path
+
+Tools = list[dict[str, Any]] | None
+
+
+def override(tokenizer: Any, data: DataConfig) -> Any:
+    """The tokenizer with data.chat_template's template in place of its own (unchanged when that is null)."""
+    if data.chat_template:
+        tokenizer.chat_template = template_path(data.chat_template).read_text()
+    return tokenizer
+
+
+def render(tokenizer: Any, messages: list[dict[str, Any]], tools: Tools, where: str, generation: bool = False) -> str:
+    """The conversation as text, through the tokenizer's chat template; the template's own refusal as one line."""
+    import jinja2
+
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation)
+    except jinja2.TemplateError as e:
+        raise ConfigError(f"{where}: the chat template refuses this conversation ({e}): fix the row, or render with another "
+                          "template (data.chat_template)") from None
+
+
+def spans(messages: list[dict[str, Any]], tokenizer: Any, tools: Tools, where: str) -> tuple[str, list[tuple[int, int]]]:
+    """(the whole conversation rendered, each assistant message's [start, end) characters in it)."""
+    full = render(tokenizer, messages, tools, where)
+    out: list[tuple[int, int]] = []
+    cursor = 0
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prompt = render(tokenizer, messages[:i], tools, where, generation=True)
+        upto = full if i == len(messages) - 1 else render(tokenizer, messages[: i + 1], tools, where)
+        response = upto[_after(prompt, upto):]  # what the template adds for this message at the conversation's end
+        start = full.find(response, max(cursor, _common(prompt, full))) if response.strip() else -1
+        if start < 0:
+            raise ConfigError(
+                f"{where}: the chat template renders assistant message {i} differently inside the whole conversation than "
+                "at its end, so its tokens cannot be found to label them: train on conversations ending at that message, or "
+                "use another template (data.chat_template, data.template=builtin)")
+        out.append((start, start + len(response)))
+        cursor = start + len(response)
+    return full, out
+
+
+def _after(prompt: str, upto: str) -> int:
+    """Where the response begins in `upto` (a conversation ending with it), given `prompt` (the conversation before it with
+    the generation prompt): after the prompt when it is a prefix, else after the last stretch the two share (Mistral's
+    template puts the system message in the last user turn, which is a different one in each)."""
+    if upto.startswith(prompt):
+        return len(prompt)
+    from difflib import SequenceMatcher
+
+    blocks = [m for m in SequenceMatcher(None, prompt, upto, autojunk=False).get_matching_blocks() if m.size]
+    return blocks[-1].b + blocks[-1].size if blocks else 0
+
+
+def _common(a: str, b: str) -> int:
+    """The length of the longest common prefix of a and b."""
+    if b.startswith(a):  # the usual case: a prefix-stable template
+        return len(a)
+    n = min(len(a), len(b))
+    return next((k for k in range(n) if a[k] != b[k]), n)
+
+
+PROBE_TOOLS = [{"type": "function", "function": {
+    "name": "probe_lookup", "description": "probe_description",
+    "parameters": {"type": "object", "properties": {"probe_key": {"type": "string"}}, "required": ["probe_key"]}}}]
+PROBE = [
+    {"role": "user", "content": "probe_question"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "id": "probe0001", "function": {"name": "probe_lookup", "arguments": {"probe_key": "probe_value"}}}]},
+    {"role": "tool", "content": "probe_result", "tool_call_id": "probe0001", "name": "probe_lookup"},
+    {"role": "assistant", "content": "probe_answer"},
+]
+_PROBED: dict[str, list[str]] = {}
+
+
+def left_out(tokenizer: Any) -> list[str]:
+    """What the tokenizer's template leaves out of a conversation with a tool (empty: it renders tools), probed once per
+    template."""
+    template = str(tokenizer.chat_template)
+    if template not in _PROBED:
+        try:
+            text = tokenizer.apply_chat_template(PROBE, tools=PROBE_TOOLS, tokenize=False)
+        except Exception as e:  # noqa: BLE001 - a template that raises on tool turns renders none
+            _PROBED[template] = [f"everything (it raised: {str(e).splitlines()[0] if str(e) else type(e).__name__})"]
+        else:
+            after = text[text.find("probe_question"):]
+            _PROBED[template] = [what for what, mark, where in (
+                ("the tools' schemas", "probe_description", text), ("the call's name", "probe_lookup", after),
+                ("the call's arguments", "probe_value", after), ("the tool's result", "probe_result", after)) if mark not in where]
+    return _PROBED[template]
+
+
+def check_tools(tokenizer: Any, chat: bool, where: str) -> None:
+    """Refuse a row with tools or tool turns (at `where`) that the run's template cannot render."""
+    fix = ("use a tokenizer whose chat template renders tools, or data.chat_template=qwen2_5 (llama3_1, mistral: templates "
+           "shipped with finetune)")
+    if not chat:
+        raise ConfigError(f"{where}: this row has tools or tool calls, which the built-in template cannot render "
+                          f"(data.template=builtin, or a tokenizer with no chat template): {fix}")
+    missing = left_out(tokenizer)
+    if missing:
+        raise ConfigError(f"{where}: this row has tools or tool calls, but the chat template leaves out {', '.join(missing)} "
+                          f"(probed with a conversation that calls a tool): {fix}")
+
+
+def _blocks(tags: list[str]) -> re.Pattern[str]:
+    return re.compile(f"{re.escape(tags[0])}.*?{re.escape(tags[1])}", re.DOTALL)
+
+
+def split_reasoning(text: str, tags: list[str]) -> list[tuple[str, bool]]:
+    """Response text as (piece, is_reasoning) pieces, in order: each block, tags included, apart."""
+    out: list[tuple[str, bool]] = []
+    done = 0
+    for m in _blocks(tags).finditer(text):
+        out += [(text[done:m.start()], False), (m.group(), True)]
+        done = m.end()
+    out.append((text[done:], False))
+    return [(t, r) for t, r in out if t]
+
+
+def drop_reasoning(messages: list[dict[str, Any]], tags: list[str]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The messages with the assistant's reasoning blocks (and the whitespace after each) removed, and the removed text."""
+    pattern = re.compile(f"{_blocks(tags).pattern}\\s*", re.DOTALL)
+    removed: list[str] = []
+    out = []
+    for m in messages:
+        if m["role"] == "assistant" and tags[0] in m["content"]:
+            removed += pattern.findall(m["content"])
+            m = {**m, "content": pattern.sub("", m["content"])}
+        out.append(m)
+    return out, removed
