@@ -34,8 +34,9 @@ def evaluate(engine: Engine, objective: Any, examples: list[Any], *, dist: Dist,
         count += owner * objective.count(batch)
     for _ in range(lockstep_extra(engine, len(examples), batch_size)):
         engine.inference(objective, collate(examples[:1], tokenizer.pad_token_id))  # ZeRO-3: match the other ranks' forwards
-    loss_sum, count, *values = dist.sum(loss_sum, count, *(metrics.get(k, 0.0) for k in objective.metrics))
-    out = {"eval_loss": loss_sum / max(count, 1)} | {f"eval_{k}": v / max(count, 1) for k, v in zip(objective.metrics, values)}
+    names = getattr(objective, "eval_metrics", objective.metrics)  # GRPO's rollout metrics have no evaluation value
+    loss_sum, count, *values = dist.sum(loss_sum, count, *(metrics.get(k, 0.0) for k in names))
+    out = {"eval_loss": loss_sum / max(count, 1)} | {f"eval_{k}": v / max(count, 1) for k, v in zip(names, values)}
     examples = for_generation(examples)  # none for text rows: there is no prompt to continue
     wanted = min(max(exact_match_samples, sample_prompts), len(examples))
     if not wanted or engine.generation_model is None:  # pipeline stages: exact_match_of_export, after training

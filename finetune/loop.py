@@ -119,8 +119,12 @@ def train(cfg: TrainConfig, *, engine: Engine, objective: Any, batches: TrainBat
     started: dict[str, float] = {}
     start = time.perf_counter()
     ahead = Ahead(batches, last=cfg.max_steps - 1)
+    online = hasattr(objective, "rollout")
     for step in range(first, cfg.max_steps + 1):
         micro_batches, waited = ahead.get(step - 1)
+        generated = 0.0
+        if online:  # GRPO: the data's micro-batches hold prompts; the objective samples and scores the rows it trains on
+            micro_batches, generated = objective.rollout(engine, micro_batches, step=step, tokenizer=tokenizer, seed=cfg.seed)
         owner = int(engine.owner)  # tp/pp: one rank per model replica counts its data
         local_count = owner * sum(objective.count(mb) for mb in micro_batches)
         local_tokens = owner * sum(int(mb["real_tokens"].sum()) for mb in micro_batches)
@@ -152,7 +156,8 @@ def train(cfg: TrainConfig, *, engine: Engine, objective: Any, batches: TrainBat
                    "nonpad_fraction": tokens / slots,  # packing raises it towards 1
                    "step_s": seconds, "data_wait_s": waited,  # the step's micro-batches not ready when it began
                    "epoch": batches.epoch(step), "elapsed_s": time.perf_counter() - start,
-                   **({"compile_s": compiled} if cfg.compile else {})}
+                   **({"compile_s": compiled} if cfg.compile else {}),
+                   **({"generation_s": generated} if online else {})}  # apart from step_s
         metrics |= {k: v / count for k, v in zip(names, sums)}
         if flops_per_token and peak_flops:  # achieved model FLOPs over the dense peak of all ranks
             metrics["mfu"] = tokens * flops_per_token / seconds / (peak_flops * dist.world_size)

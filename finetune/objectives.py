@@ -62,11 +62,20 @@ def sequence_logps(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Te
 
 
 def logits_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return logits_token_logps(logits, labels).sum(-1), (labels[:, 1:] != IGNORE).sum(-1)
+
+
+def logits_token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log p(label t+1) at every position t (fp32; 0 where the label is ignored): B x (T - 1)."""
     logits = predicting(logits, labels).float()
     targets = labels[:, 1:]
-    token_logps = -F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE,
-                                   reduction="none").view_as(targets)  # 0 where ignored
-    return token_logps.sum(-1), (targets != IGNORE).sum(-1)
+    return -F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE,
+                            reduction="none").view_as(targets)
+
+
+def token_logps(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-token log-probs of the labelled tokens (logits_token_logps of the model's forward)."""
+    return logits_token_logps(forward(model, batch), batch["labels"])
 
 
 def forward(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:

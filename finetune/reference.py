@@ -29,7 +29,7 @@ from finetune.engine.base import Engine
 from finetune.dist import Dist
 from finetune.evaluate import lockstep_extra
 from finetune.neftune import silenced
-from finetune.objectives import logits_logps, sequence_logps
+from finetune.objectives import logits_logps, sequence_logps, token_logps
 
 FILE = "reference_logps.pt"
 
@@ -50,17 +50,22 @@ def setup(cfg: Config, *, engine: Engine, dist: Dist, splits: dict[str, list[Any
     if how == Reference.live:
         with torch.random.fork_rng(devices=[]):  # loading re-seeds; training's random stream (dropout) stays as it was
             reference = engine.frozen(load_model())
-        return lambda policy, batch: sequence_logps(reference, batch)[0]
+        return lambda policy, batch, per_token=False: scores(reference, batch, per_token)
     return adapter_disabled
 
 
-def adapter_disabled(policy: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def scores(model: Any, batch: dict[str, torch.Tensor], per_token: bool) -> torch.Tensor:
+    """Each row's summed label log-prob, or with `per_token` each labelled token's (GRPO's per-token KL)."""
+    return token_logps(model, batch) if per_token else sequence_logps(model, batch)[0]
+
+
+def adapter_disabled(policy: Any, batch: dict[str, torch.Tensor], per_token: bool = False) -> torch.Tensor:
     """Log-probs of the policy's base model: its PEFT adapter switched off for this forward."""
     model = policy
     while not hasattr(model, "disable_adapter"):  # DDP / DeepSpeed wrap the PEFT model in `.module`
         model = model.module
     with model.disable_adapter(), silenced(model):  # the base as it was: no NEFTune noise either
-        return sequence_logps(model, batch)[0]
+        return scores(model, batch, per_token)
 
 
 def precompute(engine: Engine, splits: dict[str, list[Any]], *, dist: Dist, path: Path, saved: Path | None, batch_size: int,

@@ -32,6 +32,7 @@ class Method(str, Enum, metaclass=Spelled):
     kto = "kto"
     orpo = "orpo"
     reward = "reward"
+    grpo = "grpo"
 
 
 class DpoLoss(str, Enum, metaclass=Spelled):
@@ -221,13 +222,16 @@ class MethodConfig:
     (prompt, chosen, rejected) pairs, with the DPO-family loss `loss`. kto: unpaired rows labelled desirable
     or undesirable (`label: true/false`; pairs count as one of each), against a reference. orpo: pairs, the
     SFT loss plus an odds-ratio term, no reference model. reward: a reward model (one scalar
-    score per row, AutoModelForSequenceClassification) trained on the same pairs with the Bradley-Terry loss."""
+    score per row, AutoModelForSequenceClassification) trained on the same pairs with the Bradley-Terry loss.
+    grpo: online reinforcement learning from rewards (Group Relative Policy Optimization): `generations` completions
+    sampled per prompt at each step, scored by `rewards`, the policy moved towards the better ones of each group."""
     loss: DpoLoss = DpoLoss.sigmoid
     """dpo: sigmoid (DPO), ipo (squared loss on length-averaged log-ratios), hinge (SLiC),
     simpo (reference-free, length-averaged log-probs, target margin `gamma`)."""
     beta: float | None = checked(POSITIVE, None)
     """dpo, kto: inverse temperature of the implicit reward; orpo: the weight (lambda) of the odds-ratio term;
-    null: 0.1, or 2.0 for simpo (the papers' values)."""
+    grpo: the weight of the per-token KL to the reference (0: no KL term and no reference model);
+    null: 0.1, 2.0 for simpo (the papers' values), 0 for grpo (TRL's default since DAPO/Dr. GRPO)."""
     gamma: float = checked(at_least(0), 1.0)
     """simpo: the target reward margin between chosen and rejected."""
     label_smoothing: float = checked(in_range(0, 0.5, hi_open=True), 0.0)
@@ -248,12 +252,32 @@ class MethodConfig:
     """reward: weight of the added mean squared sum of the pair's scores, (r_chosen + r_rejected)^2, which keeps
     the scores centred on 0 (Eisenstein et al. 2023; TRL's RewardConfig.center_rewards_coefficient, 0.01 there);
     0: the plain Bradley-Terry loss."""
+    generations: int = checked(at_least(2), 8)
+    """grpo: completions sampled per prompt (the group G); each one's advantage is its reward's z-score in its group."""
+    completion_tokens: int = checked(POSITIVE, 64)
+    """grpo: the most tokens a sampled completion has (generation stops at the EOS token or here)."""
+    temperature: float = checked(POSITIVE, 1.0)
+    """grpo: the sampling temperature of the completions."""
+    top_p: float = checked(in_range(0, 1), 1.0)
+    """grpo: nucleus sampling's probability mass (1: the whole distribution)."""
+    epsilon: float = checked(in_range(0, 1, hi_open=True), 0.2)
+    """grpo: the policy ratio's clip range [1 - epsilon, 1 + epsilon] (PPO's; DeepSeekMath's 0.2)."""
+    rewards: list[str] = checked(SOME_NAMES, factory=lambda: ["exact_match"])
+    """grpo: the reward functions, summed with `reward_weights`: built-in exact_match (1 when the completion equals the
+    row's response, stripped), format (1 when the completion matches `format_pattern`), length (minus the completion's
+    tokens over completion_tokens), or a Python function `package.module:function` (finetune.rewards says how it is
+    called), or `reward:PATH`: a reward model this project trained (method=reward), scoring prompt + completion."""
+    reward_weights: list[float] | None = None
+    """grpo: one weight per entry of `rewards` (null: 1 each)."""
+    format_pattern: str | None = None
+    """grpo: the regular expression the `format` reward matches each whole completion against (Python's re.fullmatch,
+    DOTALL)."""
 
     @property
     def beta_value(self) -> float:
         if self.beta is not None:
             return self.beta
-        return 2.0 if self.loss == DpoLoss.simpo else 0.1
+        return 2.0 if self.loss == DpoLoss.simpo else 0.0 if self.name == Method.grpo else 0.1
 
 
 @dataclass

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from finetune.methods import dpo, kto, orpo, reward, sft
+from finetune.methods import dpo, grpo, kto, orpo, reward, sft
 from finetune.methods.base import Item, Method, Objective
 
-METHODS: dict[str, Method] = {m.name: m for m in (sft.METHOD, dpo.METHOD, kto.METHOD, orpo.METHOD, reward.METHOD)}
+METHODS: dict[str, Method] = {m.name: m for m in (sft.METHOD, dpo.METHOD, kto.METHOD, orpo.METHOD, reward.METHOD, grpo.METHOD)}
 """Every method, by its method.name (tests/test_methods.py checks each finetune.config.Method has one)."""
 
 

@@ -65,6 +65,10 @@ class Objective(Protocol):
     def rows_loss(self, logps: torch.Tensor, batch: dict[str, torch.Tensor]) -> Output:
         """The same from each row's summed label log-probs (a pipeline's last stage under logits=chunked)."""
 
+    # An online method's objective (Method.online: GRPO) also has
+    #     rollout(engine, micro_batches, *, step, tokenizer, seed) -> (training micro-batches, generation seconds)
+    # which finetune.loop calls before each step: the data's micro-batches hold its prompts, what it returns its rows.
+
 
 class Method(Protocol):
     """One training method: the data forms it reads, how a row becomes examples, how many rows an example puts
@@ -87,6 +91,11 @@ class Method(Protocol):
     rows_per_example: int
     """Rows one example puts in a batch (its cached rows and those `settle` adds: KTO's mismatched row): the planner
     counts micro_batch_size x this many rows of activations, less `no_grad_rows`."""
+
+    online: bool
+    """It samples its own training rows at each step (GRPO: method.generations completions of each prompt, rows with
+    gradients): its objective has `rollout` (finetune.loop calls it before the step), and the planner counts
+    micro_batch_size x method.generations rows."""
 
     no_grad_rows: int
     """Of those, rows forwarded without gradients outside a pipeline (KTO's mismatched row): no activations kept for

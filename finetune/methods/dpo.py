@@ -31,6 +31,7 @@ class Dpo:
     columns = ("chosen_", "rejected_")
     rows_per_example = 2
     no_grad_rows = 0
+    online = False
     unpacked = "method=dpo scores chosen and rejected as rows of their own"
     split_tokens = ("the DPO loss needs each response's whole log-probability before it is computed, and each rank holds a "
                     "slice of the tokens; use parallelism.cp=1 (with checkpointing=full and logits=chunked for long pairs)")

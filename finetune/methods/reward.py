@@ -36,6 +36,7 @@ class Reward:
     name = "reward"
     forms, unit, columns, rows_per_example, scalars = Dpo.forms, Dpo.unit, Dpo.columns, Dpo.rows_per_example, Dpo.scalars
     no_grad_rows = Dpo.no_grad_rows
+    online = False
     check_row, encode, join = Dpo.check_row, Dpo.encode, Dpo.join  # DPO's preference rows, read the same way (as method=reward)
     unpacked = "method=reward scores chosen and rejected each at its own last token, as rows of their own"
     split_tokens = ("a reward model scores each row at its last token, which only one rank's slice of the tokens holds; use "

@@ -28,6 +28,7 @@ class Sft:
     columns = ("",)
     rows_per_example = 1
     no_grad_rows = 0
+    online = False
     unpacked = None
     split_tokens = None
     scalars = ()

@@ -261,6 +261,7 @@ def activations_through_backward(arch: Arch, cfg: Config, counts: Counts, s: Sta
     p, z = cfg.parallelism, cfg.zero
     method = methods.get(cfg.method.name)
     rows = cfg.train.micro_batch_size * (method.rows_per_example - (method.no_grad_rows if p.pp == 1 else 0))
+    rows *= cfg.method.generations if method.online else 1  # GRPO: each prompt's completions, each a row with gradients
     tokens = -(-seq // p.cp) * rows  # context parallel: this rank's slice of every row (attention: all of it, 1/cp of the heads)
     labelled = longest.labelled if longest is not None else None
     exchange = 0.0

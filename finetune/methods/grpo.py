@@ -1,0 +1,259 @@
+"""Group Relative Policy Optimization (method=grpo): Shao et al., "DeepSeekMath: Pushing the Limits of Mathematical
+Reasoning in Open Language Models", 2024 (arXiv:2402.03300), section 4.1; online reinforcement learning from rewards.
+
+Each step, for every prompt q of the batch (a row of any SFT form: its conversation without the last response) the
+current policy samples G = `method.generations` completions o_1..o_G (`method.temperature`, `method.top_p`, at most
+`method.completion_tokens` tokens, seeded by (train.seed, step, rank): a resumed run samples the same ones). The
+rewards (finetune.rewards: exact match against the row's own response, a format check, a length penalty, a user's
+function, a reward model) score each completion, r_i = sum_k w_k R_k(q, o_i), and its advantage is its reward's
+z-score within its group (eq. 3 of the paper's outcome supervision, the same for every token of o_i):
+
+    A_i = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + 1e-4)
+
+The loss is the negated clipped surrogate with a per-token KL penalty (eq. 3):
+
+    J = 1/G sum_i 1/|o_i| sum_t [ min(rho_it A_i, clip(rho_it, 1 - eps, 1 + eps) A_i) - beta D_KL,it ]
+    rho_it = pi(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t)
+    D_KL,it = pi_ref / pi - log(pi_ref / pi) - 1          (eq. 4: Schulman's unbiased estimator, >= 0)
+
+with eps = `method.epsilon` and beta = `method.beta` (default 0: no KL and no reference model, as TRL now does;
+with beta > 0 the reference is method.reference=live, a frozen copy of the initial model, or adapter_disabled
+under peft). One optimizer step per rollout batch, so pi_old is the policy itself (rho = 1 in value; its gradient is
+A_i grad log pi): the clip acts only when several updates reuse a rollout, which this version does not do.
+
+The loss averages each completion's tokens, then sums over completions; the loop divides by the completions of the
+global batch (so every prompt's group weighs the same). Generation runs through the engine (`generation_model`,
+synced across ranks where parameters are gathered collectively: FSDP2, ZeRO-3) before the step; its time is
+reported apart (`generation_s`). Evaluation scores the rows' own responses (their per-token cross-entropy as
+`eval_loss`) and, at the end, exact match of greedy completions, as SFT does.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from finetune.config import Config, ConfigError, DataConfig, DataFormat, Logits, MethodConfig, Reference, unused
+from finetune.data.tokenize import IGNORE, Encoded, Example
+from finetune.methods.base import CAUSAL_LM, Output
+from finetune.methods.sft import METHOD as SFT_METHOD
+
+if TYPE_CHECKING:
+    import torch
+
+KEYS = ("name", "beta", "reference", "generations", "completion_tokens", "temperature", "top_p", "epsilon", "rewards",
+        "reward_weights", "format_pattern")
+
+
+class Grpo:
+    """The GRPO record (finetune.methods.base.Method)."""
+
+    name = "grpo"
+    forms = (DataFormat.alpaca, DataFormat.chat, DataFormat.sharegpt, DataFormat.completion)
+    unit = "prompt"
+    columns = ("",)
+    rows_per_example = 1  # x method.generations completions, each a row with gradients (`online`)
+    no_grad_rows = 0
+    online = True
+    unpacked = "method=grpo samples each prompt's completions as rows of their own"
+    split_tokens = ("the GRPO loss averages each completion's tokens, and each rank holds a slice of them; use parallelism.cp=1 "
+                    "(with checkpointing=full for long completions)")
+    scalars = ()
+    attached = False
+    model_class = CAUSAL_LM
+
+    def check_row(self, row: dict[str, Any], data: DataConfig, where: str) -> None:
+        SFT_METHOD.check_row(row, data, where)
+
+    def encode(self, row: dict[str, Any], where: str, tokenizer: Any, data: DataConfig, chat: bool) -> Encoded:
+        return SFT_METHOD.encode(row, where, tokenizer, data, chat)
+
+    def join(self, rows: list[Example], scalars: dict[str, float]) -> Example:
+        return rows[0]
+
+    def settle(self, examples: list[Any], data: DataConfig, key: str) -> list[Any]:
+        return examples
+
+    def reference(self, cfg: MethodConfig) -> Reference | None:
+        return cfg.reference if cfg.beta_value > 0 else None
+
+    def validate(self, cfg: Config) -> None:
+        from finetune import rewards
+
+        m = cfg.method
+        unused(m, "method", KEYS, "with method=grpo (another method's key)")
+        if m.beta_value == 0:
+            unused(m, "method", tuple(k for k in KEYS if k != "reference"), "with method=grpo and method.beta=0 (no KL term, no reference)")
+        elif m.reference == Reference.precomputed:
+            raise ConfigError("method.reference=precomputed cannot score GRPO's completions, which are sampled while training: use "
+                              "method.reference=live (or adapter_disabled with peft), or method.beta=0 (no KL term)")
+        if cfg.data.format == DataFormat.text:
+            raise ConfigError("method=grpo samples a response to each row's prompt, and data.format=text rows have none: use alpaca, "
+                              "chat, sharegpt or completion rows")
+        if cfg.parallelism.pp > 1:
+            raise ConfigError(f"method=grpo with parallelism.pp={cfg.parallelism.pp} is not supported: pipeline stages cannot "
+                              "generate the completions (no rank holds the whole model); use fsdp, zero or tp")
+        if cfg.logits.name == Logits.chunked:
+            raise ConfigError("logits=chunked with method=grpo is not supported: the GRPO loss needs each token's log-prob, which "
+                              "the chunked head reduces per row; use logits=full")
+        rewards.resolve(m)
+
+    def objective(self, cfg: MethodConfig, reference: Any, router: Any, head: Any) -> GRPO:
+        return GRPO(cfg, reference, router)
+
+
+METHOD = Grpo()
+
+
+class GRPO:
+    """The GRPO loss over a rollout batch (`rollout` makes it from a batch of prompts before each step)."""
+
+    def __init__(self, cfg: MethodConfig, reference: Any = None, router: Any = None) -> None:
+        self.cfg, self.reference, self.router = cfg, reference, router
+        self.rewards: list[Any] | None = None  # resolved (reward models loaded) at the first rollout
+        names = [f"rewards/{name}" for name in cfg.rewards]
+        self.metrics = ("reward", "reward_std", *names, "kl", "completion_tokens") + ((router.metric,) if router else ())
+        self.eval_metrics = (router.metric,) if router else ()  # evaluation scores the rows' own responses: no rollout
+
+    def count(self, batch: dict[str, torch.Tensor]) -> int:
+        """Completions in a rollout batch (rows with labels in an evaluation batch)."""
+        return int(batch["input_ids"].shape[0])
+
+    def __call__(self, model: Any, batch: dict[str, torch.Tensor]) -> Output:
+        import torch
+
+        from finetune.objectives import forward_aux, logits_token_logps
+
+        logits, aux = forward_aux(model, batch, self.router is not None)
+        logps = logits_token_logps(logits, batch["labels"])
+        mask = (batch["labels"][:, 1:] != IGNORE).float()
+        tokens = mask.sum(-1).clamp(min=1)
+        if "advantages" not in batch:  # evaluation: the rows' own responses' cross-entropy, per token, summed over rows
+            loss = (-(logps * mask).sum(-1) / tokens).sum()
+            out: Output = (loss, {})
+        else:
+            reference = None
+            if self.cfg.beta_value > 0:
+                with torch.no_grad():
+                    reference = self.reference(model, batch, per_token=True).float()
+            loss, kl = grpo_loss(logps, batch["advantages"].float(), mask, self.cfg.epsilon, self.cfg.beta_value, reference)
+            sums = {k[len("sum_"):]: v.sum() for k, v in batch.items() if k.startswith("sum_")}
+            out = (loss, {**sums, "kl": kl, "completion_tokens": mask.sum()})
+        if self.router is not None:
+            return self.router.apply(out[0], out[1], aux, self.count(batch))
+        return out
+
+    def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> Output:
+        raise NotImplementedError("method=grpo does not run under pipeline parallel (refused before launch)")
+
+    def rows_loss(self, logps: torch.Tensor, batch: dict[str, torch.Tensor]) -> Output:
+        raise NotImplementedError("method=grpo does not run with logits=chunked (refused before launch)")
+
+    def rollout(self, engine: Any, micro_batches: list[dict[str, torch.Tensor]], *, step: int, tokenizer: Any,
+                seed: int) -> tuple[list[dict[str, torch.Tensor]], float]:
+        """Each micro-batch of prompts -> a batch of its G completions per prompt, with their advantages and rewards
+        (columns `sum_<metric>`, summed by the loss into its metrics); and the seconds generation took."""
+        from finetune import rewards
+
+        if self.rewards is None:
+            self.rewards = rewards.resolve(self.cfg, load_models=True)
+        tic, out = time.perf_counter(), []
+        for k, mb in enumerate(micro_batches):
+            prompts, answers = split_rows(mb)
+            completions = sample(engine, prompts, self.cfg, tokenizer, seed=(seed, step, engine.dp_rank, k))
+            out.append(self.scored(prompts, answers, completions, tokenizer))
+        return out, time.perf_counter() - tic
+
+    def scored(self, prompts: list[list[int]], answers: list[list[int]], completions: list[list[int]], tokenizer: Any) -> dict[str, torch.Tensor]:
+        """The training batch of the completions (prompt + completion, labels on the completion) and their advantages."""
+        import torch
+
+        from finetune import rewards
+        from finetune.data.batches import collate
+
+        g = self.cfg.generations
+        texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+        columns = {"prompts": [p for p in tokenizer.batch_decode(prompts, skip_special_tokens=True) for _ in range(g)],
+                   "completions": texts, "answers": [a for a in tokenizer.batch_decode(answers, skip_special_tokens=True) for _ in range(g)],
+                   "completion_tokens": [len(c) for c in completions]}
+        total, each = rewards.score(self.rewards or [], **columns)
+        r = torch.tensor(total, dtype=torch.float32).view(-1, g)
+        examples = [Example(list(p) + list(c), [IGNORE] * len(p) + list(c), len(p), text)
+                    for p, group in zip(prompts, _groups(completions, g)) for c, text in zip(group, texts)]
+        batch = collate(examples, tokenizer.pad_token_id)
+        batch["advantages"] = group_advantages(r).view(-1)
+        batch["sum_reward"] = r.view(-1)
+        batch["sum_reward_std"] = r.std(dim=1, keepdim=True).expand_as(r).reshape(-1)
+        for name, values in each.items():
+            batch[f"sum_rewards/{name}"] = torch.tensor(values, dtype=torch.float32)
+        return batch
+
+
+def _groups(items: list[Any], g: int) -> list[list[Any]]:
+    return [items[i : i + g] for i in range(0, len(items), g)]
+
+
+def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """(r - mean) / (std + 1e-4) within each row (a prompt's group of G rewards); std is the sample's (G - 1)."""
+    return (rewards - rewards.mean(dim=1, keepdim=True)) / (rewards.std(dim=1, keepdim=True) + 1e-4)
+
+
+def grpo_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, epsilon: float, beta: float,
+              reference: torch.Tensor | None, old_logps: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the summed per-completion loss, the summed per-completion mean KL) of N completions' per-token log-probs
+    (N x T, 0 where `mask` is 0); `old_logps` None: the policy sampled them (one update per rollout: rho = 1)."""
+    import torch
+
+    old = logps.detach() if old_logps is None else old_logps
+    ratio = torch.exp(logps - old)
+    a = advantages[:, None]
+    surrogate = torch.minimum(ratio * a, torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * a)
+    kl = torch.zeros_like(logps)
+    if reference is not None:
+        delta = reference - logps
+        kl = torch.exp(delta) - delta - 1
+    per_token = -(surrogate - beta * kl)
+    tokens = mask.sum(-1).clamp(min=1)
+    return ((per_token * mask).sum(-1) / tokens).sum(), ((kl.detach() * mask).sum(-1) / tokens).sum()
+
+
+def split_rows(batch: dict[str, torch.Tensor]) -> tuple[list[list[int]], list[list[int]]]:
+    """Each row's prompt (the tokens before its first label) and its response (the labelled tokens)."""
+    prompts, answers = [], []
+    for ids, labels in zip(batch["input_ids"].tolist(), batch["labels"].tolist()):
+        first = next(i for i, t in enumerate(labels) if t != IGNORE)
+        prompts.append(ids[:first])
+        answers.append([t for t in labels if t != IGNORE])
+    return prompts, answers
+
+
+def sample(engine: Any, prompts: list[list[int]], cfg: MethodConfig, tokenizer: Any, seed: tuple[int, ...]) -> list[list[int]]:
+    """G sampled completions of each prompt (adjacent), each cut after its first EOS (kept: it is labelled), through
+    the engine (eval mode, its precision; generation synced across ranks where parameters are gathered)."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    model = engine.generation_model
+    device = next(model.parameters()).device
+    devices = [device] if device.type == "cuda" else []
+
+    def generate(_: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(hash(seed) % 2**63)
+            return model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], do_sample=True,
+                                  temperature=cfg.temperature, top_p=cfg.top_p, top_k=0, max_new_tokens=cfg.completion_tokens,
+                                  num_return_sequences=cfg.generations, pad_token_id=tokenizer.pad_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, synced_gpus=engine.lockstep)
+
+    with torch.no_grad():
+        out = engine.inference(generate, {"input_ids": ids, "attention_mask": mask})
+    completions = []
+    for row in out[:, width:].tolist():
+        cut = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
+        completions.append(row[:cut])
+    return completions

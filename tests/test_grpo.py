@@ -1,0 +1,184 @@
+"""GRPO (method=grpo): advantages and the loss against hand computations, the rewards, the rollout (seeded, cut at
+EOS, labels on the completion only), the rules, and a 2-rank run through the real CLI."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from finetune.config import ConfigError, Method, MethodConfig
+from finetune.data.tokenize import IGNORE
+from finetune.methods.grpo import GRPO, group_advantages, grpo_loss, sample, split_rows
+from finetune import rewards
+
+from conftest import last_line, read_metrics, run_cli, tiny_model
+
+
+def method(**kw) -> MethodConfig:
+    return MethodConfig(name=Method.grpo, **kw)
+
+
+def test_advantages_are_z_scores_within_each_group():
+    a = group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]]))
+    std = math.sqrt(1 / 3)  # the sample std of (1, 0, 0, 1)
+    assert a[0].tolist() == pytest.approx([0.5 / (std + 1e-4), -0.5 / (std + 1e-4)] * 1 + [-0.5 / (std + 1e-4), 0.5 / (std + 1e-4)])
+    assert a[1].tolist() == [0.0] * 4  # all alike: nothing to learn from this prompt
+
+
+def test_loss_and_gradient_by_hand():
+    """Two completions of 2 and 1 tokens; rho = 1, so the loss is -(A - beta KL) per token, averaged per completion."""
+    logps = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    ref = torch.tensor([[-1.5, -2.0, 0.0], [-0.5, 0.0, 0.0]])
+    adv = torch.tensor([0.8, -0.3])
+    loss, kl = grpo_loss(logps, adv, mask, epsilon=0.2, beta=0.1, reference=ref)
+    k = math.exp(-0.5) + 0.5 - 1  # pi_ref/pi - log(pi_ref/pi) - 1 at delta = -0.5; 0 where they agree
+    assert loss.item() == pytest.approx(-(0.8 - 0.1 * k / 2) - 0.8 / 1 * 0 + 0.3)  # completion 1: mean of (0.8 - .1k, 0.8)
+    assert kl.item() == pytest.approx(k / 2)
+    loss.backward()
+    # d/dlogp of -(A rho) is -A/|o|; of beta KL: beta (1 - exp(delta)) / |o|
+    assert logps.grad.tolist()[0] == pytest.approx([(-0.8 + 0.1 * (1 - math.exp(-0.5))) / 2, -0.8 / 2, 0.0])
+    assert logps.grad.tolist()[1] == pytest.approx([0.3, 0.0, 0.0])
+
+
+def test_the_clip_stops_the_gradient_beyond_the_range():
+    """With old log-probs (several updates per rollout), a ratio above 1 + eps with a positive advantage is clipped."""
+    logps = torch.tensor([[math.log(1.5)], [math.log(1.1)]], requires_grad=True)
+    loss, _ = grpo_loss(logps, torch.tensor([1.0, 1.0]), torch.ones(2, 1), epsilon=0.2, beta=0.0, reference=None,
+                        old_logps=torch.zeros(2, 1))
+    assert loss.item() == pytest.approx(-(1.2 + 1.1))
+    loss.backward()
+    assert logps.grad.view(-1).tolist() == pytest.approx([0.0, -1.1])  # clipped: no gradient; inside: -A rho
+
+
+def test_builtin_and_user_rewards(tmp_path, monkeypatch):
+    (tmp_path / "myrewards.py").write_text("def short(*, completions, **_):\n    return [1.0 if len(c) < 3 else 0.0 for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = method(rewards=["exact_match", "format", "length", "myrewards:short"], reward_weights=[1.0, 0.5, 1.0, 2.0],
+                 format_pattern=r"\d+", completion_tokens=8)
+    rs = rewards.resolve(cfg)
+    total, each = rewards.score(rs, prompts=["p", "p"], completions=[" 12 ", "abcd"], answers=["12", "12"], completion_tokens=[2, 4])
+    assert each == {"exact_match": [1.0, 0.0], "format": [1.0, 0.0], "length": [-0.25, -0.5], "myrewards:short": [0.0, 0.0]}
+    assert total == pytest.approx([1 + 0.5 - 0.25, -0.5])
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"rewards": ["nope"]}, "method.rewards: nope is not a reward: use exact_match, format, length, a function as "
+                            "package.module:function, or reward:PATH (a reward model trained with method=reward)"),
+    ({"rewards": ["format"]}, "method.rewards: format needs method.format_pattern (the regular expression a well-formed completion "
+                              "matches), e.g. method.format_pattern='<answer>.*</answer>'"),
+    ({"rewards": ["no_such_module_x:f"]}, "method.rewards: no_such_module_x:f: cannot import no_such_module_x (No module named "
+                                          "'no_such_module_x'): is it installed or on PYTHONPATH?"),
+    ({"rewards": ["math:nothing"]}, "method.rewards: math:nothing: math has no function 'nothing'"),
+    ({"rewards": ["exact_match", "length"], "reward_weights": [1.0]},
+     "method.reward_weights has 1 weights for 2 rewards (exact_match, length): give one weight per reward, or none (1 each)"),
+])
+def test_a_wrong_reward_is_one_line(kw, message):
+    with pytest.raises(ConfigError) as e:
+        rewards.resolve(method(**kw))
+    assert str(e.value) == message
+
+
+class Engine:
+    """The torch engine's generation surface, on one process."""
+
+    lockstep, dp_rank = False, 0
+
+    def __init__(self, model):
+        self.generation_model = model
+
+    def inference(self, fn, batch):
+        self.generation_model.eval()
+        return fn(self.generation_model, batch)
+
+
+def test_rollout_is_seeded_cut_at_eos_and_labels_only_the_completion(tok):
+    net, _ = tiny_model()
+    engine, cfg = Engine(net), method(generations=3, completion_tokens=6, rewards=["length"])
+    prompts = [[1, 5, 20, 30], [1, 7, 8]]
+    a = sample(engine, prompts, cfg, tok, seed=(0, 1, 0, 0))
+    assert a == sample(engine, prompts, cfg, tok, seed=(0, 1, 0, 0))  # a resumed run samples the same completions
+    assert a != sample(engine, prompts, cfg, tok, seed=(0, 2, 0, 0))
+    assert len(a) == 6 and all(1 <= len(c) <= 6 for c in a)
+    assert all(tok.eos_token_id not in c[:-1] for c in a)  # cut after the first EOS, which stays (it is labelled)
+    objective = GRPO(cfg)
+    objective.rewards = rewards.resolve(cfg)
+    batch = objective.scored(prompts, [[9], [10]], a, tok)
+    assert batch["input_ids"].shape[0] == 6 and objective.count(batch) == 6
+    for i, c in enumerate(a):
+        p = prompts[i // 3]
+        labels = batch["labels"][i].tolist()
+        assert batch["input_ids"][i].tolist()[: len(p) + len(c)] == p + c
+        assert labels[: len(p)] == [IGNORE] * len(p) and labels[len(p) : len(p) + len(c)] == c
+        assert all(t == IGNORE for t in labels[len(p) + len(c) :])
+    r = torch.tensor([-len(c) / 6 for c in a]).view(2, 3)
+    assert batch["advantages"].tolist() == pytest.approx(group_advantages(r).view(-1).tolist())
+    assert split_rows(batch)[0] == [p for p in prompts for _ in range(3)]
+
+
+def test_rules(compose):
+    base = ["method=grpo"]
+    for overrides, message in [
+        (["method.gamma=0.5"], "method.gamma=0.5 has no effect with method=grpo (another method's key): remove it or change the option"),
+        (["method.reference=live"], "method.reference=live has no effect with method=grpo and method.beta=0 (no KL term, no reference): "
+                                    "remove it or change the option"),
+        (["method.beta=0.04", "method.reference=precomputed"], "method.reference=precomputed cannot score GRPO's completions, which are "
+         "sampled while training: use method.reference=live (or adapter_disabled with peft), or method.beta=0 (no KL term)"),
+        (["data.packing=true"], "data.packing=true cannot run here: method=grpo samples each prompt's completions as rows of their "
+                                "own: set data.packing=false"),
+        (["parallelism=pp2", "launcher.nproc_per_node=2"], "method=grpo with parallelism.pp=2 is not supported: pipeline stages cannot "
+         "generate the completions (no rank holds the whole model); use fsdp, zero or tp"),
+        (["logits=chunked"], "logits=chunked with method=grpo is not supported: the GRPO loss needs each token's log-prob, which the "
+                             "chunked head reduces per row; use logits=full"),
+        (["method.rewards=[nope]"], "method.rewards: nope is not a reward: use exact_match, format, length, a function as "
+                                    "package.module:function, or reward:PATH (a reward model trained with method=reward)"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            compose([*base, *overrides])
+        assert str(e.value) == message, overrides
+    cfg = compose([*base, "method.beta=0.04", "method.reference=live"])
+    assert cfg.method.beta_value == 0.04 and compose(base).method.beta_value == 0.0
+
+
+def test_the_planner_counts_every_completion_as_a_row(compose):
+    from finetune.planner.peak import plan
+
+    sft = plan(compose(["train.micro_batch_size=8", "train.global_batch_size=16", "data.padding_free=false"]))
+    grpo = plan(compose(["method=grpo", "method.generations=4", "train.micro_batch_size=2", "train.global_batch_size=4"]))
+    assert grpo.activations == pytest.approx(sft.activations, rel=0.01)  # 2 prompts x 4 completions = 8 rows
+
+
+@pytest.mark.slow
+def test_two_ranks_with_a_live_reference_through_the_cli(tmp_path, monkeypatch):
+    """DDP, a KL term to a live reference, a built-in and a user's reward weighted: the step's metrics, generation timed
+    apart. (The user's reward varies with the text, so every group has something to learn from.)"""
+    (tmp_path / "chars.py").write_text("def count(*, completions, **_):\n    return [float(len(c) % 5) for c in completions]\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    out = run_cli("+recipe=quickstart_sft", "method=grpo", "method.rewards=[length,chars:count]", "method.reward_weights=[1.0,2.0]",
+                  "method.beta=0.04", "method.reference=live", "method.generations=4", "method.completion_tokens=12",
+                  "train.max_steps=3", "optim.warmup_steps=1", "train.micro_batch_size=2", "train.global_batch_size=4",
+                  "train.exact_match_samples=4", "train.progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    train = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "train"]
+    assert [m["step"] for m in train] == [1, 2, 3]
+    for m in train:
+        assert m["reward"] == pytest.approx(m["rewards/length"] + 2 * m["rewards/chars:count"])
+        assert -1.0 <= m["rewards/length"] < 0 and 1 <= m["completion_tokens"] <= 12
+        assert m["generation_s"] > 0 and m["kl"] >= 0 and math.isfinite(m["loss"])
+    assert train[0]["kl"] == 0.0  # the policy is the reference until the first update
+    assert train[-1]["kl"] > 0 and all(m["grad_norm"] > 0 for m in train)
+    evals = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "eval"]
+    assert set(evals[-1]) >= {"eval_loss", "exact_match"} and "eval_reward" not in evals[-1]
+    assert (tmp_path / "run/final/model.safetensors").is_file()
+
+
+def test_a_text_row_has_no_prompt_to_answer(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"text": "just text"}\n')
+    out = run_cli("method=grpo", "data=jsonl", f"data.train={path}", "data.format=text", "launcher.dry_run=true", cwd=tmp_path)
+    assert out.returncode == 2
+    assert last_line(out.stderr) == ("error: method=grpo samples a response to each row's prompt, and data.format=text rows have none: "
+                                     "use alpaca, chat, sharegpt or completion rows")
