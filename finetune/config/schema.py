@@ -267,9 +267,9 @@ class MethodConfig:
     row's response, stripped), format (1 when the completion matches `format_pattern`), length (minus the completion's
     tokens over completion_tokens), or a Python function `package.module:function` (finetune.rewards says how it is
     called), or `reward:PATH`: a reward model this project trained (method=reward), scoring prompt + completion."""
-    reward_weights: list[float] | None = None
+    reward_weights: list[float] | None = checked(Accepts("a list of numbers", lambda v: len(v) > 0, ("[]",)), None)
     """grpo: one weight per entry of `rewards` (null: 1 each)."""
-    format_pattern: str | None = None
+    format_pattern: str | None = checked(TEXT, None)
     """grpo: the regular expression the `format` reward matches each whole completion against (Python's re.fullmatch,
     DOTALL)."""
 
