@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from finetune import (checkpoint, compiling, config, dist, engine, evaluate, flops, liger, logs, loop, methods, model, objectives,
+from finetune import (checkpoint, compiling, config, dist, engine, flops, heldout, liger, logs, loop, methods, model, objectives,
                       reference, rules, rundir, startup, varlen)
 from finetune.config import Config, ConfigError, Kernels, Logits, MemoryReport, MethodConfig, PeftConfig, PeftMethod, Precision, Strategy, uses_deepspeed
 from finetune.data import stream
@@ -291,7 +291,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
             eng.export(final, tokenizer)
         if d.is_main and cfg.parallelism.pp > 1 and cfg.train.exact_match_samples:  # stages cannot generate: rank 0 scores final/
             with startup.timed(ended, "exact match"):
-                result["after"]["exact_match"] = evaluate.exact_match_of_export(final, eval_examples, cfg.train, d.device)
+                result["after"]["exact_match"] = heldout.exact_match_of_export(final, eval_examples, cfg.train, d.device)
         if d.is_main:
             report(run_dir, final, result, {k: vars(s) for k, s in stats.items()}, log, model_class)
     del zero3  # alive until here: transformers consults it while loading, generating and saving

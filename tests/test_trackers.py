@@ -129,7 +129,7 @@ def test_one_run_logs_the_same_numbers_to_every_tracker(offline):
     assert SQLiteStorage.get_run_config("finetune", name)["optim.lr"] == 0.002
 
     # the samples are the model's own: the final ones are what final/ generates greedily from those prompts
-    from finetune.evaluate import generate
+    from finetune.heldout import generate
 
     _, model, tok, evals = reload_and_evaluate(run_dir / "final", run_dir)
     import torch
