@@ -158,7 +158,7 @@ class Broken:
 
     output, queued, rows = "", False, 0
 
-    def start(self, run_dir, config):
+    def start(self, run_dir, config, resume=False):
         pass
 
     def write(self, kind, step, metrics):
@@ -220,7 +220,7 @@ def test_rows_that_waited_go_out_together_in_order(tmp_path, monkeypatch):
     class Batching(Broken):
         queued = True
 
-        def start(self, run_dir, config):
+        def start(self, run_dir, config, resume=False):
             release.wait(30)  # a slow start: the rows wait in the queue
 
         def write_rows(self, rows):
