@@ -30,7 +30,7 @@ def task_manager() -> object:
     """lm-eval's task index with the shipped tasks (scanning lm-eval's YAML files takes seconds: made once)."""
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=str(TASKS_DIR), verbosity="ERROR")
+    return TaskManager(include_path=str(TASKS_DIR))
 
 
 def problem(tasks: list[str], method: str, key: str) -> str | None:
@@ -55,9 +55,10 @@ def method_problem(method: str, key: str) -> str | None:
     from finetune import methods
     from finetune.methods.base import CAUSAL_LM
 
-    if methods.get(method).model_class == CAUSAL_LM:
+    record = methods.get(method)
+    if record.model_class == CAUSAL_LM:
         return None
-    return (f"{key}: method={method} trains a sequence classifier (one score per row), which lm-eval's tasks cannot "
+    return (f"{key}: method={record.name} trains a sequence classifier (one score per row), which lm-eval's tasks cannot "
             "evaluate: they need a causal LM's next-token log-probabilities")
 
 
