@@ -99,8 +99,11 @@ def run_benchmarks(run: Finished, tasks: list[str], *, limit: int | None = None,
                    num_fewshot: int | None = None, device: str | None = None) -> dict[str, float]:
     """Evaluate `run`'s final/ on `tasks` and record it (eval/results.json, summary.json, the loggers). Returns the
     metrics as summary.json's `benchmarks` holds them: {TASK/METRIC: value}."""
+    from lm_eval.utils import make_table
+
     tic = time.perf_counter()
     results = evaluate(run, tasks, limit=limit, batch_size=batch_size, num_fewshot=num_fewshot, device=device)
+    print(make_table(results))
     return record(run, results, time.perf_counter() - tic)
 
 
@@ -142,14 +145,13 @@ def metrics_of(results: dict[str, Any]) -> dict[str, float]:
 def record(run: Finished, results: dict[str, Any], seconds: float) -> dict[str, float]:
     """RUN_DIR/eval/results.json, summary.json's `benchmarks` (and the seconds in its after_training), and a
     `benchmark` row to the run's loggers at its last step."""
-    from lm_eval.utils import handle_non_serializable, make_table
+    from lm_eval.utils import handle_non_serializable
 
     assert run.run_dir is not None and run.config is not None
     run_dir, metrics = run.run_dir.resolve(), metrics_of(results)
     (run_dir / RESULTS).mkdir(exist_ok=True)
     kept = {k: v for k, v in results.items() if k != "samples"}
     (run_dir / RESULTS / "results.json").write_text(json.dumps(kept, indent=2, default=handle_non_serializable) + "\n")
-    print(make_table(results))
     summary_file = run_dir / "summary.json"
     summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
     summary["benchmarks"] = metrics

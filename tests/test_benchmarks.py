@@ -37,8 +37,8 @@ def run_copy(shipped, tmp_path_factory):
 def our_examples(run_dir: Path, tokenizer) -> tuple[list, list]:
     """The quickstart's eval rows tokenized as training tokenized them: instructions (SFT) and pairs (DPO)."""
     from finetune import config
-    from finetune.config import ASSETS, DataFormat
-    from finetune.data.forms import to_messages
+    from finetune.config import ASSETS
+    from finetune.data.forms import to_messages, to_pair
     from finetune.data.sources import load_rows
     from finetune.data.tokenize import encode, encode_pair, uses_chat_template
 
@@ -46,7 +46,7 @@ def our_examples(run_dir: Path, tokenizer) -> tuple[list, list]:
     chat = uses_chat_template(tokenizer, cfg.data.template)
     sft = [encode(to_messages(r, cfg.data.format, cfg.data.system_prompt, "t"), tokenizer, chat)
            for r in load_rows(str(ASSETS / "data/quickstart/eval.jsonl"), "train", "t").rows]
-    pairs = [encode_pair(to_messages(r, DataFormat.preference, cfg.data.system_prompt, "t"), r["chosen"], r["rejected"], tokenizer, chat)
+    pairs = [encode_pair(*to_pair(r, cfg.data.system_prompt, "t"), tokenizer, chat)
              for r in load_rows(str(ASSETS / "data/quickstart_dpo/eval.jsonl"), "train", "t").rows]
     return sft, pairs
 

@@ -378,3 +378,38 @@ def test_samples_need_an_eval_set_and_a_rank_that_generates(compose, overrides, 
     with pytest.raises(ConfigError) as e:
         compose(["+recipe=quickstart_sft", *overrides])
     assert str(e.value) == error
+
+
+def test_benchmarks_after_the_run_go_to_its_own_tracker_runs(offline):
+    """finetune.evaluate after training (logs.MetricsLog(resume=True)): W&B resumes the run's id, MLflow logs into the
+    run of that run directory, trackio into the run of that name; none starts another run."""
+    from finetune import evaluate, finished
+
+    run_dir = offline / "run"
+    train_here([*TINY, "train.loggers=[jsonl,wandb,mlflow,trackio]"], run_dir)
+    first_id = trackers.wandb_run_id(run_dir)
+    results = {"results": {"quickstart_choice": {"alias": "quickstart_choice", "acc,none": 0.75, "acc_stderr,none": 0.1}},
+               "higher_is_better": {"quickstart_choice": {"acc": True}}}
+    assert evaluate.record(finished.locate(str(run_dir)), results, 0.5) == {"quickstart_choice/acc": 0.75}
+    assert read_metrics(run_dir)[-1] == {"kind": "benchmark", "step": 4, "quickstart_choice/acc": 0.75}
+
+    runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert {r.name.rsplit("-", 1)[-1] for r in runs} == {first_id}  # W&B: the same run id (`wandb sync` appends)
+    out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(runs[-1])], capture_output=True, text=True, timeout=120)
+    history = wandb_history([json.loads(line) for line in out.stdout.splitlines() if line.strip()])
+    assert history["benchmark/quickstart_choice/acc"] == [(4, 0.75)]
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient()
+    (found,) = client.search_runs([client.get_experiment_by_name("finetune").experiment_id])
+    assert found.info.status == "FINISHED"
+    assert [(m.step, m.value) for m in client.get_metric_history(found.info.run_id, "benchmark/quickstart_choice/acc")] == [(4, 0.75)]
+    assert len(client.get_metric_history(found.info.run_id, "train/loss")) == 4
+
+    from trackio import SQLiteStorage
+
+    (name,) = SQLiteStorage.get_runs("finetune")
+    logged = SQLiteStorage.get_logs("finetune", name)
+    assert [(r["step"], r["benchmark/quickstart_choice/acc"]) for r in logged if "benchmark/quickstart_choice/acc" in r] == [(4, 0.75)]
+    assert len([r for r in logged if "train/loss" in r]) == 4
