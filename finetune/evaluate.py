@@ -126,7 +126,7 @@ def evaluate(run: Finished, tasks: list[str], *, limit: int | None, batch_size: 
     return lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit, log_samples=log_samples,
                                    task_manager=benchmarks.task_manager(), apply_chat_template=chat,
                                    system_instruction=data.system_prompt if data is not None else None,
-                                   fewshot_as_multiturn=chat, verbosity="ERROR")
+                                   fewshot_as_multiturn=chat)
 
 
 def metrics_of(results: dict[str, Any]) -> dict[str, float]:

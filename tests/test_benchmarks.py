@@ -77,11 +77,10 @@ def test_shipped_tasks_give_our_own_generation_and_loglikelihoods(shipped):
     rows = sorted(results["samples"]["quickstart_exact"], key=lambda s: s["doc_id"])
     assert [s["filtered_resps"][0] for s in rows] == texts
     ours = sum(t.strip() == e.reference.strip() for t, e in zip(texts, sft)) / n
-    assert 0 < ours < 1  # a number that tells right from wrong answers
     assert results["results"]["quickstart_exact"]["exact_match,none"] == pytest.approx(ours)
 
     rows = sorted(results["samples"]["quickstart_choice"], key=lambda s: s["doc_id"])
-    theirs = [[r[0] for r in s["resps"][i]][0][0] for s in rows for i in (0, 1)]
+    theirs = [s["resps"][i][0][0] for s in rows for i in (0, 1)]  # each choice: [(log-likelihood, is greedy)]
     mine = [response_logprob(model, e) for p in pairs[:n] for e in (p.chosen, p.rejected)]
     assert theirs == pytest.approx(mine, rel=1e-4, abs=1e-4)
     accuracy = sum(mine[2 * i] >= mine[2 * i + 1] for i in range(n)) / n
@@ -160,6 +159,19 @@ def test_train_eval_tasks_runs_after_training_into_the_same_mlflow_run(tmp_path,
     assert len(client.get_metric_history(found.info.run_id, "train/loss")) == 2
     kept = json.loads(Path(client.download_artifacts(found.info.run_id, "summary.json", str(tmp_path / "dl"))).read_text())
     assert kept["benchmarks"] == summary["benchmarks"]  # the summary kept at the end is the one with the benchmarks
+
+
+def test_quickstart_exact_scores_as_heldout_exact_match_does():
+    """The shipped generate_until task's metric is finetune.heldout's: the stripped answer equals the reference."""
+    from lm_eval.tasks import get_task_dict
+
+    from finetune import benchmarks
+
+    task = get_task_dict(["quickstart_exact"], benchmarks.task_manager())["quickstart_exact"]
+    doc = task.test_docs()[2]
+    assert doc == {"instruction": "uppercase", "input": "tzi", "output": "TZI"}  # finetune/assets/data/quickstart/eval.jsonl's row 3
+    assert task.process_results(doc, [" TZI\n"]) == {"exact_match": 1.0}
+    assert task.process_results(doc, ["TZ"]) == {"exact_match": 0.0} and task.process_results(doc, ["tzi"]) == {"exact_match": 0.0}
 
 
 def fake_run(run_dir: Path, compose, overrides: list[str]) -> Path:
