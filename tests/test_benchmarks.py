@@ -15,7 +15,7 @@ import torch
 from conftest import last_line, read_metrics, readme_commands, run_cli, run_shell, train_here
 
 RUN = "outputs/quickstart_sft"
-TINY = ["+recipe=quickstart_sft", "train.max_steps=2", "train.global_batch_size=8", "train.micro_batch_size=8",
+TINY = ["+recipe=quickstart_sft", "train.max_steps=2", "optim.warmup_steps=0", "train.global_batch_size=8", "train.micro_batch_size=4",
         "data.eval_size=8", "train.exact_match_samples=0", "train.memory_report=false"]
 
 
