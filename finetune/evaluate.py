@@ -16,6 +16,7 @@ the same after training. A mistake is one line and exit code 2.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -64,7 +65,11 @@ def parse(argv: list[str]) -> tuple[str, dict[str, Any]]:
 def typed(key: str, value: str) -> Any:
     if key == "tasks":
         return [t.strip() for t in value.strip().strip("[]").split(",") if t.strip()]
-    if key == "device" or (key == "batch_size" and value == "auto"):
+    if key == "device":
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", value):
+            raise Refusal(f"device={value}: device takes {OPTIONS[key]}")
+        return value
+    if key == "batch_size" and value == "auto":
         return value
     try:
         number = int(value)
@@ -117,6 +122,8 @@ def evaluate(run: Finished, tasks: list[str], *, limit: int | None, batch_size: 
     from finetune.data.tokenize import uses_chat_template
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise Refusal(f"device={device}: no CUDA device here: use device=cpu")
     model, tokenizer = load(run)
     data = run.config.data if run.config is not None else None
     if data is not None and not uses_chat_template(tokenizer, data.template):

@@ -193,6 +193,7 @@ def test_cli_refusals_are_one_line(tmp_path, compose, capsys):
         (sft, "task=quickstart_exact"): f"task=quickstart_exact: not an option (give key=value): {usage}",
         (sft, "tasks=quickstart_exact", "limit=0"): "limit=0: limit takes an integer >= 1 (the first N rows of each task)",
         (sft, "tasks=quickstart_exact", "--num_fewshot", "x"): "num_fewshot=x: num_fewshot takes an integer >= 0 (examples in each prompt)",
+        (sft, "tasks=quickstart_exact", "device=gpu"): "device=gpu: device takes cpu, cuda or cuda:N (default: cuda when there is one)",
         (sft, "limit=3"): f"which tasks? {usage} (shipped, offline: quickstart_choice, quickstart_exact; `lm-eval ls tasks` lists lm-eval's)",
         (tmp_path / "none", "tasks=quickstart_exact"): f"{tmp_path / 'none'}: no such directory: give the directory a launch wrote "
                                                        "(hydra.run.dir, or outputs/DATE/TIME)",
