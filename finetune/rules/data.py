@@ -88,7 +88,7 @@ def validate_method(cfg: Config) -> None:
 
 def validate_eval(cfg: Config) -> None:
     """train.exact_match_samples and train.sample_prompts need an eval set; the samples need ranks that can generate;
-    train.eval_tasks needs a causal LM (the launcher checks the task names: finetune.launch.check_benchmarks)."""
+    train.eval_tasks needs a causal LM (finetune.launch checks lm-eval and the task names: finetune.benchmarks.check)."""
     t = cfg.train
     for key, value in (("exact_match_samples", t.exact_match_samples), ("sample_prompts", t.sample_prompts)):
         if value and cfg.data.eval is None and cfg.data.eval_size == 0:
