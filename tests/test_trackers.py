@@ -409,7 +409,8 @@ def test_benchmarks_after_the_run_go_to_its_own_tracker_runs(offline):
 
     from trackio import SQLiteStorage
 
-    (name,) = SQLiteStorage.get_runs("finetune")
+    name = trackers.name_of(run_dir)  # trackio reads TRACKIO_DIR once: earlier tests' runs may share its database
+    assert SQLiteStorage.get_runs("finetune").count(name) == 1
     logged = SQLiteStorage.get_logs("finetune", name)
     assert [(r["step"], r["benchmark/quickstart_choice/acc"]) for r in logged if "benchmark/quickstart_choice/acc" in r] == [(4, 0.75)]
     assert len([r for r in logged if "train/loss" in r]) == 4
