@@ -1,7 +1,7 @@
 """Metrics to the sinks `train.loggers` names (rank 0): JSONL, TensorBoard and the experiment trackers (W&B, MLflow,
 trackio: finetune/trackers.py), behind one interface; and the loss-curve plot.
 
-A sink is a class with `start(run_dir, config)`, `write(kind, step, metrics)`, `samples(step, rows)`, `close()` and
+A sink is a class with `start(run_dir, config, resume)`, `write(kind, step, metrics)`, `samples(step, rows)`, `close()` and
 `end(files, failed)` (`Sink`), registered by name in `SINKS`. `MetricsLog` fans every row out to the chosen ones. jsonl
 is always among them (the rules refuse a list without it): RUN_DIR/metrics.jsonl is what the run's summary, the loss
 plot, the sweep summary and the tests read, and its failure is the run's. Any other sink that fails is warned about
