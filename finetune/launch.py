@@ -27,7 +27,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from finetune import disk, rundir, startup, steps, sweep, trackers
+from finetune import benchmarks, disk, rundir, startup, steps, sweep, trackers
 from finetune.command import ERROR_FILE, RANKS_DIR, LaunchSpec, build
 from finetune.compose import RECIPES, fail, preflight, run_once, sweep_trials, typed
 from finetune.config import Config, ConfigError
@@ -148,6 +148,7 @@ def _launch_once(dcfg: DictConfig, cfg: Config | None = None) -> float | None:
         check_tools_template(cfg, tools_at)  # a row with tools that the chat template cannot render: the same
         steps.resolve(cfg, lambda line: print(f"{'#' if cfg.launcher.dry_run else '[finetune]'} {line}", flush=True))  # epochs
         check_trackers(cfg)
+        benchmarks.check(cfg.train.eval_tasks, cfg.method.name, f"train.eval_tasks=[{','.join(cfg.train.eval_tasks)}]")
         make_model_first(cfg)
         disk.check(cfg)  # the model, tokenizer and device as files on this machine: one line now, not in each rank
     except ConfigError as e:

@@ -1,7 +1,7 @@
 """Metrics to the sinks `train.loggers` names (rank 0): JSONL, TensorBoard and the experiment trackers (W&B, MLflow,
 trackio: finetune/trackers.py), behind one interface; and the loss-curve plot.
 
-A sink is a class with `start(run_dir, config)`, `write(kind, step, metrics)`, `samples(step, rows)`, `close()` and
+A sink is a class with `start(run_dir, config, resume)`, `write(kind, step, metrics)`, `samples(step, rows)`, `close()` and
 `end(files, failed)` (`Sink`), registered by name in `SINKS`. `MetricsLog` fans every row out to the chosen ones. jsonl
 is always among them (the rules refuse a list without it): RUN_DIR/metrics.jsonl is what the run's summary, the loss
 plot, the sweep summary and the tests read, and its failure is the run's. Any other sink that fails is warned about
@@ -28,8 +28,9 @@ class Sink(Protocol):
     output: str
     """What it writes under RUN_DIR (a file or directory name), printed at the end of a run; "" for none."""
 
-    def start(self, run_dir: Path, config: Any) -> None:
-        """Open its files (or its connection). `config`: the run's typed Config (a service records it with the run)."""
+    def start(self, run_dir: Path, config: Any, resume: bool = False) -> None:
+        """Open its files (or its connection). `config`: the run's typed Config (a service records it with the run).
+        `resume`: after the run ended (`python -m finetune.evaluate`): a tracker goes on with the run's own record."""
 
     def write(self, kind: str, step: int, metrics: dict[str, float]) -> None:
         """One row: `metrics` measured at `step`."""
@@ -50,7 +51,7 @@ class JsonlSink:
 
     output = METRICS
 
-    def start(self, run_dir: Path, config: Any) -> None:
+    def start(self, run_dir: Path, config: Any, resume: bool = False) -> None:
         self.file = open(run_dir / METRICS, "a")
 
     def write(self, kind: str, step: int, metrics: dict[str, Any]) -> None:
@@ -74,7 +75,7 @@ class TensorBoardSink:
 
     output = "tensorboard"
 
-    def start(self, run_dir: Path, config: Any) -> None:
+    def start(self, run_dir: Path, config: Any, resume: bool = False) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(str(run_dir / self.output))
@@ -115,13 +116,13 @@ class MetricsLog:
     END_TIMEOUT_S = 120.0
     """How long `end` waits for a tracker to send what it was given before the run ends without it."""
 
-    def __init__(self, run_dir: Path, *, enabled: bool, loggers: list[str], config: Any = None) -> None:
+    def __init__(self, run_dir: Path, *, enabled: bool, loggers: list[str], config: Any = None, resume: bool = False) -> None:
         self.enabled, self.run_dir, self.ended = enabled, run_dir, False
         self.sinks: dict[str, Any] = {}
         for name in loggers if enabled else []:
             sink = SINKS[name]()
             self.sinks[name] = Queued(name, sink) if getattr(sink, "queued", False) else sink
-            self._call(name, "start", run_dir, config)
+            self._call(name, "start", run_dir, config, resume)
 
     def write(self, kind: str, step: int, values: dict[str, float]) -> None:
         for name in list(self.sinks):

@@ -19,7 +19,7 @@ from finetune.data.batches import TrainBatches
 from finetune.data.tokenize import Example
 from finetune.dist import Dist
 from finetune.engine.base import Engine
-from finetune.evaluate import evaluate
+from finetune.heldout import evaluate
 from finetune.logs import MetricsLog
 from finetune.memory import MemoryProbe, PeakProbe
 

@@ -27,7 +27,7 @@ from finetune.data.batches import collate, shard
 from finetune.data.tokenize import rows_of
 from finetune.engine.base import Engine
 from finetune.dist import Dist
-from finetune.evaluate import lockstep_extra
+from finetune.heldout import lockstep_extra
 from finetune.neftune import silenced
 from finetune.objectives import logits_logps, sequence_logps, token_logps
 

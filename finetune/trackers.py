@@ -125,12 +125,13 @@ class WandbSink(WandbApi):
 
     output = "wandb"
 
-    def start(self, run_dir: Path, config: Any) -> None:
+    def start(self, run_dir: Path, config: Any, resume: bool = False) -> None:
         import wandb
 
         self.module = wandb
+        earlier = wandb_run_id(run_dir) if resume else None  # the run's id: W&B resumes it (offline: `wandb sync` appends)
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or PROJECT, name=name_of(run_dir), group=group_of(config),
-                              config=params(run_dir, config), dir=str(run_dir),
+                              config=params(run_dir, config), dir=str(run_dir), id=earlier, resume="allow" if earlier else None,
                               settings=wandb.Settings(console="off", quiet=True))  # the rank's own output stays as it is
 
     def end(self, files: list[Path], failed: bool) -> None:
@@ -161,6 +162,12 @@ class WandbSink(WandbApi):
         return None
 
 
+def wandb_run_id(run_dir: Path) -> str | None:
+    """The id of the W&B run that RUN_DIR/wandb holds (its directories are [offline-]run-DATE_TIME-ID), the latest."""
+    runs = sorted((p for p in (run_dir / "wandb").glob("*run-*-*") if p.is_dir()), key=lambda p: p.name.split("-")[-2])
+    return runs[-1].name.rsplit("-", 1)[-1] if runs else None
+
+
 class MlflowSink:
     """MLflow: a run in the experiment MLFLOW_EXPERIMENT_NAME (or `finetune`) of the store MLFLOW_TRACKING_URI names
     (a server, sqlite:///PATH; unset, MLflow's default: sqlite:///mlflow.db in the working directory). Through
@@ -169,7 +176,7 @@ class MlflowSink:
     output = ""
     queued = True
 
-    def start(self, run_dir: Path, config: Any) -> None:
+    def start(self, run_dir: Path, config: Any, resume: bool = False) -> None:
         from mlflow import MlflowClient
         from mlflow.entities import Param
 
@@ -178,6 +185,10 @@ class MlflowSink:
         experiment = client.get_experiment_by_name(name)
         self.experiment = experiment.experiment_id if experiment else client.create_experiment(name)
         tags, group, self.parent = {"finetune.run_dir": str(run_dir)}, group_of(config), None
+        if resume and (earlier := self.run_of(run_dir)):  # after the run (finetune.evaluate): its own run goes on
+            self.run_id = earlier
+            client.update_run(earlier, "RUNNING")
+            return
         if group:
             self.parent = self.parent_run(group)
             tags |= {"mlflow.parentRunId": self.parent, "finetune.group": group}
@@ -186,10 +197,15 @@ class MlflowSink:
         for i in range(0, len(values), 100):  # MLflow takes at most 100 parameters per call
             client.log_batch(self.run_id, params=values[i : i + 100])
 
+    def run_of(self, run_dir: Path) -> str | None:
+        """The newest MLflow run of RUN_DIR (tag finetune.run_dir), or None."""
+        found = self.client.search_runs([self.experiment], f"tags.`finetune.run_dir` = '{_quoted(str(run_dir))}'", max_results=1,
+                                        order_by=["attributes.start_time DESC"])
+        return found[0].info.run_id if found else None
+
     def parent_run(self, group: str) -> str:
         """The group's parent run (tag finetune.sweep=GROUP), made by the first trial that finds none."""
-        quoted = group.replace("\\", "\\\\").replace("'", "\\'")
-        found = self.client.search_runs([self.experiment], f"tags.`finetune.sweep` = '{quoted}'", max_results=1)
+        found = self.client.search_runs([self.experiment], f"tags.`finetune.sweep` = '{_quoted(group)}'", max_results=1)
         if found:
             return found[0].info.run_id
         return self.client.create_run(self.experiment, run_name=group, tags={"finetune.sweep": group}).info.run_id
@@ -255,12 +271,13 @@ class TrackioSink(WandbApi):
 
     output = ""
 
-    def start(self, run_dir: Path, config: Any) -> None:
+    def start(self, run_dir: Path, config: Any, resume: bool = False) -> None:
         import trackio
 
         self.module, self.name = trackio, name_of(run_dir)
         self.run = trackio.init(project=os.environ.get("TRACKIO_PROJECT") or PROJECT, name=self.name, group=group_of(config),
-                                config=params(run_dir, config), embed=False, auto_log_cpu=False, auto_log_gpu=False)
+                                config=params(run_dir, config), embed=False, auto_log_cpu=False, auto_log_gpu=False,
+                                resume="allow" if resume else "never")  # resume: the run of this name goes on
 
     def end(self, files: list[Path], failed: bool) -> None:
         self.keep(files, f"results-{self.name.replace('/', '-')}")
@@ -297,6 +314,11 @@ def problems(loggers: list[str], environ: dict[str, str] | None = None) -> list[
         if name in TRACKERS and (why := TRACKERS[name].problem(environ)) is not None:
             out.append(f"train.loggers has {name}, but {why}; or take {name} out of train.loggers")
     return out
+
+
+def _quoted(text: str) -> str:
+    """`text` inside single quotes of an MLflow search filter."""
+    return text.replace("\\", "\\\\").replace("'", "\\'")
 
 
 def _ask(url: str, headers: dict[str, str], data: bytes | None = None) -> int | str:

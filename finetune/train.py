@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from finetune import (checkpoint, compiling, config, dist, engine, evaluate, flops, liger, logs, loop, methods, model, objectives,
+from finetune import (checkpoint, compiling, config, dist, engine, flops, heldout, liger, logs, loop, methods, model, objectives,
                       reference, rules, rundir, startup, steps, varlen)
 from finetune.config import Config, ConfigError, Kernels, Logits, MemoryReport, MethodConfig, PeftConfig, PeftMethod, Precision, Strategy, uses_deepspeed
 from finetune.data import stream
@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         phase("start")
         d = dist.init(cfg.train.device, deepspeed=uses_deepspeed(cfg))
         run(cfg, d)
+        if cfg.train.eval_tasks and d.is_main:  # after run(): its model is freed; final/ is loaded whole on this rank
+            phase("benchmarks")
+            benchmark(run_dir, cfg, d)
     except loop.Stopped as e:  # stopped cleanly: its own message and exit code
         code = e.code
         status.report(str(e), show=d is None or d.is_main, prefix="")
@@ -92,6 +95,16 @@ def main(argv: list[str] | None = None) -> int:
             dist.shutdown()
     status.write("done" if code == 0 else f"exited {code}")
     return code
+
+
+def benchmark(run_dir: Path, cfg: Config, d: dist.Dist) -> None:
+    """train.eval_tasks: lm-eval on final/, as `python -m finetune.evaluate RUN_DIR tasks=...` runs it."""
+    from finetune import evaluate
+    from finetune.finished import locate
+
+    run = locate(str(run_dir), need_run=True)
+    metrics = evaluate.run_benchmarks(run, cfg.train.eval_tasks, batch_size=cfg.train.eval_batch_size, device=str(d.device))
+    print(evaluate.said(run_dir, metrics), flush=True)
 
 
 def unexpected(e: BaseException, status: "RankStatus", run_dir: Path) -> str:
@@ -292,7 +305,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
             eng.export(final, tokenizer)
         if d.is_main and cfg.parallelism.pp > 1 and cfg.train.exact_match_samples:  # stages cannot generate: rank 0 scores final/
             with startup.timed(ended, "exact match"):
-                result["after"]["exact_match"] = evaluate.exact_match_of_export(final, eval_examples, cfg.train, d.device)
+                result["after"]["exact_match"] = heldout.exact_match_of_export(final, eval_examples, cfg.train, d.device)
         if d.is_main:
             report(run_dir, final, result, {k: vars(s) for k, s in stats.items()}, log, model_class)
     del zero3  # alive until here: transformers consults it while loading, generating and saving

@@ -30,7 +30,7 @@ LAUNCHER_SIDE = (
     "finetune.planner.suggest", "finetune.planner.cli", "finetune.lengths", "finetune.disk", "finetune.structure",
     "finetune.families", "finetune.families.records", "finetune.families.arch", "finetune.families.checks",
     "finetune.methods", "finetune.optimizers",
-    "finetune.liger", "finetune.logs", "finetune.trackers", "finetune.data", "finetune.data.sources", "finetune.data.forms",
+    "finetune.liger", "finetune.logs", "finetune.trackers", "finetune.benchmarks", "finetune.data", "finetune.data.sources", "finetune.data.forms",
     "finetune.data.tokenize", "finetune.data.examples", "finetune.data.pack", "finetune.data.batches", "finetune.data.templates",
     "finetune.data.tools", "finetune.steps", "finetune.config.data",
 )

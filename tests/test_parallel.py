@@ -240,7 +240,7 @@ def test_pipeline_scores_exact_match_on_the_exported_model(tmp_path):
     from dataclasses import replace
 
     from finetune import config
-    from finetune.evaluate import exact_match_of_export
+    from finetune.heldout import exact_match_of_export
 
     run = tmp_path / "run"
     out = run_cli("+recipe=quickstart_sft", "parallelism=pp2", "train.max_steps=2", "optim.warmup_steps=0", "train.micro_batch_size=8",

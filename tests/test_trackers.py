@@ -129,7 +129,7 @@ def test_one_run_logs_the_same_numbers_to_every_tracker(offline):
     assert SQLiteStorage.get_run_config("finetune", name)["optim.lr"] == 0.002
 
     # the samples are the model's own: the final ones are what final/ generates greedily from those prompts
-    from finetune.evaluate import generate
+    from finetune.heldout import generate
 
     _, model, tok, evals = reload_and_evaluate(run_dir / "final", run_dir)
     import torch
@@ -158,7 +158,7 @@ class Broken:
 
     output, queued, rows = "", False, 0
 
-    def start(self, run_dir, config):
+    def start(self, run_dir, config, resume=False):
         pass
 
     def write(self, kind, step, metrics):
@@ -220,7 +220,7 @@ def test_rows_that_waited_go_out_together_in_order(tmp_path, monkeypatch):
     class Batching(Broken):
         queued = True
 
-        def start(self, run_dir, config):
+        def start(self, run_dir, config, resume=False):
             release.wait(30)  # a slow start: the rows wait in the queue
 
         def write_rows(self, rows):
@@ -378,3 +378,39 @@ def test_samples_need_an_eval_set_and_a_rank_that_generates(compose, overrides, 
     with pytest.raises(ConfigError) as e:
         compose(["+recipe=quickstart_sft", *overrides])
     assert str(e.value) == error
+
+
+def test_benchmarks_after_the_run_go_to_its_own_tracker_runs(offline):
+    """finetune.evaluate after training (logs.MetricsLog(resume=True)): W&B resumes the run's id, MLflow logs into the
+    run of that run directory, trackio into the run of that name; none starts another run."""
+    from finetune import evaluate, finished
+
+    run_dir = offline / "run"
+    train_here([*TINY, "train.loggers=[jsonl,wandb,mlflow,trackio]"], run_dir)
+    first_id = trackers.wandb_run_id(run_dir)
+    results = {"results": {"quickstart_choice": {"alias": "quickstart_choice", "acc,none": 0.75, "acc_stderr,none": 0.1}},
+               "higher_is_better": {"quickstart_choice": {"acc": True}}}
+    assert evaluate.record(finished.locate(str(run_dir)), results, 0.5) == {"quickstart_choice/acc": 0.75}
+    assert read_metrics(run_dir)[-1] == {"kind": "benchmark", "step": 4, "quickstart_choice/acc": 0.75}
+
+    runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert {r.name.rsplit("-", 1)[-1] for r in runs} == {first_id}  # W&B: the same run id (`wandb sync` appends)
+    out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(runs[-1])], capture_output=True, text=True, timeout=120)
+    history = wandb_history([json.loads(line) for line in out.stdout.splitlines() if line.strip()])
+    assert history["benchmark/quickstart_choice/acc"] == [(4, 0.75)]
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient()
+    (found,) = client.search_runs([client.get_experiment_by_name("finetune").experiment_id])
+    assert found.info.status == "FINISHED"
+    assert [(m.step, m.value) for m in client.get_metric_history(found.info.run_id, "benchmark/quickstart_choice/acc")] == [(4, 0.75)]
+    assert len(client.get_metric_history(found.info.run_id, "train/loss")) == 4
+
+    from trackio import SQLiteStorage
+
+    name = trackers.name_of(run_dir)  # trackio reads TRACKIO_DIR once: earlier tests' runs may share its database
+    assert SQLiteStorage.get_runs("finetune").count(name) == 1
+    logged = SQLiteStorage.get_logs("finetune", name)
+    assert [(r["step"], r["benchmark/quickstart_choice/acc"]) for r in logged if "benchmark/quickstart_choice/acc" in r] == [(4, 0.75)]
+    assert len([r for r in logged if "train/loss" in r]) == 4

@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from finetune.config.fields import POSITIVE, TEXT, at_least, checked, spelling
+from finetune.config.fields import NAMES, POSITIVE, TEXT, at_least, checked, spelling
 from finetune.config.schema import (
     LOGGERS, MEMORY_REPORT_BOOLS, MEMORY_REPORTS, CheckpointingConfig, DataConfig, Device, HardwareConfig, LauncherConfig,
     LauncherName, LogitsConfig, MemoryReport, MethodConfig, ModelConfig, NonFinite, OptimConfig, ParallelismConfig, PeftConfig,
@@ -47,6 +47,10 @@ class TrainConfig:
     sample_prompts: int = checked(at_least(0), 0)
     """Generate for the first N eval prompts at each evaluation and log prompt, reference and output (metrics.jsonl rows
     of kind `sample`, a table in each tracker, text in TensorBoard); 0: off."""
+    eval_tasks: list[str] = checked(NAMES, factory=list)
+    """lm-evaluation-harness tasks run on final/ after training (rank 0; as `python -m finetune.evaluate RUN_DIR tasks=...`
+    does): RUN_DIR/eval/results.json, summary.json's `benchmarks`, a `benchmark` row to the loggers. Shipped, offline:
+    quickstart_exact, quickstart_choice; any lm-eval task name (`pip install -e ".[eval]"`). []: none."""
     log_every: int = checked(at_least(1), 10)
     """Print a metrics line every N steps when there is no progress bar."""
     progress_bar: bool = True

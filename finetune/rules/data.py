@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from finetune.config import Config, ConfigError, DataFormat, Reference, Template
 from finetune import methods
+from finetune.benchmarks import method_problem
 from finetune.data.forms import ROW_KEYS
 from finetune.data.sources import all_sources, sources
 
@@ -97,7 +98,8 @@ def validate_method(cfg: Config) -> None:
 
 
 def validate_eval(cfg: Config) -> None:
-    """train.exact_match_samples and train.sample_prompts need an eval set; the samples need ranks that can generate."""
+    """train.exact_match_samples and train.sample_prompts need an eval set; the samples need ranks that can generate;
+    train.eval_tasks needs a causal LM (finetune.launch checks lm-eval and the task names: finetune.benchmarks.check)."""
     t = cfg.train
     for key, value in (("exact_match_samples", t.exact_match_samples), ("sample_prompts", t.sample_prompts)):
         if value and cfg.data.eval is None and cfg.data.eval_size == 0:
@@ -105,3 +107,5 @@ def validate_eval(cfg: Config) -> None:
     if t.sample_prompts and cfg.parallelism.pp > 1:
         raise ConfigError(f"train.sample_prompts={t.sample_prompts} with parallelism.pp={cfg.parallelism.pp}: pipeline stages cannot "
                           "generate while training (exact match is measured on final/ after it); set train.sample_prompts=0")
+    if t.eval_tasks and (why := method_problem(cfg.method.name, f"train.eval_tasks=[{','.join(t.eval_tasks)}]")):
+        raise ConfigError(f"{why}; set train.eval_tasks=[]")
