@@ -332,7 +332,7 @@ def test_readme_mlflow_command_and_a_sweep_grouped(offline, monkeypatch):
     fewer steps; then a 2-trial sweep: both trials nested under one MLflow parent run and in one W&B group."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")  # README: export MLFLOW_TRACKING_URI=sqlite:///mlflow.db
     short = ["train.max_steps=4", "optim.warmup_steps=1", "train.eval_every=2", "train.exact_match_samples=0", "data.eval_size=16"]
-    out = run_cli(*readme_command("train.loggers=[jsonl,mlflow]"), *short, f"hydra.run.dir={offline / 'run'}", cwd=offline)
+    out = run_cli(*readme_command("train.loggers=[mlflow]"), *short, f"hydra.run.dir={offline / 'run'}", cwd=offline)
     assert out.returncode == 0, out.stderr[-3000:]
     from mlflow import MlflowClient
 

@@ -56,10 +56,10 @@ class TrainConfig:
     progress_bar: bool = True
     """A tqdm progress bar on the main rank (else a metrics line every log_every steps)."""
     loggers: list[str] = checked(LOGGERS, factory=lambda: ["jsonl", "tensorboard"],
-                                 hint="jsonl writes RUN_DIR/metrics.jsonl, which the summary and the loss plot read; "
-                                      "e.g. train.loggers=[jsonl,tensorboard]")
-    """Where the metrics go (finetune/logs.py SINKS): jsonl (RUN_DIR/metrics.jsonl, always: the summary, the loss plot and
-    the sweep summary read it), tensorboard (RUN_DIR/tensorboard), and the trackers wandb, mlflow, trackio
+                                 hint="e.g. train.loggers=[jsonl,tensorboard,mlflow]")
+    """Where the metrics go (finetune/logs.py SINKS): jsonl (RUN_DIR/metrics.jsonl, always, named or not: the summary, the
+    loss plot and the sweep summary read it; train.loggers=[mlflow] resolves to [jsonl,mlflow]), tensorboard
+    (RUN_DIR/tensorboard), and the trackers wandb, mlflow, trackio
     (finetune/trackers.py; `pip install -e ".[track]"`, each configured by its own environment variables)."""
     group: str | None = checked(TEXT, None)
     """The trackers' group for this run (W&B group, MLflow parent run, trackio group); null: none, except that a
@@ -109,6 +109,8 @@ class TrainConfig:
         if self.tensorboard is not None:  # train.tensorboard=true/false, as before train.loggers
             others = [name for name in self.loggers if name != "tensorboard"]
             self.loggers = [*others, "tensorboard"] if self.tensorboard else others
+        if "jsonl" not in self.loggers:  # metrics.jsonl is always written (the summary, the plot, the sweep read it)
+            self.loggers = ["jsonl", *self.loggers]
 
 
 @dataclass

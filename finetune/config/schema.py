@@ -113,9 +113,9 @@ OPTIMIZER = Accepts(optimizers.WORDS, lambda v: optimizers.known(v), ("lion", "t
 """optim.name: a record of finetune/optimizers/, or a torch.optim class by its dotted name."""
 
 
-LOGGERS = Accepts(f"a list of known loggers ({', '.join(logs.SINKS)}), {logs.REQUIRED} among them",
-                  lambda v: all(x in logs.SINKS for x in v) and logs.REQUIRED in v, ("[wandb]", "[tensorboard]"))
-"""train.loggers: names of finetune/logs.py's SINKS; jsonl always (metrics.jsonl feeds the summary and the plot)."""
+LOGGERS = Accepts(f"a list of known loggers ({', '.join(logs.SINKS)})", lambda v: all(x in logs.SINKS for x in v), ("[comet]",))
+"""train.loggers: names of finetune/logs.py's SINKS; jsonl is added when not named (TrainConfig: metrics.jsonl feeds the
+summary and the plot)."""
 
 
 class Scheduler(str, Enum, metaclass=Spelled):
