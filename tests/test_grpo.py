@@ -182,3 +182,33 @@ def test_a_text_row_has_no_prompt_to_answer(tmp_path):
     assert out.returncode == 2
     assert last_line(out.stderr) == ("error: method=grpo samples a response to each row's prompt, and data.format=text rows have none: "
                                      "use alpaca, chat, sharegpt or completion rows")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["parallelism=fsdp"], ["zero=stage3", "peft=lora", "method.beta=0.04", "method.reference=adapter_disabled"]],
+                         ids=["fsdp", "zero3-lora-adapter_disabled"])
+def test_sharded_layouts_generate_in_lockstep_and_train(layout, tmp_path):
+    """FSDP2 and ZeRO-3 gather parameters collectively: generation runs synced across ranks (synced_gpus) and the step trains."""
+    out = run_cli("+recipe=quickstart_sft", "method=grpo", "method.rewards=[length]", "method.generations=4", "method.completion_tokens=12",
+                  "train.max_steps=3", "optim.warmup_steps=1", "train.micro_batch_size=2", "train.global_batch_size=4",
+                  "train.exact_match_samples=4", "train.progress_bar=false", *layout, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    train = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "train"]
+    assert [m["step"] for m in train] == [1, 2, 3] and all(1 <= m["completion_tokens"] <= 12 for m in train)
+    assert all(m["reward"] == pytest.approx(m["rewards/length"]) for m in train)
+    assert any(m["grad_norm"] > 0 for m in train) and "exact_match" in [m for m in read_metrics(tmp_path / "run") if m["kind"] == "eval"][-1]
+
+
+@pytest.mark.slow
+def test_resume_samples_the_same_completions_and_continues_the_trajectory(tmp_path):
+    common = ["+recipe=quickstart_sft", "method=grpo", "method.rewards=[length]", "method.generations=4", "method.completion_tokens=12",
+              "parallelism=single", "launcher.nproc_per_node=1", "train.max_steps=4", "optim.warmup_steps=1", "train.micro_batch_size=2",
+              "train.global_batch_size=2", "train.exact_match_samples=0", "train.eval_every=0", "train.progress_bar=false", "train.save_every=2"]
+    full = run_cli(*common, f"hydra.run.dir={tmp_path / 'full'}", cwd=tmp_path)
+    assert full.returncode == 0, full.stderr[-3000:]
+    resumed = run_cli(*common, f"train.resume={tmp_path / 'full/checkpoints/step_2'}", f"hydra.run.dir={tmp_path / 'resumed'}", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    keys = ("loss", "grad_norm", "reward", "completion_tokens")
+    rows = {name: [{k: m[k] for k in keys} for m in read_metrics(tmp_path / name) if m["kind"] == "train"] for name in ("full", "resumed")}
+    assert len(rows["resumed"]) == 2 and rows["resumed"] == rows["full"][2:]  # the same completions, rewards and update
+    assert any(r["grad_norm"] > 0 for r in rows["full"][2:])
