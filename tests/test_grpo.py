@@ -146,9 +146,12 @@ def test_rules(compose):
 def test_the_planner_counts_every_completion_as_a_row(compose):
     from finetune.planner.peak import plan
 
-    sft = plan(compose(["train.micro_batch_size=8", "train.global_batch_size=16", "data.padding_free=false"]))
-    grpo = plan(compose(["method=grpo", "method.generations=4", "train.micro_batch_size=2", "train.global_batch_size=4"]))
+    sft = plan(compose(["train.micro_batch_size=8", "train.global_batch_size=16", "data.padding_free=false", "data.max_length=80"]))
+    grpo = plan(compose(["method=grpo", "method.generations=4", "method.completion_tokens=16", "train.micro_batch_size=2",
+                         "train.global_batch_size=4"]))  # rows of data.max_length 64 + 16 sampled tokens
     assert grpo.activations == pytest.approx(sft.activations, rel=0.01)  # 2 prompts x 4 completions = 8 rows
+    kv = 8 * 80 * 2 * 2 * 64 * 4  # rows x tokens x layers x (K, V) x kv_dim x fp32
+    assert f"the KV cache while sampling {kv / 2**20:.1f} MiB, below the step's activations" in " ".join(grpo.notes)
 
 
 @pytest.mark.slow

@@ -114,8 +114,25 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
     s.weights += reference_weights(arch, cfg, notes)
     seq, said = batch_width(cfg, longest)
     notes.append(said)
+    if methods.get(cfg.method.name).online:  # GRPO's rows: a prompt and a sampled completion (bounded by the row + a whole one)
+        seq += cfg.method.completion_tokens
+        notes.append(f"grpo rows: counted at {seq} tokens, that width + method.completion_tokens={cfg.method.completion_tokens} "
+                     "(an upper bound of prompt + completion)")
     acts, backward = activations_through_backward(arch, cfg, counts, s, seq, longest, on_gpu, notes)
+    if methods.get(cfg.method.name).online:
+        notes.append(rollout_note(arch, cfg, seq, acts))
     return total(cfg, counts, s, acts, backward, step_temp(arch, cfg, counts, s, on_gpu), seq, on_gpu, notes)
+
+
+def rollout_note(arch: Arch, cfg: Config, seq: int, acts: Activations) -> str:
+    """GRPO's sampling before each step: the KV cache of micro_batch_size x generations rows at `seq` tokens (prompt +
+    completion), held while generating, freed before the step's forward (so not at the same time as its activations)."""
+    rows = cfg.train.micro_batch_size * cfg.method.generations
+    kv = rows * seq * arch.num_hidden_layers * 2 * arch.kv_dim / cfg.parallelism.tp * dtypes(cfg).compute
+    where = "below the step's activations, so not the peak" if kv <= acts.stored else \
+        f"ABOVE the step's stored activations ({acts.stored / 2**20:.1f} MiB): the peak is then while sampling, not counted here"
+    return (f"grpo rollout: {rows} completions per micro-batch ({cfg.train.micro_batch_size} prompts x {cfg.method.generations}), "
+            f"each a row with gradients; the KV cache while sampling {kv / 2**20:.1f} MiB, {where}")
 
 
 def model_notes(arch: Arch, cfg: Config) -> list[str]:
