@@ -133,6 +133,9 @@ def test_rules(compose):
          "generate the completions (no rank holds the whole model); use fsdp, zero or tp"),
         (["logits=chunked"], "logits=chunked with method=grpo is not supported: the GRPO loss needs each token's log-prob, which the "
                              "chunked head reduces per row; use logits=full"),
+        (["method.updates_per_rollout=2", "train.save_every=3"], "train.save_every=3 is not a multiple of "
+         "method.updates_per_rollout=2: a checkpoint must fall between rollouts (the sampled completions are not saved); use "
+         "train.save_every=2"),
         (["method.rewards=[nope]"], "method.rewards: nope is not a reward: use exact_match, format, length, a function as "
                                     "package.module:function, or reward:PATH (a reward model trained with method=reward)"),
     ]:
@@ -203,8 +206,12 @@ def test_sharded_layouts_generate_in_lockstep_and_train(layout, tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_samples_the_same_completions_and_continues_the_trajectory(tmp_path):
+@pytest.mark.parametrize("mu", [1, 2])
+def test_resume_samples_the_same_completions_and_continues_the_trajectory(mu, tmp_path):
+    """mu = method.updates_per_rollout: with 2, steps 1-2 train on step 1's completions (the second against the log-probs
+    they were sampled with: a ratio other than 1), steps 3-4 on step 3's; the checkpoint of step 2 falls between."""
     common = ["+recipe=quickstart_sft", "method=grpo", "method.rewards=[length]", "method.generations=4", "method.completion_tokens=12",
+              f"method.updates_per_rollout={mu}",
               "parallelism=single", "launcher.nproc_per_node=1", "train.max_steps=4", "optim.warmup_steps=1", "train.micro_batch_size=2",
               "train.global_batch_size=2", "train.exact_match_samples=0", "train.eval_every=0", "train.progress_bar=false", "train.save_every=2"]
     full = run_cli(*common, f"hydra.run.dir={tmp_path / 'full'}", cwd=tmp_path)
@@ -215,3 +222,27 @@ def test_resume_samples_the_same_completions_and_continues_the_trajectory(tmp_pa
     rows = {name: [{k: m[k] for k in keys} for m in read_metrics(tmp_path / name) if m["kind"] == "train"] for name in ("full", "resumed")}
     assert len(rows["resumed"]) == 2 and rows["resumed"] == rows["full"][2:]  # the same completions, rewards and update
     assert any(r["grad_norm"] > 0 for r in rows["full"][2:])
+    if mu == 2:
+        full = [m for m in read_metrics(tmp_path / "full") if m["kind"] == "train"]
+        assert [m["generation_s"] > 0 for m in full] == [True, False, True, False]  # sampled at steps 1 and 3 only
+        assert full[1]["reward"] == full[0]["reward"] and full[3]["completion_tokens"] == full[2]["completion_tokens"]
+
+
+def test_several_updates_reuse_one_rollout_with_the_sampling_log_probs(tok):
+    from finetune.data.batches import collate
+    from finetune.data.tokenize import Example
+    from finetune.objectives import token_logps
+
+    net, _ = tiny_model()
+    engine, cfg = Engine(net), method(generations=2, completion_tokens=4, rewards=["length"], updates_per_rollout=2)
+    objective = GRPO(cfg)
+    prompts = collate([Example([1, 5, 20, 9], [IGNORE] * 3 + [9], 3, "x"), Example([1, 7, 9], [IGNORE] * 2 + [9], 2, "y")], tok.pad_token_id)
+    first, seconds = objective.rollout(engine, [prompts], step=1, tokenizer=tok, seed=0)
+    with torch.no_grad():
+        assert torch.equal(first[0]["old_logps"], token_logps(net.eval(), first[0]))  # the policy that sampled them
+    again, none = objective.rollout(engine, [prompts], step=2, tokenizer=tok, seed=0)
+    assert again is first and none == 0.0 and seconds > 0
+    third, _ = objective.rollout(engine, [prompts], step=3, tokenizer=tok, seed=0)
+    assert third is not first
+    with pytest.raises(RuntimeError, match="step 4 is inside a rollout of method.updates_per_rollout=2 steps"):
+        GRPO(cfg).rollout(engine, [prompts], step=4, tokenizer=tok, seed=0)  # a fresh objective (resumed) mid-rollout

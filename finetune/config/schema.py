@@ -262,6 +262,10 @@ class MethodConfig:
     """grpo: nucleus sampling's probability mass (1: the whole distribution)."""
     epsilon: float = checked(in_range(0, 1, hi_open=True), 0.2)
     """grpo: the policy ratio's clip range [1 - epsilon, 1 + epsilon] (PPO's; DeepSeekMath's 0.2)."""
+    updates_per_rollout: int = checked(at_least(1), 1)
+    """grpo: optimizer steps on each rollout (mu; TRL's num_iterations): the completions sampled at step k train steps
+    k .. k + mu - 1 against the log-probs they were sampled with (the clipped ratio); those steps' own prompts are not
+    read. train.save_every must be a multiple of it (a checkpoint falls between rollouts)."""
     rewards: list[str] = checked(SOME_NAMES, factory=lambda: ["exact_match"])
     """grpo: the reward functions, summed with `reward_weights`: built-in exact_match (1 when the completion equals the
     row's response, stripped), format (1 when the completion matches `format_pattern`), length (minus the completion's

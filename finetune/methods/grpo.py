@@ -41,8 +41,8 @@ from finetune.methods.sft import METHOD as SFT_METHOD
 if TYPE_CHECKING:
     import torch
 
-KEYS = ("name", "beta", "reference", "generations", "completion_tokens", "temperature", "top_p", "epsilon", "rewards",
-        "reward_weights", "format_pattern")
+KEYS = ("name", "beta", "reference", "generations", "completion_tokens", "temperature", "top_p", "epsilon", "updates_per_rollout",
+        "rewards", "reward_weights", "format_pattern")
 
 
 class Grpo:
@@ -93,6 +93,10 @@ class Grpo:
         if cfg.parallelism.pp > 1:
             raise ConfigError(f"method=grpo with parallelism.pp={cfg.parallelism.pp} is not supported: pipeline stages cannot "
                               "generate the completions (no rank holds the whole model); use fsdp, zero or tp")
+        mu = m.updates_per_rollout
+        if mu > 1 and cfg.train.save_every % mu:
+            raise ConfigError(f"train.save_every={cfg.train.save_every} is not a multiple of method.updates_per_rollout={mu}: a checkpoint "
+                              f"must fall between rollouts (the sampled completions are not saved); use train.save_every={mu * max(1, cfg.train.save_every // mu)}")
         if cfg.logits.name == Logits.chunked:
             raise ConfigError("logits=chunked with method=grpo is not supported: the GRPO loss needs each token's log-prob, which "
                               "the chunked head reduces per row; use logits=full")
@@ -111,6 +115,8 @@ class GRPO:
     def __init__(self, cfg: MethodConfig, reference: Any = None, router: Any = None) -> None:
         self.cfg, self.reference, self.router = cfg, reference, router
         self.rewards: list[Any] | None = None  # resolved (reward models loaded) at the first rollout
+        self.rollout_every = cfg.updates_per_rollout  # the loop stops on a signal only after a rollout's last update
+        self.buffer: list[dict[str, torch.Tensor]] = []  # the rollout the next updates train on
         names = [f"rewards/{name}" for name in cfg.rewards]
         self.metrics = ("reward", "reward_std", *names, "kl", "completion_tokens") + ((router.metric,) if router else ())
         self.eval_metrics = (router.metric,) if router else ()  # evaluation scores the rows' own responses: no rollout
@@ -136,7 +142,8 @@ class GRPO:
             if self.cfg.beta_value > 0:
                 with torch.no_grad():
                     reference = self.reference(model, batch, per_token=True).float()
-            loss, kl = grpo_loss(logps, batch["advantages"].float(), mask, self.cfg.epsilon, self.cfg.beta_value, reference)
+            loss, kl = grpo_loss(logps, batch["advantages"].float(), mask, self.cfg.epsilon, self.cfg.beta_value, reference,
+                                 batch.get("old_logps"))
             sums = {k[len("sum_"):]: v.sum() for k, v in batch.items() if k.startswith("sum_")}
             out = (loss, {**sums, "kl": kl, "completion_tokens": mask.sum()})
         if self.router is not None:
@@ -152,16 +159,29 @@ class GRPO:
     def rollout(self, engine: Any, micro_batches: list[dict[str, torch.Tensor]], *, step: int, tokenizer: Any,
                 seed: int) -> tuple[list[dict[str, torch.Tensor]], float]:
         """Each micro-batch of prompts -> a batch of its G completions per prompt, with their advantages and rewards
-        (columns `sum_<metric>`, summed by the loss into its metrics); and the seconds generation took."""
+        (columns `sum_<metric>`, summed by the loss into its metrics); and the seconds generation took. With
+        method.updates_per_rollout=mu > 1 the first step of every mu samples (and keeps each token's log-prob under the
+        policy that sampled it, `old_logps`); the next mu - 1 steps train on the same completions, their prompts unread."""
         from finetune import rewards
+        from finetune.objectives import token_logps
 
+        mu = self.cfg.updates_per_rollout
+        if (step - 1) % mu and self.buffer:
+            return self.buffer, 0.0
+        if (step - 1) % mu:
+            raise RuntimeError(f"step {step} is inside a rollout of method.updates_per_rollout={mu} steps, whose completions are gone "
+                               "(a checkpoint falls between rollouts: train.save_every is a multiple of it)")
         if self.rewards is None:
             self.rewards = rewards.resolve(self.cfg, load_models=True)
         tic, out = time.perf_counter(), []
         for k, mb in enumerate(micro_batches):
             prompts, answers = split_rows(mb)
             completions = sample(engine, prompts, self.cfg, tokenizer, seed=(seed, step, engine.dp_rank, k))
-            out.append(self.scored(prompts, answers, completions, tokenizer))
+            batch = self.scored(prompts, answers, completions, tokenizer)
+            if mu > 1:  # the sampling policy's log-probs, for the ratio of the later updates (eval mode: no dropout)
+                batch["old_logps"] = engine.inference(token_logps, batch).detach().float().cpu()
+            out.append(batch)
+        self.buffer = out if mu > 1 else []
         return out, time.perf_counter() - tic
 
     def scored(self, prompts: list[list[int]], answers: list[list[int]], completions: list[list[int]], tokenizer: Any) -> dict[str, torch.Tensor]:
