@@ -191,8 +191,9 @@ def test_a_text_row_has_no_prompt_to_answer(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["parallelism=fsdp"], ["zero=stage3", "peft=lora", "method.beta=0.04", "method.reference=adapter_disabled"]],
-                         ids=["fsdp", "zero3-lora-adapter_disabled"])
+@pytest.mark.parametrize("layout", [["parallelism=fsdp"], ["zero=stage3", "peft=lora", "method.beta=0.04", "method.reference=adapter_disabled"],
+                                    ["zero=stage2", "peft=qlora", "method.beta=0.04", "method.reference=adapter_disabled"]],
+                         ids=["fsdp", "zero3-lora-adapter_disabled", "zero2-qlora-adapter_disabled"])
 def test_sharded_layouts_generate_in_lockstep_and_train(layout, tmp_path):
     """FSDP2 and ZeRO-3 gather parameters collectively: generation runs synced across ranks (synced_gpus) and the step trains."""
     out = run_cli("+recipe=quickstart_sft", "method=grpo", "method.rewards=[length]", "method.generations=4", "method.completion_tokens=12",
