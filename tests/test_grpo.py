@@ -247,3 +247,18 @@ def test_several_updates_reuse_one_rollout_with_the_sampling_log_probs(tok):
     assert third is not first
     with pytest.raises(RuntimeError, match="step 4 is inside a rollout of method.updates_per_rollout=2 steps"):
         GRPO(cfg).rollout(engine, [prompts], step=4, tokenizer=tok, seed=0)  # a fresh objective (resumed) mid-rollout
+
+
+def test_the_rollout_benchmark_prints_both_rates_and_their_ratio():
+    import re
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    out = subprocess.run([sys.executable, str(REPO / "scripts/benchmark_rollout.py"), "--prompts", "2", "--generations", "2",
+                          "--new-tokens", "4", "--hidden", "32", "--layers", "1", "--repeats", "1"], capture_output=True, text=True,
+                         timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines()[-2] == "| rows | new tokens | model.generate | grpo rollout | rollout / generate |"
+    assert re.fullmatch(r"\| 2 x 2 \| 4 \| [\d,]+ tokens/s \| [\d,]+ tokens/s \| [\d.]+x \|", out.stdout.splitlines()[-1])
