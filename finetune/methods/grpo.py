@@ -18,8 +18,9 @@ The loss is the negated clipped surrogate with a per-token KL penalty (eq. 3):
 
 with eps = `method.epsilon` and beta = `method.beta` (default 0: no KL and no reference model, as TRL now does;
 with beta > 0 the reference is method.reference=live, a frozen copy of the initial model, or adapter_disabled
-under peft). One optimizer step per rollout batch, so pi_old is the policy itself (rho = 1 in value; its gradient is
-A_i grad log pi): the clip acts only when several updates reuse a rollout, which this version does not do.
+under peft). With one optimizer step per rollout (method.updates_per_rollout=1) pi_old is the policy itself (rho = 1 in
+value; its gradient is A_i grad log pi); with mu > 1 the rollout's completions train mu steps against the log-probs they
+were sampled with (`old_logps`, kept by `rollout`), and the clip acts from the second.
 
 The loss averages each completion's tokens, then sums over completions; the loop divides by the completions of the
 global batch (so every prompt's group weighs the same). Generation runs through the engine (`generation_model`,
