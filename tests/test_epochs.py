@@ -119,7 +119,8 @@ def test_warmup_is_checked_against_the_counted_steps_and_the_ranks_check_the_cou
                             "count), or set train.max_steps")
 
 
-def test_the_dry_run_prints_the_steps_and_a_sweep_counts_each_trial(tmp_path):
+def test_the_dry_run_prints_the_steps_and_a_sweep_counts_each_trial(tmp_path, monkeypatch):
+    monkeypatch.setenv("FINETUNE_CACHE_DIR", str(tmp_path / "tokens"))  # an empty token cache: the launcher counts by tokenizing
     out = run_cli("-m", "+recipe=quickstart_sft", "train.max_steps=null", "train.epochs=1,0.5", "launcher.dry_run=true",
                   f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
