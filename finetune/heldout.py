@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from finetune.config import TrainConfig
-from finetune.data.batches import collate, eval_batches, for_generation, shard
+from finetune.data.batches import collate, eval_batches, for_generation, left_padded, shard
 from finetune.data.tokenize import Example
 from finetune.dist import Dist
 from finetune.engine.base import Engine
@@ -104,13 +104,8 @@ def generate(model: Any, tokenizer: Any, examples: list[Example], *, batch_size:
     model.eval()
     texts: list[str] = []
     for i in range(0, len(examples), batch_size):
-        chunk = examples[i : i + batch_size]
-        width = max(e.prompt_len for e in chunk)
-        ids = torch.full((len(chunk), width), tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, e in enumerate(chunk):  # left padding: every prompt ends where generation starts
-            ids[row, width - e.prompt_len :] = torch.tensor(e.input_ids[: e.prompt_len])
-            mask[row, width - e.prompt_len :] = 1
+        prompts = left_padded([e.input_ids[: e.prompt_len] for e in examples[i : i + batch_size]], tokenizer.pad_token_id)
+        ids, mask, width = prompts["input_ids"], prompts["attention_mask"], prompts["input_ids"].shape[1]
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                              synced_gpus=synced)

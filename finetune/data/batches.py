@@ -149,6 +149,19 @@ def for_generation(examples: list[Any]) -> list[Example]:
     return [e for e in targets if e is not None and e.prompt_len > 0]  # not text rows
 
 
+def left_padded(prompts: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Prompts padded on the left, with their attention mask: every row ends where generation starts."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
 def eval_batches(examples: list[Any], batch_size: int, pad_id: int) -> Iterator[dict[str, torch.Tensor]]:
     for i in range(0, len(examples), batch_size):
         yield collate(examples[i : i + batch_size], pad_id)
