@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.config import Config, PeftMethod, load as load_config
-from finetune.methods.base import CAUSAL_LM, SCORED
+from finetune.methods.base import CAUSAL_LM, SCORED, saved_class
 from finetune.rundir import FINAL
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -59,8 +59,7 @@ class Finished:
         if self.adapter is not None:
             return SCORED if self.adapter.get("task_type") == "SEQ_CLS" else CAUSAL_LM
         file = Path(self.model) / "config.json"
-        architectures = json.loads(file.read_text()).get("architectures") or [] if file.is_file() else []
-        return SCORED if any(a.endswith("ForSequenceClassification") for a in architectures) else CAUSAL_LM
+        return saved_class(json.loads(file.read_text())) if file.is_file() else CAUSAL_LM
 
     def generative(self, command: str) -> None:
         """Refuse a model that scores rather than generates (a reward model) for `command`."""

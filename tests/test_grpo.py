@@ -12,7 +12,7 @@ import torch
 from finetune.config import ConfigError, Method, MethodConfig
 from finetune.data.tokenize import IGNORE
 from finetune.methods.grpo import GRPO, group_advantages, grpo_loss, sample, split_rows
-from finetune import rewards
+from finetune.methods import rewards
 
 from conftest import last_line, read_metrics, run_cli, tiny_model
 
@@ -262,3 +262,27 @@ def test_the_rollout_benchmark_prints_both_rates_and_their_ratio():
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines()[-2] == "| rows | new tokens | model.generate | grpo rollout | rollout / generate |"
     assert re.fullmatch(r"\| 2 x 2 \| 4 \| [\d,]+ tokens/s \| [\d,]+ tokens/s \| [\d.]+x \|", out.stdout.splitlines()[-1])
+
+
+def test_a_reward_model_scores_prompt_and_completion_and_a_causal_lm_is_refused(tmp_path):
+    """reward:PATH: a sequence classifier (method=reward's final/) scores each prompt + completion as it would alone."""
+    from transformers import AutoModelForSequenceClassification, LlamaForSequenceClassification
+
+    net, tok = tiny_model()
+    net.save_pretrained(tmp_path / "causal")
+    tok.save_pretrained(tmp_path / "causal")
+    with pytest.raises(ConfigError) as e:
+        rewards.resolve(method(rewards=[f"reward:{tmp_path / 'causal'}"]))
+    assert str(e.value) == (f"method.rewards: reward:{tmp_path / 'causal'}: {tmp_path / 'causal'} is not a sequence classifier: train "
+                            "one with method=reward (a merged adapter works too)")
+    torch.manual_seed(0)
+    scorer = LlamaForSequenceClassification(net.config.__class__(**{**net.config.to_dict(), "num_labels": 1,
+                                                                       "pad_token_id": tok.pad_token_id}))
+    scorer.save_pretrained(tmp_path / "scorer")
+    tok.save_pretrained(tmp_path / "scorer")
+    (fn,) = [r.fn for r in rewards.resolve(method(rewards=[f"reward:{tmp_path / 'scorer'}"]), load_models=True)]
+    got = fn(prompts=["ab", "x"], completions=["c", "yz"], answers=["", ""], completion_tokens=[1, 2])
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "scorer").eval()
+    with torch.no_grad():
+        alone = [loaded(**tok(text, return_tensors="pt")).logits[0, 0].item() for text in ("abc", "xyz")]
+    assert got == pytest.approx(alone, abs=1e-5)

@@ -29,6 +29,12 @@ CAUSAL_LM, SCORED = "AutoModelForCausalLM", "AutoModelForSequenceClassification"
 """The `model_class` values: token logits (lm_head), or one score per row (a score head of hidden x 1)."""
 
 
+def saved_class(config_json: dict[str, Any]) -> str:
+    """The `model_class` a saved model loads as, from its config.json: a sequence classifier, or a causal LM."""
+    architectures = config_json.get("architectures") or []
+    return SCORED if any(a.endswith("ForSequenceClassification") for a in architectures) else CAUSAL_LM
+
+
 class Item(Protocol):
     """An example other than one plain row: its rows (a preference pair's two; a KTO row with its label) and the
     values it carries, as collate (finetune.data.batches) lays them out."""

@@ -4,7 +4,7 @@ Reasoning in Open Language Models", 2024 (arXiv:2402.03300), section 4.1; online
 Each step, for every prompt q of the batch (a row of any SFT form: its conversation without the last response) the
 current policy samples G = `method.generations` completions o_1..o_G (`method.temperature`, `method.top_p`, at most
 `method.completion_tokens` tokens, seeded by (train.seed, step, rank): a resumed run samples the same ones). The
-rewards (finetune.rewards: exact match against the row's own response, a format check, a length penalty, a user's
+rewards (finetune.methods.rewards: exact match against the row's own response, a format check, a length penalty, a user's
 function, a reward model) score each completion, r_i = sum_k w_k R_k(q, o_i), and its advantage is its reward's
 z-score within its group (eq. 3 of the paper's outcome supervision, the same for every token of o_i):
 
@@ -79,7 +79,7 @@ class Grpo:
         return cfg.reference if cfg.beta_value > 0 else None
 
     def validate(self, cfg: Config) -> None:
-        from finetune import rewards
+        from finetune.methods import rewards
 
         m = cfg.method
         unused(m, "method", KEYS, "with method=grpo (another method's key)")
@@ -163,7 +163,7 @@ class GRPO:
         (columns `sum_<metric>`, summed by the loss into its metrics); and the seconds generation took. With
         method.updates_per_rollout=mu > 1 the first step of every mu samples (and keeps each token's log-prob under the
         policy that sampled it, `old_logps`); the next mu - 1 steps train on the same completions, their prompts unread."""
-        from finetune import rewards
+        from finetune.methods import rewards
         from finetune.objectives import token_logps
 
         mu = self.cfg.updates_per_rollout
@@ -189,7 +189,7 @@ class GRPO:
         """The training batch of the completions (prompt + completion, labels on the completion) and their advantages."""
         import torch
 
-        from finetune import rewards
+        from finetune.methods import rewards
         from finetune.data.batches import collate
 
         g = self.cfg.generations
@@ -253,12 +253,10 @@ def sample(engine: Any, prompts: list[list[int]], cfg: MethodConfig, tokenizer: 
     the engine (eval mode, its precision; generation synced across ranks where parameters are gathered)."""
     import torch
 
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
-        ids[row, width - len(p) :] = torch.tensor(p)
-        mask[row, width - len(p) :] = 1
+    from finetune.data.batches import left_padded
+
+    batch = left_padded(prompts, tokenizer.pad_token_id)
+    width = batch["input_ids"].shape[1]
     model = engine.generation_model
     device = next(model.parameters()).device
     devices = [device] if device.type == "cuda" else []
@@ -272,7 +270,7 @@ def sample(engine: Any, prompts: list[list[int]], cfg: MethodConfig, tokenizer: 
                                   eos_token_id=tokenizer.eos_token_id, synced_gpus=engine.lockstep)
 
     with torch.no_grad():
-        out = engine.inference(generate, {"input_ids": ids, "attention_mask": mask})
+        out = engine.inference(generate, batch)
     completions = []
     for row in out[:, width:].tolist():
         cut = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from finetune.config import ConfigError, MethodConfig
+from finetune.methods.base import SCORED, saved_class
 
 RewardFn = Callable[..., list[float]]
 
@@ -108,7 +109,7 @@ def reward_model(where: str, key: str, load: bool) -> RewardFn:
         raise ConfigError(f"{key}: {final} holds no config.json: give a method=reward run directory or its final/")
     import json
 
-    if not any(a.endswith("ForSequenceClassification") for a in json.loads(config.read_text()).get("architectures") or []):
+    if saved_class(json.loads(config.read_text())) != SCORED:
         raise ConfigError(f"{key}: {final} is not a sequence classifier: train one with method=reward (a merged adapter works too)")
     if not load:
         return lambda **_: []
