@@ -120,6 +120,7 @@ def train(cfg: TrainConfig, *, engine: Engine, objective: Any, batches: TrainBat
     start = time.perf_counter()
     ahead = Ahead(batches, last=cfg.max_steps - 1)
     online = hasattr(objective, "rollout")
+    rollout_every = getattr(objective, "rollout_every", 1)  # GRPO reusing a rollout: a signal stops after its last update
     for step in range(first, cfg.max_steps + 1):
         micro_batches, waited = ahead.get(step - 1)
         generated = 0.0
@@ -186,8 +187,7 @@ def train(cfg: TrainConfig, *, engine: Engine, objective: Any, batches: TrainBat
                             + "".join(f"  {k} {metrics[k]:.3f}" for k in names))
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps:
             run_eval(step, final=False)
-        between = step % getattr(objective, "rollout_every", 1) == 0  # GRPO reusing a rollout: stop after its last update
-        if signalled and step < cfg.max_steps and between:  # SIGTERM/SIGINT on some rank: save here and stop cleanly
+        if signalled and step < cfg.max_steps and step % rollout_every == 0:  # SIGTERM/SIGINT on some rank: save here and stop cleanly
             signum = signal.Signals(STOP["signal"] or signal.SIGTERM)  # this rank's, or the one another rank got
             launcher_ended()  # the other rank's may have been its launcher's end
             where = save(step)
