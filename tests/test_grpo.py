@@ -3,8 +3,10 @@ EOS, labels on the completion only), the rules, and a 2-rank run through the rea
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,7 +68,7 @@ def test_builtin_and_user_rewards(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("kw,message", [
-    ({"rewards": ["nope"]}, "method.rewards: nope is not a reward: use exact_match, format, length, a function as "
+    ({"rewards": ["nope"]}, "method.rewards: nope is not a reward: use exact_match, similarity, format, length, a function as "
                             "package.module:function, or reward:PATH (a reward model trained with method=reward)"),
     ({"rewards": ["format"]}, "method.rewards: format needs method.format_pattern (the regular expression a well-formed completion "
                               "matches), e.g. method.format_pattern='<answer>.*</answer>'"),
@@ -136,7 +138,7 @@ def test_rules(compose):
         (["method.updates_per_rollout=2", "train.save_every=3"], "train.save_every=3 is not a multiple of "
          "method.updates_per_rollout=2: a checkpoint must fall between rollouts (the sampled completions are not saved); use "
          "train.save_every=2"),
-        (["method.rewards=[nope]"], "method.rewards: nope is not a reward: use exact_match, format, length, a function as "
+        (["method.rewards=[nope]"], "method.rewards: nope is not a reward: use exact_match, similarity, format, length, a function as "
                                     "package.module:function, or reward:PATH (a reward model trained with method=reward)"),
     ]:
         with pytest.raises(ConfigError) as e:
@@ -146,15 +148,45 @@ def test_rules(compose):
     assert cfg.method.beta_value == 0.04 and compose(base).method.beta_value == 0.0
 
 
-def test_the_planner_counts_every_completion_as_a_row(compose):
+def test_the_planner_counts_every_completion_as_a_row(compose, monkeypatch):
+    from finetune.planner.counts import architecture
     from finetune.planner.peak import plan
+
+    monkeypatch.syspath_prepend(str(STANDIN))  # method.vllm=true composes where vLLM is installed
 
     sft = plan(compose(["train.micro_batch_size=8", "train.global_batch_size=16", "data.padding_free=false", "data.max_length=80"]))
     grpo = plan(compose(["method=grpo", "method.generations=4", "method.completion_tokens=16", "train.micro_batch_size=2",
                          "train.global_batch_size=4"]))  # rows of data.max_length 64 + 16 sampled tokens
     assert grpo.activations == pytest.approx(sft.activations, rel=0.01)  # 2 prompts x 4 completions = 8 rows
     kv = 8 * 80 * 2 * 2 * 64 * 4  # rows x tokens x layers x (K, V) x kv_dim x fp32
-    assert f"the KV cache while sampling {kv / 2**20:.1f} MiB, below the step's activations" in " ".join(grpo.notes)
+    logits = 8 * architecture(compose(["method=grpo"]).model).vocab_size * 4 * 2  # one decoding step's fp32 logits and probabilities
+    assert grpo.rollout == kv + logits and grpo.rollout_peak == grpo.weights + grpo.optimizer + kv + logits + grpo.overhead
+    assert f"sampling holds a KV cache of {kv / 2**20:.1f} MiB at 80 tokens" in " ".join(grpo.notes)
+    assert grpo.total == max(grpo.backward_peak, grpo.step_peak) > grpo.rollout_peak  # short completions: backward is the peak
+    # the KV cache is freed before the step's forward, whose rows (the same completions, with gradients) hold more: it is
+    # the peak only where the step holds less than the cache (here by hand: weights + states + a large cache)
+    assert dataclasses.replace(grpo, rollout=grpo.backward_peak).peak_at == "sampling (GRPO's rollout)"
+    h100 = compose(["method=grpo", "method.vllm=true", "hardware=h100_80g"])
+    vllm = plan(h100)  # its share of the GPU at every moment
+    assert vllm.rollout == 0 and vllm.reserved == 0.3 * h100.hardware.gpu_memory_gib * 2**30
+    assert vllm.total == max(vllm.backward_peak, vllm.step_peak) >= vllm.reserved + vllm.weights + vllm.optimizer
+
+
+def test_the_planned_kv_cache_is_what_generate_holds(compose):
+    """transformers' own cache after sampling 4 x 3 rows: every layer's keys and values at prompt + new - 1 positions
+    (the last sampled token is never fed back) equal the planner's kv_cache_bytes."""
+    from finetune.planner.counts import architecture
+    from finetune.planner.peak import kv_cache_bytes
+
+    net, tok = tiny_model()
+    prompts = torch.randint(5, 100, (4, 7))
+    torch.manual_seed(0)
+    out = net.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), do_sample=True, max_new_tokens=9, min_new_tokens=9,
+                       num_return_sequences=3, pad_token_id=tok.pad_token_id, return_dict_in_generate=True)
+    cache = out.past_key_values
+    held = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
+    arch = architecture(compose(["method=grpo"]).model)  # the same tiny Llama
+    assert held == kv_cache_bytes(arch, rows=12, tokens=7 + 9 - 1, tp=1, itemsize=4)
 
 
 @pytest.mark.slow
@@ -190,20 +222,56 @@ def test_a_text_row_has_no_prompt_to_answer(tmp_path):
                                      "use alpaca, chat, sharegpt or completion rows")
 
 
+LAYOUTS = {"fsdp": ["parallelism=fsdp"],
+           "zero3-lora-adapter_disabled": ["zero=stage3", "peft=lora", "method.beta=0.04", "method.reference=adapter_disabled"],
+           "zero2-qlora-adapter_disabled": ["zero=stage2", "peft=qlora", "method.beta=0.04", "method.reference=adapter_disabled"]}
+
+
+@pytest.fixture(scope="module")
+def layout_run(tmp_path_factory):
+    """layout_run(name, vllm) -> the run directory of a 3-step 2-rank GRPO run in LAYOUTS[name] (each run once per module),
+    sampling through vLLM's interface (tests/vllm_standin) with `vllm`."""
+    runs = {}
+
+    def run(name: str, vllm: bool = False) -> Path:
+        if (name, vllm) not in runs:
+            where = tmp_path_factory.mktemp(name)
+            with pytest.MonkeyPatch.context() as mp:
+                if vllm:
+                    mp.setenv("PYTHONPATH", f"{STANDIN}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+                out = run_cli("+recipe=quickstart_sft", "method=grpo", "method.rewards=[length]", "method.generations=4",
+                              "method.completion_tokens=12", "train.max_steps=3", "optim.warmup_steps=1", "train.micro_batch_size=2",
+                              "train.global_batch_size=4", "train.exact_match_samples=4", "train.progress_bar=false", *LAYOUTS[name],
+                              *(["method.vllm=true"] if vllm else []), f"hydra.run.dir={where / 'run'}", cwd=where)
+            assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+            runs[name, vllm] = where / "run"
+        return runs[name, vllm]
+
+    return run
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["parallelism=fsdp"], ["zero=stage3", "peft=lora", "method.beta=0.04", "method.reference=adapter_disabled"],
-                                    ["zero=stage2", "peft=qlora", "method.beta=0.04", "method.reference=adapter_disabled"]],
-                         ids=["fsdp", "zero3-lora-adapter_disabled", "zero2-qlora-adapter_disabled"])
-def test_sharded_layouts_generate_in_lockstep_and_train(layout, tmp_path):
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_sharded_layouts_generate_in_lockstep_and_train(name, layout_run):
     """FSDP2 and ZeRO-3 gather parameters collectively: generation runs synced across ranks (synced_gpus) and the step trains."""
-    out = run_cli("+recipe=quickstart_sft", "method=grpo", "method.rewards=[length]", "method.generations=4", "method.completion_tokens=12",
-                  "train.max_steps=3", "optim.warmup_steps=1", "train.micro_batch_size=2", "train.global_batch_size=4",
-                  "train.exact_match_samples=4", "train.progress_bar=false", *layout, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    train = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "train"]
+    run = layout_run(name)
+    train = [m for m in read_metrics(run) if m["kind"] == "train"]
     assert [m["step"] for m in train] == [1, 2, 3] and all(1 <= m["completion_tokens"] <= 12 for m in train)
     assert all(m["reward"] == pytest.approx(m["rewards/length"]) for m in train)
-    assert any(m["grad_norm"] > 0 for m in train) and "exact_match" in [m for m in read_metrics(tmp_path / "run") if m["kind"] == "eval"][-1]
+    assert any(m["grad_norm"] > 0 for m in train) and "exact_match" in [m for m in read_metrics(run) if m["kind"] == "eval"][-1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fsdp", "zero3-lora-adapter_disabled"])
+def test_vllm_sampling_follows_the_generate_run_when_its_weights_are_the_policys(name, layout_run):
+    """method.vllm=true through vLLM's interface (tests/vllm_standin: it samples as our generate path does, from the
+    weights it was given): the weights loaded before each rollout are the policy's, gathered from FSDP2's DTensors or
+    ZeRO-3's partitions with the adapter merged, so the run takes the same completions, rewards and updates."""
+    keys = ("loss", "grad_norm", "reward", "completion_tokens", "kl")
+    ours, theirs = ([{k: m[k] for k in keys} for m in read_metrics(layout_run(name, vllm)) if m["kind"] == "train"] for vllm in (False, True))
+    assert len(theirs) == 3 and any(m["grad_norm"] > 0 for m in theirs)
+    for a, b in zip(ours, theirs):
+        assert b == pytest.approx(a, rel=1e-4, abs=1e-6)
 
 
 @pytest.mark.slow
@@ -286,3 +354,49 @@ def test_a_reward_model_scores_prompt_and_completion_and_a_causal_lm_is_refused(
     with torch.no_grad():
         alone = [loaded(**tok(text, return_tensors="pt")).logits[0, 0].item() for text in ("abc", "xyz")]
     assert got == pytest.approx(alone, abs=1e-5)
+
+
+STANDIN = Path(__file__).parent / "vllm_standin"
+
+
+def test_vllm_receives_the_merged_model_under_its_hugging_face_names():
+    """hf_weights of a PEFT model (LoRA with trained B, lm_head in modules_to_save) = the names and values of peft's own
+    merge_and_unload, and the training weights are untouched; loaded into the stand-in, its logits are the policy's."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from finetune.methods.vllm_rollout import hf_weights
+
+    net, tok = tiny_model()
+    policy = get_peft_model(net, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False,
+                                            modules_to_save=["lm_head"]))
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    sent = dict(hf_weights(policy))
+    merged = copy.deepcopy(policy).merge_and_unload()
+    expected = dict(merged.named_parameters())
+    assert sorted(sent) == sorted(expected)
+    for name, value in sent.items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6, msg=name)
+    assert all(torch.equal(v, policy.state_dict()[k]) for k, v in before.items())
+    assert not torch.equal(sent["model.layers.0.self_attn.q_proj.weight"], before["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"])
+
+
+def test_vllm_is_refused_where_it_cannot_run(compose, monkeypatch):
+    """Not installed; layouts whose weights a vLLM engine cannot take whole (tp), a 4-bit base, DoRA; its memory share without it."""
+    from finetune.methods.grpo import vllm_rules
+
+    base = ["+recipe=quickstart_sft", "method=grpo"]
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match=r"^method.vllm=true: vLLM is not installed here: pip install vllm"):
+        vllm_rules(compose([*base, "method.vllm=true"]))
+    monkeypatch.undo()
+    monkeypatch.syspath_prepend(str(STANDIN))
+    for extra, start in ((["parallelism=tp2", "launcher.nproc_per_node=2"], "method.vllm=true with parallelism.tp=2 cp=1 is not supported"),
+                         (["peft=qlora"], "method.vllm=true with peft=qlora is not supported"),
+                         (["peft=dora"], "method.vllm=true with peft=dora is not supported")):
+        with pytest.raises(ConfigError) as e:
+            compose([*base, "method.vllm=true", *extra])
+        assert str(e.value).startswith(start)
+    with pytest.raises(ConfigError, match=r"^method.vllm_memory=0.5 is set but method.vllm=false"):
+        compose([*base, "method.vllm_memory=0.5"])

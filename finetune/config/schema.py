@@ -276,6 +276,13 @@ class MethodConfig:
     format_pattern: str | None = checked(TEXT, None)
     """grpo: the regular expression the `format` reward matches each whole completion against (Python's re.fullmatch,
     DOTALL)."""
+    vllm: bool = False
+    """grpo: sample the completions with vLLM (`pip install vllm`) instead of transformers' generate: an engine on each rank
+    beside training (colocated), the policy's weights (gathered, any adapter merged in) loaded into it before each
+    rollout."""
+    vllm_memory: float = checked(in_range(0.05, 0.95), 0.3)
+    """grpo with vllm: the fraction of the GPU's memory vLLM takes for its weights and KV cache (its gpu_memory_utilization);
+    training gets the rest."""
 
     @property
     def beta_value(self) -> float:

@@ -30,6 +30,8 @@ class Engine(Protocol):
     """Whether this rank's data and loss count in global sums (one rank per model replica under tp/pp/cp)."""
     lockstep: bool
     """Every rank must run the same number of forwards (parameters gathered collectively: ZeRO-3, FSDP)."""
+    dtype: torch.dtype | None
+    """The compute precision's dtype (bf16, fp16), None for fp32: what a rollout engine beside it runs in."""
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], objective: Objective, count: float) -> StepResult:
         """One optimizer step over this rank's micro-batches (the loop calls it once per step).

@@ -14,7 +14,7 @@ import torch
 
 from finetune.config import Config, ConfigError, Precision
 from finetune.dist import Dist, import_deepspeed
-from finetune.engine.common import StepResult, add_metrics, build_scheduler, lora_b, loraplus_lr, param_groups
+from finetune.engine.common import StepResult, add_metrics, autocast_dtype, build_scheduler, lora_b, loraplus_lr, param_groups
 from finetune.command import deepspeed_config
 
 Objective = Callable[[Any, dict[str, torch.Tensor]], Any]
@@ -37,6 +37,7 @@ class DeepSpeedEngine:
         self.stage = cfg.zero.stage
         self.lockstep = self.stage == 3 and dist.world_size > 1  # parameters are gathered collectively
         self.fp16 = cfg.precision.name == Precision.fp16
+        self.dtype = autocast_dtype(cfg.precision.name)
         params = [p for p in model.parameters() if p.requires_grad]
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=model,

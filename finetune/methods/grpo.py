@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     import torch
 
 KEYS = ("name", "beta", "reference", "generations", "completion_tokens", "temperature", "top_p", "epsilon", "updates_per_rollout",
-        "rewards", "reward_weights", "format_pattern")
+        "rewards", "reward_weights", "format_pattern", "vllm", "vllm_memory")
 
 
 class Grpo:
@@ -101,6 +101,11 @@ class Grpo:
         if cfg.logits.name == Logits.chunked:
             raise ConfigError("logits=chunked with method=grpo is not supported: the GRPO loss needs each token's log-prob, which "
                               "the chunked head reduces per row; use logits=full")
+        if m.vllm:
+            vllm_rules(cfg)
+        elif m.vllm_memory != MethodConfig().vllm_memory:
+            raise ConfigError(f"method.vllm_memory={m.vllm_memory:g} is set but method.vllm=false: it is the share of the GPU vLLM "
+                              "takes; set method.vllm=true or drop it")
         rewards.resolve(m)
 
     def objective(self, cfg: MethodConfig, reference: Any, router: Any, head: Any) -> GRPO:
@@ -108,6 +113,28 @@ class Grpo:
 
 
 METHOD = Grpo()
+
+
+def vllm_rules(cfg: Config) -> None:
+    """method.vllm=true: vLLM installed, and a layout whose weights it can load whole (finetune.methods.vllm_rollout)."""
+    import importlib.util
+
+    from finetune.config import PeftMethod
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError("method.vllm=true: vLLM is not installed here: pip install vllm (its wheels are built for CUDA GPUs), or "
+                          "drop method.vllm to sample with transformers' generate")
+    p = cfg.parallelism
+    if p.tp > 1 or p.cp > 1:
+        raise ConfigError(f"method.vllm=true with parallelism.tp={p.tp} cp={p.cp} is not supported: each rank's vLLM engine holds "
+                          "the whole model and its own process group would cut across the model's; use fsdp or zero (gathered "
+                          "for vLLM), or method.vllm=false")
+    if cfg.peft.name == PeftMethod.qlora:
+        raise ConfigError("method.vllm=true with peft=qlora is not supported: vLLM would load the 4-bit base dequantized and merged "
+                          "at every step; use peft=lora, or method.vllm=false (generate runs on the 4-bit model)")
+    if cfg.peft.name == PeftMethod.dora:
+        raise ConfigError("method.vllm=true with peft=dora is not supported: a DoRA weight is not W + its delta (its magnitude "
+                          "rescales it); use peft=lora, or method.vllm=false")
 
 
 class GRPO:
@@ -118,6 +145,7 @@ class GRPO:
         self.rewards: list[Any] | None = None  # resolved (reward models loaded) at the first rollout
         self.rollout_every = cfg.updates_per_rollout  # the loop stops on a signal only after a rollout's last update
         self.buffer: list[dict[str, torch.Tensor]] = []  # the rollout the next updates train on
+        self.vllm: Any = None  # method.vllm: the rank's VllmSampler, built at the first rollout
         names = [f"rewards/{name}" for name in cfg.rewards]
         self.metrics = ("reward", "reward_std", *names, "kl", "completion_tokens") + ((router.metric,) if router else ())
         self.eval_metrics = (router.metric,) if router else ()  # evaluation scores the rows' own responses: no rollout
@@ -175,9 +203,15 @@ class GRPO:
         if self.rewards is None:
             self.rewards = rewards.resolve(self.cfg, load_models=True)
         tic, out = time.perf_counter(), []
+        if self.cfg.vllm:
+            if self.vllm is None:
+                from finetune.methods.vllm_rollout import VllmSampler
+
+                self.vllm = VllmSampler(engine, tokenizer, self.cfg, world_size=engine.dp_size)
+            self.vllm.sync(engine, step)
         for k, mb in enumerate(micro_batches):
             prompts, answers = split_rows(mb)
-            completions = sample(engine, prompts, self.cfg, tokenizer, seed=(seed, step, engine.dp_rank, k))
+            completions = sample(engine, prompts, self.cfg, tokenizer, seed=(seed, step, engine.dp_rank, k), vllm=self.vllm)
             batch = self.scored(prompts, answers, completions, tokenizer)
             if mu > 1:  # the sampling policy's log-probs, for the ratio of the later updates (eval mode: no dropout)
                 batch["old_logps"] = engine.inference(token_logps, batch).detach().float().cpu()
@@ -248,13 +282,17 @@ def split_rows(batch: dict[str, torch.Tensor]) -> tuple[list[list[int]], list[li
     return prompts, answers
 
 
-def sample(engine: Any, prompts: list[list[int]], cfg: MethodConfig, tokenizer: Any, seed: tuple[int, ...]) -> list[list[int]]:
+def sample(engine: Any, prompts: list[list[int]], cfg: MethodConfig, tokenizer: Any, seed: tuple[int, ...],
+           vllm: Any = None) -> list[list[int]]:
     """G sampled completions of each prompt (adjacent), each cut after its first EOS (kept: it is labelled), through
-    the engine (eval mode, its precision; generation synced across ranks where parameters are gathered)."""
+    the engine (eval mode, its precision; generation synced across ranks where parameters are gathered), or through
+    vLLM's engine (a finetune.methods.vllm_rollout.VllmSampler, synced with the policy)."""
     import torch
 
     from finetune.data.batches import left_padded
 
+    if vllm is not None:
+        return [cut(row, tokenizer.eos_token_id) for row in vllm.sample(prompts, cfg, hash(seed) % 2**63)]
     batch = left_padded(prompts, tokenizer.pad_token_id)
     width = batch["input_ids"].shape[1]
     model = engine.generation_model
@@ -271,8 +309,9 @@ def sample(engine: Any, prompts: list[list[int]], cfg: MethodConfig, tokenizer: 
 
     with torch.no_grad():
         out = engine.inference(generate, batch)
-    completions = []
-    for row in out[:, width:].tolist():
-        cut = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
-        completions.append(row[:cut])
-    return completions
+    return [cut(row, tokenizer.eos_token_id) for row in out[:, width:].tolist()]
+
+
+def cut(row: list[int], eos: int) -> list[int]:
+    """A sampled row up to its first EOS, which is kept (the padding after it dropped)."""
+    return row[: row.index(eos) + 1] if eos in row else row

@@ -10,7 +10,8 @@ completion (a prompt's G completions are adjacent):
     completion_tokens: each completion's length in tokens (its EOS included)
 
 and returns one number per completion (TRL's convention: a function takes **kwargs for the arguments it does not
-use). Built-in: `exact_match` (1.0 when the completion equals the answer, both stripped), `format` (1.0 when the
+use). Built-in: `exact_match` (1.0 when the completion equals the answer, both stripped), `similarity` (partial
+credit: difflib's matched-character ratio of the two, 1.0 when equal), `format` (1.0 when the
 completion, stripped, matches `method.format_pattern` whole), `length` (-completion_tokens / method.completion_tokens,
 a penalty for long answers). `package.module:function` imports a function; `reward:PATH` scores prompt + completion
 with the sequence classifier at PATH (a method=reward run directory or its final/).
@@ -20,6 +21,7 @@ No torch at import: the launcher resolves every reward before launch, so a missp
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import re
 from dataclasses import dataclass
@@ -42,6 +44,11 @@ class Reward:
 
 def exact_match(*, completions: list[str], answers: list[str], **_: Any) -> list[float]:
     return [float(c.strip() == a.strip()) for c, a in zip(completions, answers)]
+
+
+def similarity(*, completions: list[str], answers: list[str], **_: Any) -> list[float]:
+    """Partial credit: difflib's ratio of the stripped strings, 2 * matched characters / both lengths (1.0 when equal)."""
+    return [difflib.SequenceMatcher(None, c.strip(), a.strip(), autojunk=False).ratio() for c, a in zip(completions, answers)]
 
 
 def format_reward(pattern: str) -> RewardFn:
@@ -74,6 +81,8 @@ def function(name: str, method: MethodConfig, load_models: bool) -> RewardFn:
     key = f"method.rewards: {name}"
     if name == "exact_match":
         return exact_match
+    if name == "similarity":
+        return similarity
     if name == "format":
         if not method.format_pattern:
             raise ConfigError(f"{key} needs method.format_pattern (the regular expression a well-formed completion matches), "
@@ -87,7 +96,7 @@ def function(name: str, method: MethodConfig, load_models: bool) -> RewardFn:
     if name.startswith("reward:"):
         return reward_model(name.removeprefix("reward:"), key, load_models)
     if ":" not in name:
-        raise ConfigError(f"{key} is not a reward: use exact_match, format, length, a function as package.module:function, "
+        raise ConfigError(f"{key} is not a reward: use exact_match, similarity, format, length, a function as package.module:function, "
                           "or reward:PATH (a reward model trained with method=reward)")
     module_name, _, attr = name.partition(":")
     try:

@@ -42,9 +42,10 @@ def render(cfg: Config, pl: Plan) -> str:
              + (f" cp={cfg.parallelism.cp}" if cfg.parallelism.cp > 1 else ""),
              f"parameters   {pl.params:,} ({pl.trainable:,} trainable)"]
     for name, value in (("weights", pl.weights), ("gradients", pl.gradients), ("optimizer", pl.optimizer),
-                        ("activations", pl.activations), ("logits/loss", pl.logits), ("overhead", pl.overhead)):
+                        ("activations", pl.activations), ("logits/loss", pl.logits), ("overhead", pl.overhead),
+                        *((("rollout", pl.rollout),) if pl.rollout else ()), *((("vllm", pl.reserved),) if pl.reserved else ())):
         lines.append(f"  {name:<12}{gib(value)}")
-    when = "backward" if pl.backward_peak >= pl.step_peak else "the optimizer step"
+    when = pl.peak_at
     lines.append(f"  {'total':<12}{gib(pl.total)}   of {pl.budget / GIB:.2f}  (the peak, at {when}: gradients fill in as "
                  "activations are freed, so the categories do not all peak together)")
     if pl.cpu_bytes:

@@ -74,21 +74,37 @@ class Plan:
     """Tokens per row the activations are planned at: the longest batch, or data.max_length."""
     buckets: float = 0.0
     """DDP's flat gradient buckets, counted in `gradients`."""
+    rollout: float = 0.0
+    """GRPO's sampling before the step (generate with its KV cache): the cache of every completion of a micro-batch
+    at prompt + completion tokens and one decoding step's logits; freed before the step's forward."""
+    reserved: float = 0.0
+    """Held through the whole run beside training: method.vllm's engine (its fraction of the GPU: weights and KV cache)."""
 
     @property
     def backward_peak(self) -> float:
         """Weights, optimizer states and the worst moment of backward."""
-        return self.weights + self.optimizer + self.backward + self.overhead
+        return self.weights + self.optimizer + self.backward + self.overhead + self.reserved
 
     @property
     def step_peak(self) -> float:
         """Weights, gradients and optimizer states (and its temporaries) at the optimizer step."""
-        return self.weights + self.gradients + self.optimizer + self.step_temp + self.overhead
+        return self.weights + self.gradients + self.optimizer + self.step_temp + self.overhead + self.reserved
+
+    @property
+    def rollout_peak(self) -> float:
+        """Weights, optimizer states and GRPO's sampling (the gradients were freed by the last step: set to None)."""
+        return self.weights + self.optimizer + self.rollout + self.overhead + self.reserved
+
+    @property
+    def peak_at(self) -> str:
+        """When the peak falls: backward, the optimizer step or GRPO's sampling."""
+        return max((self.backward_peak, "backward"), (self.step_peak, "the optimizer step"), (self.rollout_peak, "sampling (GRPO's rollout)"))[1]
 
     @property
     def total(self) -> float:
-        """The peak: the categories do not peak together (gradients fill in while activations are freed)."""
-        return max(self.backward_peak, self.step_peak)
+        """The peak: the categories do not peak together (gradients fill in while activations are freed; the KV cache
+        of a rollout is freed before the step)."""
+        return max(self.backward_peak, self.step_peak, self.rollout_peak)
 
     @property
     def fits(self) -> bool:
@@ -119,20 +135,38 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
         notes.append(f"grpo rows: counted at {seq} tokens, that width + method.completion_tokens={cfg.method.completion_tokens} "
                      "(an upper bound of prompt + completion)")
     acts, backward = activations_through_backward(arch, cfg, counts, s, seq, longest, on_gpu, notes)
+    pl = total(cfg, counts, s, acts, backward, step_temp(arch, cfg, counts, s, on_gpu), seq, on_gpu, notes)
     if methods.get(cfg.method.name).online:
-        notes.append(rollout_note(arch, cfg, seq, acts))
-    return total(cfg, counts, s, acts, backward, step_temp(arch, cfg, counts, s, on_gpu), seq, on_gpu, notes)
+        pl.rollout, pl.reserved = rollout_bytes(arch, cfg, seq, on_gpu, notes)
+        if cfg.zero.enabled:  # DeepSpeed keeps its gradient partitions between steps
+            pl.rollout += s.grads
+    return pl
 
 
-def rollout_note(arch: Arch, cfg: Config, seq: int, acts: Activations) -> str:
-    """GRPO's sampling before each step: the KV cache of micro_batch_size x generations rows at `seq` tokens (prompt +
-    completion), held while generating, freed before the step's forward (so not at the same time as its activations)."""
-    rows = cfg.train.micro_batch_size * cfg.method.generations
-    kv = rows * seq * arch.num_hidden_layers * 2 * arch.kv_dim / cfg.parallelism.tp * dtypes(cfg).compute
-    where = "below the step's activations, so not the peak" if kv <= acts.stored else \
-        f"ABOVE the step's stored activations ({acts.stored / 2**20:.1f} MiB): the peak is then while sampling, not counted here"
-    return (f"grpo rollout: {rows} completions per micro-batch ({cfg.train.micro_batch_size} prompts x {cfg.method.generations}), "
-            f"each a row with gradients; the KV cache while sampling {kv / 2**20:.1f} MiB, {where}")
+def kv_cache_bytes(arch: Arch, rows: int, tokens: int, tp: int, itemsize: float) -> float:
+    """transformers' KV cache of `rows` sequences at `tokens` positions: keys and values of every layer
+    (num_key_value_heads x head_dim wide), split over tp ranks."""
+    return rows * tokens * arch.num_hidden_layers * 2 * arch.kv_dim / tp * itemsize
+
+
+def rollout_bytes(arch: Arch, cfg: Config, seq: int, on_gpu: bool, notes: list[str]) -> tuple[float, float]:
+    """GRPO's sampling before each step: (model.generate's KV cache of micro_batch_size x generations rows at `seq`
+    tokens, prompt + completion, with one decoding step's fp32 logits and probabilities; vLLM's reservation beside
+    training under method.vllm, where its own KV cache lives instead)."""
+    m = cfg.method
+    rows = cfg.train.micro_batch_size * m.generations
+    if m.vllm:
+        reserved = m.vllm_memory * cfg.hardware.gpu_memory_gib * GIB if on_gpu else 0.0
+        notes.append(f"grpo rollout: vLLM samples {rows} completions per micro-batch; it holds method.vllm_memory={m.vllm_memory:g} "
+                     f"of the GPU for its weights and KV cache through the run ({reserved / GIB:.2f} GiB, counted at every peak)"
+                     if on_gpu else "grpo rollout: vLLM on CPU keeps its KV cache in VLLM_CPU_KVCACHE_SPACE, not counted here")
+        return 0.0, reserved
+    kv = kv_cache_bytes(arch, rows, seq, cfg.parallelism.tp, dtypes(cfg).compute)
+    logits = rows * arch.vocab_size * 4 * 2
+    notes.append(f"grpo rollout: {rows} completions per micro-batch ({cfg.train.micro_batch_size} prompts x {m.generations}), "
+                 f"each a row with gradients; sampling holds a KV cache of {kv / 2**20:.1f} MiB at {seq} tokens and "
+                 f"{logits / 2**20:.1f} MiB of logits, freed before the step")
+    return kv + logits, 0.0
 
 
 def model_notes(arch: Arch, cfg: Config) -> list[str]:
