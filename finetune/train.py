@@ -271,6 +271,8 @@ def run(cfg: Config, d: dist.Dist) -> None:
             print(f"router aux loss: not reported under parallelism.pp={cfg.parallelism.pp} (each stage keeps its routers' logits)")
         router = None
     objective = build_objective(cfg.method, ref, router, chunked)
+    if methods.get(cfg.method.name).online:  # a rollout engine (method.vllm) is sized for the longest prompt + completion
+        objective.prompt_tokens = cfg.data.max_length
     if router and d.is_main and router.metric in objective.metrics:  # a sequence classifier (method=reward) returns none to report
         print(router.describe())
     batches = make_batches(cfg, train_examples, eng, tokenizer.pad_token_id, resume_from)

@@ -4,6 +4,7 @@ EOS, labels on the completion only), the rules, and a 2-rank run through the rea
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 from pathlib import Path
@@ -400,3 +401,43 @@ def test_vllm_is_refused_where_it_cannot_run(compose, monkeypatch):
         assert str(e.value).startswith(start)
     with pytest.raises(ConfigError, match=r"^method.vllm_memory=0.5 is set but method.vllm=false"):
         compose([*base, "method.vllm_memory=0.5"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None or
+                    os.environ.get("PYTHONPATH", "").find("vllm_standin") >= 0, reason="needs CUDA and vLLM itself")
+def test_vllm_itself_samples_from_the_synced_policy_and_trains(shipped, tmp_path):
+    """vLLM on a GPU: built with dummy weights, synced from the quickstart model (LoRA with a trained B merged in), its greedy
+    completions of the eval prompts are transformers' own on the same weights (bf16: a rare near-tie may flip, so 90%);
+    then 3 GRPO steps through the CLI sample with it."""
+    from types import SimpleNamespace
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm import SamplingParams
+
+    from finetune.data.batches import left_padded
+    from finetune.methods.vllm_rollout import VllmSampler
+
+    final = shipped / "outputs/quickstart_sft/final"
+    tok = AutoTokenizer.from_pretrained(final)
+    net = AutoModelForCausalLM.from_pretrained(final, dtype=torch.bfloat16).cuda().eval()
+    policy = get_peft_model(net, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)).eval()
+    sampler = VllmSampler(SimpleNamespace(generation_model=policy, dtype=torch.bfloat16, dp_rank=0), tok,
+                          method(vllm=True, vllm_memory=0.2, completion_tokens=16), prompt_tokens=64)
+    sampler.sync(SimpleNamespace(generation_model=policy), step=1)
+    prompts = [tok(f"<|user|>reverse\n{w}\n<|assistant|>", add_special_tokens=False)["input_ids"] for w in ("abc", "hello", "qwerty", "xyz")] * 8
+    theirs = [list(o.outputs[0].token_ids) for o in sampler.llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                           SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)]
+    batch = {k: v.cuda() for k, v in left_padded(prompts, tok.pad_token_id).items()}
+    with torch.no_grad():
+        out = policy.generate(**batch, do_sample=False, max_new_tokens=16, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    ours = [r[: r.index(tok.eos_token_id) + 1] if tok.eos_token_id in r else r for r in out[:, batch["input_ids"].shape[1]:].tolist()]
+    assert sum(a == b for a, b in zip(ours, theirs)) >= 0.9 * len(ours), (ours[:4], theirs[:4])
+    run = run_cli("+recipe=quickstart_grpo", f"model.path={final}", "method.vllm=true", "method.vllm_memory=0.2", "peft=lora",
+                  "parallelism=single", "launcher.nproc_per_node=1", "train.device=cuda", "precision=bf16", "train.max_steps=3",
+                  "train.eval_every=0", "train.exact_match_samples=0", "train.progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}",
+                  cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    train = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "train"]
+    assert len(train) == 3 and all(m["generation_s"] > 0 and 1 <= m["completion_tokens"] <= 16 for m in train)

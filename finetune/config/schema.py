@@ -268,7 +268,7 @@ class MethodConfig:
     read. train.save_every must be a multiple of it (a checkpoint falls between rollouts)."""
     rewards: list[str] = checked(SOME_NAMES, factory=lambda: ["exact_match"])
     """grpo: the reward functions, summed with `reward_weights`: built-in exact_match (1 when the completion equals the
-    row's response, stripped), format (1 when the completion matches `format_pattern`), length (minus the completion's
+    row's response, stripped), similarity (partial credit: difflib's matched-character ratio with the response), format (1 when the completion matches `format_pattern`), length (minus the completion's
     tokens over completion_tokens), or a Python function `package.module:function` (finetune.methods.rewards says how it is
     called), or `reward:PATH`: a reward model this project trained (method=reward), scoring prompt + completion."""
     reward_weights: list[float] | None = checked(Accepts("a list of numbers", lambda v: len(v) > 0, ("[]",)), None)

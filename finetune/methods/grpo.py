@@ -146,6 +146,7 @@ class GRPO:
         self.rollout_every = cfg.updates_per_rollout  # the loop stops on a signal only after a rollout's last update
         self.buffer: list[dict[str, torch.Tensor]] = []  # the rollout the next updates train on
         self.vllm: Any = None  # method.vllm: the rank's VllmSampler, built at the first rollout
+        self.prompt_tokens: int | None = None  # the longest prompt (data.max_length, set by finetune.train): vLLM's context
         names = [f"rewards/{name}" for name in cfg.rewards]
         self.metrics = ("reward", "reward_std", *names, "kl", "completion_tokens") + ((router.metric,) if router else ())
         self.eval_metrics = (router.metric,) if router else ()  # evaluation scores the rows' own responses: no rollout
@@ -207,7 +208,7 @@ class GRPO:
             if self.vllm is None:
                 from finetune.methods.vllm_rollout import VllmSampler
 
-                self.vllm = VllmSampler(engine, tokenizer, self.cfg, world_size=engine.dp_size)
+                self.vllm = VllmSampler(engine, tokenizer, self.cfg, prompt_tokens=self.prompt_tokens)
             self.vllm.sync(engine, step)
         for k, mb in enumerate(micro_batches):
             prompts, answers = split_rows(mb)

@@ -17,22 +17,22 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
-
-import torch
+from typing import TYPE_CHECKING, Any, Iterator
 
 from finetune.config import MethodConfig
 
-VLLM_DTYPES = {None: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+if TYPE_CHECKING:
+    import torch
 
 
 class VllmSampler:
     """One vLLM engine on this rank; `sync` loads the policy's weights into it, `sample` draws completions."""
 
-    def __init__(self, engine: Any, tokenizer: Any, cfg: MethodConfig, *, world_size: int) -> None:
+    def __init__(self, engine: Any, tokenizer: Any, cfg: MethodConfig, *, prompt_tokens: int | None) -> None:
         from vllm import LLM
 
         model = engine.generation_model
@@ -40,10 +40,13 @@ class VllmSampler:
         atexit.register(shutil.rmtree, self.directory, True)
         base_config(model).save_pretrained(self.directory)
         tokenizer.save_pretrained(self.directory)
+        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+            os.environ.setdefault(key, value)  # vLLM's external launcher reads the process group's place (one process: set here)
         with untouched_rng():  # its dummy weights' initialization leaves the run's random stream (dropout) as it was
-            self.llm = LLM(model=str(self.directory), load_format="dummy", dtype=VLLM_DTYPES[engine.dtype], seed=engine.dp_rank,
-                           gpu_memory_utilization=cfg.vllm_memory, tensor_parallel_size=1,
-                           **({"distributed_executor_backend": "external_launcher"} if world_size > 1 else {}))
+            self.llm = LLM(model=str(self.directory), load_format="dummy", dtype=str(engine.dtype or "torch.float32").removeprefix("torch."),
+                           seed=engine.dp_rank,
+                           gpu_memory_utilization=cfg.vllm_memory, tensor_parallel_size=1, distributed_executor_backend="external_launcher",
+                           **({"max_model_len": prompt_tokens + cfg.completion_tokens} if prompt_tokens else {}))
         self.synced: int | None = None
 
     def sync(self, engine: Any, step: int) -> None:
@@ -67,6 +70,8 @@ class VllmSampler:
 
 def untouched_rng() -> Any:
     """torch's random state (CPU and this process's GPU) restored on exit."""
+    import torch
+
     return torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else [])
 
 
@@ -111,6 +116,7 @@ def hf_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     (base_model.model., .base_layer, modules_to_save) unnamed, LoRA's A and B left out and merged into their base
     weight (W + B A scale, peft's own `get_delta_weight`). Every rank iterates it to the end, in the same order (it
     gathers); a value is valid until the next one is drawn (ZeRO-3's gathered storage is released at the end)."""
+    import torch
     from peft.tuners.lora import LoraLayer
 
     inner = getattr(model, "_orig_mod", model)

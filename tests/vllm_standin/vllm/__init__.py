@@ -46,11 +46,11 @@ class Runner:
 
 class LLM:
     def __init__(self, model: str, *, load_format: str, dtype: str, seed: int, gpu_memory_utilization: float,
-                 tensor_parallel_size: int, distributed_executor_backend: str | None = None) -> None:
+                 tensor_parallel_size: int, distributed_executor_backend: str, max_model_len: int | None = None) -> None:
         from transformers import AutoConfig, AutoTokenizer
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-        assert load_format == "dummy" and tensor_parallel_size == 1 and 0 < gpu_memory_utilization < 1
+        assert load_format == "dummy" and tensor_parallel_size == 1 and 0 < gpu_memory_utilization < 1 and distributed_executor_backend == "external_launcher"
         config = AutoConfig.from_pretrained(model)
         # the class itself, as vLLM builds its own: not from_config, which a training process under ZeRO-3 would partition
         net = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config).to(getattr(torch, dtype)).eval()
@@ -58,7 +58,7 @@ class LLM:
         self.runner = Runner(net)
         self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=self.runner))))
         self.runner.model = self.runner  # vLLM's model_runner.model: the torch module with load_weights
-        self.resets = 0
+        self.resets, self.max_model_len = 0, max_model_len
 
     def reset_prefix_cache(self) -> None:
         self.resets += 1
@@ -71,6 +71,8 @@ class LLM:
             raise RuntimeError(f"vllm stand-in: generating with dummy weights, {sorted(missing)[:3]} never loaded")
         p, pad, eos = params[0], self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         ids = [q["prompt_token_ids"] for q in prompts]
+        if max(map(len, ids)) + p.max_tokens > self.max_model_len:
+            raise ValueError(f"vllm stand-in: a prompt of {max(map(len, ids))} tokens + {p.max_tokens} is over max_model_len={self.max_model_len}")
         width = max(map(len, ids))
         input_ids = torch.tensor([[pad] * (width - len(q)) + q for q in ids])
         mask = torch.tensor([[0] * (width - len(q)) + [1] * len(q) for q in ids])
