@@ -223,7 +223,7 @@ def test_a_text_row_has_no_prompt_to_answer(tmp_path):
                                      "use alpaca, chat, sharegpt or completion rows")
 
 
-LAYOUTS = {"fsdp": ["parallelism=fsdp"],
+LAYOUTS = {"fsdp": ["parallelism=fsdp"], "fsdp-lora": ["parallelism=fsdp", "peft=lora"],
            "zero3-lora-adapter_disabled": ["zero=stage3", "peft=lora", "method.beta=0.04", "method.reference=adapter_disabled"],
            "zero2-qlora-adapter_disabled": ["zero=stage2", "peft=qlora", "method.beta=0.04", "method.reference=adapter_disabled"]}
 
@@ -263,7 +263,7 @@ def test_sharded_layouts_generate_in_lockstep_and_train(name, layout_run):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["fsdp", "zero3-lora-adapter_disabled"])
+@pytest.mark.parametrize("name", ["fsdp-lora", "zero3-lora-adapter_disabled"])
 def test_vllm_sampling_follows_the_generate_run_when_its_weights_are_the_policys(name, layout_run):
     """method.vllm=true through vLLM's interface (tests/vllm_standin: it samples as our generate path does, from the
     weights it was given): the weights loaded before each rollout are the policy's, gathered from FSDP2's DTensors or
