@@ -4,6 +4,8 @@
 # Writes OUT_DIR/{device.txt,tests.txt,benchmark.md,varlen.md,peers.md,peers_compiled.md} (default gpu_check/) and prints them.
 #   bash scripts/gpu_check.sh [OUT_DIR]
 # Needs the gpu extra for the flash-attn, fused-kernel and Liger rows: pip install -e ".[test,gpu]".
+# GRPO's vLLM test (tests/test_grpo.py) runs where vLLM is installed (pip install vllm: it brings the torch it was built
+# for, so install it in an environment of its own); without it that test is skipped and says so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-gpu_check}
