@@ -7,7 +7,8 @@ The rollout (finetune.methods.grpo.sample: left-padded prompts, G completions ea
 engine's inference, completions cut after EOS) and a plain `model.generate(..., num_return_sequences=G)` call
 sample the same number of tokens from the same prompts (min_new_tokens = max_new_tokens, so neither stops early);
 each is timed as the median of --repeats (interleaved) after one warm-up. Prints generated tokens per second of each and
-their ratio (the rollout's per-token cost over generate's: 1.0 is the same).
+their ratio (the rollout's per-token cost over generate's: 1.0 is the same). --vllm adds GRPO's rollout through vLLM
+(method.vllm: finetune.methods.vllm_rollout, GPU; its rate counts the tokens it sampled, since it may stop at EOS).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--vllm", action="store_true", help="also GRPO's rollout through vLLM (needs vLLM and a GPU)")
     args = parser.parse_args(argv)
 
     import torch
@@ -73,8 +75,19 @@ def main(argv: list[str] | None = None) -> None:
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=0, max_new_tokens=args.new_tokens,
                            num_return_sequences=args.generations, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
 
-    tokens = args.prompts * args.generations * args.new_tokens
+    tokens = {name: args.prompts * args.generations * args.new_tokens for name in ("model.generate", "grpo rollout", "vllm rollout")}
     runs = {"model.generate": generate, "grpo rollout": rollout}
+    if args.vllm:
+        from finetune.methods.vllm_rollout import VllmSampler
+
+        sampler = VllmSampler(engine, tok, MethodConfig(name=Method.grpo, generations=args.generations, completion_tokens=args.new_tokens,
+                                                        vllm=True, vllm_memory=0.3), prompt_tokens=args.prompt_tokens)
+        sampler.sync(engine, step=1)
+
+        def through_vllm() -> None:
+            tokens["vllm rollout"] = sum(map(len, sample(engine, prompts, cfg, tok, seed=(0, 1, 0, 0), vllm=sampler)))
+
+        runs["vllm rollout"] = through_vllm
     times: dict[str, list[float]] = {name: [] for name in runs}
     for fn in runs.values():
         fn()  # warm-up
@@ -87,11 +100,12 @@ def main(argv: list[str] | None = None) -> None:
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
             times[name].append(time.perf_counter() - tic)
-    rates = {name: tokens / statistics.median(t) for name, t in times.items()}
-    print(f"| rows | new tokens | {' | '.join(rates)} | rollout / generate |")
+    rates = {name: tokens[name] / statistics.median(t) for name, t in times.items()}
+    print(f"| rows | new tokens | {' | '.join(rates)} | rollout / generate |" + (" vllm / generate |" if args.vllm else ""))
     print(f"| {args.prompts} x {args.generations} | {args.new_tokens} | "
           + " | ".join(f"{r:,.0f} tokens/s" for r in rates.values())
-          + f" | {rates['grpo rollout'] / rates['model.generate']:.2f}x |")
+          + f" | {rates['grpo rollout'] / rates['model.generate']:.2f}x |"
+          + (f" {rates['vllm rollout'] / rates['model.generate']:.2f}x |" if args.vllm else ""))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ PEERS=(--device cuda --precision bf16 --attn flash_attention_2 --hidden 2048 --l
 "$PY" scripts/benchmark_peers.py "${PEERS[@]}" --peers hf --no-ours-padded --out "$OUT/peers_compiled.md" \
   --ours-extra hardware=h100_80g train.compile=true model.kernels=liger logits=chunked logits.kernel=liger
 # 5. GRPO's rollout against model.generate with its KV cache on the same batch (issue 32's goal: as fast per token).
+#    With vLLM installed, its rollout (method.vllm) is a third row.
+VLLM_ROW=$("$PY" -c "import vllm" >/dev/null 2>&1 && echo --vllm || true)
 "$PY" scripts/benchmark_rollout.py --device cuda --dtype bf16 --hidden 2048 --layers 16 --prompts 16 --generations 8 \
-  --prompt-tokens 256 --new-tokens 256 | tee "$OUT/rollout.md"
+  --prompt-tokens 256 --new-tokens 256 $VLLM_ROW | tee "$OUT/rollout.md"
 exit "$tests"
