@@ -123,8 +123,8 @@ def test_quickstart_dpo_from_the_quickstart_model_raises_reward_accuracy_and_exa
 
 def test_quickstart_grpo_from_the_quickstart_model_raises_reward_and_exact_match(quickstart, tmp_path):
     """+recipe=quickstart_grpo on 2 ranks from the quickstart SFT checkpoint: 8 sampled answers per prompt, rewarded when
-    exact. Measured: exact match 81.2% -> 85.2%, eval loss 0.191 -> 0.120, mean sampled reward 0.53 (steps 1-100) -> 0.71
-    (301-400)."""
+    exact, 1000 steps. Measured: exact match 81.2% -> 90.6%, eval loss 0.191 -> 0.081, mean sampled reward 0.53 (steps
+    1-100) -> 0.82 (901-1000)."""
     run_dir, _ = quickstart
     out = run_cli("+recipe=quickstart_grpo", f"model.path={run_dir / 'final'}", "train.progress_bar=false",
                   f"hydra.run.dir={tmp_path / 'grpo'}", cwd=tmp_path)
@@ -132,10 +132,10 @@ def test_quickstart_grpo_from_the_quickstart_model_raises_reward_and_exact_match
     summary = json.loads((tmp_path / "grpo/summary.json").read_text())
     before, after = summary["before"], summary["after"]
     assert before["exact_match"] == json.loads((run_dir / "summary.json").read_text())["after"]["exact_match"]  # where SFT ended
-    assert after["exact_match"] >= before["exact_match"] + 0.02 and after["eval_loss"] < 0.85 * before["eval_loss"]
+    assert after["exact_match"] >= before["exact_match"] + 0.06 and after["eval_loss"] < 0.6 * before["eval_loss"], (before, after)
     train = [m for m in read_metrics(tmp_path / "grpo") if m["kind"] == "train"]
-    reward = [sum(m["reward"] for m in train[i : i + 100]) / 100 for i in (0, 300)]
-    assert len(train) == 500 and reward[1] > reward[0] + 0.08, reward
+    reward = [sum(m["reward"] for m in train[i : i + 100]) / 100 for i in (0, 900)]
+    assert len(train) == 1000 and reward[1] > reward[0] + 0.2, reward
     assert sum(m["generation_s"] for m in train) > 0
 
 
