@@ -127,7 +127,7 @@ def test_quickstart_grpo_from_the_quickstart_model_raises_reward_and_exact_match
     1-100) -> 0.82 (901-1000)."""
     run_dir, _ = quickstart
     out = run_cli("+recipe=quickstart_grpo", f"model.path={run_dir / 'final'}", "train.progress_bar=false",
-                  f"hydra.run.dir={tmp_path / 'grpo'}", cwd=tmp_path)
+                  f"hydra.run.dir={tmp_path / 'grpo'}", cwd=tmp_path, timeout=1200)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = json.loads((tmp_path / "grpo/summary.json").read_text())
     before, after = summary["before"], summary["after"]

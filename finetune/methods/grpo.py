@@ -24,8 +24,9 @@ were sampled with (`old_logps`, kept by `rollout`), and the clip acts from the s
 
 The loss averages each completion's tokens, then sums over completions; the loop divides by the completions of the
 global batch (so every prompt's group weighs the same). Generation runs through the engine (`generation_model`,
-synced across ranks where parameters are gathered collectively: FSDP2, ZeRO-3) before the step; its time is
-reported apart (`generation_s`). Evaluation scores the rows' own responses (their per-token cross-entropy as
+synced across ranks where parameters are gathered collectively: FSDP2, ZeRO-3) before the step, or through a vLLM
+engine on each rank with method.vllm (finetune.methods.vllm_rollout, the policy's weights loaded into it first); its
+time is reported apart (`generation_s`). Evaluation scores the rows' own responses (their per-token cross-entropy as
 `eval_loss`) and, at the end, exact match of greedy completions, as SFT does.
 """
 
