@@ -22,7 +22,7 @@ def test_stage3_offload_fp16_recipe_golden(compose):
     cfg = compose(["+recipe=zero3_offload_fp16"])
     spec = build(cfg, "/runs/z3", python="python", cpu_count=32, port=29400)
     assert spec.argv == [
-        "python", "-m", "deepspeed.launcher.runner", "--num_nodes=1", "--num_gpus=4",
+        "python", "-m", "finetune.deepspeed_runner", "--num_nodes=1", "--num_gpus=4",
         "--master_addr=127.0.0.1", "--master_port=29400", "--module", "finetune.train", "/runs/z3/config.yaml",
     ]
     assert json.loads(spec.files["deepspeed.json"]) == {
@@ -80,13 +80,13 @@ def test_multi_node_deepspeed_argv(compose, tmp_path):
                    "launcher.master_port=29501", "train.global_batch_size=128"])
     spec = build(cfg, "/r", python="python", cpu_count=64)
     assert spec.argv == [
-        "python", "-m", "deepspeed.launcher.runner", "--num_nodes=2", "--num_gpus=8", f"--hostfile={hostfile}",
+        "python", "-m", "finetune.deepspeed_runner", "--num_nodes=2", "--num_gpus=8", f"--hostfile={hostfile}",
         "--no_ssh", "--node_rank=1", "--master_addr=10.1.1.1", "--master_port=29501", "--module", "finetune.train", "/r/config.yaml",
     ]
 
 
 def test_auto_launcher_picks_deepspeed_for_zero_and_torchrun_otherwise(compose):
-    assert "deepspeed.launcher.runner" in build(compose(["zero=stage0"]), "/r", python="p", cpu_count=1).argv
+    assert "finetune.deepspeed_runner" in build(compose(["zero=stage0"]), "/r", python="p", cpu_count=1).argv
     two = ["parallelism=ddp", "launcher.nproc_per_node=2", "train.global_batch_size=32"]
     assert "torch.distributed.run" in build(compose(["zero=none", *two]), "/r", python="p", cpu_count=1).argv
     torchrun = build(compose(["zero=stage2", "launcher=torchrun", *two]), "/r", python="p", cpu_count=1)
@@ -161,7 +161,7 @@ def torch_reference(start_model, tmp_path_factory):
 def test_two_rank_zero_matches_single_process_torch(zero, start_model, torch_reference, tmp_path):
     out = run_cli(*STEPS, f"zero={zero}", "model=pretrained", f"model.path={start_model}", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert "deepspeed.launcher.runner --num_nodes=1 --num_gpus=2" in out.stdout
+    assert "finetune.deepspeed_runner --num_nodes=1 --num_gpus=2" in out.stdout
     # Tolerance: fp32 on both sides; only the order of float sums differs (measured: < 1e-6 relative).
     assert train_losses(tmp_path / "run") == pytest.approx(train_losses(torch_reference), rel=1e-4)
     assert final_eval(tmp_path / "run") == pytest.approx(final_eval(torch_reference), rel=1e-4)
@@ -225,7 +225,7 @@ def test_dpo_under_zero_matches_single_process_torch(zero, reference, start_mode
     out = run_cli(*DPO_STEPS, f"zero={zero}", f"method.reference={reference}", "model=pretrained", f"model.path={start_model}",
                   "parallelism=ddp", "launcher.nproc_per_node=2", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert "deepspeed.launcher.runner --num_nodes=1 --num_gpus=2" in out.stdout
+    assert "finetune.deepspeed_runner --num_nodes=1 --num_gpus=2" in out.stdout
     ours = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "train"]
     ref = [m for m in read_metrics(torch_dpo) if m["kind"] == "train"]
     assert ours[0]["loss"] == pytest.approx(0.6931472, abs=1e-5)
@@ -243,3 +243,22 @@ def test_deepspeed_imports_without_its_autotuners_mlflow_and_mlflow_still_import
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines()[-2:] == ["False False", "type"]  # (DeepSpeed prints its accelerator warning first)
+
+
+def test_deepspeeds_runner_and_its_launch_skip_the_autotuners_mlflow():
+    """finetune.deepspeed_runner runs DeepSpeed's runner without importing mlflow, and starts the node's launch.py
+    through itself (the same arguments); other commands (pdsh to other nodes) go out as DeepSpeed wrote them."""
+    from finetune.deepspeed_runner import _launch_through_us
+
+    started = []
+    start = _launch_through_us(lambda cmd, **kw: started.append(cmd))
+    start(["/py", "-u", "-m", "deepspeed.launcher.launch", "--world_info=e30=", "--module", "finetune.train", "c.yaml"], env={})
+    start(["pdsh", "-S", "-f", "1024", "-w", "a,b", "cd /r; /py -u -m deepspeed.launcher.launch --world_info=e30="])
+    assert started == [["/py", "-u", "-m", "finetune.deepspeed_runner", "--launch", "--world_info=e30=", "--module", "finetune.train",
+                        "c.yaml"], ["pdsh", "-S", "-f", "1024", "-w", "a,b", "cd /r; /py -u -m deepspeed.launcher.launch --world_info=e30="]]
+    code = ("import sys; from finetune import deepspeed_runner as r; sys.argv = ['r', '--help']; code = r.main(); "
+            "sys.argv = ['r', '--launch', '--help']; code += r.main(); from deepspeed.autotuning import autotuner; "
+            "print(code, 'mlflow' in sys.modules, autotuner.has_mlflow)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines()[-1] == "0 False False"

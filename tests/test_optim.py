@@ -159,7 +159,7 @@ def test_zero2_offload_momentum_on_two_ranks_matches_one_process(runs, tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     port = re.findall(r"--master_port=(\d+)", out.stdout)[0]  # DeepSpeed's CPU all-reduce buffers: the ranks removed theirs
     assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
-    assert "deepspeed.launcher.runner --num_nodes=1 --num_gpus=2" in out.stdout
+    assert "finetune.deepspeed_runner --num_nodes=1 --num_gpus=2" in out.stdout
     assert json.loads((tmp_path / "run/deepspeed.json").read_text())["optimizer"]["type"] == "SGD"
     assert train_losses(tmp_path / "run") == pytest.approx(train_losses(runs / "momentum"), rel=1e-4)
 
