@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -156,35 +157,49 @@ def torch_reference(start_model, tmp_path_factory):
     return single_process_run(tmp_path_factory.mktemp("ref"), start_model, STEPS)
 
 
+_zero_runs: dict[str, tuple[Path, str]] = {}
+
+
+def zero_run(zero: str, start_model: Path, tmp_path_factory) -> tuple[Path, str]:
+    """(run directory, stdout) of STEPS from `start_model` under `zero`, saving a checkpoint every 2 steps: launched once per
+    test process, for the comparison with one process and as the uninterrupted run a resume continues."""
+    if zero not in _zero_runs:
+        run = tmp_path_factory.mktemp(f"zero_{zero}") / "run"
+        out = run_cli(*STEPS, f"zero={zero}", "model=pretrained", f"model.path={start_model}", "train.save_every=2",
+                      f"hydra.run.dir={run}", cwd=run.parent)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+        _zero_runs[zero] = run, out.stdout
+    return _zero_runs[zero]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("zero", ["stage0", "stage1", "stage2", "stage2_offload", "stage3", "stage3_offload"])
-def test_two_rank_zero_matches_single_process_torch(zero, start_model, torch_reference, tmp_path):
-    out = run_cli(*STEPS, f"zero={zero}", "model=pretrained", f"model.path={start_model}", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert "finetune.deepspeed_runner --num_nodes=1 --num_gpus=2" in out.stdout
+def test_two_rank_zero_matches_single_process_torch(zero, start_model, torch_reference, tmp_path_factory):
+    run, stdout = zero_run(zero, start_model, tmp_path_factory)
+    assert "finetune.deepspeed_runner --num_nodes=1 --num_gpus=2" in stdout
     # Tolerance: fp32 on both sides; only the order of float sums differs (measured: < 1e-6 relative).
-    assert train_losses(tmp_path / "run") == pytest.approx(train_losses(torch_reference), rel=1e-4)
-    assert final_eval(tmp_path / "run") == pytest.approx(final_eval(torch_reference), rel=1e-4)
+    assert train_losses(run) == pytest.approx(train_losses(torch_reference), rel=1e-4)
+    assert final_eval(run) == pytest.approx(final_eval(torch_reference), rel=1e-4)
     # The exported Hugging Face weights are whole (consolidated from the shards under ZeRO-3).
-    ours, ref = load_file(tmp_path / "run/final/model.safetensors"), load_file(torch_reference / "final/model.safetensors")
+    ours, ref = load_file(run / "final/model.safetensors"), load_file(torch_reference / "final/model.safetensors")
     assert set(ours) == set(ref)
     assert all(torch.allclose(ours[k], ref[k], atol=1e-5) for k in ref)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("zero", ["stage2", "none"])
-def test_resume_continues_the_same_trajectory(zero, start_model, tmp_path):
-    common = [*STEPS, "train.max_steps=6", f"zero={zero}", "model=pretrained", f"model.path={start_model}", "train.save_every=3"]
-    full = run_cli(*common, f"hydra.run.dir={tmp_path / 'full'}", cwd=tmp_path)
-    assert full.returncode == 0, full.stderr[-3000:]
-    assert (tmp_path / "full/checkpoints/latest").read_text().strip() == "step_6"
-    resumed = run_cli(*common, f"train.resume={tmp_path / 'full/checkpoints/step_3'}", f"hydra.run.dir={tmp_path / 'resumed'}", cwd=tmp_path)
+def test_resume_continues_the_same_trajectory(zero, start_model, tmp_path, tmp_path_factory):
+    """From the checkpoint at step 2 of 4 (the uninterrupted run is the ZeRO comparison's, where it has one)."""
+    full, _ = zero_run(zero, start_model, tmp_path_factory)
+    assert (full / "checkpoints/latest").read_text().strip() == "step_4"
+    resumed = run_cli(*STEPS, f"zero={zero}", "model=pretrained", f"model.path={start_model}", "train.save_every=2",
+                      f"train.resume={full / 'checkpoints/step_2'}", f"hydra.run.dir={tmp_path / 'resumed'}", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "at step 3" in resumed.stdout
+    assert "at step 2" in resumed.stdout
     steps = [m["step"] for m in read_metrics(tmp_path / "resumed") if m["kind"] == "train"]
-    assert steps == [4, 5, 6]
-    assert train_losses(tmp_path / "resumed") == pytest.approx(train_losses(tmp_path / "full")[3:], rel=1e-6)
-    assert final_eval(tmp_path / "resumed") == pytest.approx(final_eval(tmp_path / "full"), rel=1e-6)
+    assert steps == [3, 4]
+    assert train_losses(tmp_path / "resumed") == pytest.approx(train_losses(full)[2:], rel=1e-6)
+    assert final_eval(tmp_path / "resumed") == pytest.approx(final_eval(full), rel=1e-6)
 
 
 @pytest.mark.slow
