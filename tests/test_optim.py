@@ -305,8 +305,7 @@ def test_low_memory_states_under_fsdp_follow_one_process_and_resume(tmp_path, op
     naming why on another."""
     common = ["+recipe=quickstart_sft", option, "train.max_steps=4", "optim.warmup_steps=1", "train.micro_batch_size=8",
               "train.exact_match_samples=0", "train.progress_bar=false", "train.eval_every=0", "train.save_every=2"]
-    one = run_cli(*common, "parallelism=single", "launcher.nproc_per_node=1", f"hydra.run.dir={tmp_path / 'one'}", cwd=tmp_path)
-    assert one.returncode == 0, one.stderr[-3000:]
+    train_here([*common, "parallelism=single", "launcher.nproc_per_node=1"], tmp_path / "one")  # in this process: the maths
     fsdp = run_cli(*common, "parallelism=fsdp", f"hydra.run.dir={tmp_path / 'fsdp'}", cwd=tmp_path)
     assert fsdp.returncode == 0, fsdp.stderr[-3000:]
     assert train_losses(tmp_path / "fsdp") == pytest.approx(train_losses(tmp_path / "one"), rel=1e-4)
