@@ -63,7 +63,8 @@ def build(cfg: Config, run_dir: str | Path, *, python: str, cpu_count: int, port
     rank_env: dict[str, str] = {}
 
     if launcher_for(cfg) == LauncherName.deepspeed:
-        argv = [python, "-m", "deepspeed.launcher.runner", f"--num_nodes={launch.nnodes}", f"--num_gpus={launch.nproc_per_node}"]
+        # DeepSpeed's runner (`deepspeed ...`), without its autotuner's `import mlflow` (finetune.deepspeed_runner)
+        argv = [python, "-m", "finetune.deepspeed_runner", f"--num_nodes={launch.nnodes}", f"--num_gpus={launch.nproc_per_node}"]
         if launch.hostfile:
             argv.append(f"--hostfile={launch.hostfile}")
         if launch.no_ssh:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from finetune.config import Device
+from finetune.deepspeed_runner import without_mlflow
 
 
 @dataclass(frozen=True)
@@ -77,17 +78,17 @@ def init(device: Device, *, deepspeed: bool = False) -> Dist:
 
 def import_deepspeed() -> Any:
     """`import deepspeed`, without the `import mlflow` its autotuner tries at import (deepspeed.autotuning.autotuner):
-    2 s per rank where mlflow is installed, for an autotuner no run here starts. mlflow itself still imports afterwards
-    (train.loggers=[mlflow] on rank 0)."""
-    if "deepspeed" not in sys.modules and "mlflow" not in sys.modules:
-        sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` raises ImportError: has_mlflow = False
-        try:
-            import deepspeed
-        finally:
-            if sys.modules.get("mlflow", 0) is None:
-                del sys.modules["mlflow"]
-    import deepspeed
+    2 s per rank where mlflow is installed, for an autotuner no run here starts (finetune.deepspeed_runner). mlflow
+    itself still imports afterwards (train.loggers=[mlflow] on rank 0)."""
+    with without_mlflow():
+        import deepspeed
+    with contextlib.suppress(ImportError):  # py-cpuinfo: DeepSpeed's CPU op builders need it (else they ask lscpu)
+        import cpuinfo
 
+        if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
+            # Each call starts a python process to read the CPU (1.5 s); DeepSpeed's CPU optimizer builder asks twice per
+            # rank (-march, then SIMD width) for the same machine. Once per process is enough.
+            cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
     return deepspeed
 
 

@@ -4,5 +4,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 # Two workers (pytest-xdist), a test file per worker: the machines this runs on have 2 cores, and much
-# of a CLI test is process start-up and waiting; FINETUNE_TEST_WORKERS=0 runs in one process.
-exec "${PYTHON:-python3}" -m pytest -q -n "${FINETUNE_TEST_WORKERS:-2}" --dist loadfile --durations=30 "$@"
+# of a CLI test is process start-up and waiting; FINETUNE_TEST_WORKERS=0 runs in one process. The longest files run
+# first (tests/conftest.py's order, which --no-loadscope-reorder keeps), so both workers end at about the same time.
+exec "${PYTHON:-python3}" -m pytest -q -n "${FINETUNE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder --durations=30 "$@"

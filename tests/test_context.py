@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import last_line, read_metrics, reload_and_evaluate, run_cli
+from conftest import last_line, read_metrics, reload_and_evaluate, run_cli, train_here
 from finetune.config import ASSETS, ConfigError
 from finetune.context import split_batch, whole_mask
 from finetune.data.tokenize import IGNORE
@@ -140,6 +140,12 @@ def run(tmp_path: Path, name: str, *overrides: str, base: list[str] = STEPS) -> 
     return tmp_path / name
 
 
+def single(tmp_path: Path, *overrides: str, base: list[str] = STEPS) -> Path:
+    """The one-process run the layouts are compared with: the rank's code in this process (the maths, not the launch)."""
+    train_here([*base, *overrides, *SINGLE], tmp_path / "single")
+    return tmp_path / "single"
+
+
 def model_dir(root: Path, family: str, **keys) -> Path:
     """A local model (random weights, the shipped tokenizer) of `family` with config keys the random-init group
     does not take (sliding windows, dropout; GPT-2 reads the sizes through its aliases)."""
@@ -166,7 +172,7 @@ def model_dir(root: Path, family: str, **keys) -> Path:
                                             "dp2_cp2": ["parallelism=cp2", "launcher.nproc_per_node=4"]}),
 ], ids=["padded", "packed_recompute_chunked", "4_ranks"])
 def test_context_parallel_follows_one_process(tmp_path, common, layouts):
-    reference = run(tmp_path, "single", *common, *SINGLE)
+    reference = single(tmp_path, *common)
     for name, layout in layouts.items():
         got = run(tmp_path, name, *common, *layout)
         assert losses(got) == pytest.approx(losses(reference), rel=1e-5), name
@@ -185,7 +191,7 @@ def test_context_parallel_follows_one_process(tmp_path, common, layouts):
 def test_families_under_context_parallel(tmp_path, family, keys, extra):
     directory = model_dir(tmp_path, family, **keys)
     common = ["model=pretrained", f"model.path={directory}", "train.max_steps=2", *extra]
-    reference = run(tmp_path, "single", *common, *SINGLE, base=BASE)
+    reference = single(tmp_path, *common, base=BASE)
     got = run(tmp_path, "cp2", *common, "parallelism=cp2", base=BASE)
     assert losses(got) == pytest.approx(losses(reference), rel=1e-5)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from safetensors.torch import load_file
 from finetune.config import ConfigError
 from finetune.command import build, deepspeed_config
 
-from conftest import REPO, read_metrics, run_cli, tiny_model
+from conftest import REPO, read_metrics, run_cli, tiny_model, train_here
 
 
 def test_stage3_offload_fp16_recipe_golden(compose):
@@ -22,7 +23,7 @@ def test_stage3_offload_fp16_recipe_golden(compose):
     cfg = compose(["+recipe=zero3_offload_fp16"])
     spec = build(cfg, "/runs/z3", python="python", cpu_count=32, port=29400)
     assert spec.argv == [
-        "python", "-m", "deepspeed.launcher.runner", "--num_nodes=1", "--num_gpus=4",
+        "python", "-m", "finetune.deepspeed_runner", "--num_nodes=1", "--num_gpus=4",
         "--master_addr=127.0.0.1", "--master_port=29400", "--module", "finetune.train", "/runs/z3/config.yaml",
     ]
     assert json.loads(spec.files["deepspeed.json"]) == {
@@ -80,13 +81,13 @@ def test_multi_node_deepspeed_argv(compose, tmp_path):
                    "launcher.master_port=29501", "train.global_batch_size=128"])
     spec = build(cfg, "/r", python="python", cpu_count=64)
     assert spec.argv == [
-        "python", "-m", "deepspeed.launcher.runner", "--num_nodes=2", "--num_gpus=8", f"--hostfile={hostfile}",
+        "python", "-m", "finetune.deepspeed_runner", "--num_nodes=2", "--num_gpus=8", f"--hostfile={hostfile}",
         "--no_ssh", "--node_rank=1", "--master_addr=10.1.1.1", "--master_port=29501", "--module", "finetune.train", "/r/config.yaml",
     ]
 
 
 def test_auto_launcher_picks_deepspeed_for_zero_and_torchrun_otherwise(compose):
-    assert "deepspeed.launcher.runner" in build(compose(["zero=stage0"]), "/r", python="p", cpu_count=1).argv
+    assert "finetune.deepspeed_runner" in build(compose(["zero=stage0"]), "/r", python="p", cpu_count=1).argv
     two = ["parallelism=ddp", "launcher.nproc_per_node=2", "train.global_batch_size=32"]
     assert "torch.distributed.run" in build(compose(["zero=none", *two]), "/r", python="p", cpu_count=1).argv
     torchrun = build(compose(["zero=stage2", "launcher=torchrun", *two]), "/r", python="p", cpu_count=1)
@@ -144,10 +145,10 @@ def final_eval(run_dir):
 
 
 def single_process_run(tmp, start_model, steps):
-    """The torch engine on one process, from `start_model`: what the 2-rank runs are compared with."""
-    out = run_cli(*steps, "model=pretrained", f"model.path={start_model}", "parallelism=single", "launcher.nproc_per_node=1",
-                  f"hydra.run.dir={tmp / 'run'}", cwd=tmp)
-    assert out.returncode == 0, out.stderr[-3000:]
+    """The torch engine on one process, from `start_model`: what the 2-rank runs are compared with (the rank's code in
+    this process: the maths, not the launch)."""
+    train_here([*steps, "model=pretrained", f"model.path={start_model}", "parallelism=single", "launcher.nproc_per_node=1"],
+               tmp / "run")
     return tmp / "run"
 
 
@@ -156,35 +157,49 @@ def torch_reference(start_model, tmp_path_factory):
     return single_process_run(tmp_path_factory.mktemp("ref"), start_model, STEPS)
 
 
+_zero_runs: dict[str, tuple[Path, str]] = {}
+
+
+def zero_run(zero: str, start_model: Path, tmp_path_factory) -> tuple[Path, str]:
+    """(run directory, stdout) of STEPS from `start_model` under `zero`, saving a checkpoint every 2 steps: launched once per
+    test process, for the comparison with one process and as the uninterrupted run a resume continues."""
+    if zero not in _zero_runs:
+        run = tmp_path_factory.mktemp(f"zero_{zero}") / "run"
+        out = run_cli(*STEPS, f"zero={zero}", "model=pretrained", f"model.path={start_model}", "train.save_every=2",
+                      f"hydra.run.dir={run}", cwd=run.parent)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+        _zero_runs[zero] = run, out.stdout
+    return _zero_runs[zero]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("zero", ["stage0", "stage1", "stage2", "stage2_offload", "stage3", "stage3_offload"])
-def test_two_rank_zero_matches_single_process_torch(zero, start_model, torch_reference, tmp_path):
-    out = run_cli(*STEPS, f"zero={zero}", "model=pretrained", f"model.path={start_model}", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert "deepspeed.launcher.runner --num_nodes=1 --num_gpus=2" in out.stdout
+def test_two_rank_zero_matches_single_process_torch(zero, start_model, torch_reference, tmp_path_factory):
+    run, stdout = zero_run(zero, start_model, tmp_path_factory)
+    assert "finetune.deepspeed_runner --num_nodes=1 --num_gpus=2" in stdout
     # Tolerance: fp32 on both sides; only the order of float sums differs (measured: < 1e-6 relative).
-    assert train_losses(tmp_path / "run") == pytest.approx(train_losses(torch_reference), rel=1e-4)
-    assert final_eval(tmp_path / "run") == pytest.approx(final_eval(torch_reference), rel=1e-4)
+    assert train_losses(run) == pytest.approx(train_losses(torch_reference), rel=1e-4)
+    assert final_eval(run) == pytest.approx(final_eval(torch_reference), rel=1e-4)
     # The exported Hugging Face weights are whole (consolidated from the shards under ZeRO-3).
-    ours, ref = load_file(tmp_path / "run/final/model.safetensors"), load_file(torch_reference / "final/model.safetensors")
+    ours, ref = load_file(run / "final/model.safetensors"), load_file(torch_reference / "final/model.safetensors")
     assert set(ours) == set(ref)
     assert all(torch.allclose(ours[k], ref[k], atol=1e-5) for k in ref)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("zero", ["stage2", "none"])
-def test_resume_continues_the_same_trajectory(zero, start_model, tmp_path):
-    common = [*STEPS, "train.max_steps=6", f"zero={zero}", "model=pretrained", f"model.path={start_model}", "train.save_every=3"]
-    full = run_cli(*common, f"hydra.run.dir={tmp_path / 'full'}", cwd=tmp_path)
-    assert full.returncode == 0, full.stderr[-3000:]
-    assert (tmp_path / "full/checkpoints/latest").read_text().strip() == "step_6"
-    resumed = run_cli(*common, f"train.resume={tmp_path / 'full/checkpoints/step_3'}", f"hydra.run.dir={tmp_path / 'resumed'}", cwd=tmp_path)
+def test_resume_continues_the_same_trajectory(zero, start_model, tmp_path, tmp_path_factory):
+    """From the checkpoint at step 2 of 4 (the uninterrupted run is the ZeRO comparison's, where it has one)."""
+    full, _ = zero_run(zero, start_model, tmp_path_factory)
+    assert (full / "checkpoints/latest").read_text().strip() == "step_4"
+    resumed = run_cli(*STEPS, f"zero={zero}", "model=pretrained", f"model.path={start_model}", "train.save_every=2",
+                      f"train.resume={full / 'checkpoints/step_2'}", f"hydra.run.dir={tmp_path / 'resumed'}", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "at step 3" in resumed.stdout
+    assert "at step 2" in resumed.stdout
     steps = [m["step"] for m in read_metrics(tmp_path / "resumed") if m["kind"] == "train"]
-    assert steps == [4, 5, 6]
-    assert train_losses(tmp_path / "resumed") == pytest.approx(train_losses(tmp_path / "full")[3:], rel=1e-6)
-    assert final_eval(tmp_path / "resumed") == pytest.approx(final_eval(tmp_path / "full"), rel=1e-6)
+    assert steps == [3, 4]
+    assert train_losses(tmp_path / "resumed") == pytest.approx(train_losses(full)[2:], rel=1e-6)
+    assert final_eval(tmp_path / "resumed") == pytest.approx(final_eval(full), rel=1e-6)
 
 
 @pytest.mark.slow
@@ -225,7 +240,7 @@ def test_dpo_under_zero_matches_single_process_torch(zero, reference, start_mode
     out = run_cli(*DPO_STEPS, f"zero={zero}", f"method.reference={reference}", "model=pretrained", f"model.path={start_model}",
                   "parallelism=ddp", "launcher.nproc_per_node=2", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert "deepspeed.launcher.runner --num_nodes=1 --num_gpus=2" in out.stdout
+    assert "finetune.deepspeed_runner --num_nodes=1 --num_gpus=2" in out.stdout
     ours = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "train"]
     ref = [m for m in read_metrics(torch_dpo) if m["kind"] == "train"]
     assert ours[0]["loss"] == pytest.approx(0.6931472, abs=1e-5)
@@ -243,3 +258,22 @@ def test_deepspeed_imports_without_its_autotuners_mlflow_and_mlflow_still_import
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines()[-2:] == ["False False", "type"]  # (DeepSpeed prints its accelerator warning first)
+
+
+def test_deepspeeds_runner_and_its_launch_skip_the_autotuners_mlflow():
+    """finetune.deepspeed_runner runs DeepSpeed's runner without importing mlflow, and starts the node's launch.py
+    through itself (the same arguments); other commands (pdsh to other nodes) go out as DeepSpeed wrote them."""
+    from finetune.deepspeed_runner import _launch_through_us
+
+    started = []
+    start = _launch_through_us(lambda cmd, **kw: started.append(cmd))
+    start(["/py", "-u", "-m", "deepspeed.launcher.launch", "--world_info=e30=", "--module", "finetune.train", "c.yaml"], env={})
+    start(["pdsh", "-S", "-f", "1024", "-w", "a,b", "cd /r; /py -u -m deepspeed.launcher.launch --world_info=e30="])
+    assert started == [["/py", "-u", "-m", "finetune.deepspeed_runner", "--launch", "--world_info=e30=", "--module", "finetune.train",
+                        "c.yaml"], ["pdsh", "-S", "-f", "1024", "-w", "a,b", "cd /r; /py -u -m deepspeed.launcher.launch --world_info=e30="]]
+    code = ("import sys; from finetune import deepspeed_runner as r; sys.argv = ['r', '--help']; code = r.main(); "
+            "sys.argv = ['r', '--launch', '--help']; code += r.main(); from deepspeed.autotuning import autotuner; "
+            "print(code, 'mlflow' in sys.modules, autotuner.has_mlflow)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines()[-1] == "0 False False"

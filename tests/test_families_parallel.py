@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from conftest import last_line, read_metrics, reload_and_evaluate, run_cli
+from conftest import last_line, read_metrics, reload_and_evaluate, run_cli, train_here
 from finetune.config import ConfigError
 from finetune.families import FAMILIES
 from finetune import parallel
@@ -94,6 +94,12 @@ def run(tmp_path, name, *overrides):
     return tmp_path / name
 
 
+def single(tmp_path, *overrides):
+    """The one-process run the layouts are compared with: the rank's code in this process (the maths, not the launch)."""
+    train_here([*STEPS, *overrides, *SINGLE], tmp_path / "single")
+    return tmp_path / "single"
+
+
 # (family, extra overrides, layouts compared with one process): phi3's fused qkv/gate_up (gathered by
 # its plan), olmo2's q/k norms over the full width (gathered), mixtral's packed experts (sharded by
 # its plan; see below), gpt_neox's blocks at gpt_neox.layers with a fused colwise qkv and partial rotary.
@@ -109,7 +115,7 @@ CASES = [
 @pytest.mark.parametrize("family,extra,layouts", CASES, ids=[c[0] for c in CASES])
 def test_family_layouts_follow_the_single_process_run(family, extra, layouts, tmp_path):
     common = [f"model.init.model_type={family}", *extra]
-    reference = run(tmp_path, "single", *common, *SINGLE)
+    reference = single(tmp_path, *common)
     for name, layout in layouts.items():
         got = run(tmp_path, name, *common, *layout)
         # fp32 on both sides; only the order of float sums differs (the tolerance of tests/test_parallel.py)
@@ -124,7 +130,7 @@ def test_moe_experts_under_tp_follow_one_process_and_resume(tmp_path):
     """Mixtral's experts sharded by transformers' plan (packed gate/up: strided shards, saved whole
     in the distributed checkpoint): the one-process loss, and a resume reproduces the last step."""
     common = ["model.init.model_type=mixtral", "train.max_steps=3"]  # step 3 after the resume uses the restored optimizer
-    reference = run(tmp_path, "single", *common, *SINGLE)
+    reference = single(tmp_path, *common)
     tp2 = run(tmp_path, "tp2", *common, "parallelism=tp2", "train.save_every=1")
     assert losses(tp2) == pytest.approx(losses(reference), rel=1e-4)
     assert reload_and_evaluate(tp2 / "final", tp2)[0] == pytest.approx(eval_after(reference), rel=1e-4)

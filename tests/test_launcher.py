@@ -55,7 +55,7 @@ def test_one_process_runs_the_rank_itself_with_torchruns_environment(compose):
     assert spec.env == {"OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "RANK": "0", "LOCAL_RANK": "0",
                         "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
     zero = build(compose(["zero=stage2", "launcher.nproc_per_node=1", "parallelism=single"]), "/r", python="python", cpu_count=2)
-    assert zero.argv[2] == "deepspeed.launcher.runner"  # DeepSpeed sets up its own ranks
+    assert zero.argv[2] == "finetune.deepspeed_runner"  # DeepSpeed sets up its own ranks
     asked = build(compose(["parallelism=single", "launcher.nproc_per_node=1", "launcher=torchrun"]), "/r", python="python", cpu_count=2)
     assert asked.argv[2] == "torch.distributed.run"  # launcher=torchrun, said in so many words
     nodes = build(compose(["launcher.nnodes=2", "launcher.nproc_per_node=1", "launcher.master_addr=10.0.0.7", "launcher.master_port=29600",

@@ -218,14 +218,22 @@ STEPS = ["train.max_steps=2", "optim.warmup_steps=0", "train.eval_every=0", "tra
          "train.tensorboard=false"]
 
 
+@pytest.fixture(scope="module")
+def full_logits(saved_model, tmp_path_factory) -> list[float]:
+    """The train losses of 2 steps on a single rank with the full logits (in this process): what every layout matches."""
+    run = tmp_path_factory.mktemp("full") / "run"
+    train_here(["+recipe=quickstart_sft", "model=pretrained", f"model.path={saved_model}", *STEPS, "parallelism=single",
+                "launcher.nproc_per_node=1"], run)
+    return [m["loss"] for m in read_metrics(run) if m["kind"] == "train"]
+
+
 @pytest.mark.parametrize("layout", [["parallelism=fsdp"], ["parallelism=tp2"], ["zero=stage3", "launcher.nproc_per_node=2"],
                                     ["parallelism=pp2"]], ids=["fsdp", "tp2", "zero3", "pp2"])
-def test_chunked_under_each_engine_trains_as_the_full_logits_do(tmp_path, saved_model, layout):
+def test_chunked_under_each_engine_trains_as_the_full_logits_do(tmp_path, saved_model, full_logits, layout):
     """2 steps with logits=chunked on 2 ranks: the losses of a single rank with the full logits (pp2: the last
     stage takes its micro-batch's labels and returns the rows' log-probs)."""
     base = ["+recipe=quickstart_sft", "model=pretrained", f"model.path={saved_model}", *STEPS]
-    train_here([*base, "parallelism=single", "launcher.nproc_per_node=1"], tmp_path / "full")
-    full = [m["loss"] for m in read_metrics(tmp_path / "full") if m["kind"] == "train"]
+    full = full_logits
     out = run_cli(*base, "logits=chunked", *layout, f"hydra.run.dir={tmp_path / 'chunked'}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     chunked = [m["loss"] for m in read_metrics(tmp_path / "chunked") if m["kind"] == "train"]

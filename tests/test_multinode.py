@@ -170,7 +170,7 @@ def test_slurm_script_dry_run_with_fake_srun_gives_each_node_its_rank(deepspeed,
     for rank, text in enumerate(nodes):
         assert f"# run directory: {run_dir}" in text
         if deepspeed:
-            command = (f"-m deepspeed.launcher.runner --num_nodes=2 --num_gpus=1 --hostfile={run_dir}/hostfile --no_ssh "
+            command = (f"-m finetune.deepspeed_runner --num_nodes=2 --num_gpus=1 --hostfile={run_dir}/hostfile --no_ssh "
                        f"--node_rank={rank} --master_addr=gpu-node-a --master_port=29500 --module finetune.train {run_dir}/config.yaml")
         else:
             command = (f"-m torch.distributed.run --nnodes=2 --nproc_per_node=1 --node_rank={rank} --master_addr=gpu-node-a "

@@ -104,6 +104,21 @@ PIPELINE_LINE = {
 }
 
 
+_layout_runs: dict[tuple[str, ...], tuple[Path, str]] = {}
+
+
+def layout_run(args: list[str], tmp_path_factory) -> tuple[Path, str]:
+    """(run directory, stdout) of STEPS under `args`, saving a checkpoint every 2 steps: launched once per test process,
+    for the layout's comparison with one process and as the uninterrupted run its resume continues."""
+    key = tuple(args)
+    if key not in _layout_runs:
+        run = tmp_path_factory.mktemp("layout") / "run"
+        out = run_cli(*STEPS, *args, "train.save_every=2", f"hydra.run.dir={run}", cwd=run.parent)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        _layout_runs[key] = run, out.stdout
+    return _layout_runs[key]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "layout",
@@ -114,20 +129,19 @@ PIPELINE_LINE = {
     ids=["fsdp", "fsdp-offload", "fsdp-no-reshard", "tp2", "pp2-1f1b", "pp2-gpipe", "pp2-interleaved", "tp2xdp2",
          "fsdp-compile-checkpointing", "pp2-compile"],
 )
-def test_layout_follows_the_single_process_run_and_exports_one_checkpoint(layout, one_process, tmp_path, request):
-    out = run_cli(*STEPS, *layout, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+def test_layout_follows_the_single_process_run_and_exports_one_checkpoint(layout, one_process, tmp_path_factory, request):
+    run, stdout = layout_run(layout, tmp_path_factory)
     # fp32 on both sides; only the order of float sums differs (measured: equal to 4 decimals).
-    assert losses(tmp_path / "run") == pytest.approx(losses(one_process), rel=1e-4)
-    assert grad_norms(tmp_path / "run") == pytest.approx(grad_norms(one_process), rel=1e-3)
-    after = summary(tmp_path / "run")["after"]["eval_loss"]
+    assert losses(run) == pytest.approx(losses(one_process), rel=1e-4)
+    assert grad_norms(run) == pytest.approx(grad_norms(one_process), rel=1e-3)
+    after = summary(run)["after"]["eval_loss"]
     assert after == pytest.approx(summary(one_process)["after"]["eval_loss"], rel=1e-4)
     # One Hugging Face checkpoint, gathered from shards / stages, gives the same eval loss on one process.
-    assert reload_and_evaluate(tmp_path / "run/final", tmp_path / "run")[0] == pytest.approx(after, rel=1e-4)
+    assert reload_and_evaluate(run / "final", run)[0] == pytest.approx(after, rel=1e-4)
     layout_id = request.node.callspec.id
     if "compile" in layout_id:  # the layers compiled inside FSDP2's units / a pipeline's stages
-        assert next(m for m in read_metrics(tmp_path / "run") if m["kind"] == "train")["compile_s"] > 0
-    assert [line for line in out.stdout.splitlines() if line.startswith("pipeline: ")] == (
+        assert next(m for m in read_metrics(run) if m["kind"] == "train")["compile_s"] > 0
+    assert [line for line in stdout.splitlines() if line.startswith("pipeline: ")] == (
         [PIPELINE_LINE[layout_id]] if layout_id in PIPELINE_LINE else [])
 
 
@@ -136,29 +150,29 @@ def test_layout_follows_the_single_process_run_and_exports_one_checkpoint(layout
                                                  ("tp2", ["parallelism=fsdp", "launcher.nproc_per_node=1"]),
                                                  ("pp2 peft=lora", []), ("fsdp peft=qlora peft.dropout=0", ["launcher.nproc_per_node=1"])],
                          ids=["fsdp-2-ranks-resumed-on-1", "pp2", "tp2-resumed-on-1", "pp2-lora", "fsdp-qlora-resumed-on-1"])
-def test_resume_from_the_layouts_distributed_checkpoint(layout, resume_with, tmp_path):
+def test_resume_from_the_layouts_distributed_checkpoint(layout, resume_with, tmp_path, tmp_path_factory):
     """DCP shards reshard on load: FSDP saved on 2 ranks resumes on 1, tensor-parallel shards resume
     on one process (the refusal under parallelism=single says so); the same trajectory. LoRA's optimizer
-    has no parameter without weight decay: its empty group is left out (DCP could not load it back)."""
+    has no parameter without weight decay: its empty group is left out (DCP could not load it back).
+    The uninterrupted run is the layout test's, where it has one (fsdp, tp2, pp2)."""
     layout, *extra = layout.split()
+    full, _ = layout_run([f"parallelism={layout}", *extra], tmp_path_factory)
     common = [*STEPS, f"parallelism={layout}", *extra, "train.save_every=2"]
-    full = run_cli(*common, f"hydra.run.dir={tmp_path / 'full'}", cwd=tmp_path)
-    assert full.returncode == 0, full.stderr[-3000:]
-    written = sorted(p.name for p in (tmp_path / "full/checkpoints/step_2").iterdir())
+    written = sorted(p.name for p in (full / "checkpoints/step_2").iterdir())
     assert written == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json", "rng_0.pt", "rng_1.pt", "trainer_state.pt"]  # a shard per rank
-    resumed = run_cli(*common, *resume_with, f"train.resume={tmp_path / 'full/checkpoints/step_2'}",
+    resumed = run_cli(*common, *resume_with, f"train.resume={full / 'checkpoints/step_2'}",
                       f"hydra.run.dir={tmp_path / 'resumed'}", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed from {tmp_path / 'full/checkpoints/step_2'} at step 2" in resumed.stdout
+    assert f"resumed from {full / 'checkpoints/step_2'} at step 2" in resumed.stdout
     assert [m["step"] for m in read_metrics(tmp_path / "resumed") if m["kind"] == "train"] == [3, 4]
-    assert losses(tmp_path / "resumed") == pytest.approx(losses(tmp_path / "full")[2:], rel=1e-6)
-    assert summary(tmp_path / "resumed")["after"]["eval_loss"] == pytest.approx(summary(tmp_path / "full")["after"]["eval_loss"], rel=1e-6)
+    assert losses(tmp_path / "resumed") == pytest.approx(losses(full)[2:], rel=1e-6)
+    assert summary(tmp_path / "resumed")["after"]["eval_loss"] == pytest.approx(summary(full)["after"]["eval_loss"], rel=1e-6)
     if layout == "tp2":  # the torch engine cannot read DCP shards: the refusal names the layout that can
-        single = run_cli(*common, "parallelism=single", "launcher.nproc_per_node=1", f"train.resume={tmp_path / 'full/checkpoints/step_2'}",
+        single = run_cli(*common, "parallelism=single", "launcher.nproc_per_node=1", f"train.resume={full / 'checkpoints/step_2'}",
                          f"hydra.run.dir={tmp_path / 'single'}", cwd=tmp_path)
         assert single.returncode != 0
         assert single.stderr.strip().splitlines()[-1] == (
-            f"error: resume: train.resume: {tmp_path / 'full/checkpoints/step_2'} was saved with engine=mesh (mesh engine), this run "
+            f"error: resume: train.resume: {full / 'checkpoints/step_2'} was saved with engine=mesh (mesh engine), this run "
             "has engine=torch: that checkpoint format cannot change it; resume under fsdp or tp with the same pp, on any number of "
             "ranks (DCP reshards): on one process, parallelism=fsdp launcher.nproc_per_node=1")
 
