@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 # --dist loadfile a worker runs a whole file, and a long one dealt last keeps one worker busy while the other idles.
 # Every other file follows, most tests first (xdist's own order; scripts/test.sh passes --no-loadscope-reorder so that
 # xdist keeps this one). Simulated on the last run's times: the workers end 7 s apart on average, 33 s with xdist's order.
-LONGEST_FIRST = ("test_parallel.py", "test_deepspeed.py", "test_faults.py", "test_optim.py", "test_e2e.py")
+LONGEST_FIRST = ("test_parallel.py", "test_deepspeed.py", "test_faults.py", "test_e2e.py", "test_grpo.py", "test_optim.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
