@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from conftest import REPO, readme_commands, run_shell
+from conftest import REPO, last_line, readme_commands, run_shell
 
 RUN = "outputs/quickstart_sft"
 
@@ -129,13 +129,58 @@ def test_prompt_files_txt_and_jsonl_and_their_mistakes(tmp_path):
 
     txt = tmp_path / "p.txt"
     txt.write_text("reverse abc\n\nupper\n")
-    assert list(read_prompts(txt)) == [[{"role": "user", "content": "reverse abc"}], [{"role": "user", "content": "upper"}]]
+    assert list(read_prompts(txt)) == [([{"role": "user", "content": "reverse abc"}], None), ([{"role": "user", "content": "upper"}], None)]
     jsonl = tmp_path / "p.jsonl"
-    jsonl.write_text('{"prompt": "a"}\n{"messages": [{"role": "user", "content": "b"}]}\n')
-    assert list(read_prompts(jsonl)) == [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]]
+    jsonl.write_text('{"prompt": "a"}\n{"messages": [{"role": "user", "content": "b"}], "tools": [{"name": "f"}]}\n')
+    assert list(read_prompts(jsonl)) == [([{"role": "user", "content": "a"}], None),
+                                         ([{"role": "user", "content": "b"}], [{"type": "function", "function": {"name": "f"}}])]
     jsonl.write_text('{"prompt": "a"}\n{"text": "b"}\n')
     with pytest.raises(Refusal, match=r'p.jsonl:2: a line needs \{"prompt": TEXT\} or \{"messages": \[...\]\}'):
         list(read_prompts(jsonl))
     jsonl.write_text("{oops\n")
     with pytest.raises(Refusal, match=r"p.jsonl:1: not JSON"):
         list(read_prompts(jsonl))
+
+
+def test_tools_are_offered_as_the_template_renders_them(tmp_path):
+    """--tools (or a row's own "tools"): the prompt is what the tokenizer's chat template renders for the conversation with
+    those tools and a generation prompt (Qwen2.5's shipped template), and the answer comes after it; a template that cannot
+    render tools, and a file that is not a list of schemas, are refused in one line."""
+    import argparse
+
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from finetune.config import ASSETS
+    from finetune.finished import locate
+    from finetune.generate import Chat
+
+    tok = AutoTokenizer.from_pretrained(ASSETS / "tokenizers/qwen2_5")
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    row = json.loads((ASSETS / "data/quickstart_tools/eval.jsonl").read_text().splitlines()[0])
+    messages = row["messages"][:1]
+    chat = Chat(locate(str(tmp_path / "model")), argparse.Namespace(system=None, max_new_tokens=4, temperature=0.0, top_p=1.0, seed=0,
+                                                                      dtype="fp32"))
+    text = tok.apply_chat_template(messages, tools=row["tools"], add_generation_prompt=True, tokenize=False)
+    assert chat.prompt_ids(messages, row["tools"]) == tok(text, add_special_tokens=False)["input_ids"]
+    assert "string_task" in tok.decode(chat.prompt_ids(messages, row["tools"])) and "string_task" not in tok.decode(chat.prompt_ids(messages))
+    (tmp_path / "tools.json").write_text(json.dumps(row["tools"]))
+    (tmp_path / "p.jsonl").write_text(json.dumps({"messages": messages}) + "\n" + json.dumps({"messages": messages, "tools": row["tools"]}) + "\n")
+    out = run_shell(f"python -m finetune.generate {tmp_path / 'model'} --file {tmp_path / 'p.jsonl'} --tools {tmp_path / 'tools.json'} "
+                    "--max-new-tokens 4", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["prompt"] for r in lines] == ["shift biqpmz"] * 2 and lines[0]["response"] == lines[1]["response"]
+    (tmp_path / "bad.json").write_text('{"name": "f"}')
+    out = run_shell(f"python -m finetune.generate {tmp_path / 'model'} --prompt hi --tools {tmp_path / 'bad.json'}", cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.strip() == (f"error: --tools {tmp_path / 'bad.json'}: 'tools' must be a list of function "
+                                                          "schemas (or its JSON text), got dict")
+
+
+@pytest.mark.slow
+def test_tools_with_a_template_that_cannot_render_them_are_refused(shipped, tmp_path):
+    (tmp_path / "tools.json").write_text('[{"name": "f"}]')
+    out = run_shell(f"python -m finetune.generate {RUN} --prompt hi --tools {tmp_path / 'tools.json'}", cwd=shipped)
+    assert out.returncode == 2 and last_line(out.stderr).startswith("error: the prompt: this row has tools or tool calls, but the "
+                                                                    "chat template leaves out the tools' schemas"), out.stderr
