@@ -406,7 +406,7 @@ def test_vllm_is_refused_where_it_cannot_run(compose, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None or
                     os.environ.get("PYTHONPATH", "").find("vllm_standin") >= 0, reason="needs CUDA and vLLM itself")
-def test_vllm_itself_samples_from_the_synced_policy_and_trains(shipped, tmp_path):
+def test_vllm_itself_samples_from_the_synced_policy_and_trains(shipped, tmp_path, monkeypatch):
     """vLLM on a GPU: built with dummy weights, synced from the quickstart model (LoRA with a trained B merged in), its greedy
     completions of the eval prompts are transformers' own on the same weights (bf16: a rare near-tie may flip, so 90%);
     then 3 GRPO steps through the CLI sample with it."""
@@ -419,6 +419,13 @@ def test_vllm_itself_samples_from_the_synced_policy_and_trains(shipped, tmp_path
     from finetune.data.batches import left_padded
     from finetune.methods.vllm_rollout import VllmSampler
 
+    import socket
+
+    with socket.socket() as free:  # vLLM's external launcher reads the process group's place from the environment: this
+        free.bind(("127.0.0.1", 0))  # process's own (restored after the test, so the CLI run below starts clean)
+        port = free.getsockname()[1]
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
+        monkeypatch.setenv(key, value)
     final = shipped / "outputs/quickstart_sft/final"
     tok = AutoTokenizer.from_pretrained(final)
     net = AutoModelForCausalLM.from_pretrained(final, dtype=torch.bfloat16).cuda().eval()
@@ -434,6 +441,7 @@ def test_vllm_itself_samples_from_the_synced_policy_and_trains(shipped, tmp_path
         out = policy.generate(**batch, do_sample=False, max_new_tokens=16, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     ours = [r[: r.index(tok.eos_token_id) + 1] if tok.eos_token_id in r else r for r in out[:, batch["input_ids"].shape[1]:].tolist()]
     assert sum(a == b for a, b in zip(ours, theirs)) >= 0.9 * len(ours), (ours[:4], theirs[:4])
+    monkeypatch.undo()
     run = run_cli("+recipe=quickstart_grpo", f"model.path={final}", "method.vllm=true", "method.vllm_memory=0.2", "peft=lora",
                   "parallelism=single", "launcher.nproc_per_node=1", "train.device=cuda", "precision=bf16", "train.max_steps=3",
                   "train.eval_every=0", "train.exact_match_samples=0", "train.progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}",
