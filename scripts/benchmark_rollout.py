@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
 
         sampler = VllmSampler(engine, tok, MethodConfig(name=Method.grpo, generations=args.generations, completion_tokens=args.new_tokens,
                                                         vllm=True, vllm_memory=0.3), prompt_tokens=args.prompt_tokens)
-        sampler.sync(engine, step=1)
+        sampler.sync(engine)
 
         def through_vllm() -> None:
             tokens["vllm rollout"] = sum(map(len, sample(engine, prompts, cfg, tok, seed=(0, 1, 0, 0), vllm=sampler)))

@@ -432,7 +432,7 @@ def test_vllm_itself_samples_from_the_synced_policy_and_trains(shipped, tmp_path
     policy = get_peft_model(net, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)).eval()
     sampler = VllmSampler(SimpleNamespace(generation_model=policy, dtype=torch.bfloat16, dp_rank=0), tok,
                           method(vllm=True, vllm_memory=0.2, completion_tokens=16), prompt_tokens=64)
-    sampler.sync(SimpleNamespace(generation_model=policy), step=1)
+    sampler.sync(SimpleNamespace(generation_model=policy))
     prompts = [tok(f"<|user|>reverse\n{w}\n<|assistant|>", add_special_tokens=False)["input_ids"] for w in ("abc", "hello", "qwerty", "xyz")] * 8
     theirs = [list(o.outputs[0].token_ids) for o in sampler.llm.generate([{"prompt_token_ids": p} for p in prompts],
                                                                            SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)]

@@ -210,7 +210,7 @@ class GRPO:
                 from finetune.methods.vllm_rollout import VllmSampler
 
                 self.vllm = VllmSampler(engine, tokenizer, self.cfg, prompt_tokens=self.prompt_tokens)
-            self.vllm.sync(engine, step)
+            self.vllm.sync(engine)
         for k, mb in enumerate(micro_batches):
             prompts, answers = split_rows(mb)
             completions = sample(engine, prompts, self.cfg, tokenizer, seed=(seed, step, engine.dp_rank, k), vllm=self.vllm)

@@ -47,15 +47,12 @@ class VllmSampler:
                            seed=engine.dp_rank,
                            gpu_memory_utilization=cfg.vllm_memory, tensor_parallel_size=1, distributed_executor_backend="external_launcher",
                            **({"max_model_len": prompt_tokens + cfg.completion_tokens} if prompt_tokens else {}))
-        self.synced: int | None = None
 
-    def sync(self, engine: Any, step: int) -> None:
-        """The policy's weights as they are before `step` into vLLM (collective where they are gathered)."""
-        if self.synced == step:
-            return
+    def sync(self, engine: Any) -> None:
+        """The policy's weights as they are now into vLLM (collective where they are gathered); the rollout calls it once
+        before sampling."""
         runner_model(self.llm).load_weights(hf_weights(engine.generation_model))
         self.llm.reset_prefix_cache()
-        self.synced = step
 
     def sample(self, prompts: list[list[int]], cfg: MethodConfig, seed: int) -> list[list[int]]:
         """G completions per prompt (adjacent), as vLLM returns them (cut at EOS, which it keeps)."""
