@@ -22,7 +22,9 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "scripts" / "family_matrix.json"
@@ -78,11 +80,15 @@ def build_models(root: Path, families: list[str]) -> dict[str, Path]:
     return out
 
 
-def run_cell(model: Path, strategy: str, run_dir: Path, timeout: int = 600) -> dict:
-    """One cell through the real CLI: {"status": ok|refused|failed, "detail": loss or the one-line reason}."""
-    cmd = [sys.executable, "-m", "finetune.launch", *COMMON, f"model.path={model}", *STRATEGIES[strategy], f"hydra.run.dir={run_dir}"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=run_dir.parent,
-                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+def run_cell(model: Path, strategy: str, run_dir: Path, timeout: int = 600, launch: Callable[..., Any] | None = None) -> dict:
+    """One cell through the real CLI: {"status": ok|refused|failed, "detail": loss or the one-line reason}. `launch(*args,
+    cwd=, timeout=)`, where given, runs the launch instead (a test's in-process stand-in for the CLI; same result)."""
+    args = [*COMMON, f"model.path={model}", *STRATEGIES[strategy], f"hydra.run.dir={run_dir}"]
+    if launch is not None:
+        out = launch(*args, cwd=run_dir.parent, timeout=timeout)
+    else:
+        out = subprocess.run([sys.executable, "-m", "finetune.launch", *args], capture_output=True, text=True, timeout=timeout,
+                             cwd=run_dir.parent, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     last = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
     if out.returncode == 0:
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

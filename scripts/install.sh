@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install finetune (editable) with its test extra into the current Python.
+# Install finetune (editable) with its test extra into the current Python, at the versions the suite is tested with
+# (constraints/test.txt, refreshed on purpose by scripts/lock.sh; pyproject.toml's ranges stay open for users).
 # Without torch and without an NVIDIA GPU, torch is installed first, from pip's configured index
 # (on Linux, PyPI's torch wheel is the CUDA build). For the CPU build, name PyTorch's CPU index:
 #   FINETUNE_TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu bash scripts/install.sh
@@ -9,9 +10,9 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null && ! command -v nvidia-smi >/dev/null 2>&1; then
   if [ -n "${FINETUNE_TORCH_INDEX_URL:-}" ]; then
-    "$PY" -m pip install -q "torch==2.13.0" --index-url "$FINETUNE_TORCH_INDEX_URL"
+    "$PY" -m pip install -q -c constraints/test.txt torch --index-url "$FINETUNE_TORCH_INDEX_URL"
   else
-    "$PY" -m pip install -q "torch==2.13.0"
+    "$PY" -m pip install -q -c constraints/test.txt torch
   fi
 fi
-"$PY" -m pip install -q -e ".[test]"
+"$PY" -m pip install -q -c constraints/test.txt -e ".[test]"

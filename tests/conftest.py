@@ -6,6 +6,7 @@ import atexit
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -15,6 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+import ranks
 
 # Tests never reach a hub: fail fast instead of retrying the network (set before any HF import).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -28,6 +31,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 if "FINETUNE_CACHE_DIR" not in os.environ:
     os.environ["FINETUNE_CACHE_DIR"] = tempfile.mkdtemp(prefix="finetune-tokens-")
     atexit.register(shutil.rmtree, os.environ["FINETUNE_CACHE_DIR"], ignore_errors=True)
+
+# The lock files by which the two test workers share the machine's cores (tests/ranks.py: a launch of two ranks waits for
+# the other worker's test, which waits for it); made once by the session's first process, inherited by its workers.
+if "FINETUNE_TEST_CORES" not in os.environ:
+    os.environ["FINETUNE_TEST_CORES"] = tempfile.mkdtemp(prefix="finetune-cores-")
+    atexit.register(shutil.rmtree, os.environ["FINETUNE_TEST_CORES"], ignore_errors=True)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -44,6 +53,37 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         per_file[item.path.name] = per_file.get(item.path.name, 0) + 1
     first = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: (first.get(item.path.name, len(first)), -per_file[item.path.name]))  # stable: a file's own order
+
+
+def where_the_time_went(exc: subprocess.TimeoutExpired) -> str:
+    """What a launch past its time limit had done: the machine's load and the processes sharing it (two test workers on
+    two cores: more training processes than cores slow every launch), then the last lines it printed (the launcher's
+    plan and command, each step's line, the start-up breakdown)."""
+    def tail(data: bytes | str | None, n: int = 40) -> str:
+        text = data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
+        return "\n".join(text.splitlines()[-n:]) or "(nothing)"
+
+    busy = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            with contextlib.suppress(OSError, IndexError):
+                if entry.name.isdigit():
+                    cmd = Path(f"/proc/{entry.name}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                    if "finetune." in cmd and "pytest" not in cmd:
+                        busy.append(f"  {entry.name}: {cmd[:200]}")
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (f"{shlex.join(map(str, exc.cmd)) if isinstance(exc.cmd, list) else exc.cmd}\nran past its {exc.timeout} s limit; load "
+            f"average {load} on {os.cpu_count()} cores; finetune processes alive now ({len(busy)}):\n" + "\n".join(busy) +
+            f"\n--- its stdout, last lines ---\n{tail(exc.stdout)}\n--- its stderr, last lines ---\n{tail(exc.stderr)}")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A test failed by a subprocess's time limit says where the time went (see `where_the_time_went`)."""
+    report = yield
+    if call.excinfo is not None and isinstance(call.excinfo.value, subprocess.TimeoutExpired):
+        report.sections.append(("where the time went", where_the_time_went(call.excinfo.value)))
+    return report
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +110,43 @@ def compose():
     return lambda overrides=(): preflight(list(overrides))
 
 
-def run_cli(*args: str, cwd: Path, timeout: int = 300, module: str = "finetune.launch") -> subprocess.CompletedProcess:
-    """Run `python -m finetune.launch ARGS` (progress bars off) and return the finished process."""
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Each test holds its share of the machine's cores from its first fixture to its last teardown (tests/ranks.py);
+    @pytest.mark.cores(N) holds N for the whole test (one that starts a job of N training processes itself, not through
+    run_cli or launch_here)."""
+    marker = item.get_closest_marker("cores")
+    with ranks.test_share(), ranks.cores(marker.args[0] if marker else 1):
+        return (yield)
+
+
+def launch_ranks(args: tuple[str, ...] | list[str], module: str = "finetune.launch") -> int:
+    """How many training processes `python -m MODULE ARGS` starts on this machine: a launch's ranks (composed here, as the
+    launcher composes them; a sweep: its widest trial), 1 for any other module, 0 for a dry run or a refused config."""
+    if module != "finetune.launch":
+        return 1
+    from finetune.compose import preflight, sweep_trials
+    from finetune.config import ConfigError
+
+    overrides = [a for a in args if not a.startswith(("-", "hydra."))]
+    trials = sweep_trials(overrides) if any(a in ("-m", "--multirun") for a in args) else [overrides]
+    most = 0
+    for trial in trials:
+        try:
+            cfg = preflight(trial)
+        except (ConfigError, Exception):  # noqa: BLE001 - refused: the launch ends before any rank
+            continue
+        if not cfg.launcher.dry_run:
+            most = max(most, cfg.launcher.nproc_per_node)
+    return most
+
+
+def run_cli(*args: str, cwd: Path, timeout: int = 600, module: str = "finetune.launch") -> subprocess.CompletedProcess:
+    """Run `python -m MODULE ARGS` (default finetune.launch) and return the finished process, holding as many of the
+    machine's cores as it starts training processes (`launch_ranks`)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    with ranks.cores(launch_ranks(args, module)):
+        return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def config_keys(model_type: str) -> set[str]:

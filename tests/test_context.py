@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import last_line, read_metrics, reload_and_evaluate, run_cli, train_here
+from ranks import launch_here
 from finetune.config import ASSETS, ConfigError
 from finetune.context import split_batch, whole_mask
 from finetune.data.tokenize import IGNORE
@@ -135,7 +136,7 @@ def summary(run_dir: Path) -> dict:
 
 
 def run(tmp_path: Path, name: str, *overrides: str, base: list[str] = STEPS) -> Path:
-    out = run_cli(*base, *overrides, f"hydra.run.dir={tmp_path / name}", cwd=tmp_path)
+    out = launch_here(*base, *overrides, f"hydra.run.dir={tmp_path / name}", cwd=tmp_path)
     assert out.returncode == 0, name + out.stdout[-2000:] + out.stderr[-3000:]
     return tmp_path / name
 
@@ -207,7 +208,7 @@ def test_activation_memory_per_rank_is_split_and_planned(tmp_path):
               "train.max_steps=2", "optim.warmup_steps=0", "train.exact_match_samples=0", "train.progress_bar=false", "train.memory_report=categories"]
     measured = {}
     for name, layout in (("cp1", ["parallelism=fsdp", "launcher.nproc_per_node=1"]), ("cp2", [])):
-        out = run_cli(*common, *layout, f"hydra.run.dir={tmp_path / name}", cwd=tmp_path)
+        out = launch_here(*common, *layout, f"hydra.run.dir={tmp_path / name}", cwd=tmp_path)
         assert out.returncode == 0, out.stderr[-3000:]
         records = read_metrics(tmp_path / name)
         planned, memory = (next(r for r in records if r["kind"] == kind) for kind in ("plan", "memory"))

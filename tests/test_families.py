@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from conftest import REPO
+from ranks import launch_here
 
 sys.path.insert(0, str(REPO / "scripts"))
 import family_matrix as fm  # noqa: E402
@@ -67,6 +68,6 @@ def test_a_refused_cell_is_refused_before_launch_with_its_reason(family, strateg
 @pytest.mark.slow
 @pytest.mark.parametrize("family,strategy", RERUN, ids=[f"{f}-{s}" for f, s in RERUN])
 def test_a_cell_that_trains_still_trains(family, strategy, models, tmp_path):
-    cell = fm.run_cell(models[family], strategy, tmp_path / "run")
+    cell = fm.run_cell(models[family], strategy, tmp_path / "run", launch=launch_here)  # the ranks' part: refusals use the CLI
     assert cell["status"] == "ok", cell.get("output", cell["detail"])
     assert math.isfinite(cell["detail"]) and 0 < cell["detail"] < 20  # a language-model loss, ~ln(vocab) at random init

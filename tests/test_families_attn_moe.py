@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import last_line, read_metrics, run_cli, train_here
+from ranks import launch_here
 from finetune.compose import preflight
 from finetune.config import ASSETS, ConfigError, PeftConfig, PeftMethod
 from finetune.families import FAMILIES, attention_limits, pick_attention
@@ -284,7 +285,7 @@ def test_a_pipeline_says_it_does_not_report_the_router_loss(models, tmp_path):
 
     args = [*at(models["mixtral"]), *SHORT[2:], "parallelism=pp2", "train.micro_batch_size=4", "train.global_batch_size=8",
             "data.max_length=64"]
-    out = run_cli(*args, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    out = launch_here(*args, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "router aux loss: not reported under parallelism.pp=2 (each stage keeps its routers' logits)" in out.stdout
     assert not any("router_aux_loss" in m for m in read_metrics(tmp_path / "run") if m["kind"] == "train")

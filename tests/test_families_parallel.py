@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import last_line, read_metrics, reload_and_evaluate, run_cli, train_here
+from ranks import launch_here
 from finetune.config import ConfigError
 from finetune.families import FAMILIES
 from finetune import parallel
@@ -89,7 +90,7 @@ def eval_after(run_dir):
 
 
 def run(tmp_path, name, *overrides):
-    out = run_cli(*STEPS, *overrides, f"hydra.run.dir={tmp_path / name}", cwd=tmp_path)
+    out = launch_here(*STEPS, *overrides, f"hydra.run.dir={tmp_path / name}", cwd=tmp_path)
     assert out.returncode == 0, name + out.stdout[-2000:] + out.stderr[-3000:]
     return tmp_path / name
 
@@ -141,7 +142,7 @@ def test_moe_experts_under_tp_follow_one_process_and_resume(tmp_path):
 @pytest.mark.slow
 def test_lora_on_experts_under_tp_is_one_line(tmp_path):
     """transformers shards Mixtral's experts as fused 3-D parameters; PEFT's adapter on them cannot follow."""
-    out = run_cli(*STEPS, "model.init.model_type=mixtral", "parallelism=tp2", "peft=lora", "peft.dropout=0.0",
+    out = launch_here(*STEPS, "model.init.model_type=mixtral", "parallelism=tp2", "peft=lora", "peft.dropout=0.0",
                   f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert out.returncode != 0
     assert last_line(out.stderr) == (

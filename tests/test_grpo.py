@@ -18,6 +18,7 @@ from finetune.methods.grpo import GRPO, group_advantages, grpo_loss, sample, spl
 from finetune.methods import rewards
 
 from conftest import last_line, read_metrics, run_cli, tiny_model
+from ranks import launch_here
 
 
 def method(**kw) -> MethodConfig:
@@ -240,10 +241,11 @@ def layout_run(tmp_path_factory):
             with pytest.MonkeyPatch.context() as mp:
                 if vllm:
                     mp.setenv("PYTHONPATH", f"{STANDIN}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-                out = run_cli("+recipe=quickstart_sft", "method=grpo", "method.rewards=[length]", "method.generations=4",
-                              "method.completion_tokens=12", "train.max_steps=3", "optim.warmup_steps=1", "train.micro_batch_size=2",
-                              "train.global_batch_size=4", "train.exact_match_samples=4", "train.progress_bar=false", *LAYOUTS[name],
-                              *(["method.vllm=true"] if vllm else []), f"hydra.run.dir={where / 'run'}", cwd=where)
+                launch = run_cli if vllm else launch_here  # the stand-in is found on PYTHONPATH by a new process
+                out = launch("+recipe=quickstart_sft", "method=grpo", "method.rewards=[length]", "method.generations=4",
+                             "method.completion_tokens=12", "train.max_steps=3", "optim.warmup_steps=1", "train.micro_batch_size=2",
+                             "train.global_batch_size=4", "train.exact_match_samples=4", "train.progress_bar=false", *LAYOUTS[name],
+                             *(["method.vllm=true"] if vllm else []), f"hydra.run.dir={where / 'run'}", cwd=where)
             assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
             runs[name, vllm] = where / "run"
         return runs[name, vllm]
@@ -284,9 +286,9 @@ def test_resume_samples_the_same_completions_and_continues_the_trajectory(mu, tm
               f"method.updates_per_rollout={mu}",
               "parallelism=single", "launcher.nproc_per_node=1", "train.max_steps=4", "optim.warmup_steps=1", "train.micro_batch_size=2",
               "train.global_batch_size=2", "train.exact_match_samples=0", "train.eval_every=0", "train.progress_bar=false", "train.save_every=2"]
-    full = run_cli(*common, f"hydra.run.dir={tmp_path / 'full'}", cwd=tmp_path)
+    full = launch_here(*common, f"hydra.run.dir={tmp_path / 'full'}", cwd=tmp_path)
     assert full.returncode == 0, full.stderr[-3000:]
-    resumed = run_cli(*common, f"train.resume={tmp_path / 'full/checkpoints/step_2'}", f"hydra.run.dir={tmp_path / 'resumed'}", cwd=tmp_path)
+    resumed = launch_here(*common, f"train.resume={tmp_path / 'full/checkpoints/step_2'}", f"hydra.run.dir={tmp_path / 'resumed'}", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     keys = ("loss", "grad_norm", "reward", "completion_tokens")
     rows = {name: [{k: m[k] for k in keys} for m in read_metrics(tmp_path / name) if m["kind"] == "train"] for name in ("full", "resumed")}

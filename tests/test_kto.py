@@ -19,6 +19,7 @@ from finetune.methods.kto import KTO, Labelled, kto_loss
 from finetune.objectives import sequence_logps
 
 from conftest import last_line, read_metrics, run_cli, tiny_model, train_here
+from ranks import launch_here
 
 KTO_METHOD = methods.get("kto")
 
@@ -244,7 +245,7 @@ def test_two_ranks_sharded_match_one_process(layout, start, one_process, tmp_pat
     """The row forward with gradients, the mismatched rows' without and the live reference's (sharded like the
     policy) under ZeRO-3 and FSDP2, and one forward of both halves under a pipeline (its last stage returning each
     row's log-probs; the reference precomputed), give one process's losses."""
-    out = run_cli(*SHARDED, *start, *layout, "launcher.nproc_per_node=2", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    out = launch_here(*SHARDED, *start, *layout, "launcher.nproc_per_node=2", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     ours = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "train"]
     assert ours[0]["loss"] == pytest.approx(0.5, abs=1e-6)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import read_metrics, run_cli, train_here
+from ranks import launch_here
 
 IGNORE = -100
 FAMILIES = {  # the families whose forward changes lm_head's output: soft-capping, logits_scaling, logit_scale; llama: none
@@ -234,7 +235,7 @@ def test_chunked_under_each_engine_trains_as_the_full_logits_do(tmp_path, saved_
     stage takes its micro-batch's labels and returns the rows' log-probs)."""
     base = ["+recipe=quickstart_sft", "model=pretrained", f"model.path={saved_model}", *STEPS]
     full = full_logits
-    out = run_cli(*base, "logits=chunked", *layout, f"hydra.run.dir={tmp_path / 'chunked'}", cwd=tmp_path)
+    out = launch_here(*base, "logits=chunked", *layout, f"hydra.run.dir={tmp_path / 'chunked'}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     chunked = [m["loss"] for m in read_metrics(tmp_path / "chunked") if m["kind"] == "train"]
     assert len(full) == 2 and chunked == pytest.approx(full, rel=2e-4)

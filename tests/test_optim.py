@@ -21,6 +21,7 @@ from finetune.dist import Dist
 from finetune.command import deepspeed_config
 
 from conftest import REPO, read_metrics, run_cli, tiny_model, train_here
+from ranks import launch_here
 
 # option -> (torch optimizer class, its momentum, the state it keeps per parameter)
 OPTIONS = {
@@ -306,17 +307,17 @@ def test_low_memory_states_under_fsdp_follow_one_process_and_resume(tmp_path, op
     common = ["+recipe=quickstart_sft", option, "train.max_steps=4", "optim.warmup_steps=1", "train.micro_batch_size=8",
               "train.exact_match_samples=0", "train.progress_bar=false", "train.eval_every=0", "train.save_every=2"]
     train_here([*common, "parallelism=single", "launcher.nproc_per_node=1"], tmp_path / "one")  # in this process: the maths
-    fsdp = run_cli(*common, "parallelism=fsdp", f"hydra.run.dir={tmp_path / 'fsdp'}", cwd=tmp_path)
+    fsdp = launch_here(*common, "parallelism=fsdp", f"hydra.run.dir={tmp_path / 'fsdp'}", cwd=tmp_path)
     assert fsdp.returncode == 0, fsdp.stderr[-3000:]
     assert train_losses(tmp_path / "fsdp") == pytest.approx(train_losses(tmp_path / "one"), rel=1e-4)
     assert train_losses(tmp_path / "one")[-1] < train_losses(tmp_path / "one")[0] - 0.02
     step_2 = tmp_path / "fsdp/checkpoints/step_2"
     ranks = "launcher.nproc_per_node=2" if option == "optim=adamw_8bit" else "launcher.nproc_per_node=1"
-    resumed = run_cli(*common, "parallelism=fsdp", ranks, f"train.resume={step_2}", f"hydra.run.dir={tmp_path / 'resumed'}", cwd=tmp_path)
+    resumed = launch_here(*common, "parallelism=fsdp", ranks, f"train.resume={step_2}", f"hydra.run.dir={tmp_path / 'resumed'}", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert train_losses(tmp_path / "resumed") == pytest.approx(train_losses(tmp_path / "fsdp")[2:], rel=1e-6)
     if option == "optim=adamw_8bit":
-        other = run_cli(*common, "parallelism=fsdp", "launcher.nproc_per_node=1", f"train.resume={step_2}",
+        other = launch_here(*common, "parallelism=fsdp", "launcher.nproc_per_node=1", f"train.resume={step_2}",
                         f"hydra.run.dir={tmp_path / 'other'}", cwd=tmp_path)
         assert other.returncode != 0
         assert other.stderr.strip().splitlines()[-1] == (

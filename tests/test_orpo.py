@@ -14,6 +14,7 @@ from finetune.methods.orpo import ORPO, orpo_loss
 from finetune.objectives import sequence_logps, token_loss_sum
 
 from conftest import read_metrics, run_cli, tiny_model, train_here
+from ranks import launch_here
 
 from test_dpo import pairs_batch
 
@@ -96,10 +97,10 @@ def test_orpo_combines_with_memory_strategies(overrides, plain, tmp_path):
 def test_two_ranks_through_the_cli_the_loss_falls_and_final_loads_with_transformers(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    out = run_cli(*QUICK, "train.max_steps=12", "parallelism=ddp", "launcher.nproc_per_node=2", "train.progress_bar=false",
-                  f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    out = launch_here(*QUICK, "train.max_steps=12", "parallelism=ddp", "launcher.nproc_per_node=2", "train.progress_bar=false",
+                      f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "--nproc_per_node=2" in out.stdout and not (tmp_path / "run/reference_logps.pt").exists()
+    assert len(list((tmp_path / "run/ranks").glob("*.json"))) == 2 and not (tmp_path / "run/reference_logps.pt").exists()
     metrics = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "train"]
     assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.3 and metrics[-1]["nll"] < metrics[0]["nll"]
     net = AutoModelForCausalLM.from_pretrained(tmp_path / "run/final")

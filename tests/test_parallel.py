@@ -14,6 +14,7 @@ from finetune.config import ConfigError
 from finetune.parallel import bubble_fraction, split_blocks
 
 from conftest import last_line, read_metrics, reload_and_evaluate, run_cli, train_here
+from ranks import launch_here
 
 # A 4-block tiny Llama (4 heads, 2 key/value heads), 4 steps, 2 micro-batches per rank and step.
 STEPS = ["+recipe=quickstart_sft", "model.init.num_hidden_layers=4", "train.max_steps=4", "optim.warmup_steps=1",
@@ -113,7 +114,7 @@ def layout_run(args: list[str], tmp_path_factory) -> tuple[Path, str]:
     key = tuple(args)
     if key not in _layout_runs:
         run = tmp_path_factory.mktemp("layout") / "run"
-        out = run_cli(*STEPS, *args, "train.save_every=2", f"hydra.run.dir={run}", cwd=run.parent)
+        out = launch_here(*STEPS, *args, "train.save_every=2", f"hydra.run.dir={run}", cwd=run.parent)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         _layout_runs[key] = run, out.stdout
     return _layout_runs[key]
@@ -160,7 +161,7 @@ def test_resume_from_the_layouts_distributed_checkpoint(layout, resume_with, tmp
     common = [*STEPS, f"parallelism={layout}", *extra, "train.save_every=2"]
     written = sorted(p.name for p in (full / "checkpoints/step_2").iterdir())
     assert written == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json", "rng_0.pt", "rng_1.pt", "trainer_state.pt"]  # a shard per rank
-    resumed = run_cli(*common, *resume_with, f"train.resume={full / 'checkpoints/step_2'}",
+    resumed = launch_here(*common, *resume_with, f"train.resume={full / 'checkpoints/step_2'}",
                       f"hydra.run.dir={tmp_path / 'resumed'}", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {full / 'checkpoints/step_2'} at step 2" in resumed.stdout
@@ -168,7 +169,7 @@ def test_resume_from_the_layouts_distributed_checkpoint(layout, resume_with, tmp
     assert losses(tmp_path / "resumed") == pytest.approx(losses(full)[2:], rel=1e-6)
     assert summary(tmp_path / "resumed")["after"]["eval_loss"] == pytest.approx(summary(full)["after"]["eval_loss"], rel=1e-6)
     if layout == "tp2":  # the torch engine cannot read DCP shards: the refusal names the layout that can
-        single = run_cli(*common, "parallelism=single", "launcher.nproc_per_node=1", f"train.resume={full / 'checkpoints/step_2'}",
+        single = launch_here(*common, "parallelism=single", "launcher.nproc_per_node=1", f"train.resume={full / 'checkpoints/step_2'}",
                          f"hydra.run.dir={tmp_path / 'single'}", cwd=tmp_path)
         assert single.returncode != 0
         assert single.stderr.strip().splitlines()[-1] == (
@@ -219,7 +220,7 @@ def test_memory_strategies_combine_with_layouts(tmp_path, tmp_path_factory, layo
     """LoRA under FSDP2, TP, a pipeline and TP x PP (4 ranks), DoRA under a pipeline, QLoRA under FSDP2 and a pipeline, packed rows under
     a pipeline, bf16 + full checkpointing under TP, DPO with chunked logits under a pipeline: they run and match one process (the adapters exported in PEFT form, whole)."""
     reference = single_run(single, tmp_path_factory)
-    out = run_cli(*STEPS, "train.max_steps=3", *layout, f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    out = launch_here(*STEPS, "train.max_steps=3", *layout, f"hydra.run.dir={tmp_path}", cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert losses(tmp_path) == pytest.approx(losses(reference), rel=rel)
     if single in ("lora", "dora", "qlora"):  # gathered from FSDP/TP shards; merged from the pipeline's stages
@@ -257,7 +258,7 @@ def test_pipeline_scores_exact_match_on_the_exported_model(tmp_path):
     from finetune.heldout import exact_match_of_export
 
     run = tmp_path / "run"
-    out = run_cli("+recipe=quickstart_sft", "parallelism=pp2", "train.max_steps=2", "optim.warmup_steps=0", "train.micro_batch_size=8",
+    out = launch_here("+recipe=quickstart_sft", "parallelism=pp2", "train.max_steps=2", "optim.warmup_steps=0", "train.micro_batch_size=8",
                   "train.eval_every=0",
                   "train.exact_match_samples=6", "train.progress_bar=false", f"hydra.run.dir={run}", cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -15,6 +15,7 @@ from finetune.dist import Dist
 from finetune.engine.common import build_optimizer
 
 from conftest import read_metrics, run_cli, tiny_model, train_here
+from ranks import launch_here
 
 CPU = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 FEW = ["train.global_batch_size=8", "train.micro_batch_size=8", "train.eval_every=0", "data.eval_size=0",
@@ -113,7 +114,7 @@ def test_bf16_pure_follows_bf16_and_fsdp_follows_one_rank(tmp_path):
     train_here(["precision=bf16_pure", *FEW, "train.max_steps=4"], tmp_path / "pure")
     mixed, pure = train_losses(tmp_path / "bf16"), train_losses(tmp_path / "pure")
     assert pure == pytest.approx(mixed, rel=0.02) and pure[-1] < pure[0] - 0.2
-    out = run_cli("+recipe=quickstart_sft", "parallelism=fsdp", "precision=bf16_pure", *FEW, "train.micro_batch_size=4",
+    out = launch_here("+recipe=quickstart_sft", "parallelism=fsdp", "precision=bf16_pure", *FEW, "train.micro_batch_size=4",
                   "train.max_steps=4", "optim.warmup_steps=0", "train.progress_bar=false", "train.tensorboard=false",
                   f"hydra.run.dir={tmp_path / 'fsdp'}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]

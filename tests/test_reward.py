@@ -22,6 +22,7 @@ from finetune.methods.base import SCORED
 from finetune.methods.reward import BradleyTerry, bradley_terry
 
 from conftest import REPO, last_line, read_metrics, run_cli, train_here
+from ranks import launch_here
 
 QUICK = ["method=reward", "data=quickstart_dpo", "train.max_steps=3", "train.micro_batch_size=4", "train.global_batch_size=8",
          "optim.warmup_steps=0", "optim.lr=1e-3", "train.eval_every=0", "train.progress_bar=false"]
@@ -268,9 +269,9 @@ def test_reward_models_combine_with_memory_strategies(overrides, tmp_path):
 def test_fsdp_on_two_ranks_follows_one_process(tmp_path):
     one = train_here(QUICK, tmp_path / "one")
     run = tmp_path / "fsdp"
-    out = run_cli(*QUICK, "parallelism=fsdp", "launcher.nproc_per_node=2", f"hydra.run.dir={run}", cwd=tmp_path)
+    out = launch_here(*QUICK, "parallelism=fsdp", "launcher.nproc_per_node=2", f"hydra.run.dir={run}", cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "--nproc_per_node=2" in out.stdout
+    assert sorted(p.name for p in (run / "ranks").glob("*.json")) == ["0.json", "1.json"]
     assert [m["loss"] for m in read_metrics(run) if m["kind"] == "train"] == pytest.approx(
         [m["loss"] for m in read_metrics(tmp_path / "one") if m["kind"] == "train"], rel=1e-4)
     assert eval_scores(run / "final", run) == pytest.approx(one["after"], rel=1e-4, abs=1e-5)  # gathered from the shards
@@ -280,7 +281,7 @@ def test_fsdp_on_two_ranks_follows_one_process(tmp_path):
 @pytest.mark.parametrize("layout", [["zero=stage3"], ["parallelism=tp2"], ["peft=qlora"]], ids=["zero3", "tp2", "ddp-qlora"])
 def test_other_layouts_train_and_export_a_classifier(layout, tmp_path):
     run = tmp_path / "run"
-    out = run_cli(*QUICK, "parallelism=ddp", "launcher.nproc_per_node=2", *layout, f"hydra.run.dir={run}", cwd=tmp_path)
+    out = launch_here(*QUICK, "parallelism=ddp", "launcher.nproc_per_node=2", *layout, f"hydra.run.dir={run}", cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert all(math.isfinite(m["loss"]) for m in read_metrics(run) if m["kind"] == "train")
     after = json.loads((run / "summary.json").read_text())["after"]

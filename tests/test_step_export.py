@@ -15,6 +15,7 @@ from finetune import export, step_export
 from finetune.config import load as load_config
 
 from conftest import last_line, reload_and_evaluate, run_cli, tiny_model, train_here
+from ranks import launch_here
 
 TWO = ["train.max_steps=2", "train.save_every=1", "optim.lr=3e-3", "train.eval_every=0", "train.exact_match_samples=0"]
 
@@ -77,7 +78,7 @@ def test_zero3_step_export_equals_final(start_model, tmp_path):
     """DeepSpeed ZeRO-3 over 2 ranks, LoRA with LoRA+'s groups: zero_to_fp32's adapter of the last step == final/'s
     gathered one (an fp32 run)."""
     run = tmp_path / "run"
-    out = run_cli("+recipe=quickstart_sft", *TWO, "optim.warmup_steps=0", "zero=stage3", "peft=lora", "optim.loraplus_lr_ratio=4",
+    out = launch_here("+recipe=quickstart_sft", *TWO, "optim.warmup_steps=0", "zero=stage3", "peft=lora", "optim.loraplus_lr_ratio=4",
                   "train.progress_bar=false", "model=pretrained", f"model.path={start_model}",
                   f"hydra.run.dir={run}", cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]

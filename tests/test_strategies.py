@@ -24,6 +24,7 @@ from finetune.engine.torch_engine import TorchEngine
 from finetune.methods.sft import SFT
 
 from conftest import REPO, read_metrics, run_cli, tiny_model, train_here
+from ranks import launch_here
 
 FEW = ["train.max_steps=6", "optim.lr=3e-3", "train.eval_every=0"]
 
@@ -227,7 +228,7 @@ def test_memory_snapshot_on_gpu(tmp_path):
     ["zero=stage3", "peft=qlora", "precision=bf16"],  # 4-bit weights stored as bf16 so ZeRO-3 can shard them
 ])
 def test_strategies_combine_on_two_ranks(combo, tmp_path):
-    out = run_cli("+recipe=quickstart_sft", *combo, "train.max_steps=6", "optim.warmup_steps=1", "optim.lr=3e-3",
+    out = launch_here("+recipe=quickstart_sft", *combo, "train.max_steps=6", "optim.warmup_steps=1", "optim.lr=3e-3",
                   "train.exact_match_samples=0", "train.progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     losses = train_losses(tmp_path / "run")
