@@ -19,7 +19,7 @@ trap 'rm -rf "$(dirname "$venv")"' EXIT
   echo "# Made by scripts/lock.sh on $(date -u +%Y-%m-%d) from a new virtualenv: $("$venv/bin/python" -c 'import platform, sys; print(f"Python {platform.python_version()}, {sys.platform} {platform.machine()}")'), pip $("$venv/bin/python" -m pip --version | cut -d' ' -f2)."
   echo "# Refresh on purpose (bash scripts/lock.sh), then run the suite; never edit by hand. torch's local tag (+cpu) is dropped:"
   echo "# the same release is the CUDA build on a GPU machine. A package absent here (a GPU extra's, another platform's) is free."
-  "$venv/bin/python" -m pip freeze --exclude-editable | grep -v -i '^finetune[= @]' | sed 's/^torch==\([0-9.]*\)+[a-z0-9]*$/torch==\1/'
+  "$venv/bin/python" -m pip freeze --all --exclude pip --exclude-editable | grep -v -i '^finetune[= @]' | sed 's/^torch==\([0-9.]*\)+[a-z0-9]*$/torch==\1/'
 } > constraints/test.txt.new
 mv constraints/test.txt.new constraints/test.txt
 echo "constraints/test.txt: $(grep -vc '^#' constraints/test.txt) packages"

@@ -116,7 +116,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     @pytest.mark.cores(N) holds N for the whole test (one that starts a job of N training processes itself, not through
     run_cli or launch_here)."""
     marker = item.get_closest_marker("cores")
-    with ranks.test_share(), ranks.cores(marker.args[0] if marker else 1):
+    with ranks.test_share(item.nodeid), ranks.cores(marker.args[0] if marker else 1):
         return (yield)
 
 
@@ -266,7 +266,10 @@ def shipped(tmp_path_factory, worker_id):
 
     shared = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
     trained = shared / "shipped-trained"
-    with FileLock(str(shared / "shipped-trained.lock")):
+    lock = FileLock(str(shared / "shipped-trained.lock"))
+    with ranks.released():  # the other worker may be training it, on both cores
+        lock.acquire()
+    with lock:
         if not (trained / "outputs/quickstart_sft/summary.json").is_file():
             shutil.rmtree(trained, ignore_errors=True)
             trained.mkdir()

@@ -18,6 +18,7 @@ import contextlib
 import fcntl
 import multiprocessing
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -107,7 +108,8 @@ def launch_here(*args: str, cwd: Path | None = None, run_dir: Path | None = None
     spec = build(cfg, run_dir, python=sys.executable, cpu_count=os.cpu_count() or 1, port=free_port(), env_threads=env_threads())
     write_files(spec, run_dir)
     (run_dir / ERROR_FILE).unlink(missing_ok=True)
-    (run_dir / RANKS_DIR).mkdir(exist_ok=True)
+    shutil.rmtree(run_dir / RANKS_DIR, ignore_errors=True)  # each rank records itself anew, as the launcher has them
+    (run_dir / RANKS_DIR).mkdir()
     world = cfg.launcher.nproc_per_node
     port = spec.env.get("MASTER_PORT") or str(cfg.launcher.master_port or free_port())
     base = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1", LAUNCHER_ENV: f"{os.getpid()}@{socket.gethostname()}",
@@ -154,13 +156,25 @@ def free_port() -> int:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The machine's cores, shared by the test workers
+#
+# Two workers on two cores: each runs one test at a time, in its own process (one training process when it trains in
+# process). A job of two ranks beside the other worker's test makes three processes on two cores, which the ranks
+# weather (a rank waits at a collective only until the other is scheduled again), and it fills the moments one rank
+# idles (rank 0 exporting, evaluating, plotting); two such jobs at once make four, and every collective waits for a
+# descheduled peer. So: a job of two ranks takes the `multi` lock (no two at once); a job of more ranks than that takes
+# every core (the other worker's running test ends first, and its next one waits). Locks are flock(2)s on files in a
+# directory the session's workers share; a test never waits on one while holding its share of `cores` (no deadlock).
 
 
 CORES_DIR_ENV = "FINETUNE_TEST_CORES"
 """A directory shared by the test session's workers (conftest sets it before they start): its lock files."""
 
-HELD: dict[str, int] = {}
-"""fd: this test's descriptor of cores.lock (held shared while it runs); all: set while it holds every core."""
+LOG_ENV = "FINETUNE_TEST_CORES_LOG"
+"""Where set: a file each wait for the cores is appended to (test, ranks, seconds waited, seconds held), for tuning."""
+
+HELD: dict[str, object] = {}
+"""fd: this test's descriptor of cores.lock (held shared while it runs); test: its id; multi: set while it holds the
+multi lock; all: set while it holds every core."""
 
 
 def _lock(name: str) -> int:
@@ -168,42 +182,78 @@ def _lock(name: str) -> int:
     return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
 
 
-@contextlib.contextmanager
-def test_share():
-    """What every test holds while it runs: one core (a shared lock; `cores(2)` waits for every holder)."""
-    fd = _lock("cores.lock")
+def _share_again(fd: int) -> None:
+    """Take this test's share of the cores back, behind any job waiting for every core (the gate), as a new test does."""
     gate = _lock("gate.lock")
-    fcntl.flock(gate, fcntl.LOCK_EX)  # behind a launch that is waiting for both cores
-    fcntl.flock(gate, fcntl.LOCK_UN)
+    try:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(gate, fcntl.LOCK_UN)
+    finally:
+        os.close(gate)
     fcntl.flock(fd, fcntl.LOCK_SH)
-    HELD["fd"] = fd
+
+
+@contextlib.contextmanager
+def test_share(test: str = ""):
+    """What every test holds while it runs: its worker's share of the cores (a shared lock on cores.lock)."""
+    fd = _lock("cores.lock")
+    _share_again(fd)
+    HELD.update(fd=fd, test=test)
     try:
         yield
     finally:
-        HELD.pop("fd", None)
+        HELD.clear()
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
-        os.close(gate)
 
 
 @contextlib.contextmanager
 def cores(n: int):
-    """Hold N of the machine's cores for a job of N training processes. Where N processes and the other worker's test do
-    not fit the cores (N >= 2 on two), this takes every core: this test's own share is given up while it waits, and
-    taken back after; the other worker's running test ends first, and its next one waits."""
+    """Hold what a job of N training processes needs (see above): nothing for one; the multi lock for two; every core
+    for more (or where N and one more process do not fit the machine, N being two on a machine of one core)."""
     fd = HELD.get("fd")
-    if fd is None or n < 2 or n + 1 <= (os.cpu_count() or 1) or HELD.get("all"):
+    cpus = os.cpu_count() or 1
+    if fd is None or n < 2 or HELD.get("multi") or n + 2 <= cpus:
         yield
         return
-    gate = _lock("gate.lock")
-    fcntl.flock(fd, fcntl.LOCK_UN)  # first: a worker waiting at the gate holds no share (two launches at once)
-    fcntl.flock(gate, fcntl.LOCK_EX)  # no new test starts meanwhile
-    fcntl.flock(fd, fcntl.LOCK_EX)  # the other worker's running test ends first
-    fcntl.flock(gate, fcntl.LOCK_UN)
-    HELD["all"] = 1
+    everything = n + 1 > max(cpus, 3)
+    tic = time.monotonic()
+    multi = _lock("multi.lock")
+    fcntl.flock(fd, fcntl.LOCK_UN)  # no share held while waiting: the holder of `multi` may be waiting for every core
+    fcntl.flock(multi, fcntl.LOCK_EX)
+    if everything:
+        gate = _lock("gate.lock")
+        fcntl.flock(gate, fcntl.LOCK_EX)  # no new test starts meanwhile
+        fcntl.flock(fd, fcntl.LOCK_EX)  # the other worker's running test ends first
+        fcntl.flock(gate, fcntl.LOCK_UN)
+        os.close(gate)
+    else:
+        _share_again(fd)
+    HELD["multi"] = True
+    waited, tic = time.monotonic() - tic, time.monotonic()
     try:
         yield
     finally:
-        HELD.pop("all")
-        fcntl.flock(fd, fcntl.LOCK_SH)  # LOCK_EX -> LOCK_SH on the same descriptor: our share again
-        os.close(gate)
+        del HELD["multi"]
+        if everything:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # LOCK_EX -> LOCK_SH on the same descriptor: our share again
+        fcntl.flock(multi, fcntl.LOCK_UN)
+        os.close(multi)
+        if os.environ.get(LOG_ENV):
+            with open(os.environ[LOG_ENV], "a") as f:
+                f.write(f"{HELD.get('test', '')}\t{n}\t{waited:.1f}\t{time.monotonic() - tic:.1f}\n")
+
+
+@contextlib.contextmanager
+def released():
+    """Give up this test's share while it waits for the other worker (a file lock around a fixture it is making): that
+    worker may be waiting for every core, so holding a share here would deadlock the two. Taken back after."""
+    fd = HELD.get("fd")
+    if fd is None or HELD.get("multi"):
+        yield
+        return
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    try:
+        yield
+    finally:
+        _share_again(fd)

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from finetune import checkpoint
 
 from conftest import kill_whole_job, last_line, steps_done, wait_for
+from ranks import launch_here
 
 STEPS = 12  # every run of an engine follows the same trajectory (the schedule decays over max_steps)
 RUN = [sys.executable, "-m", "finetune.launch", "+recipe=quickstart_sft", "train.progress_bar=false", "train.eval_every=0",
@@ -37,6 +38,7 @@ ENGINES = {
     "zero2": ["zero=stage2"],
 }
 HOST = socket.gethostname()
+pytestmark = pytest.mark.cores(2)  # the faults are dealt to jobs of two ranks this test starts and watches itself
 
 
 def launch(args: list[str], run_dir: Path, *, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -86,8 +88,9 @@ def assert_same_weights(run_dir: Path, reference: Path) -> None:
 
 
 def resume(engine: str, run_dir: Path, reference: Path, resumed_from: int | None = None) -> None:
-    """train.resume=auto to the end; the final weights are the uninterrupted run's."""
-    out = launch([*ENGINES[engine], "train.resume=auto", "train.save_every=0"], run_dir)
+    """train.resume=auto to the end; the final weights are the uninterrupted run's. The fault went through the real CLI;
+    the resume and the uninterrupted reference are the ranks' part (tests/ranks.py)."""
+    out = launch_here(*RUN[3:], *ENGINES[engine], "train.resume=auto", "train.save_every=0", run_dir=run_dir)  # the ranks' part
     assert out.returncode == 0, out.stderr[-3000:]
     if resumed_from is not None:
         assert f"resumed from {run_dir / 'checkpoints'}/step_{resumed_from} at step {resumed_from}" in out.stdout
@@ -102,7 +105,7 @@ def reference(tmp_path_factory):
     def get(engine: str) -> Path:
         if engine not in made:
             run_dir = tmp_path_factory.mktemp(f"reference-{engine}") / "run"
-            out = launch([*ENGINES[engine], f"train.save_every={STEPS}"], run_dir)  # its checkpoint's size sizes the disk
+            out = launch_here(*RUN[3:], *ENGINES[engine], f"train.save_every={STEPS}", run_dir=run_dir)  # its checkpoint sizes the disk
             assert out.returncode == 0, out.stderr[-3000:]
             made[engine] = run_dir
         return made[engine]

@@ -119,7 +119,8 @@ def test_readme_command_composes(doc, line, command, shown, tmp_path, monkeypatc
 @pytest.mark.parametrize("index", [None, "https://download.pytorch.org/whl/cpu"])
 def test_install_takes_a_torch_index_when_named(tmp_path, index):
     """scripts/install.sh without torch and without nvidia-smi: FINETUNE_TORCH_INDEX_URL (README's
-    install section) becomes that pip call's --index-url; without it, pip's own index as before."""
+    install section) becomes that pip call's --index-url; without it, pip's own index as before. Both install at the
+    tested versions (constraints/test.txt: torch's pin among them)."""
     import shutil
     import subprocess
 
@@ -132,8 +133,8 @@ def test_install_takes_a_torch_index_when_named(tmp_path, index):
     env = {"PATH": str(bin_dir), "PYTHON": str(fake), **({"FINETUNE_TORCH_INDEX_URL": index} if index else {})}
     out = subprocess.run([shutil.which("bash"), str(REPO / "scripts/install.sh")], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    torch_call = f"-m pip install -q torch==2.13.0{f' --index-url {index}' if index else ''}"
-    assert log.read_text().splitlines() == ["-c import torch", torch_call, "-m pip install -q -e .[test]"]
+    torch_call = f"-m pip install -q -c constraints/test.txt torch{f' --index-url {index}' if index else ''}"
+    assert log.read_text().splitlines() == ["-c import torch", torch_call, "-m pip install -q -c constraints/test.txt -e .[test]"]
 
 
 def test_own_recipe_through_the_real_cli(tmp_path):

@@ -21,6 +21,7 @@ from finetune import checkpoint
 from finetune.config import ConfigError
 
 from conftest import REPO, last_line, kill_whole_job, read_metrics, steps_done, train_here, wait_for
+from ranks import launch_here
 
 QUICK = ["train.max_steps=6", "train.micro_batch_size=8", "train.global_batch_size=8", "optim.warmup_steps=1", "train.eval_every=0",
          "data.eval_size=0", "data.eval=null", "train.exact_match_samples=0", "train.memory_report=false"]
@@ -160,21 +161,8 @@ def start(args, tmp_path, name):
                             stderr=subprocess.PIPE, text=True, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-@pytest.mark.slow
-def test_sigterm_saves_a_resumable_checkpoint_and_stops_cleanly(tmp_path):
-    proc = start(["train.max_steps=2000"], tmp_path, "run")
-    assert wait_for(lambda: steps_done(tmp_path / "run") >= 5)
-    os.kill(proc.pid, signal.SIGTERM)  # what Slurm sends (to the launcher, which forwards it)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode != 0
-    line = last_line(err)
-    assert line.startswith("error: stopped by SIGTERM after step ") and "train.resume=auto" in line, err[-2000:]
-    step = int(line.split("after step ")[1].split(":")[0])
-    assert checkpoint.resolve("auto", tmp_path / "run") == tmp_path / f"run/checkpoints/step_{step}"
-    resumed = subprocess.run([*RUN, f"train.max_steps={step + 2}", "train.resume=auto", f"hydra.run.dir={tmp_path / 'run'}"],
-                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert f"resumed from {tmp_path / 'run/checkpoints'}/step_{step} at step {step}" in resumed.stdout
+# SIGTERM to the launcher (a scheduler's) and a rank killed mid-run, with resume to the same weights, are
+# tests/test_faults.py's, on every engine they apply to (torchrun: ddp, fsdp; deepspeed: zero2).
 
 
 POOL_TERMINATES = """
@@ -230,35 +218,20 @@ def test_a_sigterm_that_reaches_a_child_as_it_is_forked_still_ends_it():
     assert out.stdout.strip() == "survived 0"
 
 @pytest.mark.slow
-def test_killing_one_rank_ends_the_job_in_bounded_time_naming_the_rank(tmp_path):
-    proc = start(["train.max_steps=2000"], tmp_path, "run")
-    assert wait_for(lambda: steps_done(tmp_path / "run") >= 3)
-    victim = json.loads((tmp_path / "run/ranks/1.json").read_text())
-    tic = time.time()
-    os.kill(victim["pid"], signal.SIGKILL)
-    _, err = proc.communicate(timeout=120)
-    elapsed = time.time() - tic
-    print(f"job ended {elapsed:.1f}s after rank 1 was killed")
-    assert proc.returncode != 0 and elapsed < 90
-    assert last_line(err) == (f"error: rank 1 (pid {victim['pid']} on {victim['host']}) died without an error "
-                              "(killed: SIGKILL, or the out-of-memory killer?); the job stopped")
-
-
-@pytest.mark.slow
 # One engine: every engine saves through checkpoint.saving's temporary directory and rename, which is what a kill -9
 # tests; DeepSpeed's own resume to the same trajectory is tests/test_deepspeed.py's and tests/test_faults.py's.
 @pytest.mark.parametrize("engine", [["peft=lora"]], ids=["torch-lora-dropout"])
+@pytest.mark.cores(2)
 def test_kill_9_then_resume_gives_the_uninterrupted_weights(engine, tmp_path):
+    """The kill goes to a job the real CLI started; the uninterrupted run and the resume are the ranks' part (tests/ranks.py)."""
     common = ["train.max_steps=60", "train.save_every=5", "train.micro_batch_size=8", *engine]
-    full = subprocess.run([*RUN, *common, f"hydra.run.dir={tmp_path / 'full'}"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=600)
+    full = launch_here(*RUN[3:], *common, run_dir=tmp_path / "full")
     assert full.returncode == 0, full.stderr[-2000:]
     proc = start(common, tmp_path, "killed")
     assert wait_for(lambda: (tmp_path / "killed/checkpoints/latest").is_file())  # mid-run: after its first checkpoint
     kill_whole_job(proc, tmp_path / "killed")
     assert not (tmp_path / "killed/final").exists()
-    resumed = subprocess.run([*RUN, *common, "train.resume=auto", f"hydra.run.dir={tmp_path / 'killed'}"], cwd=tmp_path,
-                             capture_output=True, text=True, timeout=600)
+    resumed = launch_here(*RUN[3:], *common, "train.resume=auto", run_dir=tmp_path / "killed")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stdout
     name = "adapter_model.safetensors" if "peft=lora" in engine else "model.safetensors"

@@ -185,8 +185,9 @@ def test_the_plan_counts_a_score_head_not_an_lm_head(compose):
 # Through the real CLI, and final/ loaded back with plain transformers
 
 
-def eval_scores(final: Path, run_dir: Path) -> dict[str, float]:
-    """The run's eval metrics recomputed by final/ loaded with AutoModelForSequenceClassification on one process."""
+def eval_scores(final: Path, run_dir: Path, margins: list[float] | None = None, autocast: torch.dtype | None = None) -> dict[str, float]:
+    """The run's eval metrics recomputed by final/ loaded with AutoModelForSequenceClassification on one process (each
+    pair's margin appended to `margins`; under CPU autocast to `autocast` where given)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from finetune import config
@@ -196,14 +197,36 @@ def eval_scores(final: Path, run_dir: Path) -> dict[str, float]:
     net = AutoModelForSequenceClassification.from_pretrained(final).eval()
     evals, _ = tokenize(load_rows(cfg.data.eval, "eval", "data.eval"), tok, cfg.data, "data.eval", Method.reward)
     objective, sums, count = BradleyTerry(cfg.method), {"eval_loss": 0.0}, 0
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
         for batch in eval_batches(evals, 32, tok.pad_token_id):
-            loss, metrics = objective(net, batch)
+            out = net(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), position_ids=batch.get("position_ids"),
+                      use_cache=False)  # as BradleyTerry.__call__
+            loss, metrics = objective.loss(out.logits, batch)
+            if margins is not None:
+                chosen, rejected = out.logits.squeeze(-1).float().chunk(2)
+                margins += (chosen - rejected).tolist()
             sums["eval_loss"] += loss.item()
             for k, v in metrics.items():
                 sums[f"eval_{k}"] = sums.get(f"eval_{k}", 0.0) + v.item()
             count += objective.count(batch)
     return {k: v / count for k, v in sums.items()}
+
+
+def assert_scores_within_fp16(run_dir: Path, after: dict[str, float]) -> None:
+    """The run evaluated under fp16 autocast, the export reloads in fp32. The continuous metrics agree to fp16's rounding
+    (abs 1e-3: 11 significant bits, scores of order 1). Accuracy counts the pairs scored chosen > rejected: a pair whose
+    margin is within fp16's error of 0 may land on either side, so the counts may differ by at most the number of pairs
+    that close, where the error is measured here, pair by pair, on the same model and rows (fp16 autocast against fp32),
+    with a factor 2 for the run's own batching; every other pair must agree."""
+    exact, rounded = [], []
+    fp32 = eval_scores(run_dir / "final", run_dir, margins=exact)
+    eval_scores(run_dir / "final", run_dir, margins=rounded, autocast=torch.float16)
+    error = max(abs(a - b) for a, b in zip(exact, rounded))
+    close = sum(abs(m) <= 2 * error for m in exact)
+    flips = abs(round((after["eval_rewards/accuracy"] - fp32["eval_rewards/accuracy"]) * len(exact)))
+    assert flips <= close, (flips, close, error)
+    continuous = {k: v for k, v in after.items() if k != "eval_rewards/accuracy"}
+    assert {k: fp32[k] for k in continuous} == pytest.approx(continuous, abs=1e-3)
 
 
 def test_a_cli_run_exports_a_model_that_scores_as_it_trained(tmp_path):
@@ -262,7 +285,9 @@ def test_reward_models_combine_with_memory_strategies(overrides, tmp_path):
     assert losses[0] == pytest.approx(math.log(2), abs=0.05) and all(math.isfinite(x) for x in losses)
     assert not any("router_aux_loss" in m for m in train)  # a MoE's sequence classifier returns none
     assert summary["memory"]["mem_peak_total_mib"] > 0
-    if not any(o.startswith("peft=") for o in overrides):  # evaluated under fp16 autocast, reloaded in fp32: to fp16's rounding
+    if "precision=fp16" in overrides:  # evaluated under fp16 autocast, reloaded in fp32
+        assert_scores_within_fp16(tmp_path, summary["after"])
+    elif not any(o.startswith("peft=") for o in overrides):
         assert eval_scores(tmp_path / "final", tmp_path) == pytest.approx(summary["after"], abs=1e-3)
 
 
