@@ -49,8 +49,12 @@ def trial_begins() -> None:
 
 
 def launch_times() -> str:
-    """FINETUNE_LAUNCH_TIMES for the job about to start: when this launch began, and now."""
-    began = LAUNCH["trial"] or process_start() or time.time()
+    """FINETUNE_LAUNCH_TIMES for the job about to start: when this launch began (this sweep trial's start, or the
+    launcher's own Python start: finetune.IMPORTED, not /proc's process start, which is that of a shell that `exec`ed
+    Python, as scripts/quickstart.sh does after its install), and now."""
+    import finetune
+
+    began = LAUNCH["trial"] or finetune.IMPORTED
     return f"{began:.3f},{time.time():.3f}"
 
 

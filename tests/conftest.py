@@ -40,19 +40,26 @@ if "FINETUNE_TEST_CORES" not in os.environ:
 
 REPO = Path(__file__).resolve().parent.parent
 
-# The test files that take longest (summed seconds of the last full run, most first), run first: under pytest-xdist's
-# --dist loadfile a worker runs a whole file, and a long one dealt last keeps one worker busy while the other idles.
-# Every other file follows, most tests first (xdist's own order; scripts/test.sh passes --no-loadscope-reorder so that
-# xdist keeps this one). Simulated on the last run's times: the workers end 7 s apart on average, 33 s with xdist's order.
-LONGEST_FIRST = ("test_parallel.py", "test_deepspeed.py", "test_faults.py", "test_e2e.py", "test_grpo.py", "test_optim.py")
+# How the two workers (pytest-xdist, --dist loadgroup) share the files. The files whose tests are mostly jobs of two or
+# more ranks form one group, RANKS, dealt first to one worker, which runs them one after another: their jobs never
+# overlap (two jobs of two ranks would put four training processes on two cores), and never wait for each other. The
+# other worker meanwhile runs every other file (one group each, longest first: a long file dealt last keeps one worker
+# busy while the other idles), one process each (tests/ranks.py's locks keep the few two-rank jobs there apart from the
+# RANKS worker's). Measured (scripts/slowest.py on the last run): RANKS' files took 1,060 s of the 3,240 s of test time.
+RANKS = ("test_e2e.py", "test_faults.py", "test_parallel.py", "test_grpo.py", "test_deepspeed.py", "test_context.py",
+         "test_families_parallel.py", "test_resilience.py", "test_multinode.py")
+LONGEST_FIRST = ("test_bad_inputs.py", "test_dpo.py", "test_sweep.py", "test_plan.py", "test_optim.py", "test_kto.py",
+                 "test_strategies.py", "test_reward.py", "test_export.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     per_file: dict[str, int] = {}
     for item in items:
         per_file[item.path.name] = per_file.get(item.path.name, 0) + 1
-    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: (first.get(item.path.name, len(first)), -per_file[item.path.name]))  # stable: a file's own order
+    order = {name: i for i, name in enumerate((*RANKS, *LONGEST_FIRST))}
+    items.sort(key=lambda item: (order.get(item.path.name, len(order)), -per_file[item.path.name]))  # stable: a file's own order
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group("ranks" if item.path.name in RANKS else item.path.name))
 
 
 def where_the_time_went(exc: subprocess.TimeoutExpired) -> str:
@@ -125,6 +132,8 @@ def launch_ranks(args: tuple[str, ...] | list[str], module: str = "finetune.laun
     launcher composes them; a sweep: its widest trial), 1 for any other module, 0 for a dry run or a refused config."""
     if module != "finetune.launch":
         return 1
+    if "launcher.dry_run=true" in args:  # prints the launch, starts nothing (composing to find out costs 0.25 s)
+        return 0
     from finetune.compose import preflight, sweep_trials
     from finetune.config import ConfigError
 
@@ -256,7 +265,7 @@ def kill_whole_job(launcher: subprocess.Popen, run_dir: Path) -> None:
 
 @pytest.fixture(scope="session")
 def shipped(tmp_path_factory, worker_id):
-    """A short quickstart run where README's after-training commands expect it, outputs/quickstart_sft under the returned
+    """A short quickstart run where the site's after-training commands expect it, outputs/quickstart_sft under the returned
     directory (the commands run there): 2 ranks, 200 steps (enough for responses other than EOS), for export, generate and
     evaluate. Trained once for the whole suite (the first pytest-xdist worker to ask, under a file lock), then copied into
     this worker's own directory, so the commands that write into it do not meet another worker's."""
@@ -281,21 +290,68 @@ def shipped(tmp_path_factory, worker_id):
     return tmp
 
 
+def site_pages() -> list[str]:
+    """The documentation's pages, as paths from the repository's root: README.md (its front door), then every page of
+    mkdocs.yml's nav, in nav order (tests/test_docs.py checks that the nav holds every page of docs/)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):  # mkdocs.yml's own tags (`!relative $config_dir`) read as nothing
+        pass
+
+    Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    site = yaml.load((REPO / "mkdocs.yml").read_text(), Loader=Loader)
+    pages: list[str] = []
+
+    def walk(entry) -> None:
+        if isinstance(entry, str):
+            pages.append(entry)
+        elif isinstance(entry, dict):
+            for value in entry.values():
+                walk(value)
+        elif isinstance(entry, list):
+            for value in entry:
+                walk(value)
+
+    walk(site["nav"])
+    return ["README.md", *(f"{site.get('docs_dir', 'docs')}/{page}" for page in pages if page.endswith(".md"))]
+
+
+def site_text() -> str:
+    """Every page of the site, one after another (site_pages' order)."""
+    return "\n".join((REPO / page).read_text() for page in site_pages())
+
+
 def readme_commands(module: str) -> list[str]:
-    """README.md's fenced `python -m MODULE ...` lines, as written (a trailing `# comment` dropped)."""
+    """The site's fenced `python -m MODULE ...` lines (README.md and every page of docs/, site_pages), as written (a
+    trailing `# comment` dropped), each once: a command the front door and a page both show is one command."""
     import re
 
-    lines, fenced, out = (REPO / "README.md").read_text().splitlines(), False, []
-    for line in lines:
-        if line.lstrip().startswith("```"):
-            fenced = not fenced
-        elif fenced and re.match(rf"\s*(.*\|\s*)?python -m {re.escape(module)}\b", line):
-            out.append(line.split(" # ")[0].strip())
-    return out
+    out = []
+    for page in site_pages():
+        fenced = False
+        for line in (REPO / page).read_text().splitlines():
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+            elif fenced and re.match(rf"\s*(.*\|\s*)?python -m {re.escape(module)}\b", line):
+                out.append(line.split(" # ")[0].strip())
+    return list(dict.fromkeys(out))
 
 
-def run_shell(command: str, cwd: Path, env: dict | None = None, timeout: int = 300, stdin: str | None = None) -> subprocess.CompletedProcess:
-    """A README command line exactly as written, through bash (its quoting), in `cwd`."""
+def shown_under(command: str) -> str:
+    """The line the site shows under a fenced command line that is exactly `command` (the error it prints)."""
+    found = [lines[i + 1] for page in site_pages() for lines in [(REPO / page).read_text().splitlines()]
+             for i, line in enumerate(lines[:-1]) if line.strip() == command]
+    assert len(set(found)) == 1, f"the site shows {len(found)} lines under `{command}`: {found}"
+    return found[0]
+
+
+def run_shell(command: str, cwd: Path, env: dict | None = None, timeout: int = 600, stdin: str | None = None) -> subprocess.CompletedProcess:
+    """A command line of the site exactly as written, through bash (its quoting), in `cwd`; holding the cores that the
+    `python -m MODULE ...` it runs starts training processes on (`launch_ranks`)."""
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # `python` is this interpreter
-    return subprocess.run(["bash", "-c", command], cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1", "PATH": path, **(env or {})}, input=stdin,
-                          capture_output=True, text=True, timeout=timeout)
+    words = shlex.split(command, comments=True) if "python -m " in command else []
+    at = next((i for i in range(len(words) - 2) if words[i] == "python" and words[i + 1] == "-m"), None)
+    n = launch_ranks(tuple(w for w in words[at + 3:] if w not in ("|", "&&", ";")), words[at + 2]) if at is not None else 1
+    with ranks.cores(n):
+        return subprocess.run(["bash", "-c", command], cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1", "PATH": path, **(env or {})},
+                              input=stdin, capture_output=True, text=True, timeout=timeout)

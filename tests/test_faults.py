@@ -171,7 +171,9 @@ def test_a_full_disk_keeps_the_previous_checkpoint_names_the_disk_and_resumes_to
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["single", "ddp", "fsdp", "zero2"])
+# Each launcher (torchrun: ddp, fsdp; deepspeed's runner: zero2) and each engine's save (torch: ddp; mesh: fsdp; DeepSpeed);
+# one rank under torchrun is single-ctrl-c's below.
+@pytest.mark.parametrize("engine", ["ddp", "fsdp", "zero2"])
 def test_sigkill_of_the_launcher_stops_its_ranks_with_a_checkpoint_and_resume_gives_the_same_weights(engine, reference, tmp_path):
     """SIGKILL cannot be passed on: each rank watches its launcher, and saves and stops when it is gone."""
     ref, run = reference(engine), tmp_path / "run"
@@ -195,9 +197,10 @@ def test_sigkill_of_the_launcher_stops_its_ranks_with_a_checkpoint_and_resume_gi
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine,how", [("single", "SIGINT"), ("ddp", "SIGINT"), ("fsdp", "SIGTERM"), ("zero2", "SIGTERM"),
-                                        ("zero2", "SIGINT")],
-                         ids=["single-ctrl-c", "ddp-ctrl-c", "fsdp-sigterm", "zero2-sigterm", "zero2-ctrl-c"])
+# Ctrl-C and SIGTERM through each launcher (torchrun: single, fsdp; deepspeed's runner, which dies of either: zero2); a
+# signalled DDP rank saves as the SIGKILL test's DDP ranks do (its launcher gone, each rank stops itself with SIGTERM).
+@pytest.mark.parametrize("engine,how", [("single", "SIGINT"), ("fsdp", "SIGTERM"), ("zero2", "SIGTERM"), ("zero2", "SIGINT")],
+                         ids=["single-ctrl-c", "fsdp-sigterm", "zero2-sigterm", "zero2-ctrl-c"])
 def test_sigterm_or_ctrl_c_saves_stops_leaves_no_process_and_resumes_to_the_same_weights(engine, how, reference, tmp_path):
     """SIGTERM to the launcher (a scheduler), or SIGINT to its whole process group (Ctrl-C in a terminal):
     deepspeed's runner dies of either without passing it on; its launch.py and the ranks still end."""

@@ -62,9 +62,11 @@ def test_the_first_step_reports_once_and_only_where_phases_were_marked():
 
 
 def test_the_launcher_passes_when_the_trial_began_and_when_it_spawned():
+    import finetune
+
     startup.LAUNCH["trial"] = None
     trial, spawn = map(float, startup.launch_times().split(","))
-    assert trial == pytest.approx(startup.process_start(), abs=0.01) and trial <= spawn <= time.time() + 0.001
+    assert trial == pytest.approx(finetune.IMPORTED, abs=0.001) and trial <= spawn <= time.time() + 0.001
     startup.trial_begins()  # a sweep's next trial, in the same launcher process
     try:
         trial, spawn = map(float, startup.launch_times().split(","))
@@ -90,3 +92,16 @@ def test_the_time_after_training_is_timed_and_the_launcher_adds_the_shutdown(tmp
     assert startup.shutdown(summary) == ("shutdown: 0.8 s from the summary to the job's end (the rank's exit, the "
                                          "launcher's wait)")
     assert json.loads(summary.read_text())["after_training"] == {**parts, "shutdown": 0.75}
+
+
+def test_a_launcher_execd_by_a_shell_counts_from_its_own_python_start():
+    """scripts/quickstart.sh installs, then `exec`s the launcher: the process (and /proc's start time) is the shell's, so
+    its install was reported as the launcher's share of the start-up (414.9 s, of which 392.1 the install)."""
+    code = "import finetune.startup as s, time; print(s.launch_times(), s.process_start(), time.time())"
+    before = time.time()
+    out = subprocess.run(["bash", "-c", f"sleep 1.5; exec {sys.executable} -c '{code}'"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    times, shell_start, now = out.stdout.split()
+    trial, spawn = map(float, times.split(","))
+    assert float(shell_start) < before + 0.5  # /proc: the shell's start, before its sleep
+    assert before + 1.5 <= trial <= spawn <= float(now)  # the launcher's share starts with its Python
