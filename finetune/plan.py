@@ -1,4 +1,4 @@
-"""`python -m finetune.plan ...`: the memory planner's command, kept under the name users type (README, the
+"""`python -m finetune.plan ...`: the memory planner's command, kept under the name users type (the docs, the
 recipes' first lines, the launcher's "FITS (python -m finetune.plan ... for the breakdown)"). The planner is the
 package finetune/planner/; this module only runs its command (finetune.planner.cli.main)."""
 

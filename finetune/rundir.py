@@ -30,7 +30,7 @@ CHECKPOINTS = "checkpoints"
 FINAL = "final"
 RESULTS = (FINAL, CHECKPOINTS, "base", "summary.json", "metrics.jsonl", "loss.png", "tensorboard", "reference_logps.pt",
            "memory_snapshot.pickle", "eval")
-"""What a run leaves behind (README: What a run writes), removed by train.overwrite=true; the
+"""What a run leaves behind (docs/concepts.md: What a run writes), removed by train.overwrite=true; the
 launch rewrites config.yaml itself, and Hydra its .hydra/."""
 
 

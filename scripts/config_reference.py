@@ -1,8 +1,8 @@
-"""Generate README.md's config reference from the schema (`finetune/config/`).
+"""Generate the site's config reference (docs/reference.md) from the schema (`finetune/config/`).
 
-    python scripts/config_reference.py                    # print the generated section
-    python scripts/config_reference.py --write README.md  # replace it between the marker comments
-    python scripts/config_reference.py --check README.md  # exit 1 naming fields missing, extra or changed
+    python scripts/config_reference.py                            # print the generated section
+    python scripts/config_reference.py --write docs/reference.md  # replace it between the marker comments
+    python scripts/config_reference.py --check docs/reference.md  # exit 1 naming fields missing, extra or changed
 
 One table per group (nested groups such as model.init get their own, root keys come last), one row
 per field: key | default | accepts | what it does. The walk is over the dataclasses, in their field
@@ -178,14 +178,14 @@ def rows_of(section: str) -> dict[str, str]:
 
 
 def problems(readme: str) -> list[str]:
-    """What differs between README text and the generated reference, one line each ([] when equal)."""
+    """What differs between a page's text and the generated reference, one line each ([] when equal)."""
     section, generated = section_of(readme), render()
     if section is None:
         return [f"no config reference: the markers {START} / {END} are missing"]
     have, want = rows_of(section), rows_of(generated)
-    out = [f"missing from the README: {k}" for k in want if k not in have]
-    out += [f"in the README but not in the schema: {k}" for k in have if k not in want]
-    out += [f"row differs: {k}\n  README: {have[k]}\n  schema: {want[k]}" for k in want if k in have and have[k] != want[k]]
+    out = [f"missing from the reference: {k}" for k in want if k not in have]
+    out += [f"in the reference but not in the schema: {k}" for k in have if k not in want]
+    out += [f"row differs: {k}\n  page:   {have[k]}\n  schema: {want[k]}" for k in want if k in have and have[k] != want[k]]
     if not out and section != generated:
         out.append("the section differs from the generated one outside the rows (headings, intros or order)")
     return out
@@ -206,8 +206,8 @@ def write(path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--write", type=Path, metavar="README", help="replace the section between the markers")
-    mode.add_argument("--check", type=Path, metavar="README", help="exit 1 if the section is not the generated one")
+    mode.add_argument("--write", type=Path, metavar="PAGE", help="replace the section between the markers (docs/reference.md)")
+    mode.add_argument("--check", type=Path, metavar="PAGE", help="exit 1 if the section is not the generated one")
     args = parser.parse_args(argv)
     undocumented = [row.key for table in tables() for row in table.rows if not row.doc]
     if undocumented:

@@ -1,11 +1,11 @@
 """The family matrix: tiny random-init models of each family crossed with each strategy, through
 the real CLI (2 optimizer steps per cell), recorded in scripts/family_matrix.json and shown as
-README.md's family table.
+the family table of the site's Model families page (docs/families.md).
 
     python scripts/family_matrix.py                               # run every cell (~20 min on 2 cores)
     python scripts/family_matrix.py --only gemma2 --strategies tp2 pp2
-    python scripts/family_matrix.py --write README.md             # the README table from the recorded results
-    python scripts/family_matrix.py --check README.md             # exit 1 when the README's table is stale
+    python scripts/family_matrix.py --write docs/families.md      # the page's table from the recorded results
+    python scripts/family_matrix.py --check docs/families.md      # exit 1 when the page's table is stale
 
 A cell is `ok` (trained, finite loss), `refused` (the launcher refused it before any rank started:
 its one line is the reason) or `failed` (a rank failed: a defect). Each model is built with
@@ -115,7 +115,7 @@ def run_matrix(families: list[str], strategies: list[str], root: Path) -> dict[s
 
 
 def render(results: dict[str, dict[str, dict]]) -> str:
-    """The README table: a row per family, a column per strategy; refusals and failures numbered, their lines below."""
+    """The family table: a row per family, a column per strategy; refusals and failures numbered, their lines below."""
     notes: list[str] = []
     lines = ["| family | " + " | ".join(STRATEGIES) + " |", "|---|" + "---|" * len(STRATEGIES)]
     for family in FAMILIES:
@@ -146,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", choices=list(FAMILIES), help="families to run (default: all)")
     parser.add_argument("--strategies", nargs="+", choices=list(STRATEGIES), help="strategies to run (default: all)")
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--write", type=Path, metavar="README", help="write the table of the recorded results between the markers")
-    mode.add_argument("--check", type=Path, metavar="README", help="exit 1 if the README's table is not that of the recorded results")
+    mode.add_argument("--write", type=Path, metavar="PAGE", help="write the table of the recorded results between the markers (docs/families.md)")
+    mode.add_argument("--check", type=Path, metavar="PAGE", help="exit 1 if the page's table is not that of the recorded results")
     args = parser.parse_args(argv)
     recorded = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
     if args.write or args.check:
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     for family, cells in fresh.items():
         recorded.setdefault(family, {}).update(cells)
     RESULTS.write_text(json.dumps(recorded, indent=1, sort_keys=True) + "\n")
-    print(f"recorded in {RESULTS.relative_to(REPO)}; README: python scripts/family_matrix.py --write README.md")
+    print(f"recorded in {RESULTS.relative_to(REPO)}; the site's table: python scripts/family_matrix.py --write docs/families.md")
     print(render(recorded))
     return 1 if any(c["status"] == "failed" for cells in fresh.values() for c in cells.values()) else 0
 

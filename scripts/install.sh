@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Install finetune (editable) with its test extra into the current Python, at the versions the suite is tested with
-# (constraints/test.txt, refreshed on purpose by scripts/lock.sh; pyproject.toml's ranges stay open for users).
+# Install finetune (editable) into the current Python, at the versions the suite is tested with (constraints/test.txt,
+# refreshed on purpose by scripts/lock.sh; pyproject.toml's ranges stay open for users):
+#   bash scripts/install.sh          # with the test extra (trackers, lm-eval, GGUF, Optuna, docs): what scripts/test.sh runs
+#   bash scripts/install.sh none     # the package alone: what scripts/quickstart.sh needs
+#   bash scripts/install.sh gpu      # any extras of pyproject.toml, comma-separated
 # Without torch and without an NVIDIA GPU, torch is installed first, from pip's configured index
 # (on Linux, PyPI's torch wheel is the CUDA build). For the CPU build, name PyTorch's CPU index:
 #   FINETUNE_TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu bash scripts/install.sh
@@ -8,6 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+EXTRAS=${1:-test}
 if ! "$PY" -c "import torch" 2>/dev/null && ! command -v nvidia-smi >/dev/null 2>&1; then
   if [ -n "${FINETUNE_TORCH_INDEX_URL:-}" ]; then
     "$PY" -m pip install -q -c constraints/test.txt torch --index-url "$FINETUNE_TORCH_INDEX_URL"
@@ -15,4 +19,8 @@ if ! "$PY" -c "import torch" 2>/dev/null && ! command -v nvidia-smi >/dev/null 2
     "$PY" -m pip install -q -c constraints/test.txt torch
   fi
 fi
-"$PY" -m pip install -q -c constraints/test.txt -e ".[test]"
+if [ "$EXTRAS" = none ]; then
+  "$PY" -m pip install -q -c constraints/test.txt -e .
+else
+  "$PY" -m pip install -q -c constraints/test.txt -e ".[$EXTRAS]"
+fi

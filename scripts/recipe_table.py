@@ -1,9 +1,9 @@
-"""Generate README.md's table of job recipes (recipes/recipe/*.yaml): what each runs, on what
-hardware, and the memory planner's verdict for it.
+"""Generate the table of job recipes (recipes/recipe/*.yaml) on the site's Memory planning page
+(docs/memory-planning.md): what each runs, on what hardware, and the memory planner's verdict for it.
 
     python scripts/recipe_table.py                    # print the table
-    python scripts/recipe_table.py --write README.md  # replace it between the marker comments
-    python scripts/recipe_table.py --check README.md  # exit 1 when the README's table is not the generated one
+    python scripts/recipe_table.py --write docs/memory-planning.md  # replace it between the marker comments
+    python scripts/recipe_table.py --check docs/memory-planning.md  # exit 1 when the page's table is not the generated one
 
 Each recipe is composed exactly as `python -m finetune.plan +recipe=NAME` composes it (offline: a
 hub model's recipe declares its `model.architecture`), and planned with `finetune.planner.peak.plan` at
@@ -80,8 +80,8 @@ def section_of(text: str) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--write", type=Path, metavar="README", help="replace the table between the markers")
-    mode.add_argument("--check", type=Path, metavar="README", help="exit 1 if the table is not the generated one")
+    mode.add_argument("--write", type=Path, metavar="PAGE", help="replace the table between the markers (docs/memory-planning.md)")
+    mode.add_argument("--check", type=Path, metavar="PAGE", help="exit 1 if the table is not the generated one")
     args = parser.parse_args(argv)
     table = render()
     if args.write:

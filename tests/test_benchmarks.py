@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import last_line, read_metrics, readme_commands, run_cli, run_shell, train_here
+from conftest import last_line, read_metrics, readme_commands, run_cli, run_shell, shown_under, train_here
 
 RUN = "outputs/quickstart_sft"
 TINY = ["+recipe=quickstart_sft", "train.max_steps=2", "optim.warmup_steps=0", "train.global_batch_size=8", "train.micro_batch_size=4",
@@ -21,14 +21,14 @@ TINY = ["+recipe=quickstart_sft", "train.max_steps=2", "optim.warmup_steps=0", "
 
 def command(part: str) -> str:
     found = [c for c in readme_commands("finetune.evaluate") if part in c]
-    assert len(found) == 1, f"README has {len(found)} finetune.evaluate commands with {part!r}"
+    assert len(found) == 1, f"the site has {len(found)} finetune.evaluate commands with {part!r}"
     return found[0]
 
 
 @pytest.fixture(scope="module")
 def run_copy(shipped, tmp_path_factory):
-    """The session's trained quickstart run, copied (this module adds to its summary and metrics), where README's
-    commands expect it."""
+    """The session's trained quickstart run, copied (this module adds to its summary and metrics), where the site's
+    commands (After training) expect it."""
     here = tmp_path_factory.mktemp("bench")
     shutil.copytree(shipped / RUN, here / RUN, ignore=shutil.ignore_patterns(".lock", "tensorboard"))
     return here
@@ -102,7 +102,7 @@ def test_readme_command_writes_results_summary_and_a_benchmark_row(run_copy):
     assert summary["after_training"]["benchmarks"] > 0
     rows = read_metrics(run_dir)
     assert rows[-1] == {"kind": "benchmark", "step": 200, **expected}
-    assert results["config"]["limit"] == 32 and "quickstart_exact" in out.stdout  # README's limit; lm-eval's table
+    assert results["config"]["limit"] == 32 and "quickstart_exact" in out.stdout  # the command's limit; lm-eval's table
     assert last_line(out.stdout) == f"benchmarks   {run_dir.relative_to(run_copy)}/eval/results.json (summary.json: benchmarks): " + \
         ", ".join(f"{k} {v:.4g}" for k, v in expected.items())
 
@@ -110,8 +110,7 @@ def test_readme_command_writes_results_summary_and_a_benchmark_row(run_copy):
 @pytest.mark.slow
 def test_readme_refusal_as_written(run_copy):
     out = run_shell(command("tasks=quickstart_exact,nope"), cwd=run_copy)
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text().splitlines()
-    shown = readme[readme.index(command("tasks=quickstart_exact,nope")) + 1]
+    shown = shown_under(command("tasks=quickstart_exact,nope"))  # the line the site prints under the command
     assert out.returncode == 2 and out.stderr == shown + "\n"
 
 

@@ -123,7 +123,7 @@ def test_quickstart_dpo_from_the_quickstart_model_raises_reward_accuracy_and_exa
 
 def test_quickstart_grpo_from_the_quickstart_model_raises_reward_and_exact_match(quickstart, tmp_path):
     """+recipe=quickstart_grpo on 2 ranks from the quickstart SFT checkpoint: 8 sampled answers per prompt, rewarded when
-    exact. As shipped (1000 steps) it measured exact match 81.2% -> 90.6% (README); here at train.max_steps=400 (the same
+    exact. As shipped (1000 steps) it measured exact match 81.2% -> 90.6% (docs/grpo.md); here at train.max_steps=400 (the same
     recipe, its cosine schedule over 400 steps: 2 of the suite's minutes, not 5), measured: exact match 81.2% -> 86.3%
     (+13 of 256 answers), eval loss 0.191 -> 0.131, mean sampled reward 0.533 (steps 1-100) -> 0.693 (301-400). The
     bounds leave room for half of each gain."""

@@ -1,5 +1,5 @@
 """finetune.export: the merged model, the model card, GGUF files read back by transformers and compared logit for
-logit, the upload up to the hub's HTTP requests, and the one-line refusals. The commands are README's, as written."""
+logit, the upload up to the hub's HTTP requests, and the one-line refusals. The commands are the site's (After training), as written."""
 
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ and 88x its hidden size)."""
 
 
 def command(part: str) -> str:
-    """The README command of finetune.export that contains `part`."""
+    """The site's command of finetune.export that contains `part`."""
     found = [c for c in readme_commands("finetune.export") if part in c]
-    assert len(found) == 1, f"README has {len(found)} finetune.export commands with {part!r}"
+    assert len(found) == 1, f"the site has {len(found)} finetune.export commands with {part!r}"
     return found[0]
 
 

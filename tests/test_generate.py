@@ -1,4 +1,4 @@
-"""finetune.generate: README's commands as written, against a quickstart model trained in this session: a prompt
+"""finetune.generate: the site's commands (After training) as written, against a quickstart model trained in this session: a prompt
 rendered as training rendered it, the same greedy tokens as the model gives in-process, a file of prompts, a chat."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ RUN = "outputs/quickstart_sft"
 
 def command(part: str) -> str:
     found = [c for c in readme_commands("finetune.generate") if part in c]
-    assert len(found) == 1, f"README has {len(found)} finetune.generate commands with {part!r}"
+    assert len(found) == 1, f"the site has {len(found)} finetune.generate commands with {part!r}"
     return found[0]
 
 
@@ -74,9 +74,9 @@ def test_readme_prompt_streams_the_greedy_answer(shipped):
 
 @pytest.mark.slow
 def test_readme_file_of_prompts_prints_one_json_line_each(shipped):
-    from test_readme import heredocs
+    from test_readme import site_heredocs
 
-    (shipped / "prompts.jsonl").write_text(heredocs("README.md")["prompts.jsonl"] + "\n")
+    (shipped / "prompts.jsonl").write_text(site_heredocs()["prompts.jsonl"] + "\n")
     out = run_shell(command("--file prompts.jsonl"), cwd=shipped)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [json.loads(line) for line in out.stdout.splitlines()]

@@ -7,6 +7,7 @@ import dataclasses
 import importlib.util
 import math
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -383,6 +384,33 @@ def test_vllm_receives_the_merged_model_under_its_hugging_face_names():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6, msg=name)
     assert all(torch.equal(v, policy.state_dict()[k]) for k, v in before.items())
     assert not torch.equal(sent["model.layers.0.self_attn.q_proj.weight"], before["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"])
+
+
+def test_vllm_draws_each_prompts_samples_from_streams_of_their_own(monkeypatch):
+    """vLLM seeds a request's k-th sample with its seed + k (a child request per sample). Each prompt's request gets a
+    seed spaced by the group size: across the prompts of a rollout, and of the next step, no two samples share a
+    stream. Seeds one apart (the earlier seed + i) made sample k of prompt i a copy of sample k-1 of prompt i+1's draws."""
+    import types
+
+    from finetune.config import MethodConfig
+    from finetune.methods import vllm_rollout
+
+    class Recorder:  # vLLM's LLM.generate as far as seeding goes: one child request per sample, seeded seed + k
+        def generate(self, requests, params, use_tqdm=False):
+            self.streams = [p.seed + k for p in params for k in range(p.n)]
+            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[1])] * p.n) for p in params]
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **kw: types.SimpleNamespace(**kw)))
+    sampler = object.__new__(vllm_rollout.VllmSampler)
+    sampler.llm = Recorder()
+    cfg = MethodConfig(generations=8)
+    streams = []
+    for step in range(3):
+        sampler.sample([[5, 6]] * 16, cfg, seed=hash((0, step, 0, 0)) % 2**63)
+        streams += sampler.llm.streams
+    assert len(streams) == 3 * 16 * 8 and len(set(streams)) == len(streams)
+    assert all(0 <= s < 2**63 for s in streams)
+    assert vllm_rollout.prompt_seeds(2**63 - 1, 4, 8) == [(2**63 - 1) % (2**63 - 32) + 8 * i for i in range(4)]
 
 
 def test_vllm_is_refused_where_it_cannot_run(compose, monkeypatch):

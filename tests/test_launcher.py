@@ -101,7 +101,8 @@ def test_hydra_cfg_job_prints_composed_config(tmp_path):
 
 
 def test_repo_layout():
-    for path in ("pyproject.toml", "README.md", "recipes/config.yaml", "finetune/launch.py", "launch", "scripts", "tests", ".ci/run"):
+    for path in ("pyproject.toml", "README.md", "mkdocs.yml", "docs/index.md", "recipes/config.yaml", "finetune/launch.py", "launch", "scripts",
+                 "tests", ".ci/run"):
         assert (REPO / path).exists(), path
 
 

@@ -38,7 +38,7 @@ LAUNCHER_SIDE = (
 planner, command, supervision, the data checks, the records they read; every module of finetune/methods/ is added
 below: the launcher reads each method's record). None of it may import torch, transformers
 or deepspeed, so that a dry run is instant on a machine without them. Every other module of finetune/ is the rank
-side (README: "Layout")."""
+side (docs/architecture.md: "The rank side")."""
 
 
 def modules() -> dict[str, Path]:

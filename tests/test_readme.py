@@ -1,6 +1,7 @@
-"""Every `python -m finetune.launch` / `finetune.plan` command in README.md and launch/README.md
-composes and validates as written (in-process, through `preflight`, as the CLI does before
-anything starts), and every README example of a mistake ends with the error line it shows."""
+"""Every `python -m finetune.launch` / `finetune.plan` command of the site (README.md and every page of docs/ in
+mkdocs.yml's nav: conftest.site_pages) and of launch/README.md composes and validates as written (in-process, through
+`preflight`, as the CLI does before anything starts), and every example of a mistake there ends with the error line it
+shows."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ import pytest
 from finetune.compose import preflight
 from finetune.config import ConfigError
 
-from conftest import REPO
+from conftest import REPO, site_pages
 
-DOCS = ("README.md", "launch/README.md")
+DOCS = (*site_pages(), "launch/README.md")
 COMMAND = re.compile(r"^\s*(?:\$ )?(python -m finetune\.(?:launch|plan)\b.*)")
 # What the docs write for "your own": the recipe of a user's launch (launch/README.md's `+recipe=X`)
 # is one of their own, here the quickstart with a global batch that 2 nodes x 8 ranks can split.
@@ -58,6 +59,11 @@ def heredocs(doc: str) -> dict[str, str]:
     return {m[0]: m[1] for m in re.findall(r"cat > (\S+) <<'EOF'\n(.*?)\nEOF\n", (REPO / doc).read_text(), re.S)}
 
 
+def site_heredocs() -> dict[str, str]:
+    """Files any page of the site writes with `cat > PATH <<'EOF'` (heredocs), path -> content."""
+    return {path: content for doc in site_pages() for path, content in heredocs(doc).items()}
+
+
 def overrides_of(command: str, tmp: Path) -> list[tuple[list[str], str | None]]:
     """(overrides, --config-dir) for each composition the command makes: one, or under -m one per
     combination of the comma-separated sweep values. Hydra's other flags (--cfg job) are dropped."""
@@ -89,7 +95,8 @@ CASES = [(doc, *c) for doc in DOCS for c in fenced_commands(doc)]
 
 
 def test_the_docs_have_the_commands_this_test_checks():
-    assert len(CASES) >= 29, CASES  # 25 in README.md, 4 in launch/README.md
+    assert {"README.md", "docs/concepts.md", "docs/long-context.md"} <= {c[0] for c in CASES}, CASES  # the front door, pages
+    assert len(CASES) >= 29, CASES  # 25 in the old one-page README, 4 in launch/README.md
     assert any(" -m " in c[2] for c in CASES) and any("\\" in (REPO / c[0]).read_text().splitlines()[c[1] - 1] for c in CASES)
     assert any(c[3] for c in CASES)  # the examples of a mistake
 
@@ -108,7 +115,7 @@ def test_readme_command_composes(doc, line, command, shown, tmp_path, monkeypatc
             if shown is None:
                 pytest.fail(f"{doc}:{line}: `{command}` is refused: {e}")
             expected = shown.removeprefix("error: ")
-            if expected.endswith("..."):  # the README shortens a long list
+            if expected.endswith("..."):  # the page shortens a long list
                 assert str(e).startswith(expected[:-3]), f"{doc}:{line}: shows {shown!r}, the code says {e}"
             else:
                 assert str(e) == expected, f"{doc}:{line}: shows {shown!r}, the code says {e}"
@@ -116,9 +123,9 @@ def test_readme_command_composes(doc, line, command, shown, tmp_path, monkeypatc
             assert shown is None, f"{doc}:{line}: shows {shown!r}, but `{command}` composes"
 
 
-@pytest.mark.parametrize("index", [None, "https://download.pytorch.org/whl/cpu"])
-def test_install_takes_a_torch_index_when_named(tmp_path, index):
-    """scripts/install.sh without torch and without nvidia-smi: FINETUNE_TORCH_INDEX_URL (README's
+@pytest.mark.parametrize("index,extras", [(None, None), ("https://download.pytorch.org/whl/cpu", None), (None, "none")])
+def test_install_takes_a_torch_index_when_named(tmp_path, index, extras):
+    """scripts/install.sh without torch and without nvidia-smi: FINETUNE_TORCH_INDEX_URL (Getting started's
     install section) becomes that pip call's --index-url; without it, pip's own index as before. Both install at the
     tested versions (constraints/test.txt: torch's pin among them)."""
     import shutil
@@ -131,19 +138,21 @@ def test_install_takes_a_torch_index_when_named(tmp_path, index):
     fake.write_text(f'#!/bin/sh\necho "$*" >> {log}\n[ "$1" != "-c" ]\n')
     fake.chmod(0o755)
     env = {"PATH": str(bin_dir), "PYTHON": str(fake), **({"FINETUNE_TORCH_INDEX_URL": index} if index else {})}
-    out = subprocess.run([shutil.which("bash"), str(REPO / "scripts/install.sh")], env=env, capture_output=True, text=True)
+    out = subprocess.run([shutil.which("bash"), str(REPO / "scripts/install.sh"), *([extras] if extras else [])], env=env,
+                         capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     torch_call = f"-m pip install -q -c constraints/test.txt torch{f' --index-url {index}' if index else ''}"
-    assert log.read_text().splitlines() == ["-c import torch", torch_call, "-m pip install -q -c constraints/test.txt -e .[test]"]
+    package = "-e ." if extras == "none" else "-e .[test]"  # scripts/quickstart.sh: the package alone; scripts/test.sh: the test extra
+    assert log.read_text().splitlines() == ["-c import torch", torch_call, f"-m pip install -q -c constraints/test.txt {package}"]
 
 
 def test_own_recipe_through_the_real_cli(tmp_path):
-    """README's --config-dir example, as written, through `python -m finetune.launch` (a dry run):
+    """The site's --config-dir example (Concepts), as written, through `python -m finetune.launch` (a dry run):
     Hydra's own --config-dir finds DIR/recipe/NAME.yaml; a name it cannot find says where it goes."""
     from conftest import last_line, run_cli
 
-    (command,) = [c for _, c, _ in fenced_commands("README.md") if "--config-dir" in c]
-    for path, content in heredocs("README.md").items():
+    ((doc, command),) = {(doc, c) for doc in site_pages() for _, c, _ in fenced_commands(doc) if "--config-dir" in c}
+    for path, content in heredocs(doc).items():
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text(content + "\n")
     out = run_cli(*shlex.split(command)[3:], f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)

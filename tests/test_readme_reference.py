@@ -1,8 +1,9 @@
-"""README.md's config reference lists every field of the schema, and nothing else, as generated.
+"""The site's config reference (docs/reference.md, once README.md's) lists every field of the schema, and nothing else,
+as generated.
 
 The key list is walked here from the dataclasses independently of the generator, so a field the
 generator skipped would show up as missing. A field added to finetune/config/ (or a changed default,
-constraint or docstring) fails until `python scripts/config_reference.py --write README.md` is run.
+constraint or docstring) fails until `python scripts/config_reference.py --write docs/reference.md` is run.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from finetune.config import Config
 
 from conftest import REPO
 
-README = REPO / "README.md"
-FIX = "regenerate: python scripts/config_reference.py --write README.md"
+PAGE = REPO / "docs" / "reference.md"
+FIX = "regenerate: python scripts/config_reference.py --write docs/reference.md"
 
 
 @pytest.fixture(scope="module")
@@ -46,24 +47,24 @@ def schema_keys(node: type = Config, prefix: str = "") -> list[str]:
 
 
 def test_every_schema_field_is_in_the_reference_and_nothing_else(reference):
-    section = reference.section_of(README.read_text())
-    assert section is not None, f"README.md has no {reference.START} ... {reference.END} section; {FIX}"
+    section = reference.section_of(PAGE.read_text())
+    assert section is not None, f"docs/reference.md has no {reference.START} ... {reference.END} section; {FIX}"
     listed, schema = list(reference.rows_of(section)), schema_keys()
     missing = [k for k in schema if k not in listed]
     extra = [k for k in listed if k not in schema]
-    assert (missing, extra) == ([], []), f"missing from README.md: {missing}; not in the schema: {extra}; {FIX}"
+    assert (missing, extra) == ([], []), f"missing from docs/reference.md: {missing}; not in the schema: {extra}; {FIX}"
     assert len(schema) >= 100  # the walk really covers the schema
 
 
 def test_the_reference_is_the_generated_one(reference):
     """A changed default, constraint or docstring shows here, row by row."""
-    found = reference.problems(README.read_text())
+    found = reference.problems(PAGE.read_text())
     assert found == [], "\n".join(found + [FIX])
 
 
 def test_check_names_missing_extra_and_changed_rows_and_write_fixes_them(reference, tmp_path, capsys):
-    readme = tmp_path / "README.md"
-    text = README.read_text()
+    readme = tmp_path / "reference.md"
+    text = PAGE.read_text()
     rows = reference.rows_of(reference.section_of(text))
     text = text.replace(rows["train.seed"] + "\n", "")
     text = text.replace(rows["optim.lr"], rows["optim.lr"].replace("`0.0001`", "`0.001`"))
@@ -72,8 +73,8 @@ def test_check_names_missing_extra_and_changed_rows_and_write_fixes_them(referen
 
     assert reference.main(["--check", str(readme)]) == 1
     err = capsys.readouterr().err
-    assert "missing from the README: train.seed" in err
-    assert "in the README but not in the schema: train.no_such_key" in err
+    assert "missing from the reference: train.seed" in err
+    assert "in the reference but not in the schema: train.no_such_key" in err
     assert "row differs: optim.lr" in err
 
     assert reference.main(["--write", str(readme)]) == 0

@@ -233,7 +233,7 @@ def test_heads_divide_hidden_is_where_transformers_refuses_it():
         logging.disable(logging.NOTSET)
     assert refuses == HEADS_DIVIDE_HIDDEN, (sorted(refuses - HEADS_DIVIDE_HIDDEN), sorted(HEADS_DIVIDE_HIDDEN - refuses))
     assert not refuses & accepts, sorted(refuses & accepts)
-    assert {"mistral", "mixtral", "qwen2", "qwen3", "gemma", "olmo2", "granite", "phi3"} <= accepts  # README names these
+    assert {"mistral", "mixtral", "qwen2", "qwen3", "gemma", "olmo2", "granite", "phi3"} <= accepts  # docs/concepts.md names these
     refused = {t for t in refuses | accepts
                if structure_problem({**HEADS, "model_type": t, "hidden_size": 100, "head_dim": 16}, lambda k: k)}
     assert refused == refuses

@@ -261,7 +261,7 @@ def test_a_jinja_file_overrides_the_template(compose, tmp_path):
 
 @pytest.mark.slow
 def test_tool_calls_train_two_steps(tmp_path: Path):
-    """The README's command, 2 steps: the shipped tool rows (Qwen2.5's template by name), reasoning masked, packed; the run
+    """The command of docs/sft.md (Tool calls), 2 steps: the shipped tool rows (Qwen2.5's template by name), reasoning masked, packed; the run
     saves the template it trained with."""
     out = run_cli("+recipe=quickstart_sft", "data=quickstart_tools", "model.init.max_position_embeddings=1536", "data.reasoning=mask",
                   "data.packing=true", "parallelism=single", "launcher.nproc_per_node=1", "train.max_steps=2", "optim.warmup_steps=0", "train.micro_batch_size=1",

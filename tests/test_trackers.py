@@ -20,7 +20,7 @@ import pytest
 
 from finetune import logs, trackers
 
-from conftest import REPO, last_line, read_metrics, reload_and_evaluate, run_cli, train_here
+from conftest import last_line, read_metrics, reload_and_evaluate, run_cli, site_pages, site_text, train_here
 
 TINY = ["train.max_steps=4", "train.global_batch_size=8", "train.micro_batch_size=8", "train.eval_every=2",
         "data.eval_size=16", "train.exact_match_samples=0", "train.memory_report=false", "train.max_new_tokens=8"]
@@ -313,9 +313,9 @@ def test_the_launcher_refuses_an_unreachable_tracker_without_importing_it(tmp_pa
         "(Connection refused): start it (mlflow server ...), or point MLFLOW_TRACKING_URI at a reachable server or a local "
         "sqlite:///PATH; or take mlflow out of train.loggers")
     assert not (tmp_path / "run" / "ranks").exists()
-    readme = (REPO / "README.md").read_text()  # README shows this command and this line
+    shown = site_text()  # the site (Metrics and trackers) shows this command and this line
     assert "MLFLOW_TRACKING_URI=http://127.0.0.1:1 python -m finetune.launch +recipe=quickstart_sft train.loggers=[jsonl,mlflow]\n" \
-        f"{last_line(out.stderr)}\n" in readme
+        f"{last_line(out.stderr)}\n" in shown
     probe = ("import sys; from finetune import launch, trackers; trackers.problems(['wandb', 'mlflow', 'trackio'], "
              "{'WANDB_MODE': 'offline', 'MLFLOW_TRACKING_URI': 'sqlite:///m.db', 'TRACKIO_DIR': 't'}); "
              "print(sorted(m for m in ('wandb', 'mlflow', 'trackio') if m in sys.modules))")
@@ -324,20 +324,20 @@ def test_the_launcher_refuses_an_unreachable_tracker_without_importing_it(tmp_pa
 
 
 def readme_command(marker: str) -> list[str]:
-    """The README's launch command that contains `marker`, as words after `python -m finetune.launch`."""
+    """The site's launch command that contains `marker` (Metrics and trackers), as words after `python -m finetune.launch`."""
     import shlex
 
     from test_readme import fenced_commands
 
-    (command,) = [c for _, c, _ in fenced_commands("README.md") if marker in c]
+    (command,) = {c for page in site_pages() for _, c, _ in fenced_commands(page) if marker in c}
     return shlex.split(command)[3:]
 
 
 @pytest.mark.slow
 def test_readme_mlflow_command_and_a_sweep_grouped(offline, monkeypatch):
-    """README's MLflow command through the real CLI (2 ranks: the samples gathered from both, in eval-set order), with
+    """The site's MLflow command through the real CLI (2 ranks: the samples gathered from both, in eval-set order), with
     fewer steps; then a 2-trial sweep: both trials nested under one MLflow parent run and in one W&B group."""
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")  # README: export MLFLOW_TRACKING_URI=sqlite:///mlflow.db
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")  # the site: export MLFLOW_TRACKING_URI=sqlite:///mlflow.db
     short = ["train.max_steps=4", "optim.warmup_steps=1", "train.eval_every=2", "train.exact_match_samples=0", "data.eval_size=16"]
     out = run_cli(*readme_command("train.loggers=[mlflow]"), *short, f"hydra.run.dir={offline / 'run'}", cwd=offline)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -367,7 +367,7 @@ def test_readme_mlflow_command_and_a_sweep_grouped(offline, monkeypatch):
 
 
 def test_the_readme_names_every_tracker():
-    text = (REPO / "README.md").read_text()
+    text = site_text()
     for name in trackers.TRACKERS:
         assert f"train.loggers=[jsonl,{name}]" in text, name
 

@@ -3,7 +3,7 @@
 The data (forms, tokenizing, the token cache, batches), the planner, the rules, the reference and the loss
 read a method through `get(cfg.method.name)`; nothing outside this package branches on a method's name.
 Adding a method: a module here with a `METHOD` record (base.Method), its entry below and in
-finetune.config.Method, a recipes/method/NAME.yaml, and its tests (README: "Adding a training method").
+finetune.config.Method, a recipes/method/NAME.yaml, and its tests (docs/architecture.md: "Adding a training method").
 No torch here: the launcher imports this package.
 """
 

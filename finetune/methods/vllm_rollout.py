@@ -59,10 +59,19 @@ class VllmSampler:
         from vllm import SamplingParams
 
         params = [SamplingParams(n=cfg.generations, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.completion_tokens,
-                                 seed=(seed + i) % 2**63) for i in range(len(prompts))]
+                                 seed=s) for s in prompt_seeds(seed, len(prompts), cfg.generations)]
         with untouched_rng():
             outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [list(o.token_ids) for out in outputs for o in out.outputs]
+
+
+def prompt_seeds(seed: int, prompts: int, generations: int) -> list[int]:
+    """A seed per prompt's request, spaced `generations` apart: vLLM seeds a request's k-th sample with its seed + k
+    (vllm/v1/engine/parallel_sampling.py, a child request per sample), so prompt i's samples draw from seeds
+    base + i * G + k, each its own; seeds one apart (seed + i) would give sample k of prompt i the random stream of
+    sample k - 1 of prompt i + 1. Below 2**63, as vLLM takes them."""
+    base = seed % (2**63 - prompts * generations)
+    return [base + i * generations for i in range(prompts)]
 
 
 def untouched_rng() -> Any:
