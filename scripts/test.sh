@@ -4,9 +4,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh test
 # Two workers (pytest-xdist) on the two cores these machines have; much of a CLI test is process start-up and waiting.
-# --dist loadgroup: the files whose tests are mostly jobs of two ranks run on one worker, one after another, every other
+# --dist loadfile: the files whose tests are mostly jobs of two ranks run on one worker, one after another, every other
 # file on either (tests/conftest.py's RANKS and order, which --no-loadscope-reorder keeps), and tests/ranks.py's locks
 # keep two jobs of two ranks from ever running at once. FINETUNE_TEST_WORKERS=0 runs in one process. The JUnit report of
 # the run, test-results/last.xml, is what `python scripts/slowest.py` reads: the slowest files and tests.
-exec "${PYTHON:-python3}" -m pytest -q -n "${FINETUNE_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder --durations=30 \
+exec "${PYTHON:-python3}" -m pytest -q -n "${FINETUNE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder --durations=30 \
   --junitxml=test-results/last.xml "$@"

@@ -40,12 +40,13 @@ if "FINETUNE_TEST_CORES" not in os.environ:
 
 REPO = Path(__file__).resolve().parent.parent
 
-# How the two workers (pytest-xdist, --dist loadgroup) share the files. The files whose tests are mostly jobs of two or
-# more ranks form one group, RANKS, dealt first to one worker, which runs them one after another: their jobs never
+# How the two workers (pytest-xdist, --dist loadfile) share the files. The files whose tests are mostly jobs of two or
+# more ranks form one scope, RANKS, dealt first to one worker, which runs them one after another: their jobs never
 # overlap (two jobs of two ranks would put four training processes on two cores), and never wait for each other. The
-# other worker meanwhile runs every other file (one group each, longest first: a long file dealt last keeps one worker
+# other worker meanwhile runs every other file (a scope each, longest first: a long file dealt last keeps one worker
 # busy while the other idles), one process each (tests/ranks.py's locks keep the few two-rank jobs there apart from the
 # RANKS worker's). Measured (scripts/slowest.py on the last run): RANKS' files took 1,060 s of the 3,240 s of test time.
+# (xdist's own --dist loadgroup would do it with markers, but its group suffix is lost under pytest 9.2: `FileScopes`.)
 RANKS = ("test_e2e.py", "test_faults.py", "test_parallel.py", "test_grpo.py", "test_deepspeed.py", "test_context.py",
          "test_families_parallel.py", "test_resilience.py", "test_multinode.py")
 LONGEST_FIRST = ("test_bad_inputs.py", "test_dpo.py", "test_sweep.py", "test_plan.py", "test_optim.py", "test_kto.py",
@@ -58,8 +59,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         per_file[item.path.name] = per_file.get(item.path.name, 0) + 1
     order = {name: i for i, name in enumerate((*RANKS, *LONGEST_FIRST))}
     items.sort(key=lambda item: (order.get(item.path.name, len(order)), -per_file[item.path.name]))  # stable: a file's own order
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group("ranks" if item.path.name in RANKS else item.path.name))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Under --dist loadfile: a scope per file, except RANKS' files, which are one scope (one worker runs them all)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FileScopes(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return "RANKS" if Path(file).name in RANKS else file
+
+    return FileScopes(config, log)
 
 
 def where_the_time_went(exc: subprocess.TimeoutExpired) -> str:
