@@ -49,7 +49,7 @@ def write(model: Any, tokenizer_dir: Path, path: Path, fmt: str, name: str) -> P
 
     config = model.config.get_text_config()
     arch = ARCH[config.model_type]
-    writer = gguf.GGUFWriter(path, arch)
+    writer = Writer(path, arch)
     # transformers reads a llama file named exactly "mistral" as a mistral model, which gguf has no tensor names for
     writer.add_name(f"{name}-model" if name == "mistral" else name)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if fmt == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0)
@@ -64,6 +64,25 @@ def write(model: Any, tokenizer_dir: Path, path: Path, fmt: str, name: str) -> P
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _writer_class() -> type:
+    import gguf
+
+    class Writer(gguf.GGUFWriter):
+        """gguf's writer, which also writes an empty array of a declared element type: the format has them (a count of
+        0), llama.cpp reads them, and gguf 0.19's writer refuses them."""
+
+        def _pack_val(self, val: Any, vtype: Any, add_vtype: bool, sub_type: Any = None) -> bytes:
+            if vtype == gguf.GGUFValueType.ARRAY and sub_type is not None and len(val) == 0:
+                return (self._pack("I", vtype) if add_vtype else b"") + self._pack("I", sub_type) + self._pack("Q", 0)
+            return super()._pack_val(val, vtype, add_vtype, sub_type)
+
+    return Writer
+
+
+def Writer(path: Path, arch: str) -> Any:  # noqa: N802 - a class, made on first use (gguf is an optional dependency)
+    return _writer_class()(path, arch)
 
 
 def _first(config: Any, *names: str, default: Any = None) -> Any:
@@ -195,6 +214,10 @@ def vocabulary(writer: Any, tokenizer_dir: Path, n_vocab: int) -> None:
                                  "has no model for: export without --gguf")
             vocab = {i: t if i in added else to_unicode[t.encode()[0]] for i, t in vocab.items()}
             writer.add_token_scores([0.0] * n_vocab)  # no merges: readers that derive them from scores find none
+            # llama.cpp's BPE loader refuses a vocabulary without a merges array ("cannot find tokenizer merges"): an
+            # empty one, so every word stays its single-byte tokens, as in the WordLevel tokenizer (a merge would need its
+            # halves and their join in the vocabulary, which transformers' reader checks)
+            writer.add_key_value(gguf.Keys.Tokenizer.MERGES, [], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.STRING)
         elif kind != "BPE":
             raise ValueError(f"--gguf: the tokenizer is a {kind} model (tokenizer.json), which this export does not "
                              "write: export without --gguf and convert with llama.cpp's convert_hf_to_gguf.py")
