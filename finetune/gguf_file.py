@@ -49,7 +49,7 @@ def write(model: Any, tokenizer_dir: Path, path: Path, fmt: str, name: str) -> P
 
     config = model.config.get_text_config()
     arch = ARCH[config.model_type]
-    writer = Writer(path, arch)
+    writer = _writer(path, arch)
     # transformers reads a llama file named exactly "mistral" as a mistral model, which gguf has no tensor names for
     writer.add_name(f"{name}-model" if name == "mistral" else name)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if fmt == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0)
@@ -66,23 +66,18 @@ def write(model: Any, tokenizer_dir: Path, path: Path, fmt: str, name: str) -> P
     return path
 
 
-def _writer_class() -> type:
+def _writer(path: Path, arch: str) -> Any:
+    """gguf's GGUFWriter, which also writes an empty array of a declared element type: the format has them (a count of 0),
+    llama.cpp reads them, and gguf 0.19's writer refuses them."""
     import gguf
 
     class Writer(gguf.GGUFWriter):
-        """gguf's writer, which also writes an empty array of a declared element type: the format has them (a count of
-        0), llama.cpp reads them, and gguf 0.19's writer refuses them."""
-
         def _pack_val(self, val: Any, vtype: Any, add_vtype: bool, sub_type: Any = None) -> bytes:
             if vtype == gguf.GGUFValueType.ARRAY and sub_type is not None and len(val) == 0:
                 return (self._pack("I", vtype) if add_vtype else b"") + self._pack("I", sub_type) + self._pack("Q", 0)
             return super()._pack_val(val, vtype, add_vtype, sub_type)
 
-    return Writer
-
-
-def Writer(path: Path, arch: str) -> Any:  # noqa: N802 - a class, made on first use (gguf is an optional dependency)
-    return _writer_class()(path, arch)
+    return Writer(path, arch)
 
 
 def _first(config: Any, *names: str, default: Any = None) -> Any:
@@ -188,9 +183,11 @@ def encoded(array: np.ndarray, fmt: str) -> tuple[np.ndarray, Any]:
 
 
 def vocabulary(writer: Any, tokenizer_dir: Path, n_vocab: int) -> None:
-    """The tokenizer as llama.cpp reads it: byte-level BPE ("gpt2", with merges), SentencePiece-style BPE with byte
-    fallback ("llama"), or a word-level vocabulary of single bytes (a byte-level BPE with no merges: the same tokens).
-    Rows of the embedding past the tokenizer's vocabulary (a padded vocab_size) get unused [PADi] tokens."""
+    """The tokenizer as llama.cpp reads it: byte-level BPE ("gpt2", with its merges and the pre-tokenizer llama.cpp knows
+    by name, `pre_tokenizer`), SentencePiece-style BPE with byte fallback ("llama", with whether a space is prepended), or
+    a word-level vocabulary of single bytes (a byte-level BPE with no merges: the same tokens). Any other model (Unigram,
+    WordPiece, a BPE that is neither) is refused in one line. Rows of the embedding past the tokenizer's vocabulary (a
+    padded vocab_size) get unused [PADi] tokens."""
     import gguf
     from gguf.vocab import LlamaHfVocab, SpecialVocab, bytes_to_unicode
 
@@ -204,6 +201,11 @@ def vocabulary(writer: Any, tokenizer_dir: Path, n_vocab: int) -> None:
         writer.add_token_list(tokens + [f"[PAD{i}]" for i in pad])
         writer.add_token_scores(scores + [-1000.0 for _ in pad])
         writer.add_token_types(types + [gguf.TokenType.UNUSED for _ in pad])
+        # llama.cpp prepends a space to a SentencePiece text unless told not to (Llama 2 does, Gemma does not)
+        writer.add_add_space_prefix(space_prefix(spec))
+    elif kind not in ("WordLevel", "BPE"):
+        raise ValueError(f"--gguf: the tokenizer is a {kind} model (tokenizer.json), which llama.cpp reads only for "
+                         "families this export does not write (T5's Unigram, BERT's WordPiece): export without --gguf")
     else:
         vocab = {i: t for t, i in spec["model"]["vocab"].items()} | {i: t["content"] for i, t in added.items()}
         if kind == "WordLevel":
@@ -218,11 +220,11 @@ def vocabulary(writer: Any, tokenizer_dir: Path, n_vocab: int) -> None:
             # empty one, so every word stays its single-byte tokens, as in the WordLevel tokenizer (a merge would need its
             # halves and their join in the vocabulary, which transformers' reader checks)
             writer.add_key_value(gguf.Keys.Tokenizer.MERGES, [], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.STRING)
-        elif kind != "BPE":
-            raise ValueError(f"--gguf: the tokenizer is a {kind} model (tokenizer.json), which this export does not "
-                             "write: export without --gguf and convert with llama.cpp's convert_hf_to_gguf.py")
+            pre = "default"  # single bytes whatever the split
+        else:
+            pre = pre_tokenizer(spec)
         writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("default")
+        writer.add_tokenizer_pre(pre)
         writer.add_token_list([vocab.get(i, f"[PAD{i}]") for i in range(n_vocab)])
         writer.add_token_types([gguf.TokenType.UNUSED if i not in vocab else gguf.TokenType.CONTROL if added.get(i, {}).get("special")
                                 else gguf.TokenType.USER_DEFINED if i in added else gguf.TokenType.NORMAL for i in range(n_vocab)])
@@ -232,6 +234,56 @@ def vocabulary(writer: Any, tokenizer_dir: Path, n_vocab: int) -> None:
         special.chat_template = template.read_text()
     special.add_to_gguf(writer, quiet=True)
 
+
+GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"""
+"""The split of tokenizers' ByteLevel pre-tokenizer (use_regex), GPT-2's."""
+
+PRE = {
+    (GPT2_SPLIT,): "gpt-2",
+    (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",): "llama-bpe",
+    (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",): "qwen2",
+}
+"""A byte-level BPE's splits (tokenizer.json's regexes, in order) -> the llama.cpp pre-tokenizer that splits the same way
+(llama-vocab.cpp: GPT-2's, Llama 3's, Qwen 2's). llama.cpp knows a pre-tokenizer only by name, so a split without an
+entry here would be tokenized differently there: refused."""
+
+
+def pre_tokenizer(spec: dict[str, Any]) -> str:
+    """llama.cpp's name for how a byte-level BPE tokenizer.json splits text before merging; ValueError in one line
+    when llama.cpp has none that splits the same way."""
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    splits, byte_level = [], False
+    for step in steps:
+        if step.get("type") == "Split" and "Regex" in step.get("pattern", {}) and step.get("behavior") == "Isolated" \
+                and not step.get("invert"):
+            splits.append(step["pattern"]["Regex"])
+        elif step.get("type") == "ByteLevel" and not step.get("add_prefix_space"):
+            byte_level = True
+            if step.get("use_regex", True):
+                splits.append(GPT2_SPLIT)
+        else:
+            raise ValueError(f"--gguf: the tokenizer's pre-tokenizer step {json.dumps(step)[:120]} has no llama.cpp "
+                             "equivalent (it splits byte-level text by one named regex, with no prefix space): export "
+                             "without --gguf")
+    name = PRE.get(tuple(splits))
+    if not byte_level or name is None:
+        raise ValueError("--gguf: the tokenizer is a BPE model whose pre-tokenizer llama.cpp does not know by name "
+                         f"({'not byte-level' if not byte_level else 'its split: ' + ' then '.join(splits)[:120]}; llama.cpp "
+                         f"names {', '.join(PRE.values())} here), so llama.cpp would tokenize differently: export without --gguf")
+    return name
+
+
+def space_prefix(spec: dict[str, Any]) -> bool:
+    """Whether a SentencePiece-style tokenizer.json puts "▁" before the text (a Prepend normalizer, or a Metaspace
+    pre-tokenizer that prepends): llama.cpp's add_space_prefix."""
+    found = []
+    for key, inner in (("normalizer", "normalizers"), ("pre_tokenizer", "pretokenizers")):
+        step = spec.get(key) or {}
+        found += step.get(inner, []) if step.get("type") == "Sequence" else [step]
+    return any(s.get("type") == "Prepend" and s.get("prepend") == "\u2581"
+               or s.get("type") == "Metaspace" and (s.get("prepend_scheme") in ("always", "first") or s.get("add_prefix_space"))
+               for s in found)
 
 
 NOT_ARCHITECTURE = {"architectures", "dtype", "transformers_version", "_name_or_path", "pad_token_id", "bos_token_id", "eos_token_id",
