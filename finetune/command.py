@@ -16,6 +16,7 @@ from typing import Any
 
 from finetune import optimizers
 from finetune.config import Config, LauncherName, Offload, OptimConfig, Precision, launcher_for, to_yaml
+from finetune.devices import Devices
 
 CONFIG_FILE = "config.yaml"
 DEEPSPEED_FILE = "deepspeed.json"
@@ -39,7 +40,8 @@ class LaunchSpec:
         return f"{env} {shlex.join(self.argv)}".strip()
 
 
-def build(cfg: Config, run_dir: str | Path, *, python: str, cpu_count: int, port: int = 29500, env_threads: int | None = None) -> LaunchSpec:
+def build(cfg: Config, run_dir: str | Path, *, python: str, cpu_count: int, port: int = 29500, env_threads: int | None = None,
+          devices: Devices | None = None) -> LaunchSpec:
     """Build the launch for `cfg` writing into `run_dir`.
 
     Args:
@@ -51,6 +53,9 @@ def build(cfg: Config, run_dir: str | Path, *, python: str, cpu_count: int, port
         env_threads: OMP_NUM_THREADS as the launching environment sets it (None: unset): honoured when
             launcher.omp_num_threads is null, as torchrun honours it (a test suite or a shared node that
             runs several jobs at once sets 1; more threads than cores stall every small op).
+        devices: the devices the launch took (launcher.devices_per_trial, finetune.devices): the ranks see only those
+            GPUs (CUDA_VISIBLE_DEVICES; deepspeed's --include), or run on only those CPU cores (taskset), their cores
+            split among the ranks.
 
     Returns:
         The LaunchSpec; nothing is written or started here.
@@ -65,6 +70,8 @@ def build(cfg: Config, run_dir: str | Path, *, python: str, cpu_count: int, port
     if launcher_for(cfg) == LauncherName.deepspeed:
         # DeepSpeed's runner (`deepspeed ...`), without its autotuner's `import mlflow` (finetune.deepspeed_runner)
         argv = [python, "-m", "finetune.deepspeed_runner", f"--num_nodes={launch.nnodes}", f"--num_gpus={launch.nproc_per_node}"]
+        if devices is not None and devices.kind == "GPU":  # its runner ignores CUDA_VISIBLE_DEVICES beside --num_gpus
+            argv[-1] = f"--include=localhost:{','.join(devices.ids[:launch.nproc_per_node])}"
         if launch.hostfile:
             argv.append(f"--hostfile={launch.hostfile}")
         if launch.no_ssh:
@@ -87,6 +94,11 @@ def build(cfg: Config, run_dir: str | Path, *, python: str, cpu_count: int, port
             argv += [f"--node_rank={launch.node_rank}", f"--master_addr={launch.master_addr}", f"--master_port={master_port}"]
         argv += ["-m", "finetune.train", config_path]
 
+    if devices is not None and devices.kind == "GPU":
+        rank_env["CUDA_VISIBLE_DEVICES"] = ",".join(devices.ids)
+    elif devices is not None:  # CPU cores: the job's processes run on those alone, their threads split among the ranks
+        argv = ["taskset", "-c", ",".join(devices.ids), *argv]
+        cpu_count, env_threads = len(devices.ids), None
     threads = launch.omp_num_threads or env_threads or max(1, cpu_count // launch.nproc_per_node)
     env = {
         "OMP_NUM_THREADS": str(threads),

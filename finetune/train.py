@@ -149,7 +149,7 @@ def lost_peer(e: BaseException) -> bool:
 
 
 class RankStatus:
-    """RUN_DIR/ranks/<rank>.json: pid, host and how the rank ended. A rank still 'running' after
+    """RUN_DIR/ranks/<rank>.json: pid, host, CPU cores and how the rank ended. A rank still 'running' after
     the job failed died without a word (SIGKILL, the out-of-memory killer): the launcher names it."""
 
     SIZE = 4096
@@ -161,7 +161,8 @@ class RankStatus:
         self.path = run_dir / RANKS_DIR / f"{rank}.json"
         with contextlib.suppress(OSError):
             self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.info = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname()}
+        # the CPU cores it may run on (launcher.devices_per_trial pins a launch to its own): what ran, not what was asked
+        self.info = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "cpus": sorted(os.sched_getaffinity(0))}
         self.reason: str | None = None  # the line report() recorded: kept beside the final status
         self.write("running")
 

@@ -1,6 +1,8 @@
-"""A sweep's trials (`python -m finetune.launch -m ...`): Hydra's launcher runs each trial in this process, one
-after another; a trial that fails is recorded (TRIAL_DIR/status.json) and the sweep goes on, its summary
-(finetune.sweep) rewritten before and after each; the last word says how many failed.
+"""A sweep's trials (`python -m finetune.launch -m ...`): Hydra's launcher runs each trial, in this process one after
+another (its basic launcher) or side by side in worker processes or jobs (hydra/launcher=joblib, submitit_local,
+submitit_slurm); a trial that fails is recorded (TRIAL_DIR/status.json) and the sweep goes on, its summary
+(finetune.sweep) rewritten before and after each trial by whichever process ran it; the last word, in the launching
+process, says how many failed, read from the trials' directories (`SweepEnd` tells it where they are).
 
 Launcher side: no torch.
 """
@@ -12,15 +14,30 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from finetune import startup, sweep
-from finetune.compose import _first_line
+from finetune import startup, sweep, sweep_launchers
+from finetune.compose import _first_line, fail
+from finetune.config import ConfigError
 from finetune.supervise import TrialFailed, signals_received
 
 
-SWEEP: dict[str, Any] = {"dir": None, "trials": [], "failed": [], "summary": False}
-"""The sweep this process runs (Hydra's basic launcher runs every trial here): for the last word."""
+SWEEP: dict[str, Any] = {"dir": None, "summary": False}
+"""The sweep this process launched (`SweepEnd`) or runs trials of (`run_trial`): for the last word."""
+
+
+class SweepEnd(Callback):
+    """Hydra calls this in the launching process, whichever launcher runs the trials (recipes/config.yaml's
+    hydra.callbacks): where the sweep's trials are, and whether they train (not dry runs), for `end_sweep`."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            sweep_launchers.check(config)
+        except ConfigError as e:
+            fail(e)
+        SWEEP["dir"] = Path(str(config.hydra.sweep.dir)).resolve()  # what every launcher makes the trials' parent
+        SWEEP["summary"] = OmegaConf.select(config, "launcher.dry_run", default=False) is not True
 
 
 def run_trial(dcfg: DictConfig, sweep_dir: Path, trial_dir: Path, launch_once: Callable[[DictConfig], float | None]) -> float:
@@ -28,10 +45,7 @@ def run_trial(dcfg: DictConfig, sweep_dir: Path, trial_dir: Path, launch_once: C
     next trial; SWEEP_DIR's summary is rewritten before and after. Returns the final eval loss, inf for
     a failed trial (or a dry run). Ctrl-C ends the sweep. `launch_once`: one launch (finetune.launch's)."""
     startup.trial_begins()
-    SWEEP["dir"] = sweep_dir
-    SWEEP["trials"].append(trial_dir.name)
     dry_run = OmegaConf.select(dcfg, "launcher.dry_run", default=False) is True
-    SWEEP["summary"] |= not dry_run
     if OmegaConf.select(dcfg, "train.group", default=None) is None:  # the trackers group the trials by their sweep
         dcfg.train.group = str(sweep_dir)
     if not dry_run:
@@ -53,7 +67,6 @@ def run_trial(dcfg: DictConfig, sweep_dir: Path, trial_dir: Path, launch_once: C
         if failure.ends_sweep:  # the directory holds an earlier trial's results: leave them as they are
             sys.exit(failure.code)
         sweep.record_failure(trial_dir, failure.code, str(failure))
-        SWEEP["failed"].append(trial_dir.name)
         loss = float("inf")
     if not dry_run:
         update_summary(sweep_dir)
@@ -71,12 +84,16 @@ def update_summary(sweep_dir: Path) -> None:
 
 
 def end_sweep() -> None:
-    """After the last trial: the table, where the summary is, and exit code 1 when a trial failed."""
-    sweep_dir, failed = SWEEP["dir"], SWEEP["failed"]
+    """After the last trial: the table, where the summary is, and exit code 1 when a trial failed (the trials'
+    status.json files: a trial may have run in another process or on another machine)."""
+    sweep_dir = SWEEP["dir"]
+    trials = sweep.collect(sweep_dir) if sweep_dir.is_dir() else []
     if SWEEP["summary"]:  # not after a dry run
-        print("\n" + sweep.report(sweep_dir, sweep.collect(sweep_dir)), end="")
+        update_summary(sweep_dir)  # the last trial to finish may not have been the last to write it
+        print("\n" + sweep.report(sweep_dir, trials), end="")
+    failed = [t.trial for t in trials if t.status == "failed"]
     if failed:
         where = sweep_dir / (sweep.MARKDOWN if SWEEP["summary"] else f"N/{sweep.STATUS}")
-        print(f"error: {len(failed)} of {len(SWEEP['trials'])} trials failed (trial {', '.join(failed)}); reasons in {where}",
+        print(f"error: {len(failed)} of {len(trials)} trials failed (trial {', '.join(failed)}); reasons in {where}",
               file=sys.stderr)
         sys.exit(1)

@@ -150,7 +150,7 @@ def launch_ranks(args: tuple[str, ...] | list[str], module: str = "finetune.laun
     from finetune.compose import preflight, sweep_trials
     from finetune.config import ConfigError
 
-    overrides = [a for a in args if not a.startswith(("-", "hydra."))]
+    overrides = [a for a in args if not a.startswith(("-", "hydra.", "hydra/"))]
     trials = sweep_trials(overrides) if any(a in ("-m", "--multirun") for a in args) else [overrides]
     most = 0
     for trial in trials:

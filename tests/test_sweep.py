@@ -296,3 +296,68 @@ def test_ctrl_c_ends_the_sweep_and_records_the_trial_as_interrupted(tmp_path, sm
     assert f"resumed from {checkpoint} at step {step}" in again.stdout
     assert [r["status"] for r in read_csv(d)] == ["ok", "ok"]
     assert [m["step"] for m in map(json.loads, (d / "0/metrics.jsonl").read_text().splitlines()) if m["kind"] == "train"][-1] == step + 1
+
+
+def spans(sweep_dir: Path) -> list[tuple[float, float]]:
+    """Each trained trial's (start, end): when its launch wrote config.yaml, when training wrote summary.json."""
+    return [((d / "config.yaml").stat().st_mtime, (d / "summary.json").stat().st_mtime) for d in sweep.trial_dirs(sweep_dir)
+            if (d / "summary.json").is_file()]
+
+
+def cores_taken(sweep_dir: Path) -> list[list[int]]:
+    """The CPU cores each trained trial's rank could run on, as the rank found them (RUN_DIR/ranks/0.json)."""
+    return [json.loads((d / "ranks" / "0.json").read_text())["cpus"] for d in sweep.trial_dirs(sweep_dir)
+            if (d / "summary.json").is_file()]
+
+
+@pytest.mark.slow
+@pytest.mark.cores(2)
+@pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_joblib_launcher") is None,
+                    reason="hydra-joblib-launcher is not installed (pip install -e '.[sweep]')")
+def test_trials_side_by_side_each_on_its_own_core_give_the_summary_of_one_after_another(tmp_path, small_data, monkeypatch):
+    """hydra/launcher=joblib with two workers and launcher.devices_per_trial=1: four one-rank trials, two at a time, each on
+    a core no other trial holds; the summary is the one the same trials give one after another (Hydra's basic launcher),
+    loss for loss, and the launching process says it. The time each way: scripts/benchmark_sweep.py."""
+    monkeypatch.setenv("FINETUNE_DEVICE_LOCKS", str(tmp_path / "locks"))
+    trials = ["optim.lr=1e-3,2e-3,3e-3,4e-3", "launcher.devices_per_trial=1", *TINY, *small_data, "data.max_length=64"]
+    side = run_cli("-m", "+recipe=quickstart_sft", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", *trials,
+                   f"hydra.sweep.dir={tmp_path / 'side'}", cwd=tmp_path)
+    assert side.returncode == 0, side.stdout[-3000:] + side.stderr[-3000:]
+    one = run_cli("-m", "+recipe=quickstart_sft", *trials, f"hydra.sweep.dir={tmp_path / 'one'}", cwd=tmp_path)
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    rows, reference = read_csv(tmp_path / "side"), read_csv(tmp_path / "one")
+    assert [r["status"] for r in rows] == ["ok"] * 4
+    same = ("trial", "overrides", "status", "train_loss", "eval_loss", "exit_code", "reason")
+    assert [{k: r[k] for k in same} for r in rows] == [{k: r[k] for k in same} for r in reference]
+    assert (tmp_path / "side" / "summary.md").read_text() in side.stdout and "best         trial 3" in side.stdout
+    (start0, end0), (start1, end1), *_ = spans(tmp_path / "side")
+    assert start1 < end0 and start0 < end1  # trials 0 and 1 ran at the same time
+    taken = cores_taken(tmp_path / "side")
+    assert sorted(taken[:2]) == [[0], [1]] and all(t in ([0], [1]) for t in taken)
+    assert cores_taken(tmp_path / "one") == [[0]] * 4  # one after another: the first core is free for each
+    one_spans = spans(tmp_path / "one")
+    assert all(end <= later_start for (_, end), (later_start, _) in zip(one_spans, one_spans[1:]))  # one after another
+
+
+@pytest.mark.slow
+@pytest.mark.cores(2)
+@pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None,
+                    reason="hydra-submitit-launcher is not installed (pip install -e '.[sweep]')")
+def test_submitit_local_runs_trials_as_processes_of_their_own_and_records_a_failure(tmp_path, small_data, monkeypatch):
+    """hydra/launcher=submitit_local: a process per trial, both at once on a core each; a trial that fails (a rule its
+    overrides break) is recorded as in any sweep, and the launching process ends with the count and exit code 1."""
+    monkeypatch.setenv("FINETUNE_DEVICE_LOCKS", str(tmp_path / "locks"))
+    d = tmp_path / "sweep"
+    tiny = [o for o in TINY if not o.startswith("optim.warmup_steps=")]
+    out = run_cli("-m", "+recipe=quickstart_sft", "hydra/launcher=submitit_local", "optim.warmup_steps=1,5", "optim.lr=1e-3,2e-3",
+                  "launcher.devices_per_trial=1", *tiny, *small_data, "data.max_length=64", f"hydra.sweep.dir={d}", cwd=tmp_path)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = read_csv(d)
+    refused = "optim.warmup_steps=5 must be below train.max_steps=3"
+    assert [(r["overrides"], r["status"], r["reason"]) for r in rows] == [
+        ("optim.warmup_steps=1 optim.lr=0.001", "ok", ""), ("optim.warmup_steps=1 optim.lr=0.002", "ok", ""),
+        ("optim.warmup_steps=5 optim.lr=0.001", "failed", refused), ("optim.warmup_steps=5 optim.lr=0.002", "failed", refused)]
+    assert out.stderr.strip().splitlines()[-1] == f"error: 2 of 4 trials failed (trial 2, 3); reasons in {d / 'summary.md'}"
+    (start0, end0), (start1, end1) = spans(d)
+    assert start1 < end0 and start0 < end1
+    assert sorted(cores_taken(d)) == [[0], [1]]

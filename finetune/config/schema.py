@@ -486,6 +486,11 @@ class LauncherConfig:
     """deepspeed: start this node's ranks only (run once per node with launcher.node_rank), no ssh."""
     dry_run: bool = False
     """Print the resolved config and the exact command, start nothing."""
+    devices_per_trial: int | None = checked(at_least(1), None)
+    """Devices of this node the launch takes for itself (GPUs; CPU cores on a machine without one), so that a sweep's
+    trials run side by side (hydra/launcher=joblib or submitit_local), each on its own: the ranks see only those
+    (CUDA_VISIBLE_DEVICES, deepspeed --include, taskset on CPU), and a launch waits while the node has too few free.
+    null: the launch uses every device (trials one at a time)."""
 
 
 @dataclass

@@ -161,9 +161,16 @@ def validate_hardware(cfg: Config) -> None:
 
 def validate_launcher(cfg: Config) -> None:
     """launcher.node_rank within launcher.nnodes; the c10d rendezvous (launcher.rdzv_endpoint) against the static one
-    and the deepspeed launcher."""
+    and the deepspeed launcher; a trial's own devices (launcher.devices_per_trial) against its ranks."""
     if cfg.launcher.node_rank >= cfg.launcher.nnodes:
         raise ConfigError(f"launcher.node_rank={cfg.launcher.node_rank} must be in [0, launcher.nnodes={cfg.launcher.nnodes})")
+    per, ranks = cfg.launcher.devices_per_trial, cfg.launcher.nproc_per_node
+    if per is not None and per < ranks:
+        raise ConfigError(f"launcher.devices_per_trial={per} is fewer devices than the launch's launcher.nproc_per_node={ranks} "
+                          f"ranks: set launcher.devices_per_trial={ranks} (or more), or fewer ranks")
+    if per is not None and cfg.launcher.nnodes > 1:
+        raise ConfigError(f"launcher.devices_per_trial={per} shares one node's devices among the launches on it, but this job "
+                          f"spans launcher.nnodes={cfg.launcher.nnodes} nodes: leave launcher.devices_per_trial unset (null)")
     launch, default = cfg.launcher, LauncherConfig()
     endpoint = launch.rdzv_endpoint
     if endpoint is None:
