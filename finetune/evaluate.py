@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from finetune import benchmarks, logs
+from finetune import benchmarks, logs, rundir
 from finetune.config import ConfigError, Template
 from finetune.finished import Finished, Refusal, load, locate
 
@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         where, options = parse(sys.argv[1:] if argv is None else argv)
         run = locate(where, need_run=True)
         assert run.run_dir is not None and run.config is not None
+        if rundir.busy(run.run_dir):  # its ranks write summary.json and metrics.jsonl too: one would lose the other's
+            raise Refusal(rundir.in_use(run.run_dir, "RUN_DIR"))
         benchmarks.check(options["tasks"], run.config.method.name, f"tasks={','.join(options['tasks'])}")
         metrics = run_benchmarks(run, **options)
     except (Refusal, ConfigError) as e:

@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from finetune import rundir
 from finetune.config import Config, PeftMethod, Precision
 from finetune.finished import DTYPES, Finished, Refusal, load, locate
 from finetune.methods.base import CAUSAL_LM
@@ -51,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         assert run.run_dir is not None and run.config is not None
         model_type = check(run, args)
         out = args.out or run.run_dir / ("export" if args.step is None else f"export_step_{args.step}")
+        refused = rundir.output_refusal(out, "--out", "the export (config.json, model files, tokenizer files, README.md)",
+                                        ours=is_export) if args.out else None
+        if refused:
+            raise Refusal(refused)
         dtype = args.dtype or PRECISION_DTYPE.get(run.config.precision.name, "fp32")
         model, tokenizer = load(run, "fp32")  # merged in fp32: the GGUF is made from these weights, then the cast is saved
         out.mkdir(parents=True, exist_ok=True)
@@ -64,6 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     except Refusal as e:
         _fail(str(e))
     return 0
+
+
+def is_export(directory: Path) -> bool:
+    """Whether `directory` holds an earlier export (its model card names finetune), which an export may replace."""
+    try:
+        return "\n- finetune\n" in (directory / "README.md").read_text().split("\n---", 1)[0]
+    except OSError:
+        return False
 
 
 def at_step(where: str, step: int) -> Finished:

@@ -31,7 +31,9 @@ from finetune import benchmarks, disk, rundir, startup, steps, sweep, trackers
 from finetune.command import ERROR_FILE, RANKS_DIR, LaunchSpec, build
 from finetune.compose import RECIPES, fail, preflight, run_once, sweep_trials, typed
 from finetune.config import Config, ConfigError
+from finetune.devices import Devices, take
 from finetune.data import examples
+from finetune.data.templates import check_compiles
 from finetune.lengths import check_tools_template
 from finetune.planner.cli import read_longest, render
 from finetune.planner.counts import GIB
@@ -122,9 +124,15 @@ LOCKS: dict[Path, rundir.Lock] = {}
 """The run directories this process holds (one at a time: a sweep's trials run one after another)."""
 
 
+DEVICES: list[Devices] = []
+"""The devices this launch took (launcher.devices_per_trial): released with the run directory's lock."""
+
+
 def release_locks() -> None:
     while LOCKS:
         LOCKS.popitem()[1].release()
+    while DEVICES:
+        DEVICES.pop().release()
 
 
 def _sweeping() -> bool:
@@ -144,6 +152,7 @@ def _launch_once(dcfg: DictConfig, cfg: Config | None = None) -> float | None:
     try:
         cfg = cfg or typed(dcfg)
         threads = env_threads()
+        check_compiles(cfg.data)  # the user's template file: its own line, before any row is blamed
         tools_at = examples.check(cfg.data, cfg.method.name)  # missing file or malformed row: one line now, not N ranks later
         check_tools_template(cfg, tools_at)  # a row with tools that the chat template cannot render: the same
         steps.resolve(cfg, lambda line: print(f"{'#' if cfg.launcher.dry_run else '[finetune]'} {line}", flush=True))  # epochs
@@ -159,7 +168,14 @@ def _launch_once(dcfg: DictConfig, cfg: Config | None = None) -> float | None:
     check_memory(cfg, list(HydraConfig.get().overrides.task))
     run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir).resolve()
     writable = claim(run_dir, cfg)
-    spec = build(cfg, run_dir, python=sys.executable, cpu_count=os.cpu_count() or 1, port=free_port(), env_threads=threads)
+    if cfg.launcher.devices_per_trial is not None:  # this launch's own devices, held until it ends (launch_once)
+        try:
+            DEVICES.append(take(cfg.launcher.devices_per_trial, disk.has_gpu(), wait=not cfg.launcher.dry_run,
+                                said=lambda line: print(f"[finetune] {line}", flush=True)))
+        except ConfigError as e:
+            raise TrialFailed(2, str(e)) from None
+    spec = build(cfg, run_dir, python=sys.executable, cpu_count=os.cpu_count() or 1, port=free_port(), env_threads=threads,
+                 devices=DEVICES[-1] if DEVICES else None)
     if writable:
         try:
             sweep.clear_status(run_dir)  # a trial that starts again is not failed until it fails again

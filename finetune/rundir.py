@@ -23,6 +23,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from finetune.config import ConfigError, TrainConfig
 
@@ -153,6 +154,29 @@ class Lock:
         if self.fd >= 0:
             os.close(self.fd)  # drops the flock
             self.fd = -1
+
+
+def output_refusal(out: Path, flag: str, writes: str, *, ours: Callable[[Path], bool]) -> str | None:
+    """Why a command that writes `writes` into directory `out` (given as `flag`) may not: `out` is a run directory, or
+    inside a run's results (final/, checkpoints/, ...: `RESULTS`), where it would replace what the run made; or it holds
+    files that are not an earlier output of the same command (`ours(out)`), which same-named files would replace. None
+    when it may (a new or empty directory, or the command's own earlier output)."""
+    out = out.expanduser().resolve()
+    for run in (out, *out.parents):
+        if (run / "config.yaml").is_file() and any((run / r).exists() for r in RESULTS):
+            inside = out.relative_to(run).parts
+            if not inside:
+                return (f"{flag} {out} is a run directory: {writes} would go beside the run's own files; give a directory of "
+                        f"its own (the default is inside the run: {run / 'export'})")
+            if inside[0] in RESULTS:
+                return (f"{flag} {out} is inside the run's {inside[0]} ({run}): {writes} would replace what the run made; "
+                        f"give a directory of its own (the default: {run / 'export'})")
+            break
+    if out.is_dir() and any(out.iterdir()) and not ours(out):
+        names = sorted(p.name for p in out.iterdir())
+        return (f"{flag} {out} holds other files ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}): {writes} would "
+                "replace same-named ones; give a new or empty directory")
+    return None
 
 
 def in_use(run_dir: Path, dir_key: str = "hydra.run.dir") -> str:

@@ -17,6 +17,8 @@ import torch
 from finetune import gguf_file
 from finetune.families import FAMILIES
 
+import gguf_cases
+from gguf_cases import TINY, tiny_config
 from conftest import readme_commands, run_shell, train_here
 
 RUN = "outputs/quickstart_sft"
@@ -178,30 +180,17 @@ def test_refusals_are_one_line_with_exit_code_2(shipped, tmp_path):
                    HF_ENDPOINT="http://127.0.0.1:9") == "error: --push-to-hub you/x: cannot reach http://127.0.0.1:9: [Errno 111] Connection refused"
 
 
-TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=256, vocab_size=103, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-LOADABLE = {"qwen3": dict(head_dim=128), "mistral": dict(sliding_window=None), "gemma2": dict(head_dim=16), "gemma3_text": dict(head_dim=16),
-            "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2), "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True),
-            "gpt2": dict(max_position_embeddings=1024, intermediate_size=None)}
-"""Tiny configs within what transformers' GGUF loader can read back: it takes qwen3's head_dim, the MoE experts' widths
-and GPT-2's n_positions / n_inner from no key of the file, so those keep transformers' defaults; it reads a mistral file as
-llama (no sliding window) and assumes qwen3_moe normalises its top-k routing weights."""
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_every_family_exports_to_gguf_with_the_same_logits_or_is_refused_with_the_reason(family, tmp_path, tok):
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     why = gguf_file.refusal(family)
     if why is not None:
         assert family not in GGUF_SUPPORTED_ARCHITECTURES and (family in why or family in gguf_file.WHY_NOT)
         return
-    config = AutoConfig.for_model(family, **(TINY | LOADABLE.get(family, {})))
-    if family == "gpt2":
-        config = AutoConfig.for_model("gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=103, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = AutoModelForCausalLM.from_config(tiny_config(family)).eval()
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     for fmt in gguf_file.FORMATS:
@@ -229,6 +218,73 @@ def test_the_quickstart_tokenizer_reads_back_from_gguf(tmp_path, tok):
     back = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     text = "reverse\nHello, world! ~{}"
     assert back(text, add_special_tokens=False)["input_ids"] == tok(text, add_special_tokens=False)["input_ids"]
+
+
+LLAMACPP_READS = {"gpt2": {"default", "gpt-2", "llama-bpe", "qwen2"}, "llama": None}
+"""tokenizer.ggml.model -> the tokenizer.ggml.pre names llama.cpp's loader takes for it among those this export writes
+(llama-vocab.cpp: an unknown name is "unknown pre-tokenizer type"; a SentencePiece model reads none)."""
+
+
+def gguf_fields(path: Path) -> dict:
+    import gguf
+
+    return {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items() if k.startswith("tokenizer.") and "chat" not in k}
+
+
+@pytest.mark.parametrize("kind", gguf_cases.KINDS)
+def test_every_tokenizer_kind_exports_the_vocabulary_llamacpp_reads(kind, tmp_path):
+    """A user's BPE or SentencePiece tokenizer: the keys llama.cpp's loader reads, and transformers' GGUF reader tokenizes
+    every prompt as the tokenizer does (llama.cpp itself: scripts/llamacpp_check.py, its numbers in docs/after-training.md)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    directory = gguf_cases.make(kind, tmp_path)
+    tok = AutoTokenizer.from_pretrained(directory)
+    spec = json.loads((directory / "tokenizer.json").read_text())
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **TINY | dict(
+        vocab_size=len(tok) + 5, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=None)))
+    path = gguf_file.write(model, directory, tmp_path / "m.gguf", "f16", "m")
+    got = gguf_fields(path)
+    tokens = got["tokenizer.ggml.tokens"]
+    assert len(tokens) == len(tok) + 5 and tokens[-1] == f"[PAD{len(tok) + 4}]"
+    assert (got["tokenizer.ggml.bos_token_id"], got["tokenizer.ggml.eos_token_id"]) == (tok.bos_token_id, tok.eos_token_id)
+    model_name = got["tokenizer.ggml.model"]
+    assert model_name == ("llama" if kind.startswith("spm") else "gpt2")
+    if model_name == "gpt2":
+        assert got["tokenizer.ggml.pre"] == {"bpe-gpt2": "gpt-2", "bpe-llama3": "llama-bpe", "bpe-qwen2": "qwen2"}[kind]
+        assert got["tokenizer.ggml.pre"] in LLAMACPP_READS["gpt2"]
+        merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+        assert got["tokenizer.ggml.merges"] == merges and len(merges) > 100
+        assert all({*m.split(" "), m.replace(" ", "")} <= set(tokens) for m in merges)  # llama.cpp looks merges up by text
+    else:
+        assert "tokenizer.ggml.pre" not in got
+        # byte fallback: llama.cpp's SentencePiece model finds every byte as its <0xXX> token, typed BYTE (6)
+        types = got["tokenizer.ggml.token_type"]
+        assert all(types[tokens.index(f"<0x{b:02X}>")] == 6 for b in range(256))
+        assert got["tokenizer.ggml.add_space_prefix"] == tok.tokenize("a")[0].startswith("\u2581") == (kind == "spm-llama")
+        assert got["tokenizer.ggml.unknown_token_id"] == tok.unk_token_id
+    back = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in gguf_cases.PROMPTS:
+        assert back(text, add_special_tokens=False)["input_ids"] == tok(text, add_special_tokens=False)["input_ids"], text
+
+
+def test_tokenizers_llamacpp_would_read_differently_are_refused_with_the_reason(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **TINY | dict(vocab_size=410)))
+    unigram = gguf_cases.make("unigram", tmp_path / "u")
+    with pytest.raises(ValueError) as refused:
+        gguf_file.write(model, unigram, tmp_path / "u.gguf", "f16", "u")
+    assert str(refused.value) == ("--gguf: the tokenizer is a Unigram model (tokenizer.json), which llama.cpp reads only "
+                                  "for families this export does not write (T5's Unigram, BERT's WordPiece): export without --gguf")
+    bpe = gguf_cases.make("bpe-llama3", tmp_path / "b")
+    spec = json.loads((bpe / "tokenizer.json").read_text())
+    spec["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = r"\p{N}{1,4}|\S+|\s+"  # a split llama.cpp has no name for
+    (bpe / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError) as refused:
+        gguf_file.write(model, bpe, tmp_path / "b.gguf", "f16", "b")
+    assert str(refused.value) == ("--gguf: the tokenizer is a BPE model whose pre-tokenizer llama.cpp does not know by name "
+                                  r"(its split: \p{N}{1,4}|\S+|\s+; llama.cpp names gpt-2, llama-bpe, qwen2 here), so llama.cpp "
+                                  "would tokenize differently: export without --gguf")
 
 
 @pytest.mark.parametrize("peft", ["lora", "dora", "qlora"])
@@ -259,3 +315,38 @@ def test_adapters_merge_into_the_model_they_trained_with(peft, tmp_path):
         print(f"qlora: merged into the dequantized base {diff:.1e} from the 4-bit model, into the original {off:.1e}")
         assert diff < 1e-2 and diff < off / 2, (diff, off)
     assert (logits(merged) - logits(plain)).abs().max().item() > 1e-3  # the adapter changed the model
+
+
+@pytest.mark.slow
+def test_an_export_is_never_written_over_a_runs_results_or_other_files(shipped, tmp_path, capsys, monkeypatch):
+    """--out into the run's final/ or checkpoints/, the run directory itself, or a directory of other files: refused in
+    one line before anything is loaded, the run's files untouched; an earlier export's directory may be written again."""
+    from finetune import export, rundir
+
+    monkeypatch.chdir(shipped)
+    run = (shipped / RUN).resolve()
+    before = {p: p.stat().st_mtime_ns for p in (run / "final").iterdir()}
+
+    def refused(out: Path) -> str:
+        with pytest.raises(SystemExit) as ended:
+            export.main([RUN, "--out", str(out)])
+        assert ended.value.code == 2
+        return capsys.readouterr().err.strip()
+
+    writes = "the export (config.json, model files, tokenizer files, README.md)"
+    assert refused(run / "final") == (f"error: --out {run / 'final'} is inside the run's final ({run}): {writes} would replace "
+                                      f"what the run made; give a directory of its own (the default: {run / 'export'})")
+    assert refused(run / "checkpoints" / "x").startswith(f"error: --out {run / 'checkpoints' / 'x'} is inside the run's checkpoints")
+    assert refused(run) == (f"error: --out {run} is a run directory: {writes} would go beside the run's own files; give a "
+                            f"directory of its own (the default is inside the run: {run / 'export'})")
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "README.md").write_text("my notes\n")
+    assert refused(notes) == f"error: --out {notes} holds other files (README.md): {writes} would replace same-named ones; give " \
+                             "a new or empty directory"
+    assert {p: p.stat().st_mtime_ns for p in (run / "final").iterdir()} == before and (notes / "README.md").read_text() == "my notes\n"
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "README.md").write_text("---\nlibrary_name: transformers\ntags:\n- finetune\n- sft\n---\n# an export\n")
+    assert rundir.output_refusal(earlier, "--out", writes, ours=export.is_export) is None
+    assert rundir.output_refusal(tmp_path / "new", "--out", writes, ours=export.is_export) is None

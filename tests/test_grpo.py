@@ -70,6 +70,47 @@ def test_builtin_and_user_rewards(tmp_path, monkeypatch):
     assert total == pytest.approx([1 + 0.5 - 0.25, -0.5])
 
 
+USER_REWARDS = """import math
+
+def divides(*, completions, **_):
+    return [1 / (len(c) - 4) for c in completions]
+
+def nan(*, completions, **_):
+    return [math.nan if c.startswith("a") else 1.0 for c in completions]
+
+def words(*, completions, **_):
+    return [c.split()[0] if c.strip() else 0.0 for c in completions]
+
+def one(*, completions, **_):
+    return [1.0]
+
+def flags(*, completions, **_):
+    return [c == "abcd" for c in completions]
+"""
+
+
+def test_a_fault_in_the_users_reward_function_names_the_function_and_its_line(tmp_path, monkeypatch):
+    """The user's reward raises, returns a NaN, a word or too few values: one line naming the reward (and the file and line
+    it raised at), at the rollout that called it; never a NaN loss with advice about the learning rate, or a traceback."""
+    (tmp_path / "user_rewards.py").write_text(USER_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    columns = dict(prompts=["p", "p"], completions=["abcd", " 12 "], answers=["12", "12"], completion_tokens=[4, 4])
+
+    def fault(name: str) -> str:
+        with pytest.raises(ConfigError) as refused:
+            rewards.score(rewards.resolve(method(rewards=[name])), **columns)
+        return str(refused.value)
+
+    assert fault("user_rewards:divides") == ("method.rewards: user_rewards:divides raised ZeroDivisionError: division by zero at "
+                                             f"{tmp_path / 'user_rewards.py'}:4: fix the reward function")
+    assert fault("user_rewards:nan") == ("method.rewards: user_rewards:nan returned nan for completion 0 ('abcd'), which is not "
+                                         "finite: return one finite number per completion")
+    assert fault("user_rewards:words") == ("method.rewards: user_rewards:words returned 'abcd' for completion 0 ('abcd'), which is "
+                                           "not a number: return one finite number per completion")
+    assert fault("user_rewards:one") == "method.rewards: user_rewards:one returned 1 values for 2 completions: return one number each"
+    assert rewards.score(rewards.resolve(method(rewards=["user_rewards:flags"])), **columns)[0] == [1.0, 0.0]  # True counts 1
+
+
 @pytest.mark.parametrize("kw,message", [
     ({"rewards": ["nope"]}, "method.rewards: nope is not a reward: use exact_match, similarity, format, length, a function as "
                             "package.module:function, or reward:PATH (a reward model trained with method=reward)"),

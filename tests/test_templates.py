@@ -183,6 +183,29 @@ def test_reasoning_tags_are_configurable_and_a_response_of_only_reasoning_is_ref
                where="f:1")
 
 
+@pytest.mark.parametrize("content,why", [
+    ("<think>why ok", "opens <think> and never closes it"),
+    ("why</think>ok", "has </think> with no <think> before it"),
+    ("<think>a<think>b</think>ok", "opens <think> again inside a reasoning block"),
+])
+@pytest.mark.parametrize("mode", list(Reasoning))
+def test_a_malformed_reasoning_block_is_refused_naming_the_message_in_every_mode(tok, content, why, mode):
+    """A block left open, closed without opening or nested: refused for the row (in every data.reasoning mode, and in a
+    preference pair's responses, which are encoded the same way), never trained as plain text without a word."""
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>fine</think>yes"},
+                {"role": "user", "content": "q2"}, {"role": "assistant", "content": content}]
+    line = (f"f:3: messages[3] (assistant) {why}: a reasoning block must be <think>...</think> (data.reasoning_tags); fix the "
+            "row, or it is trained as plain text")
+    with pytest.raises(ConfigError) as refused:
+        encode(messages, tok, True, data=data(reasoning=mode), where="f:3")
+    assert str(refused.value) == line
+    with pytest.raises(ConfigError) as refused:
+        methods.get("dpo").encode({"prompt": messages[:3], "chosen": "<think>a</think>b", "rejected": content}, "f:3", tok,
+                                  data(reasoning=mode), True)
+    assert str(refused.value) == line  # the rejected response is the pair's messages[3] too
+    assert encode(messages[:2], tok, True, data=data(reasoning=mode), where="f:3").thought == len("<think>fine</think>")
+
+
 def test_preference_rows_with_tool_turns_in_the_prompt():
     """DPO's (and KTO's) rows may hold the call and its result in the prompt: only each response is labelled."""
     tok = family("qwen2_5")
@@ -274,3 +297,29 @@ def test_tool_calls_train_two_steps(tmp_path: Path):
            f"({masked} tokens masked out of the loss)" in out.stdout
     saved = (tmp_path / "run" / "final" / "chat_template.jinja").read_text()
     assert saved == (ASSETS / "templates" / "qwen2_5.jinja").read_text()
+
+
+def test_a_template_file_that_does_not_compile_is_named_not_a_row(compose, tmp_path):
+    """The user's .jinja file with a mistake of its own (a block left open, a filter jinja does not have): one line naming
+    the file and its line, before any row is rendered (the launcher, and the ranks again); never `FILE:1: the chat
+    template refuses this conversation ... fix the row`."""
+    shipped = "gemma, llama3_1, mistral, qwen2_5"
+    for text, why in [("{% for m in messages %}{{ m.content }}{% endfor", "line 1: unexpected end of template, expected 'end of statement block'"),
+                      ("{% for m in messages %}\n{{ m.content | shout }}{% endfor %}", "line 2: No filter named 'shout'")]:
+        path = tmp_path / "mine.jinja"
+        path.write_text(text)
+        cfg = compose([f"data.chat_template={path}"])
+        line = (f"data.chat_template={path}: {path}: {why}: the template does not compile, so no conversation can be rendered: "
+                f"fix the file, or use a shipped template ({shipped})")
+        with pytest.raises(ConfigError) as refused:
+            templates.override(AutoTokenizer.from_pretrained(ASSETS / "tokenizer"), cfg.data)
+        assert str(refused.value) == line
+        out = run_cli("+recipe=quickstart_sft", f"data.chat_template={path}", "launcher.dry_run=true", cwd=tmp_path, timeout=120)
+        assert (out.returncode, out.stderr.strip()) == (2, f"error: {line}")
+    tok = AutoTokenizer.from_pretrained(ASSETS / "tokenizer")
+    tok.chat_template = "{% if %}"
+    with pytest.raises(ConfigError) as refused:
+        templates.render(tok, MULTI, None, "train.jsonl:1")
+    assert str(refused.value) == (f"the tokenizer's chat template ({tok.name_or_path}) does not compile (line 1: Expected an "
+                                  "expression, got 'end of statement block'), so no conversation can be rendered: give a "
+                                  "template that does (data.chat_template)")

@@ -23,25 +23,59 @@ import re
 from typing import Any
 
 from finetune.config import ConfigError, DataConfig
-from finetune.config.data import template_path
+from finetune.config.data import TEMPLATES, template_path
 
 Tools = list[dict[str, Any]] | None
 
 
 def override(tokenizer: Any, data: DataConfig) -> Any:
-    """The tokenizer with data.chat_template's template in place of its own (unchanged when that is null)."""
+    """The tokenizer with data.chat_template's template in place of its own (unchanged when that is null); a file that
+    does not compile is refused naming its line (`check_compiles`)."""
     if data.chat_template:
+        check_compiles(data)
         tokenizer.chat_template = template_path(data.chat_template).read_text()
     return tokenizer
 
 
+def problem(template: str) -> str | None:
+    """Why a chat template's text does not compile, as transformers compiles it (its sandbox, filters and extensions):
+    `line N: message`; None when it compiles. Its refusals of a conversation (raise_exception) come only when rendering."""
+    import jinja2
+    from transformers.utils import chat_template_utils
+
+    try:
+        chat_template_utils._compile_jinja_template(template)
+    except jinja2.TemplateSyntaxError as e:
+        return f"line {e.lineno}: {str(e.message).rstrip('.')}"
+    except jinja2.TemplateError as e:
+        return str(e).rstrip(".")
+    return None
+
+
+def check_compiles(data: DataConfig) -> None:
+    """data.chat_template's file compiles, or one line naming the file and its line (before any row is rendered: a
+    mistake in the user's template is not a mistake in a row)."""
+    if data.chat_template:
+        path = template_path(data.chat_template)
+        why = problem(path.read_text())
+        if why is not None:
+            raise ConfigError(f"data.chat_template={data.chat_template}: {path}: {why}: the template does not compile, so no "
+                              "conversation can be rendered: fix the file, or use a shipped template "
+                              f"({', '.join(sorted(p.stem for p in TEMPLATES.glob('*.jinja')))})")
+
+
 def render(tokenizer: Any, messages: list[dict[str, Any]], tools: Tools, where: str, generation: bool = False) -> str:
-    """The conversation as text, through the tokenizer's chat template; the template's own refusal as one line."""
+    """The conversation as text, through the tokenizer's chat template; the template's own refusal as one line (a
+    template that does not compile is named as the fault, not the row)."""
     import jinja2
 
     try:
         return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation)
     except jinja2.TemplateError as e:
+        why = problem(str(tokenizer.chat_template))
+        if why is not None:
+            raise ConfigError(f"the tokenizer's chat template ({tokenizer.name_or_path}) does not compile ({why}), so no "
+                              "conversation can be rendered: give a template that does (data.chat_template)") from None
         raise ConfigError(f"{where}: the chat template refuses this conversation ({e}): fix the row, or render with another "
                           "template (data.chat_template)") from None
 
@@ -129,6 +163,33 @@ def check_tools(tokenizer: Any, chat: bool, where: str) -> None:
     if missing:
         raise ConfigError(f"{where}: this row has tools or tool calls, but the chat template leaves out {', '.join(missing)} "
                           f"(probed with a conversation that calls a tool): {fix}")
+
+
+def check_blocks(messages: list[dict[str, Any]], tags: list[str], where: str) -> None:
+    """Every reasoning block of the assistant's messages opens and closes once (data.reasoning_tags): a block left open,
+    closed without opening or opened inside another is refused naming the message, since it would be trained as plain
+    text (or cut at the wrong place) without a word."""
+    opening, closing = tags
+    token = re.compile(f"{re.escape(opening)}|{re.escape(closing)}")
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant" or not isinstance(m.get("content"), str):
+            continue
+        inside = False
+        for found in token.finditer(m["content"]):
+            if found.group() == opening and inside:
+                why = f"opens {opening} again inside a reasoning block"
+            elif found.group() == closing and not inside:
+                why = f"has {closing} with no {opening} before it"
+            else:
+                inside = not inside
+                continue
+            break
+        else:
+            if not inside:
+                continue
+            why = f"opens {opening} and never closes it"
+        raise ConfigError(f"{where}: messages[{i}] (assistant) {why}: a reasoning block must be {opening}...{closing} "
+                          f"(data.reasoning_tags); fix the row, or it is trained as plain text")
 
 
 def _blocks(tags: list[str]) -> re.Pattern[str]:

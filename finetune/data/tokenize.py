@@ -108,6 +108,8 @@ def encode(messages: list[Message], tokenizer: Any, chat_template: bool, last_on
     if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
         templates.check_tools(tokenizer, chat_template, where)
     mode, tags = (data.reasoning, data.reasoning_tags) if data is not None else (Reasoning.keep, None)
+    if tags is not None:
+        templates.check_blocks(messages, tags, where)
     dropped: list[str] = []
     if mode == Reasoning.drop:
         messages, dropped = templates.drop_reasoning(messages, tags)

@@ -142,9 +142,40 @@ def score(rewards: list[Reward], **columns: Any) -> tuple[list[float], dict[str,
     each: dict[str, list[float]] = {}
     n = len(columns["completions"])
     for r in rewards:
-        values = [float(v) for v in r.fn(**columns)]
-        if len(values) != n:
-            raise RuntimeError(f"method.rewards: {r.name} returned {len(values)} values for {n} completions: return one number each")
-        each[r.name] = values
+        each[r.name] = called(r, n, columns)
     total = [sum(r.weight * each[r.name][i] for r in rewards) for i in range(n)]
     return total, each
+
+
+def called(r: Reward, n: int, columns: dict[str, Any]) -> list[float]:
+    """One reward's values for `n` completions; a fault in it (an exception, a count or a value that is not one finite
+    number per completion) is one line naming the reward and, for the user's own function, the file and line it came
+    from: never a NaN loss or a traceback downstream."""
+    import inspect
+    import math
+    import traceback
+
+    try:
+        values = list(r.fn(**columns))
+    except Exception as e:  # noqa: BLE001 - the user's code: whatever it raises is named as its fault
+        frames = traceback.extract_tb(e.__traceback__)[1:]  # from the function's own frame in
+        try:
+            own = inspect.getsourcefile(r.fn)
+        except TypeError:
+            own = None
+        mine = [f for f in frames if f.filename == own] or frames
+        at = f" at {mine[-1].filename}:{mine[-1].lineno}" if mine else ""
+        raise ConfigError(f"method.rewards: {r.name} raised {type(e).__name__}: {e}{at}: fix the reward function") from None
+    if len(values) != n:
+        raise ConfigError(f"method.rewards: {r.name} returned {len(values)} values for {n} completions: return one number each")
+    for i, v in enumerate(values):
+        try:
+            number = float(v)
+        except (TypeError, ValueError):
+            number = None
+        if number is None or not math.isfinite(number):
+            what = "a number" if number is None else "finite"
+            raise ConfigError(f"method.rewards: {r.name} returned {v!r} for completion {i} ({columns['completions'][i][:40]!r}), "
+                              f"which is not {what}: return one finite number per completion")
+        values[i] = number
+    return values
