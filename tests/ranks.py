@@ -218,9 +218,14 @@ def cores(n: int):
         return
     everything = n + 1 > max(cpus, 3)
     tic = time.monotonic()
-    multi = _lock("multi.lock")
+    multi, turn = _lock("multi.lock"), _lock("turn.lock")
     fcntl.flock(fd, fcntl.LOCK_UN)  # no share held while waiting: the holder of `multi` may be waiting for every core
+    # in turn: a waiter holds `turn` until it has `multi`, so the holder's next job waits behind it (flock alone is not
+    # fair: a worker that releases `multi` and asks again at once may win every time, and the other idles)
+    fcntl.flock(turn, fcntl.LOCK_EX)
     fcntl.flock(multi, fcntl.LOCK_EX)
+    fcntl.flock(turn, fcntl.LOCK_UN)
+    os.close(turn)
     if everything:
         gate = _lock("gate.lock")
         fcntl.flock(gate, fcntl.LOCK_EX)  # no new test starts meanwhile

@@ -520,3 +520,29 @@ def test_vllm_itself_samples_from_the_synced_policy_and_trains(shipped, tmp_path
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     train = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "train"]
     assert len(train) == 3 and all(m["generation_s"] > 0 and 1 <= m["completion_tokens"] <= 16 for m in train)
+
+
+def test_a_vllm_built_for_another_torch_is_refused_before_launch(monkeypatch):
+    """vLLM's releases pin their own torch (0.33.0: torch==2.14.0, transformers<5.21): installed into this environment they
+    replace the tested versions, or left beside them they do not run. Its package metadata says which: one line."""
+    from importlib import metadata
+
+    from finetune.methods import grpo
+
+    installed = {"vllm": "0.33.0", "torch": "2.13.0+cpu", "transformers": "5.24.0"}
+    pins = ["transformers<5.21.0,>=5.16.1", "torch==2.14.0", "torchaudio==2.11.0", "pytest; extra == 'test'"]
+
+    def version(name):
+        if name not in installed:
+            raise metadata.PackageNotFoundError(name)
+        return installed[name]
+
+    monkeypatch.setattr(metadata, "version", version)
+    monkeypatch.setattr(metadata, "requires", lambda name: pins if name == "vllm" else [])
+    assert grpo.vllm_mismatch() == "vLLM 0.33.0 needs transformers<5.21.0,>=5.16.1, but this environment has transformers 5.24.0"
+    installed["transformers"] = "5.20.0"
+    assert grpo.vllm_mismatch() == "vLLM 0.33.0 needs torch==2.14.0, but this environment has torch 2.13.0+cpu"
+    installed["torch"] = "2.14.0+cu128"
+    assert grpo.vllm_mismatch() is None  # a CUDA build of the pinned release
+    del installed["vllm"]
+    assert grpo.vllm_mismatch() is None  # no metadata (the stand-in, a source checkout): nothing to compare

@@ -99,3 +99,31 @@ def test_the_installed_wheel_runs_outside_the_checkout(installed, tmp_path):
     wrong = run_installed(installed, ["finetune", "trian"], tmp_path)
     assert (wrong.returncode, last_line(wrong.stderr)) == (2, "error: finetune trian: no such command (did you mean 'train'?); the "
                                                            "commands: train, plan, prepare, export, generate, evaluate (finetune --help)")
+
+
+def test_every_declared_floor_is_a_tested_version():
+    """pyproject.toml's lower bounds (the runtime dependencies and every extra's) name the release the suite runs with
+    (constraints/test.txt, at the floor's precision: >=5.24 against 5.24.0): a floor below it would promise a version no
+    run tried. After scripts/lock.sh moves a pin, this names the floor to raise."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    from packaging.version import Version
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    pins = {canonicalize_name(name): Version(version) for line in (REPO / "constraints" / "test.txt").read_text().splitlines()
+            if line and not line.startswith("#") for name, version in [line.split("==")]}
+    requirements = [Requirement(r) for r in project["dependencies"] + [r for extra in project["optional-dependencies"].values()
+                                                                      for r in extra]]
+    untested = []
+    for req in requirements:
+        floors = [Version(s.version) for s in req.specifier if s.operator == ">="]
+        name = canonicalize_name(req.name)
+        if not floors or name == "finetune" or name not in pins:  # no floor, an extra of ours, a GPU extra (not installed here)
+            continue
+        floor, pin = floors[0], pins[name]
+        if pin.release[:len(floor.release)] != floor.release or pin not in req.specifier:
+            untested.append(f"{req} (tested: {pin})")
+    assert untested == [], untested
+    assert len([r for r in requirements if canonicalize_name(r.name) in pins]) >= 25

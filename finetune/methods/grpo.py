@@ -116,6 +116,31 @@ class Grpo:
 METHOD = Grpo()
 
 
+def vllm_mismatch() -> str | None:
+    """What the installed vLLM requires of torch and transformers that this environment does not have (vLLM's releases
+    pin their own torch: 0.33.0 needs torch==2.14.0 and transformers<5.21), as `vLLM V needs NAME SPEC, but this
+    environment has NAME W`; None when they agree, or vLLM has no package metadata (a source checkout)."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    try:
+        version, required = metadata.version("vllm"), metadata.requires("vllm") or []
+    except metadata.PackageNotFoundError:
+        return None
+    for text in required:
+        req = Requirement(text)
+        if req.name not in ("torch", "transformers") or (req.marker is not None and not req.marker.evaluate({"extra": ""})):
+            continue
+        try:
+            have = metadata.version(req.name)
+        except metadata.PackageNotFoundError:
+            continue
+        if not req.specifier.contains(have, prereleases=True):
+            return f"vLLM {version} needs {req.name}{req.specifier}, but this environment has {req.name} {have}"
+    return None
+
+
 def vllm_rules(cfg: Config) -> None:
     """method.vllm=true: vLLM installed, and a layout whose weights it can load whole (finetune.methods.vllm_rollout)."""
     import importlib.util
@@ -125,6 +150,10 @@ def vllm_rules(cfg: Config) -> None:
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError("method.vllm=true: vLLM is not installed here: pip install vllm (its wheels are built for CUDA GPUs), or "
                           "drop method.vllm to sample with transformers' generate")
+    mismatch = vllm_mismatch()
+    if mismatch:
+        raise ConfigError(f"method.vllm=true: {mismatch}, so vLLM and this training would not run on the versions either was "
+                          "built for: install vLLM in a virtualenv of its own (docs/grpo.md, vLLM), not into this one")
     p = cfg.parallelism
     if p.tp > 1 or p.cp > 1:
         raise ConfigError(f"method.vllm=true with parallelism.tp={p.tp} cp={p.cp} is not supported: each rank's vLLM engine holds "
