@@ -140,6 +140,10 @@ def write_gguf(model: Any, run: Finished, out: Path, fmt: str, model_type: str) 
         print(f"warning: {path.name}: transformers' GGUF loader has no key for some of this {model_type} model's config, so "
               f"it would build another model from it ({'; '.join(unread)}); llama.cpp reads the file's own keys, "
               "which this export did not check", file=sys.stderr)
+    differs = gguf_file.llamacpp_differs(model)
+    if differs:
+        print(f"warning: {path.name}: llama.cpp computes this {model_type} model differently from its config "
+              f"({'; '.join(differs)}): its outputs there will not be this model's", file=sys.stderr)
     return path
 
 

@@ -16,6 +16,7 @@ rows whose length is not a multiple of 32 stay f16).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +51,7 @@ def write(model: Any, tokenizer_dir: Path, path: Path, fmt: str, name: str) -> P
     config = model.config.get_text_config()
     arch = ARCH[config.model_type]
     writer = _writer(path, arch)
-    # transformers reads a llama file named exactly "mistral" as a mistral model, which gguf has no tensor names for
-    writer.add_name(f"{name}-model" if name == "mistral" else name)
+    writer.add_name(file_name(name, tokenizer_dir))
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if fmt == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     hyperparameters(writer, config)
@@ -64,6 +64,39 @@ def write(model: Any, tokenizer_dir: Path, path: Path, fmt: str, name: str) -> P
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+NAMED_VOCABULARIES = {("phi-3", "phi3"): ("</s>", "<unk>", "<s>", "<|endoftext|>")}
+"""Model names llama.cpp reads a vocabulary by (llama-vocab.cpp: a general.name containing "phi3" gets Phi-3's token
+attributes, looked up by these tokens' text): a file of that name without them does not load ("unordered_map::at")."""
+
+
+def file_name(name: str, tokenizer_dir: Path) -> str:
+    """general.name for a run called `name`: as it is, unless a reader would take it for another model: transformers reads
+    a llama file named exactly "mistral" as mistral (which gguf has no tensor names for), and llama.cpp a name with
+    "phi3" in it as Phi-3's vocabulary (NAMED_VOCABULARIES)."""
+    if name == "mistral":
+        return f"{name}-model"
+    spec = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    vocab = spec["model"].get("vocab")
+    known = (set(vocab) if isinstance(vocab, dict) else set()) | {t["content"] for t in spec.get("added_tokens", [])}
+    for triggers, needs in NAMED_VOCABULARIES.items():
+        if any(t in name.lower() for t in triggers) and not set(needs) <= known:
+            for t in triggers:
+                name = re.sub(re.escape(t), t.replace("3", "_3"), name, flags=re.IGNORECASE)
+    return name
+
+
+def llamacpp_differs(model: Any) -> list[str]:
+    """What llama.cpp computes differently from `model` whatever the file says, as `key=value (llama.cpp: ...)`: it scales
+    Gemma 2 and 3's attention by 1/sqrt(head_dim) (27B: hidden/heads), where transformers takes query_pre_attn_scalar."""
+    config = model.config.get_text_config()
+    if config.model_type in ("gemma2", "gemma3_text"):
+        head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
+        scalar = config.query_pre_attn_scalar
+        if scalar not in (head_dim, config.hidden_size // config.num_attention_heads):
+            return [f"query_pre_attn_scalar={scalar} (llama.cpp scales attention by 1/sqrt(head_dim={head_dim}))"]
+    return []
 
 
 def _writer(path: Path, arch: str) -> Any:
@@ -195,7 +228,8 @@ def vocabulary(writer: Any, tokenizer_dir: Path, n_vocab: int) -> None:
     kind = spec["model"]["type"]
     added = {t["id"]: t for t in spec.get("added_tokens", [])}
     if kind == "BPE" and spec["model"].get("byte_fallback"):
-        tokens, scores, types = (list(x) for x in zip(*LlamaHfVocab(tokenizer_dir).all_tokens()))
+        tokens, _, types = (list(x) for x in zip(*LlamaHfVocab(tokenizer_dir).all_tokens()))
+        scores = merge_scores(tokens, spec["model"].get("merges") or [])
         pad = range(len(tokens), n_vocab)
         writer.add_tokenizer_model("llama")
         writer.add_token_list(tokens + [f"[PAD{i}]" for i in pad])
@@ -233,6 +267,19 @@ def vocabulary(writer: Any, tokenizer_dir: Path, n_vocab: int) -> None:
     if special.chat_template is None and template.is_file():
         special.chat_template = template.read_text()
     special.add_to_gguf(writer, quiet=True)
+
+
+def merge_scores(tokens: list[bytes], merges: list[Any]) -> list[float]:
+    """SentencePiece scores from a BPE's merges: llama.cpp's SentencePiece model joins, again and again, the neighbours
+    whose joined piece scores highest, where tokenizers' BPE applies the merge of lowest rank; so a piece scores minus
+    the rank of the first merge that makes it (-1, -2, ...), and pieces no merge makes (bytes, characters, specials)
+    score 0. gguf's LlamaHfVocab scores every piece -1000 (it reads no merges), and llama.cpp then joins the leftmost
+    pair: other tokens than the tokenizer's."""
+    rank: dict[bytes, int] = {}
+    for i, merge in enumerate(merges):
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        rank.setdefault((left + right).encode(), i)
+    return [-(rank[t] + 1.0) if t in rank else 0.0 for t in tokens]
 
 
 GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"""

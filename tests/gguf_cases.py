@@ -11,12 +11,14 @@ from pathlib import Path
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=256, vocab_size=103, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-LOADABLE = {"qwen3": dict(head_dim=128), "mistral": dict(sliding_window=None), "gemma2": dict(head_dim=16), "gemma3_text": dict(head_dim=16),
+LOADABLE = {"qwen3": dict(head_dim=128), "mistral": dict(sliding_window=None), "gemma2": dict(head_dim=256), "gemma3_text": dict(head_dim=256),
             "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2), "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True),
             "gpt2": dict(max_position_embeddings=1024, intermediate_size=None)}
 """Tiny configs within what transformers' GGUF loader can read back: it takes qwen3's head_dim, the MoE experts' widths
 and GPT-2's n_positions / n_inner from no key of the file, so those keep transformers' defaults; it reads a mistral file as
-llama (no sliding window) and assumes qwen3_moe normalises its top-k routing weights."""
+llama (no sliding window) and assumes qwen3_moe normalises its top-k routing weights. Gemma's head_dim is its default
+query_pre_attn_scalar (256), as in Gemma 2 2B and 9B: transformers' loader reads no query_pre_attn_scalar, and llama.cpp
+scales attention by 1/sqrt(head_dim) (gguf_file.llamacpp_differs)."""
 
 
 def tiny_config(family: str, **changes):
