@@ -11,16 +11,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# --no-compile: pip byte-compiles every module it installs (torch's thousands among them), 52 of the 88 s a fresh
+# install of the package took here; Python compiles the ones a run imports when it first imports them.
 EXTRAS=${1:-test}
 if ! "$PY" -c "import torch" 2>/dev/null && ! command -v nvidia-smi >/dev/null 2>&1; then
   if [ -n "${FINETUNE_TORCH_INDEX_URL:-}" ]; then
-    "$PY" -m pip install -q -c constraints/test.txt torch --index-url "$FINETUNE_TORCH_INDEX_URL"
+    "$PY" -m pip install -q --no-compile -c constraints/test.txt torch --index-url "$FINETUNE_TORCH_INDEX_URL"
   else
-    "$PY" -m pip install -q -c constraints/test.txt torch
+    "$PY" -m pip install -q --no-compile -c constraints/test.txt torch
   fi
 fi
 if [ "$EXTRAS" = none ]; then
-  "$PY" -m pip install -q -c constraints/test.txt -e .
+  "$PY" -m pip install -q --no-compile -c constraints/test.txt -e .
 else
-  "$PY" -m pip install -q -c constraints/test.txt -e ".[$EXTRAS]"
+  "$PY" -m pip install -q --no-compile -c constraints/test.txt -e ".[$EXTRAS]"
 fi
