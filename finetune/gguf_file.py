@@ -83,7 +83,7 @@ def file_name(name: str, tokenizer_dir: Path) -> str:
     for triggers, needs in NAMED_VOCABULARIES.items():
         if any(t in name.lower() for t in triggers) and not set(needs) <= known:
             for t in triggers:
-                name = re.sub(re.escape(t), t.replace("3", "_3"), name, flags=re.IGNORECASE)
+                name = re.sub(re.escape(t), lambda m: m.group()[:-1] + "_" + m.group()[-1], name, flags=re.IGNORECASE)
     return name
 
 

@@ -262,9 +262,32 @@ def test_every_tokenizer_kind_exports_the_vocabulary_llamacpp_reads(kind, tmp_pa
         assert all(types[tokens.index(f"<0x{b:02X}>")] == 6 for b in range(256))
         assert got["tokenizer.ggml.add_space_prefix"] == tok.tokenize("a")[0].startswith("\u2581") == (kind == "spm-llama")
         assert got["tokenizer.ggml.unknown_token_id"] == tok.unk_token_id
+        # llama.cpp joins the neighbours whose piece scores highest, tokenizers applies the merge of lowest rank: the
+        # scores follow the merges (gguf's own vocab scores every piece -1000: llama.cpp then joined the leftmost pair)
+        scores, merged = got["tokenizer.ggml.scores"], ["".join(m.split(" ") if isinstance(m, str) else m) for m in spec["model"]["merges"]]
+        first = {t: -(i + 1.0) for i, t in reversed(list(enumerate(merged)))}
+        assert all(scores[tokens.index(t)] == s for t, s in first.items()) and scores[tokens.index("<0x41>")] == 0.0
     back = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     for text in gguf_cases.PROMPTS:
         assert back(text, add_special_tokens=False)["input_ids"] == tok(text, add_special_tokens=False)["input_ids"], text
+
+
+def test_what_llamacpp_would_read_as_another_model_is_written_apart_or_named(tmp_path, tok):
+    """llama.cpp takes a general.name with "phi3" in it for Phi-3's vocabulary (and fails to load a file without Phi-3's
+    tokens), and scales Gemma's attention by 1/sqrt(head_dim) whatever query_pre_attn_scalar says."""
+    from transformers import AutoModelForCausalLM
+
+    shipped = Path(tok.name_or_path)
+    assert gguf_file.file_name("my-phi3-sft", shipped) == "my-phi_3-sft" and gguf_file.file_name("Phi-3-mini", shipped) == "Phi-_3-mini"
+    assert gguf_file.file_name("mistral", shipped) == "mistral-model" and gguf_file.file_name("llama-sft", shipped) == "llama-sft"
+    phi = gguf_cases.make("spm-llama", tmp_path / "phi")
+    spec = json.loads((phi / "tokenizer.json").read_text())
+    spec["added_tokens"].append({**spec["added_tokens"][0], "id": 9999, "content": "<|endoftext|>"})
+    (phi / "tokenizer.json").write_text(json.dumps(spec))
+    assert gguf_file.file_name("phi3-sft", phi) == "phi3-sft"  # Phi-3's tokens are there: llama.cpp's attributes apply
+    gemma = AutoModelForCausalLM.from_config(tiny_config("gemma2", head_dim=16))
+    assert gguf_file.llamacpp_differs(gemma) == ["query_pre_attn_scalar=256 (llama.cpp scales attention by 1/sqrt(head_dim=16))"]
+    assert gguf_file.llamacpp_differs(AutoModelForCausalLM.from_config(tiny_config("gemma2"))) == []
 
 
 def test_tokenizers_llamacpp_would_read_differently_are_refused_with_the_reason(tmp_path):
