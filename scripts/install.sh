@@ -11,8 +11,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-# --no-compile: pip byte-compiles every module it installs (torch's thousands among them), 52 of the 88 s a fresh
-# install of the package took here; Python compiles the ones a run imports when it first imports them.
+# pip byte-compiles every module it installs, one after another (torch's thousands among them): 52 of the 88 s a fresh
+# install of the package took here. So it installs them uncompiled, and then either Python compiles the ones a run
+# imports when it first imports them, or, where it writes no bytecode (PYTHONDONTWRITEBYTECODE set, as on these
+# machines: every process would compile every module it imports anew, again and again), compileall compiles the
+# environment once, on every core.
 EXTRAS=${1:-test}
 if ! "$PY" -c "import torch" 2>/dev/null && ! command -v nvidia-smi >/dev/null 2>&1; then
   if [ -n "${FINETUNE_TORCH_INDEX_URL:-}" ]; then
@@ -25,4 +28,8 @@ if [ "$EXTRAS" = none ]; then
   "$PY" -m pip install -q --no-compile -c constraints/test.txt -e .
 else
   "$PY" -m pip install -q --no-compile -c constraints/test.txt -e ".[$EXTRAS]"
+fi
+if [ -n "${PYTHONDONTWRITEBYTECODE:-}" ]; then
+  # a file some package ships for another Python version does not compile: pip skips it too
+  "$PY" -m compileall -q -j 0 "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null || true
 fi
