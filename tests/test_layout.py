@@ -32,7 +32,7 @@ LAUNCHER_SIDE = (
     "finetune.methods", "finetune.optimizers",
     "finetune.liger", "finetune.logs", "finetune.trackers", "finetune.benchmarks", "finetune.data", "finetune.data.sources", "finetune.data.forms",
     "finetune.data.tokenize", "finetune.data.examples", "finetune.data.pack", "finetune.data.batches", "finetune.data.templates",
-    "finetune.data.tools", "finetune.steps", "finetune.config.data",
+    "finetune.data.tools", "finetune.steps", "finetune.config.data", "finetune.devices", "finetune.sweep_launchers",
 )
 """The launcher side: what `python -m finetune.launch` and `python -m finetune.plan` import (composition, rules,
 planner, command, supervision, the data checks, the records they read; every module of finetune/methods/ is added
