@@ -33,7 +33,7 @@ def check(config: DictConfig) -> None:
     target = str(OmegaConf.select(config, "hydra.launcher._target_", default="") or "")
     if not target.startswith(SUBMITIT):
         return  # Hydra's basic launcher (one trial after another) or joblib's: one process per trial, nothing to check
-    launcher = config.hydra.launcher
+    launcher = config.hydra.launcher  # submitit's typed queue config (BaseQueueConf): every field below is declared there
     slurm = target.endswith("SlurmLauncher")
     if slurm:
         missing = [command for command in ("sbatch", "srun") if shutil.which(command) is None]
@@ -42,23 +42,23 @@ def check(config: DictConfig) -> None:
                               f"does not have ({' and '.join(missing)} not on PATH): run the sweep on the cluster's login "
                               "node, or use hydra/launcher=submitit_local or hydra/launcher=joblib here")
     ranks = widest(config)
-    tasks = launcher.get("tasks_per_node", 1)
+    tasks = launcher.tasks_per_node
     if tasks != 1:
         raise ConfigError(f"hydra.launcher.tasks_per_node={tasks}: a trial is one task that starts its own {NPROC}={ranks} "
                           f"ranks, so {tasks} tasks would each start a whole copy of the trial: keep "
                           f"hydra.launcher.tasks_per_node=1 and set {NPROC} to the ranks a trial runs")
-    nodes = launcher.get("nodes", 1)
+    nodes = launcher.nodes
     if nodes != 1:
         raise ConfigError(f"hydra.launcher.nodes={nodes}: a trial of a sweep runs on one node, and {nodes} nodes would each "
                           "start a whole copy of it (finetune's multi-node launches are started once per node: see "
                           "docs/multi-node.md): keep hydra.launcher.nodes=1")
-    if not slurm and launcher.get("gpus_per_node", None) is None and has_gpu():
+    if not slurm and launcher.gpus_per_node is None and has_gpu():
         # submitit's local executor sets CUDA_VISIBLE_DEVICES to the first gpus_per_node GPUs (none when unset) for
         # every trial alike: launcher.devices_per_trial then gives each trial its own among them
         raise ConfigError("hydra/launcher=submitit_local hides this machine's GPUs from every trial unless "
                           "hydra.launcher.gpus_per_node is set: set it to the GPUs the sweep may use, and "
                           "launcher.devices_per_trial to each trial's share")
-    gpus = launcher.get("gpus_per_node", None) if slurm else None
+    gpus = launcher.gpus_per_node if slurm else None
     if gpus is not None and gpus < ranks:  # None: the job asks Slurm for no GPU by this key (gres, partition defaults)
         raise ConfigError(f"hydra.launcher.gpus_per_node={gpus} gives each trial's job fewer GPUs than its {NPROC}={ranks} "
                           f"ranks, a GPU each: set hydra.launcher.gpus_per_node={ranks} (or {NPROC}={gpus})")

@@ -75,21 +75,23 @@ def run_trial(dcfg: DictConfig, sweep_dir: Path, trial_dir: Path, launch_once: C
     return float("inf") if loss is None else loss  # a dry run: no loss, but a value a sweeper accepts
 
 
-def update_summary(sweep_dir: Path) -> None:
-    """Rewrite the sweep's summary files; a failure to do so must not end a long sweep."""
+def update_summary(sweep_dir: Path) -> list[sweep.Trial] | None:
+    """Rewrite the sweep's summary files and return its rows; a failure to do so must not end a long sweep (None)."""
     try:
-        sweep.write(sweep_dir)
+        return sweep.write(sweep_dir)
     except Exception as e:  # noqa: BLE001 - reported, and the next trial rewrites it anyway
         print(f"[finetune] warning: could not update the sweep summary in {sweep_dir}: {_first_line(str(e))}", file=sys.stderr)
+        return None
 
 
 def end_sweep() -> None:
     """After the last trial: the table, where the summary is, and exit code 1 when a trial failed (the trials'
     status.json files: a trial may have run in another process or on another machine)."""
     sweep_dir = SWEEP["dir"]
-    trials = sweep.collect(sweep_dir) if sweep_dir.is_dir() else []
-    if SWEEP["summary"]:  # not after a dry run
-        update_summary(sweep_dir)  # the last trial to finish may not have been the last to write it
+    # the last trial to finish may not have been the last to write the summary: written again here (not after a dry run)
+    written = update_summary(sweep_dir) if SWEEP["summary"] and sweep_dir.is_dir() else None
+    trials = written if written is not None else sweep.collect(sweep_dir) if sweep_dir.is_dir() else []
+    if SWEEP["summary"]:
         print("\n" + sweep.report(sweep_dir, trials), end="")
     failed = [t.trial for t in trials if t.status == "failed"]
     if failed:
