@@ -248,3 +248,24 @@ def test_the_builtin_template_renders_as_training_does(tok):
     assert tok(rendered, add_special_tokens=False)["input_ids"] == example.input_ids[: example.prompt_len]
     whole = tok.apply_chat_template([*messages, {"role": "assistant", "content": "cba"}], tokenize=False, chat_template=BUILTIN_CHAT)
     assert tok(whole, add_special_tokens=False)["input_ids"] == example.input_ids
+
+
+def test_a_live_run_is_not_evaluated(tmp_path, compose, capsys):
+    """Its ranks write summary.json and metrics.jsonl too: an evaluation beside them would lose one's rows or the other's.
+    Refused while a launch holds RUN_DIR/.lock, naming the holder; evaluated once it is released."""
+    import fcntl
+    import os
+
+    from finetune import evaluate, rundir
+
+    sft = fake_run(tmp_path / "sft", compose, [])
+    (sft / rundir.LOCK).write_text(json.dumps({"pid": os.getpid(), "host": __import__("socket").gethostname(),
+                                               "started": "2026-11-27 23:00:00"}) + "\n")
+    held = os.open(sft / rundir.LOCK, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        assert evaluate.main([str(sft), "tasks=quickstart_exact"]) == 2
+        assert capsys.readouterr().err == f"error: {rundir.in_use(sft, 'RUN_DIR')}\n"
+    finally:
+        os.close(held)
+    assert not rundir.busy(sft)
