@@ -61,6 +61,41 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: (order.get(item.path.name, len(order)), -per_file[item.path.name]))  # stable: a file's own order
 
 
+OPS = {"FusedAdamBuilder": "fused_adam", "CPUAdamBuilder": "cpu_adam", "ShareMemCommBuilder": "deepspeed_shm_comm"}
+"""DeepSpeed's JIT ops the suite's runs load (its Adam, its offloaded Adam, the CPU accelerator's communication): builder
+-> the op's directory in TORCH_EXTENSIONS_DIR."""
+_BUILDS: list[subprocess.Popen] = []
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """With FINETUNE_TEST_PREBUILD=1 (scripts/test.sh sets it: the whole suite), the session's first process (not an
+    xdist worker) starts building the DeepSpeed ops not built yet beside the first tests (tests/build_ops.py says why);
+    their output goes to test-results/ops.log."""
+    if hasattr(session.config, "workerinput") or os.environ.get("FINETUNE_TEST_PREBUILD") != "1":
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        return
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache/torch_extensions")
+    missing = [op for op, name in OPS.items() if not [*root.glob(f"{name}/{name}.so"), *root.glob(f"*/{name}/{name}.so")]]
+    log_dir = REPO / "test-results"
+    log_dir.mkdir(exist_ok=True)
+    with open(log_dir / "ops.log", "w") as log:
+        log.write(f"building: {', '.join(missing) or 'none (all built in ' + str(root) + ')'}\n")
+        log.flush()
+        for op in missing:
+            _BUILDS.append(subprocess.Popen([sys.executable, str(REPO / "tests" / "build_ops.py"), op], stdout=log,
+                                            stderr=subprocess.STDOUT, cwd=REPO))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Builds still running are waited for, never killed: a build killed mid-compile leaves its lock, on which every
+    later DeepSpeed rank would wait (finetune/disk.py refuses such a lock after STALE_BUILD_S)."""
+    for build in _BUILDS:
+        build.wait()
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """Under --dist loadfile: a scope per file, except RANKS' files, which are one scope (one worker runs them all)."""
     if config.getvalue("dist") != "loadfile":

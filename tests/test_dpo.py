@@ -19,6 +19,7 @@ from finetune.methods.dpo import DPO, dpo_loss
 from finetune.objectives import sequence_logps, token_loss_sum
 
 from conftest import last_line, read_metrics, run_cli, tiny_model, train_here
+from ranks import launch_here
 
 LOG2 = math.log(2)
 
@@ -281,12 +282,12 @@ def test_resume_reads_the_precomputed_reference_back(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_ranks_lora_with_the_adapter_disabled_reference_through_the_cli(tmp_path):
-    out = run_cli(*QUICK, "train.max_steps=6", "peft=lora", "method.reference=adapter_disabled", "parallelism=ddp",
-                  "launcher.nproc_per_node=2", "train.exact_match_samples=8", "train.progress_bar=false",
-                  "checkpointing=full", "precision=bf16", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+def test_two_ranks_lora_with_the_adapter_disabled_reference(tmp_path):
+    """The ranks' part (tests/ranks.py); what the launcher starts for a preference recipe on two ranks is the e2e DPO test's."""
+    out = launch_here(*QUICK, "train.max_steps=6", "peft=lora", "method.reference=adapter_disabled", "parallelism=ddp",
+                      "launcher.nproc_per_node=2", "train.exact_match_samples=8", "train.progress_bar=false",
+                      "checkpointing=full", "precision=bf16", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "--nproc_per_node=2" in out.stdout
     metrics = train_metrics(tmp_path / "run")
     assert metrics[0]["loss"] == pytest.approx(LOG2, abs=2e-3)  # bf16 forward: policy and base agree to bf16 rounding
     assert metrics[-1]["rewards/margin"] > 0

@@ -191,13 +191,13 @@ def test_kto_combines_with_memory_strategies(overrides, tmp_path):
     assert all(math.isfinite(m["loss"]) for m in metrics)
 
 
-def test_two_ranks_lora_through_the_cli_and_final_loads_with_transformers(tmp_path):
+def test_two_ranks_lora_and_final_loads_with_transformers(tmp_path):
+    """The ranks' part (tests/ranks.py); what the launcher starts for a preference recipe on two ranks is the e2e DPO test's."""
     from transformers import AutoModelForCausalLM
 
-    out = run_cli(*QUICK, "train.max_steps=4", "peft=lora", "method.reference=adapter_disabled", "parallelism=ddp",
-                  "launcher.nproc_per_node=2", "train.progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    out = launch_here(*QUICK, "train.max_steps=4", "peft=lora", "method.reference=adapter_disabled", "parallelism=ddp",
+                      "launcher.nproc_per_node=2", "train.progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "--nproc_per_node=2" in out.stdout
     metrics = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "train"]
     assert metrics[0]["loss"] == pytest.approx(0.5, abs=1e-5) and len(metrics) == 4
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "run/final").config.model_type == "llama"
