@@ -2,6 +2,10 @@
 # Install, then run the whole test suite on CPU (GPU-marked tests skip without CUDA).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Python's default for the run: each module byte-compiled when first imported, once for every later process. Where
+# PYTHONDONTWRITEBYTECODE is set (these machines set it), every process would compile every module it imports anew,
+# and install.sh would compile the whole environment first (22,000 files, 70 CPU-s) where the suite imports a part.
+unset PYTHONDONTWRITEBYTECODE
 bash scripts/install.sh test
 # Two workers (pytest-xdist) on the two cores these machines have; much of a CLI test is process start-up and waiting.
 # --dist loadfile: the files whose tests are mostly jobs of two ranks run on one worker, one after another, every other

@@ -123,21 +123,21 @@ def test_quickstart_dpo_from_the_quickstart_model_raises_reward_accuracy_and_exa
 
 def test_quickstart_grpo_from_the_quickstart_model_raises_reward_and_exact_match(quickstart, tmp_path):
     """+recipe=quickstart_grpo on 2 ranks from the quickstart SFT checkpoint: 8 sampled answers per prompt, rewarded when
-    exact. As shipped (1000 steps) it measured exact match 81.2% -> 90.6% (docs/grpo.md); here at train.max_steps=200 (the same
-    recipe, its cosine schedule over 200 steps: about a minute of the suite's, not 5), measured: exact match 81.2% -> 83.6%
-    (+6 of 256 answers), eval loss 0.191 -> 0.158, mean sampled reward 0.511 (steps 1-50) -> 0.594 (151-200). The bounds
+    exact. As shipped (1000 steps) it measured exact match 81.2% -> 90.6% (docs/grpo.md); here at train.max_steps=150 (the same
+    recipe, its cosine schedule over 150 steps: under a minute of the suite's, not 5), measured: exact match 81.2% -> 84.8%
+    (+9 of 256 answers), eval loss 0.191 -> 0.161, mean sampled reward 0.512 (steps 1-50) -> 0.594 (101-150). The bounds
     leave room for half of each gain."""
     run_dir, _ = quickstart
-    out = run_cli("+recipe=quickstart_grpo", f"model.path={run_dir / 'final'}", "train.max_steps=200", "train.progress_bar=false",
+    out = run_cli("+recipe=quickstart_grpo", f"model.path={run_dir / 'final'}", "train.max_steps=150", "train.progress_bar=false",
                   f"hydra.run.dir={tmp_path / 'grpo'}", cwd=tmp_path, timeout=1200)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = json.loads((tmp_path / "grpo/summary.json").read_text())
     before, after = summary["before"], summary["after"]
     assert before["exact_match"] == json.loads((run_dir / "summary.json").read_text())["after"]["exact_match"]  # where SFT ended
-    assert after["exact_match"] >= before["exact_match"] + 3 / 256 and after["eval_loss"] < 0.915 * before["eval_loss"], (before, after)
+    assert after["exact_match"] >= before["exact_match"] + 4 / 256 and after["eval_loss"] < 0.92 * before["eval_loss"], (before, after)
     train = [m for m in read_metrics(tmp_path / "grpo") if m["kind"] == "train"]
-    reward = [sum(m["reward"] for m in train[i : i + 50]) / 50 for i in (0, 150)]
-    assert len(train) == 200 and reward[1] > reward[0] + 0.04, reward
+    reward = [sum(m["reward"] for m in train[i : i + 50]) / 50 for i in (0, 100)]
+    assert len(train) == 150 and reward[1] > reward[0] + 0.04, reward
     assert sum(m["generation_s"] for m in train) > 0
 
 
