@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 # overlap (two jobs of two ranks would put four training processes on two cores), and never wait for each other. The
 # other worker meanwhile runs every other file (a scope each, longest first: a long file dealt last keeps one worker
 # busy while the other idles), one process each (tests/ranks.py's locks keep the few two-rank jobs there apart from the
-# RANKS worker's). Measured (scripts/slowest.py on the last run): RANKS' files took 1,060 s of the 3,240 s of test time.
+# RANKS worker's). Measured (scripts/slowest.py on the last run): RANKS' files took 1,163 s of the 3,271 s of test time.
 # (xdist's own --dist loadgroup would do it with markers, but its group suffix is lost under pytest 9.2: `FileScopes`.)
 RANKS = ("test_e2e.py", "test_faults.py", "test_parallel.py", "test_grpo.py", "test_deepspeed.py", "test_context.py",
          "test_families_parallel.py", "test_resilience.py", "test_multinode.py")
