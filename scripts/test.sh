@@ -12,7 +12,9 @@ bash scripts/install.sh test
 # file on either (tests/conftest.py's RANKS and order, which --no-loadscope-reorder keeps), and tests/ranks.py's locks
 # keep two jobs of two ranks from ever running at once. FINETUNE_TEST_WORKERS=0 runs in one process. The JUnit report of
 # the run, test-results/last.xml, is what `python scripts/slowest.py` reads: the slowest files and tests.
-# FINETUNE_TEST_PREBUILD=1: DeepSpeed's JIT ops, where this machine has not built them yet, build beside the first tests
-# (tests/build_ops.py), not inside the first DeepSpeed test, which holds both cores while one of them compiles.
-FINETUNE_TEST_PREBUILD=${FINETUNE_TEST_PREBUILD:-1} exec "${PYTHON:-python3}" -m pytest -q -n "${FINETUNE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder --durations=30 \
+# FINETUNE_TEST_PREBUILD=1 (the default for the whole suite, run without arguments): DeepSpeed's JIT ops, where this
+# machine has not built them yet, build beside the first tests (tests/build_ops.py), not inside the first DeepSpeed test,
+# which holds both cores while one of them compiles. A run of a selection builds an op only when one of its tests needs it.
+PREBUILD=${FINETUNE_TEST_PREBUILD:-$([ $# -eq 0 ] && echo 1 || echo 0)}
+FINETUNE_TEST_PREBUILD=$PREBUILD exec "${PYTHON:-python3}" -m pytest -q -n "${FINETUNE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder --durations=30 \
   --junitxml=test-results/last.xml "$@"

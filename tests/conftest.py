@@ -68,7 +68,7 @@ _BUILDS: list[subprocess.Popen] = []
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """With FINETUNE_TEST_PREBUILD=1 (scripts/test.sh sets it: the whole suite), the session's first process (not an
+    """With FINETUNE_TEST_PREBUILD=1 (scripts/test.sh sets it for the whole suite), the session's first process (not an
     xdist worker) starts building the DeepSpeed ops not built yet beside the first tests (tests/build_ops.py says why);
     their output goes to test-results/ops.log."""
     if hasattr(session.config, "workerinput") or os.environ.get("FINETUNE_TEST_PREBUILD") != "1":
