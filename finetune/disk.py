@@ -328,17 +328,23 @@ STALE_BUILD_S = 600
 """A DeepSpeed op builds in under two minutes here (cpu_adam 36 s, the shm communication op 21 s on 2 cores)."""
 
 
+def extension_files(pattern: str) -> list[Path]:
+    """Files matching `pattern` among torch's JIT-built extensions (DeepSpeed's ops): TORCH_EXTENSIONS_DIR/<op>/..., or
+    the default's ~/.cache/torch_extensions/<build, e.g. py311_cpu>/<op>/..."""
+    import os
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache/torch_extensions")
+    return [*root.glob(pattern), *root.glob(f"*/{pattern}")]
+
+
 def check_build_locks() -> None:
     """DeepSpeed builds its ops (cpu_adam, the CPU accelerator's shm communication) with torch's extension
     builder, which takes TORCH_EXTENSIONS_DIR/<build>/<op>/lock while it compiles and removes it after. A build
     that was killed (Ctrl-C, a scheduler, a test timeout) leaves the lock behind, and every later rank waits for
     it without end, silently. A lock older than any build is that: refused here, naming the file."""
-    import os
     import time
 
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache/torch_extensions")
-    locks = [*root.glob("*/lock"), *root.glob("*/*/lock")]  # TORCH_EXTENSIONS_DIR/op, or the default's py311_cpu/op
-    for lock in sorted(locks):
+    for lock in sorted(extension_files("*/lock")):
         try:
             age = time.time() - lock.stat().st_mtime
         except OSError:  # the build finished meanwhile

@@ -33,5 +33,5 @@ if [ -n "${PYTHONDONTWRITEBYTECODE:-}" ]; then
   # a file some package ships for another Python version does not compile: pip skips it too
   "$PY" -m compileall -q -j 0 "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null || true
   # and this checkout's own modules (the editable install imports them from here): 0.15 s of each rank's start-up
-  "$PY" -m compileall -q -j 0 -x '/assets/' finetune tests scripts > /dev/null || true
+  "$PY" -m compileall -q -j 0 -x '/assets/' finetune > /dev/null || true
 fi

@@ -77,12 +77,13 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
     if importlib.util.find_spec("deepspeed") is None:
         return
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache/torch_extensions")
-    missing = [op for op, name in OPS.items() if not [*root.glob(f"{name}/{name}.so"), *root.glob(f"*/{name}/{name}.so")]]
+    from finetune.disk import extension_files
+
+    missing = [op for op, name in OPS.items() if not extension_files(f"{name}/{name}.so")]
     log_dir = REPO / "test-results"
     log_dir.mkdir(exist_ok=True)
     with open(log_dir / "ops.log", "w") as log:
-        log.write(f"building: {', '.join(missing) or 'none (all built in ' + str(root) + ')'}\n")
+        log.write(f"building: {', '.join(missing) or 'none (all built)'}\n")
         log.flush()
         for op in missing:
             _BUILDS.append(subprocess.Popen([sys.executable, str(REPO / "tests" / "build_ops.py"), op], stdout=log,
