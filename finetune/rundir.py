@@ -27,6 +27,11 @@ from typing import Callable
 
 from finetune.config import ConfigError, TrainConfig
 
+CONFIG_FILE = "config.yaml"
+DEEPSPEED_FILE = "deepspeed.json"
+ERROR_FILE = "error.txt"  # a rank writes the one-line reason for a user mistake here
+RANKS_DIR = "ranks"  # each rank's pid, host and how it ended (finetune.rank.train.RankStatus)
+LAUNCHER_ENV = "FINETUNE_LAUNCHER"  # pid@host of the launcher process, set for its job (finetune.launcher.supervise.execute)
 CHECKPOINTS = "checkpoints"
 FINAL = "final"
 RESULTS = (FINAL, CHECKPOINTS, "base", "summary.json", "metrics.jsonl", "loss.png", "tensorboard", "reference_logps.pt",

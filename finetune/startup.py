@@ -2,7 +2,7 @@
 
 The launcher passes the job two times in FINETUNE_LAUNCH_TIMES ("TRIAL_START,SPAWN", seconds since the
 epoch): when this launch (or this sweep trial) began, and when it started torchrun or deepspeed. Each rank
-marks its phases (`mark`, from `finetune.train.phase` and the loop); at the end of the first step rank 0
+marks its phases (`mark`, from `finetune.rank.train.phase` and the loop); at the end of the first step rank 0
 prints one line, and summary.json keeps the breakdown:
 
     start-up: 6.6 s to the end of the first step: launcher 0.8, imports 1.8, config 0.1, ...
@@ -102,7 +102,7 @@ def line(parts: dict[str, float]) -> str:
     return f"start-up: {sum(parts.values()):.1f} s to the end of the first step: {shown}"
 
 
-# After the last step: the final evaluation (finetune.loop), closing the logs, the export and the plot (finetune.train),
+# After the last step: the final evaluation (finetune.rank.loop), closing the logs, the export and the plot (finetune.train),
 # each timed into summary.json's "after_training"; the launcher adds the shutdown (`shutdown`) once the job has ended.
 
 

@@ -123,8 +123,8 @@ def prepare(args: argparse.Namespace, root: Path, modes: list[str]) -> dict[str,
     import torch
     from datasets import Dataset
 
-    from finetune import model
-    from finetune.compose import preflight
+    from finetune.rank import model
+    from finetune.launcher.compose import preflight
     from finetune.data import cache
     from finetune.data.batches import TrainBatches
 

@@ -1,4 +1,4 @@
-"""Rows of several samples: transformers' block-diagonal mask against attention per sample (finetune.varlen).
+"""Rows of several samples: transformers' block-diagonal mask against attention per sample (finetune.rank.varlen).
 
     python scripts/benchmark_varlen.py                       # 1k, 4k and 8k-token rows, sdpa and eager, on CPU
     python scripts/benchmark_varlen.py --rows 4096 --kernels sdpa --device cuda --dtype bf16
@@ -7,7 +7,7 @@ A forward and backward of a tiny Llama (--hidden 256, --layers 4, 4 heads; rando
 --rows tokens made of samples of 34 to 470 tokens (the peer benchmark's alpaca rows), each with its position ids
 restarting at 0: the way packed rows (data.packing) and padding-free micro-batches (data.padding_free) reach
 the model. "mask" is transformers' own reading of such a row (an [S, S] causal mask within each sample: memory
-and work quadratic in the row); "per sample" is finetune.varlen (the same kernel once per sample: no mask);
+and work quadratic in the row); "per sample" is finetune.rank.varlen (the same kernel once per sample: no mask);
 on CUDA with flash-attn, flash_attention_2 is transformers' variable-length path. Each case runs in a fresh
 process: the median step over --steps after one warm-up step, and the process's peak RSS (on CUDA, the
 allocator's peak). The outputs of both paths are checked equal first (max |difference| of the logits).
@@ -36,7 +36,7 @@ def child(args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune import varlen
+    from finetune.rank import varlen
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)

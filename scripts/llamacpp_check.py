@@ -32,7 +32,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import gguf_cases  # noqa: E402
 
-from finetune import gguf_file  # noqa: E402
+from finetune.rank import gguf_file# noqa: E402
 from finetune.config import ASSETS  # noqa: E402
 from finetune.families import FAMILIES  # noqa: E402
 

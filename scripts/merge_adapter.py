@@ -3,7 +3,7 @@ write plain Hugging Face weights that load without peft.
 
     python scripts/merge_adapter.py RUN_DIR/final MERGED_DIR [--base PATH_OR_HUB_ID] [--dtype bf16]
 
-For a run's `final/` (its config.yaml beside it) this is `finetune.finished.load`, what `python -m finetune.export
+For a run's `final/` (its config.yaml beside it) this is `finetune.rank.finished.load`, what `python -m finetune.export
 RUN_DIR` also writes (with a model card): a QLoRA adapter merges into the base as the run quantized it to 4 bits, the
 weights it trained against. For an adapter alone, or with --base, the base defaults to the one recorded in the adapter
 (`base_model_name_or_path`) and is loaded unquantized, as the class the adapter's task type names: a causal LM, or for a
@@ -31,7 +31,7 @@ def merge(adapter: Path, out: Path, base: str | None = None, dtype: str = "fp32"
         raise SystemExit(f"error: {adapter} holds no adapter_config.json: is it the final/ of a run with peft=lora|dora|qlora?")
     adapter_config = json.loads(config_file.read_text())
     if base is None and (adapter.parent / "config.yaml").is_file():
-        from finetune.finished import locate, load
+        from finetune.rank.finished import locate, load
 
         run = locate(str(adapter.parent))
         if Path(run.model).resolve() == adapter.resolve():
@@ -51,8 +51,8 @@ def merge(adapter: Path, out: Path, base: str | None = None, dtype: str = "fp32"
 
 
 def model_of(task_type: str | None, tokenizer: object) -> tuple[str, dict[str, object]]:
-    """(transformers Auto class, config keys) the adapter's base is loaded as: finetune.model's table read backwards."""
-    from finetune.model import CAUSAL_LM, PEFT_TASKS, head_config
+    """(transformers Auto class, config keys) the adapter's base is loaded as: finetune.rank.model's table read backwards."""
+    from finetune.rank.model import CAUSAL_LM, PEFT_TASKS, head_config
 
     model_class = next((cls for cls, task in PEFT_TASKS.items() if task == task_type), CAUSAL_LM)
     return model_class, head_config(model_class, tokenizer)

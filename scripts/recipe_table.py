@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from finetune.planner.peak import plan
-from finetune.compose import RECIPES, preflight
+from finetune.launcher.compose import RECIPES, preflight
 from finetune.config import Config, ConfigError, Logits, Offload, PeftMethod, engine_kind
 
 START = "<!-- recipe-table:start -->"

@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from finetune import sweep
+from finetune.launcher import sweep
 
 
 def main(argv: list[str] | None = None) -> int:

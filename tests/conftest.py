@@ -161,7 +161,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> str:
 @pytest.fixture
 def compose():
     """compose(overrides) -> validated Config, through the same path as `finetune.launch`."""
-    from finetune.compose import preflight
+    from finetune.launcher.compose import preflight
 
     return lambda overrides=(): preflight(list(overrides))
 
@@ -183,7 +183,7 @@ def launch_ranks(args: tuple[str, ...] | list[str], module: str = "finetune.laun
         return 1
     if "launcher.dry_run=true" in args:  # prints the launch, starts nothing (composing to find out costs 0.25 s)
         return 0
-    from finetune.compose import preflight, sweep_trials
+    from finetune.launcher.compose import preflight, sweep_trials
     from finetune.config import ConfigError
 
     overrides = [a for a in args if not a.startswith(("-", "hydra.", "hydra/"))]
@@ -223,10 +223,10 @@ def train_here(overrides: list[str], run_dir: Path) -> dict:
     the fast way to exercise a strategy end to end. Returns summary.json."""
     import torch
 
-    from finetune import train
-    from finetune.compose import preflight
+    from finetune.rank import train
+    from finetune.launcher.compose import preflight
     from finetune.config import to_yaml
-    from finetune.dist import Dist
+    from finetune.rank.dist import Dist
 
     cfg = preflight([*overrides, "train.progress_bar=false", "train.tensorboard=false"])
     cfg.run_dir = str(run_dir)
@@ -240,7 +240,7 @@ def tiny_model(compute_dtype=None):
     """The quickstart's random-init tiny Llama and its tokenizer, built in this process."""
     import torch
 
-    from finetune import model
+    from finetune.rank import model
     from finetune.config import ASSETS, ModelConfig, ModelInit, PeftConfig
 
     tok = model.load_tokenizer(ModelConfig(tokenizer=str(ASSETS / "tokenizer"), init=ModelInit()))

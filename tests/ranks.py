@@ -1,5 +1,5 @@
 """The rank side of a launch without a CLI launch: `launch_here` composes, checks and writes the run directory as
-`python -m finetune.launch` does, then starts each rank (`finetune.train.main`, the code torchrun and deepspeed start)
+`python -m finetune.launch` does, then starts each rank (`finetune.rank.train.main`, the code torchrun and deepspeed start)
 from a fork server that imported torch, transformers, DeepSpeed and finetune once for this test worker.
 
 Why: a CLI launch of two ranks on this machine costs about 17 s of CPU (the launcher, torchrun and two Python start-ups
@@ -69,7 +69,7 @@ def _rank(config: str, cwd: str, env: dict[str, str], log: str, argv: list[str])
     try:
         if "ranks_preload" not in sys.modules:
             raise RuntimeError("tests/ranks.py: the fork server did not import ranks_preload (import it alone to see why)")
-        from finetune import train
+        from finetune.rank import train
 
         code = train.main([config, *argv])
     finally:
@@ -83,11 +83,13 @@ def launch_here(*args: str, cwd: Path | None = None, run_dir: Path | None = None
     (`hydra.run.dir=DIR` among ARGS, relative to CWD, or RUN_DIR) as the launcher writes it, run its ranks (forked, see the
     module's docstring) and wait. Returns what run_cli returns: rank 0's output as stdout, the other ranks' output then
     the launcher's last line (`error: ...`, from RUN_DIR/error.txt) as stderr, and the first non-zero exit code."""
-    from finetune import startup, steps
-    from finetune.command import ERROR_FILE, LAUNCHER_ENV, RANKS_DIR, build
-    from finetune.compose import preflight
+    from finetune import startup
+    from finetune.data import steps
+    from finetune.launcher.command import build
+    from finetune.rundir import ERROR_FILE, LAUNCHER_ENV, RANKS_DIR
+    from finetune.launcher.compose import preflight
     from finetune.config import ConfigError
-    from finetune.launch import env_threads, write_files
+    from finetune.launcher.launch import env_threads, write_files
 
     overrides = [a for a in args if not a.startswith("hydra.run.dir=")]
     named = [a.split("=", 1)[1] for a in args if a.startswith("hydra.run.dir=")]

@@ -3,8 +3,8 @@
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401 - the loss plot (finetune.logs)
 from matplotlib.figure import Figure  # noqa: F401
 
-import finetune.train  # noqa: F401 - torch, transformers, datasets, the engines
-from finetune import dist
+import finetune.rank.train  # noqa: F401 - torch, transformers, datasets, the engines
+from finetune.rank import dist
 
 dist.import_deepspeed()  # without its autotuner's mlflow, as a rank imports it
 import peft  # noqa: E402,F401

@@ -10,7 +10,7 @@ import pytest
 from finetune.config import ConfigError
 from finetune.data.batches import TrainBatches
 from finetune.data.tokenize import Example
-from finetune.loop import Ahead
+from finetune.rank.loop import Ahead
 
 from conftest import read_metrics, train_here
 

@@ -64,8 +64,8 @@ def response_logprob(model, example) -> float:
 def test_shipped_tasks_give_our_own_generation_and_loglikelihoods(shipped):
     """On the trained quickstart: quickstart_exact's answers are our greedy generations of the training-rendered prompts
     (so its exact match is ours), quickstart_choice's log-likelihoods are our forward's (so its accuracy is ours)."""
-    from finetune import evaluate, finished
-    from finetune.heldout import generate
+    from finetune.rank import evaluate, finished
+    from finetune.rank.heldout import generate
 
     n = 24
     run = finished.locate(str(shipped / RUN))
@@ -121,7 +121,7 @@ def test_an_adapter_run_is_evaluated_over_its_base(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from finetune import evaluate, finished
+    from finetune.rank import evaluate, finished
 
     run_dir = tmp_path / "lora"
     train_here([*TINY, "peft=lora", "optim.lr=0.05"], run_dir)
@@ -161,7 +161,7 @@ def test_train_eval_tasks_runs_after_training_into_the_same_mlflow_run(tmp_path,
 
 
 def test_quickstart_exact_scores_as_heldout_exact_match_does():
-    """The shipped generate_until task's metric is finetune.heldout's: the stripped answer equals the reference."""
+    """The shipped generate_until task's metric is finetune.rank.heldout's: the stripped answer equals the reference."""
     from lm_eval.tasks import get_task_dict
 
     from finetune import benchmarks
@@ -183,7 +183,7 @@ def fake_run(run_dir: Path, compose, overrides: list[str]) -> Path:
 
 
 def test_cli_refusals_are_one_line(tmp_path, compose, capsys):
-    from finetune import evaluate
+    from finetune.rank import evaluate
 
     usage = "python -m finetune.evaluate RUN_DIR tasks=a,b [limit=N] [batch_size=B] [num_fewshot=K] [device=D]"
     sft = fake_run(tmp_path / "sft", compose, [])
@@ -240,7 +240,7 @@ def test_launch_refuses_an_unknown_eval_task_before_training(tmp_path):
 def test_the_builtin_template_renders_as_training_does(tok):
     """data.template=builtin: the chat template lm-eval is given renders a prompt as finetune.data.tokenize does."""
     from finetune.data.tokenize import encode
-    from finetune.evaluate import BUILTIN_CHAT
+    from finetune.rank.evaluate import BUILTIN_CHAT
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "reverse\nabc"}]
     example = encode([*messages, {"role": "assistant", "content": "cba"}], tok, chat_template=False)
@@ -256,7 +256,8 @@ def test_a_live_run_is_not_evaluated(tmp_path, compose, capsys):
     import fcntl
     import os
 
-    from finetune import evaluate, rundir
+    from finetune import rundir
+    from finetune.rank import evaluate
 
     sft = fake_run(tmp_path / "sft", compose, [])
     (sft / rundir.LOCK).write_text(json.dumps({"pid": os.getpid(), "host": __import__("socket").gethostname(),

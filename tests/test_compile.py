@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from finetune import compiling
+from finetune.rank import compiling
 from finetune.config import ConfigError
 
 from conftest import read_metrics, tiny_model, train_here

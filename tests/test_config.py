@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from finetune.config import ConfigError, Strategy
-from finetune.compose import RECIPES
+from finetune.launcher.compose import RECIPES
 
 # Options that need a value only the user can give.
 NEEDS = {

@@ -1,4 +1,4 @@
-"""Context parallel (parallelism.cp, finetune/context.py): every sequence's tokens split over ranks, the
+"""Context parallel (parallelism.cp, finetune/rank/context.py): every sequence's tokens split over ranks, the
 whole sequence attended through two all-to-alls. The slices and masks are checked piece by piece; the runs
 on 2 and 4 CPU ranks follow one process's losses (padded and packed rows, sliding windows, soft-capping,
 tensor parallel, DDP), activation memory per rank is measured at about 1/cp, the planner follows it, and
@@ -15,9 +15,9 @@ import torch
 from conftest import last_line, read_metrics, reload_and_evaluate, run_cli, train_here
 from ranks import launch_here
 from finetune.config import ASSETS, ConfigError
-from finetune.context import split_batch, whole_mask
+from finetune.rank.context import split_batch, whole_mask
 from finetune.data.tokenize import IGNORE
-from finetune.objectives import logits_logps, token_loss_sum
+from finetune.methods.losses import logits_logps, token_loss_sum
 
 BASE = ["+recipe=quickstart_sft", "train.max_steps=3", "optim.warmup_steps=1", "train.micro_batch_size=8",
         "train.exact_match_samples=0", "train.progress_bar=false", "train.eval_every=0", "train.tensorboard=false"]
@@ -113,7 +113,7 @@ def test_the_planner_splits_activations_and_suggests_context_parallel(compose):
     """At 128k tokens one H100's activations do not fit even with full recompute; cp8 splits them (the
     long-context recipe), and plan.suggest offers context parallel."""
     from finetune.planner.peak import plan
-    from finetune.planner.suggest import suggest
+    from finetune.launcher.suggest import suggest
 
     one, split = compose(["+recipe=long_context", "parallelism=fsdp"]), compose(["+recipe=long_context"])
     whole, cp8 = plan(one), plan(split)

@@ -59,7 +59,7 @@ def test_cached_examples_equal_in_memory_ones_for_every_form(tok, tmp_path, temp
     assert stats["train"].dropped > 0 and stats["train"].truncated > 0 and stats["train"].split > 0
     meta = json.loads((target / "meta.json").read_text())
     assert meta["rows"] == {"train": len(ctrain), "eval": len(cevals)}
-    from finetune.lengths import row_labelled, row_lengths
+    from finetune.data.lengths import row_labelled, row_lengths
 
     assert row_lengths(ctrain) == row_lengths(train) and row_labelled(ctrain) == row_labelled(train)  # from the columns
 

@@ -13,10 +13,11 @@ import pytest
 from conftest import write_jsonl
 
 from finetune.config import ConfigError, DataConfig, Method, load, to_yaml
-from finetune.data import cache, stream
+from finetune.data import cache
+from finetune.rank import stream
 from finetune.data.examples import check, load_split
 from finetune.data.sources import sources
-from finetune.data.stream import Position
+from finetune.rank.stream import Position
 from finetune.data.tokenize import Stats
 
 

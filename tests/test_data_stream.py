@@ -1,4 +1,4 @@
-"""Streaming (data.streaming=true, finetune/data/stream.py): the order of the streamed steps, the same labels as
+"""Streaming (data.streaming=true, finetune/rank/stream.py): the order of the streamed steps, the same labels as
 the in-memory path, a resume that continues exactly, the same samples on any layout, and every refusal."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 from conftest import read_metrics, run_cli, train_here, write_jsonl
 
 from finetune.config import ASSETS, ConfigError, DataConfig, Method
-from finetune.data import stream
+from finetune.rank import stream
 from finetune.data.batches import collate
 from finetune.data.sources import load_rows
-from finetune.data.stream import Position, StreamBatches
+from finetune.rank.stream import Position, StreamBatches
 from finetune.data.examples import tokenize
 from finetune.data.tokenize import Stats
 
@@ -256,9 +256,9 @@ def test_stream_settings_without_a_stream_are_refused_and_dpo_streams_with_a_liv
 
 
 def test_the_planner_plans_a_stream_at_max_length(compose):
-    from finetune.planner.cli import read_longest
+    from finetune.launcher.plan import read_longest
     from finetune.planner.peak import batch_width
-    from finetune.lengths import longest_batch
+    from finetune.data.lengths import longest_batch
 
     cfg = compose(["+recipe=quickstart_sft", "data.streaming=true"])
     assert longest_batch(cfg) == "data.streaming=true: a stream's lengths are known only as the run reads it"
@@ -269,7 +269,7 @@ def test_the_planner_plans_a_stream_at_max_length(compose):
 
 def test_checkpoints_of_runs_before_streaming_keep_resuming(compose):
     """A setting added later is left out of a checkpoint's trajectory at its default (what older runs ran)."""
-    from finetune.checkpoint import trajectory
+    from finetune.rank.checkpoint import trajectory
 
     assert not {"data.streaming", "data.shuffle_buffer"} & set(trajectory(compose(["+recipe=quickstart_sft"])))
     streaming = trajectory(compose(["+recipe=quickstart_sft", "data.streaming=true", "data.shuffle_buffer=7"]))

@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from finetune.config import ConfigError
-from finetune.command import build, deepspeed_config
+from finetune.launcher.command import build
+from finetune.layouts.zero import deepspeed_config
 
 from conftest import REPO, read_metrics, run_cli, tiny_model, train_here
 from ranks import launch_here
@@ -24,7 +25,7 @@ def test_stage3_offload_fp16_recipe_golden(compose):
     cfg = compose(["+recipe=zero3_offload_fp16"])
     spec = build(cfg, "/runs/z3", python="python", cpu_count=32, port=29400)
     assert spec.argv == [
-        "python", "-m", "finetune.deepspeed_runner", "--num_nodes=1", "--num_gpus=4",
+        "python", "-m", "finetune.rank.deepspeed_runner", "--num_nodes=1", "--num_gpus=4",
         "--master_addr=127.0.0.1", "--master_port=29400", "--module", "finetune.train", "/runs/z3/config.yaml",
     ]
     assert json.loads(spec.files["deepspeed.json"]) == {
@@ -82,13 +83,13 @@ def test_multi_node_deepspeed_argv(compose, tmp_path):
                    "launcher.master_port=29501", "train.global_batch_size=128"])
     spec = build(cfg, "/r", python="python", cpu_count=64)
     assert spec.argv == [
-        "python", "-m", "finetune.deepspeed_runner", "--num_nodes=2", "--num_gpus=8", f"--hostfile={hostfile}",
+        "python", "-m", "finetune.rank.deepspeed_runner", "--num_nodes=2", "--num_gpus=8", f"--hostfile={hostfile}",
         "--no_ssh", "--node_rank=1", "--master_addr=10.1.1.1", "--master_port=29501", "--module", "finetune.train", "/r/config.yaml",
     ]
 
 
 def test_auto_launcher_picks_deepspeed_for_zero_and_torchrun_otherwise(compose):
-    assert "finetune.deepspeed_runner" in build(compose(["zero=stage0"]), "/r", python="p", cpu_count=1).argv
+    assert "finetune.rank.deepspeed_runner" in build(compose(["zero=stage0"]), "/r", python="p", cpu_count=1).argv
     two = ["parallelism=ddp", "launcher.nproc_per_node=2", "train.global_batch_size=32"]
     assert "torch.distributed.run" in build(compose(["zero=none", *two]), "/r", python="p", cpu_count=1).argv
     torchrun = build(compose(["zero=stage2", "launcher=torchrun", *two]), "/r", python="p", cpu_count=1)
@@ -184,7 +185,7 @@ def zero_run(zero: str, start_model: Path, tmp_path_factory) -> tuple[Path, str]
 def test_two_rank_zero_matches_single_process_torch(zero, start_model, torch_reference, tmp_path_factory):
     run, stdout = zero_run(zero, start_model, tmp_path_factory)
     if zero == CLI_ZERO:
-        assert "finetune.deepspeed_runner --num_nodes=1 --num_gpus=2" in stdout
+        assert "finetune.rank.deepspeed_runner --num_nodes=1 --num_gpus=2" in stdout
     # Tolerance: fp32 on both sides; only the order of float sums differs (measured: < 1e-6 relative).
     assert train_losses(run) == pytest.approx(train_losses(torch_reference), rel=1e-4)
     assert final_eval(run) == pytest.approx(final_eval(torch_reference), rel=1e-4)
@@ -214,7 +215,7 @@ def test_resume_continues_the_same_trajectory(zero, start_model, tmp_path, tmp_p
 @pytest.mark.cores(2)
 def test_two_nodes_on_one_machine_train_together(start_model, torch_reference, tmp_path):
     """Two `deepspeed --no_ssh` launches (node ranks 0 and 1) on 127.0.0.1 form one 2-rank job."""
-    from finetune.launch import free_port
+    from finetune.launcher.launch import free_port
 
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
@@ -260,7 +261,7 @@ def test_dpo_under_zero_matches_single_process_torch(zero, reference, start_mode
 def test_deepspeed_imports_without_its_autotuners_mlflow_and_mlflow_still_imports_after():
     """deepspeed.autotuning tries `import mlflow` at import (2 s); a rank never runs the autotuner, so it is skipped, and
     the mlflow tracker's own import afterwards still works."""
-    code = ("import sys; from finetune.dist import import_deepspeed; ds = import_deepspeed(); "
+    code = ("import sys; from finetune.rank.dist import import_deepspeed; ds = import_deepspeed(); "
             "from deepspeed.autotuning import autotuner; print('mlflow' in sys.modules, autotuner.has_mlflow); "
             "import mlflow; print(type(mlflow.MlflowClient).__name__)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -269,17 +270,17 @@ def test_deepspeed_imports_without_its_autotuners_mlflow_and_mlflow_still_import
 
 
 def test_deepspeeds_runner_and_its_launch_skip_the_autotuners_mlflow():
-    """finetune.deepspeed_runner runs DeepSpeed's runner without importing mlflow, and starts the node's launch.py
+    """finetune.rank.deepspeed_runner runs DeepSpeed's runner without importing mlflow, and starts the node's launch.py
     through itself (the same arguments); other commands (pdsh to other nodes) go out as DeepSpeed wrote them."""
-    from finetune.deepspeed_runner import _launch_through_us
+    from finetune.rank.deepspeed_runner import _launch_through_us
 
     started = []
     start = _launch_through_us(lambda cmd, **kw: started.append(cmd))
     start(["/py", "-u", "-m", "deepspeed.launcher.launch", "--world_info=e30=", "--module", "finetune.train", "c.yaml"], env={})
     start(["pdsh", "-S", "-f", "1024", "-w", "a,b", "cd /r; /py -u -m deepspeed.launcher.launch --world_info=e30="])
-    assert started == [["/py", "-u", "-m", "finetune.deepspeed_runner", "--launch", "--world_info=e30=", "--module", "finetune.train",
+    assert started == [["/py", "-u", "-m", "finetune.rank.deepspeed_runner", "--launch", "--world_info=e30=", "--module", "finetune.train",
                         "c.yaml"], ["pdsh", "-S", "-f", "1024", "-w", "a,b", "cd /r; /py -u -m deepspeed.launcher.launch --world_info=e30="]]
-    code = ("import sys; from finetune import deepspeed_runner as r; sys.argv = ['r', '--help']; code = r.main(); "
+    code = ("import sys; from finetune.rank import deepspeed_runner as r; sys.argv = ['r', '--help']; code = r.main(); "
             "sys.argv = ['r', '--launch', '--help']; code += r.main(); from deepspeed.autotuning import autotuner; "
             "print(code, 'mlflow' in sys.modules, autotuner.has_mlflow)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -1,5 +1,5 @@
-"""launcher.devices_per_trial: a node's devices shared among the launches on it (finetune/devices.py), what the ranks are
-given (finetune.command.build), and the rules. Trials side by side through Hydra's launchers: tests/test_sweep.py and
+"""launcher.devices_per_trial: a node's devices shared among the launches on it (finetune/launcher/devices.py), what the ranks are
+given (finetune.launcher.command.build), and the rules. Trials side by side through Hydra's launchers: tests/test_sweep.py and
 tests/test_sweep_slurm.py."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from finetune import devices
-from finetune.command import build
+from finetune.launcher import devices
+from finetune.launcher.command import build
 from finetune.config import ConfigError
 
 

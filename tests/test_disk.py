@@ -178,7 +178,7 @@ def test_what_is_fine_passes(tmp_path, saved_model):
 
 def test_model_shape_reads_the_families_aliases(tmp_path):
     from finetune.config import ModelConfig
-    from finetune.rules import model_shape
+    from finetune.launcher.rules import model_shape
 
     d = model_dir(tmp_path / "gpt2", {"model_type": "gpt2", "n_embd": 48, "n_head": 4, "n_layer": 2, "n_inner": None,
                                       "n_positions": 1024})

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from finetune import startup
-from finetune.heldout import exact_match
+from finetune.rank.heldout import exact_match
 
 from conftest import read_metrics, reload_and_evaluate, run_cli, tiny_model
 

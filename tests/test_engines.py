@@ -1,4 +1,4 @@
-"""The engine interface (finetune/engine/base.py) as the three engines implement it: every member the loop,
+"""The engine interface (finetune/rank/engine/base.py) as the three engines implement it: every member the loop,
 evaluation, the reference and the checkpoints call is there, in each."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 
-from finetune.engine.base import Engine
+from finetune.rank.engine.base import Engine
 
 
 def members() -> tuple[set[str], set[str]]:
@@ -19,14 +19,14 @@ def members() -> tuple[set[str], set[str]]:
 @pytest.mark.parametrize("where, name", [("torch_engine", "TorchEngine"), ("deepspeed_engine", "DeepSpeedEngine"),
                                          ("mesh_engine", "MeshEngine")])
 def test_each_engine_has_every_member_of_the_interface(where, name):
-    module = pytest.importorskip(f"finetune.engine.{where}")
+    module = pytest.importorskip(f"finetune.rank.engine.{where}")
     cls = getattr(module, name)
     called, attributes = members()
     assert called == {"train_step", "inference", "frozen", "generation_model", "memory_targets", "save", "load", "export"}
     missing = sorted(m for m in called if not hasattr(cls, m))
     source = inspect.getsource(cls)
     missing += sorted(a for a in attributes if not hasattr(cls, a) and f"self.{a}" not in source)  # set in __init__
-    assert not missing, f"{name} lacks {missing} of finetune.engine.base.Engine"
+    assert not missing, f"{name} lacks {missing} of finetune.rank.engine.base.Engine"
     for m in called - {"generation_model"}:  # the same parameters, by name
         ours = list(inspect.signature(getattr(Engine, m)).parameters)
         theirs = list(inspect.signature(getattr(cls, m)).parameters)

@@ -1,4 +1,4 @@
-"""train.epochs (finetune/steps.py): the steps the launcher counts equal ceil(epochs x examples after packing /
+"""train.epochs (finetune/data/steps.py): the steps the launcher counts equal ceil(epochs x examples after packing /
 (micro_batch x grad_accum x dp)) on any layout, from the data tokenized here or from the token cache alike (a resume
 counts the same); every example is seen once per epoch (finetune.data.batches.TrainBatches); the refusals; the
 dry run and a real run."""
@@ -11,7 +11,7 @@ import re
 import pytest
 from conftest import read_metrics, run_cli, write_jsonl
 
-from finetune import steps
+from finetune.data import steps
 from finetune.config import ConfigError, Method
 from finetune.data import cache
 from finetune.data.batches import TrainBatches, epoch_steps
@@ -67,7 +67,7 @@ def test_the_token_cache_gives_the_count_the_launcher_tokenized(compose, tok, tm
 
 
 def test_the_planner_counts_the_steps_as_the_launcher_does(capsys):
-    from finetune.planner.cli import main
+    from finetune.launcher.plan import main
 
     assert main(["+recipe=quickstart_sft", "train.max_steps=null", "train.epochs=2"]) == 0
     assert capsys.readouterr().out.startswith("# train.epochs=2: train.max_steps=250 = ceil(2 x 4,000 examples of data.train")

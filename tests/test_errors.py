@@ -142,7 +142,7 @@ def test_a_damaged_weight_file_is_named(tmp_path, model_dir):
     import torch
 
     from finetune.config import ConfigError, ModelConfig, PeftConfig
-    from finetune.model import load_model
+    from finetune.rank.model import load_model
 
     broken = tmp_path / "broken"
     shutil.copytree(model_dir, broken)

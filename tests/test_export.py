@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune import gguf_file
+from finetune.rank import gguf_file
 from finetune.families import FAMILIES
 
 import gguf_cases
@@ -316,7 +316,7 @@ def test_adapters_merge_into_the_model_they_trained_with(peft, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from finetune import finished
+    from finetune.rank import finished
 
     train_here(["+recipe=quickstart_sft", "parallelism=single", "launcher.nproc_per_node=1", f"peft={peft}", "train.max_steps=3",
                 "optim.warmup_steps=0", "train.eval_every=0", "train.exact_match_samples=0", "train.micro_batch_size=4",
@@ -344,7 +344,8 @@ def test_adapters_merge_into_the_model_they_trained_with(peft, tmp_path):
 def test_an_export_is_never_written_over_a_runs_results_or_other_files(shipped, tmp_path, capsys, monkeypatch):
     """--out into the run's final/ or checkpoints/, the run directory itself, or a directory of other files: refused in
     one line before anything is loaded, the run's files untouched; an earlier export's directory may be written again."""
-    from finetune import export, rundir
+    from finetune import rundir
+    from finetune.rank import export
 
     monkeypatch.chdir(shipped)
     run = (shipped / RUN).resolve()

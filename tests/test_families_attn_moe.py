@@ -14,7 +14,7 @@ import torch
 
 from conftest import last_line, read_metrics, run_cli, train_here
 from ranks import launch_here
-from finetune.compose import preflight
+from finetune.launcher.compose import preflight
 from finetune.config import ASSETS, ConfigError, PeftConfig, PeftMethod
 from finetune.families import FAMILIES, attention_limits, pick_attention
 
@@ -125,7 +125,7 @@ def lora(path: Path, *overrides: str):
     """The model at `path` with the adapters of `peft=lora OVERRIDES`, and the config."""
     from transformers import AutoModelForCausalLM
 
-    from finetune.model import apply_strategies
+    from finetune.rank.model import apply_strategies
 
     cfg = preflight([*at(path), "peft=lora", *overrides])
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -134,7 +134,7 @@ def lora(path: Path, *overrides: str):
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_lora_adapts_the_experts_and_the_planner_counts_as_peft(models, family):
-    from finetune.model import trainable_parameters
+    from finetune.rank.model import trainable_parameters
     from finetune.planner.counts import architecture, count_params
 
     net, cfg = lora(models[family])  # peft.dropout=0.05, the recipe's default: on the linear adapters only
@@ -174,9 +174,9 @@ def test_the_router_loss_is_added_when_the_config_asks(models):
     from finetune.data.batches import collate
     from finetune.data.sources import load_rows
     from finetune.data.examples import tokenize
-    from finetune.model import load_tokenizer
+    from finetune.rank.model import load_tokenizer
     from finetune.methods.sft import SFT
-    from finetune.objectives import router_loss
+    from finetune.methods.losses import router_loss
 
     cfg = preflight(at(models["mixtral"]))
     model = AutoModelForCausalLM.from_pretrained(models["mixtral"], dtype=torch.float32).eval()
@@ -222,7 +222,7 @@ def test_lora_on_experts_under_tp_is_refused_before_launch(models):
 def test_qlora_leaves_the_experts_unquantized_and_the_planner_counts_their_bytes(models, tmp_path):
     """bitsandbytes 4-bit quantizes nn.Linear layers only; a MoE's experts are 3-D parameters, so they stay
     fp32 (4 bytes each): the plan says so, and its weights are the bytes the model holds."""
-    from finetune.model import apply_strategies, load_model, load_tokenizer
+    from finetune.rank.model import apply_strategies, load_model, load_tokenizer
     from finetune.planner.peak import plan
 
     cfg = preflight([*at(models["qwen3_moe"]), "peft=qlora", "parallelism=single", "launcher.nproc_per_node=1"])
@@ -258,7 +258,7 @@ def test_targets_that_match_nothing_name_what_exists_before_launch_and_on_the_ra
     """For every counted family: the launcher's refusal (from config.json as a file) is the rank's (from the modules)."""
     from test_family_params import CASES, build
 
-    from finetune.model import lora_targets
+    from finetune.rank.model import lora_targets
 
     for i, (family, keys) in enumerate(CASES):
         model = build(family, keys, tmp_path / str(i))

@@ -13,7 +13,7 @@ from conftest import last_line, read_metrics, reload_and_evaluate, run_cli, trai
 from ranks import launch_here
 from finetune.config import ConfigError
 from finetune.families import FAMILIES
-from finetune import parallel
+from finetune.rank import parallel
 
 STEPS = ["+recipe=quickstart_sft", "train.max_steps=2", "optim.warmup_steps=0", "train.micro_batch_size=8",
          "train.exact_match_samples=0", "train.progress_bar=false", "train.eval_every=0", "train.tensorboard=false"]

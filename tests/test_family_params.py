@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import REPO, run_cli
-from finetune.compose import preflight
+from finetune.launcher.compose import preflight
 from finetune.config import ConfigError, ModelConfig
 from finetune.families import FAMILIES, arch_from_config
 from finetune.planner.counts import architecture, count_params
@@ -90,7 +90,7 @@ def test_every_listed_family_is_tested():
     ("gpt2", {}, ["peft=lora", "peft.target_modules=[c_proj]"]),  # attn.c_proj and mlp.c_proj
 ])
 def test_lora_trainable_count_matches_peft(family, keys, lora, tmp_path):
-    from finetune.model import apply_strategies, trainable_parameters
+    from finetune.rank.model import apply_strategies, trainable_parameters
 
     model = build(family, keys, tmp_path / family, device="cpu")
     cfg = preflight(["+recipe=quickstart_sft", "model=pretrained", f"model.path={tmp_path / family}", *lora])
@@ -204,7 +204,7 @@ def test_the_rank_refuses_a_hub_config_that_differs_from_the_declared_one(monkey
     import transformers
     from transformers import LlamaConfig
 
-    from finetune import model as model_module
+    from finetune.rank import model as model_module
 
     cfg = preflight(["+recipe=quickstart_sft", "model=llama3_1_8b"]).model
     published = LlamaConfig(**{k: v for k, v in cfg.architecture.items() if k != "model_type"})

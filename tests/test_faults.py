@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from finetune import checkpoint
+from finetune.rank import checkpoint
 
 from conftest import kill_whole_job, last_line, steps_done, wait_for
 from ranks import launch_here

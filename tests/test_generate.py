@@ -44,11 +44,12 @@ def test_a_prompt_is_rendered_as_the_training_data_was(shipped):
     """The run's eval example's prompt tokens are the tokens generate puts before the response."""
     import argparse
 
-    from finetune import config, finished
+    from finetune import config
+    from finetune.rank import finished
     from finetune.data.forms import to_messages
     from finetune.data.sources import load_rows
     from finetune.data.tokenize import encode
-    from finetune.generate import Chat
+    from finetune.rank.generate import Chat
 
     run_dir = shipped / RUN
     cfg = config.load(run_dir / "config.yaml")
@@ -124,8 +125,8 @@ def test_refusals_are_one_line(shipped):
 
 
 def test_prompt_files_txt_and_jsonl_and_their_mistakes(tmp_path):
-    from finetune.finished import Refusal
-    from finetune.generate import read_prompts
+    from finetune.rank.finished import Refusal
+    from finetune.rank.generate import read_prompts
 
     txt = tmp_path / "p.txt"
     txt.write_text("reverse abc\n\nupper\n")
@@ -151,8 +152,8 @@ def test_tools_are_offered_as_the_template_renders_them(tmp_path):
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from finetune.config import ASSETS
-    from finetune.finished import locate
-    from finetune.generate import Chat
+    from finetune.rank.finished import locate
+    from finetune.rank.generate import Chat
 
     tok = AutoTokenizer.from_pretrained(ASSETS / "tokenizers/qwen2_5")
     LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,

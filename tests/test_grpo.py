@@ -345,7 +345,7 @@ def test_resume_samples_the_same_completions_and_continues_the_trajectory(mu, tm
 def test_several_updates_reuse_one_rollout_with_the_sampling_log_probs(tok):
     from finetune.data.batches import collate
     from finetune.data.tokenize import Example
-    from finetune.objectives import token_logps
+    from finetune.methods.losses import token_logps
 
     net, _ = tiny_model()
     engine, cfg = Engine(net), method(generations=2, completion_tokens=4, rewards=["length"], updates_per_rollout=2)

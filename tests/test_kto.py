@@ -16,7 +16,7 @@ from finetune.data.sources import Rows
 from finetune.data.examples import tokenize
 from finetune.data.tokenize import IGNORE
 from finetune.methods.kto import KTO, Labelled, kto_loss
-from finetune.objectives import sequence_logps
+from finetune.methods.losses import sequence_logps
 
 from conftest import last_line, read_metrics, run_cli, tiny_model, train_here
 from ranks import launch_here

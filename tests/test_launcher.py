@@ -8,7 +8,7 @@ import sys
 import yaml
 
 from finetune import config
-from finetune.command import build
+from finetune.launcher.command import build
 
 from conftest import REPO, run_cli
 
@@ -55,7 +55,7 @@ def test_one_process_runs_the_rank_itself_with_torchruns_environment(compose):
     assert spec.env == {"OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "RANK": "0", "LOCAL_RANK": "0",
                         "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
     zero = build(compose(["zero=stage2", "launcher.nproc_per_node=1", "parallelism=single"]), "/r", python="python", cpu_count=2)
-    assert zero.argv[2] == "finetune.deepspeed_runner"  # DeepSpeed sets up its own ranks
+    assert zero.argv[2] == "finetune.rank.deepspeed_runner"  # DeepSpeed sets up its own ranks
     asked = build(compose(["parallelism=single", "launcher.nproc_per_node=1", "launcher=torchrun"]), "/r", python="python", cpu_count=2)
     assert asked.argv[2] == "torch.distributed.run"  # launcher=torchrun, said in so many words
     nodes = build(compose(["launcher.nnodes=2", "launcher.nproc_per_node=1", "launcher.master_addr=10.0.0.7", "launcher.master_port=29600",
@@ -101,7 +101,7 @@ def test_hydra_cfg_job_prints_composed_config(tmp_path):
 
 
 def test_repo_layout():
-    for path in ("pyproject.toml", "README.md", "mkdocs.yml", "docs/index.md", "recipes/config.yaml", "finetune/launch.py", "launch", "scripts",
+    for path in ("pyproject.toml", "README.md", "mkdocs.yml", "docs/index.md", "recipes/config.yaml", "finetune/launcher/launch.py", "launch", "scripts",
                  "tests", ".ci/run"):
         assert (REPO / path).exists(), path
 

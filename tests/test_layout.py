@@ -9,11 +9,11 @@ runs). Importing `a.b.c` runs the packages `a` and `a.b` too: the graph holds th
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "finetune"
@@ -21,24 +21,28 @@ PACKAGE = ROOT / "finetune"
 MAX_LINES = 600
 """No module of finetune/ is longer: one that grows past it does more than one job (split it by topic)."""
 
-LAUNCHER_SIDE = (
-    "finetune.launch", "finetune.compose", "finetune.command", "finetune.supervise", "finetune.trials", "finetune.sweep",
-    "finetune.rundir", "finetune.startup", "finetune.prepare", "finetune.errors", "finetune.config", "finetune.config.fields",
-    "finetune.config.schema", "finetune.config.peft", "finetune.config.root", "finetune.rules", "finetune.rules.model", "finetune.rules.data",
-    "finetune.rules.optim", "finetune.rules.layout", "finetune.rules.strategies", "finetune.rules.peft", "finetune.plan", "finetune.planner",
-    "finetune.planner.counts", "finetune.planner.activations", "finetune.planner.peak", "finetune.planner.records",
-    "finetune.planner.suggest", "finetune.planner.cli", "finetune.lengths", "finetune.disk", "finetune.structure",
-    "finetune.families", "finetune.families.records", "finetune.families.arch", "finetune.families.checks",
-    "finetune.methods", "finetune.optimizers",
-    "finetune.liger", "finetune.logs", "finetune.trackers", "finetune.benchmarks", "finetune.data", "finetune.data.sources", "finetune.data.forms",
-    "finetune.data.tokenize", "finetune.data.examples", "finetune.data.pack", "finetune.data.batches", "finetune.data.templates",
-    "finetune.data.tools", "finetune.steps", "finetune.config.data", "finetune.devices", "finetune.sweep_launchers",
-)
-"""The launcher side: what `python -m finetune.launch` and `python -m finetune.plan` import (composition, rules,
-planner, command, supervision, the data checks, the records they read; every module of finetune/methods/ is added
-below: the launcher reads each method's record). None of it may import torch, transformers
-or deepspeed, so that a dry run is instant on a machine without them. Every other module of finetune/ is the rank
-side (docs/architecture.md: "The rank side")."""
+ENTRIES = {"finetune.launch": "launcher", "finetune.plan": "launcher", "finetune.prepare": "launcher",
+           "finetune.train": "rank", "finetune.generate": "rank", "finetune.export": "rank", "finetune.evaluate": "rank"}
+"""The commands users type (`python -m finetune.NAME`), kept at the top under those names: each only runs its side's
+module."""
+
+MAX_FLAT = 12
+"""At most this many modules at the top of finetune/ (the entries above and the shared pure modules that fit no
+package): the rest lives in launcher/, rank/ or a shared package."""
+
+TORCH_SHARED = ("finetune.methods.losses", "finetune.optimizers.kernels", "finetune.optimizers.sharded")
+"""Shared modules that import torch: the torch half of a shared record (the methods' loss helpers, the optimizers'
+builders), imported only inside the record's functions that run on the ranks, and by the rank side."""
+
+
+def side(module: str) -> str:
+    """launcher, rank, entry (a command's name at the top), or shared (read by both sides)."""
+    if module in ENTRIES:
+        return "entry"
+    for name in ("launcher", "rank"):
+        if module == f"finetune.{name}" or module.startswith(f"finetune.{name}."):
+            return name
+    return "shared"
 
 
 def modules() -> dict[str, Path]:
@@ -52,7 +56,6 @@ def modules() -> dict[str, Path]:
     return found
 
 
-LAUNCHER_SIDE += tuple(m for m in modules() if m.startswith("finetune.methods."))  # every method's record, none named here
 
 
 def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
@@ -166,24 +169,90 @@ def test_no_module_is_over_600_lines():
     assert not long, f"modules over {MAX_LINES} lines (split them by topic): {long}"
 
 
-def test_the_launcher_side_is_a_known_list():
-    """LAUNCHER_SIDE names modules that exist, and the launcher's commands import none but those."""
-    known = modules()
-    missing = [m for m in LAUNCHER_SIDE if m not in known]
-    assert not missing, f"LAUNCHER_SIDE names modules that are gone: {missing}"
+def test_the_sides_import_only_down():
+    """launcher/ and rank/ import the shared modules and never each other; a shared module imports neither; an entry
+    imports its own side."""
+    graph = import_graph()
+    wrong = []
+    for module, targets in graph.items():
+        mine = side(module)
+        for target in targets:
+            theirs = side(target)
+            allowed = {"launcher": {"launcher", "shared"}, "rank": {"rank", "shared"}, "shared": {"shared"},
+                       "entry": {ENTRIES.get(module, ""), "shared"}}[mine]
+            if theirs not in allowed:
+                wrong.append(f"{module} ({mine}) -> {target} ({theirs})")
+    assert not wrong, "imports across the sides (move the shared piece into a shared module): " + "; ".join(sorted(wrong))
+
+
+def test_few_modules_sit_flat_at_the_top():
+    flat = sorted(m for m, p in modules().items() if m.count(".") == 1 and p.name != "__init__.py")
+    assert len(flat) <= MAX_FLAT, f"{len(flat)} modules at the top of finetune/ (at most {MAX_FLAT}): {flat}"
+    assert set(ENTRIES) <= set(flat), f"the commands' names are gone from the top: {sorted(set(ENTRIES) - set(flat))}"
+
+
+def launcher_side() -> list[str]:
+    """What may run where the command is typed: launcher/, the shared modules, the launcher's entries."""
+    return sorted(m for m in modules() if side(m) in ("launcher", "shared") or ENTRIES.get(m) == "launcher")
+
+
+def test_the_launcher_imports_nothing_of_the_ranks():
+    """The launcher's commands import launcher/ and shared modules only."""
     code = ("import sys, finetune.launch, finetune.plan, finetune.prepare; "
             "print(' '.join(sorted(m for m in sys.modules if m.startswith('finetune'))))")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    other = sorted(set(done.stdout.split()) - set(LAUNCHER_SIDE) - {"finetune"})
-    assert not other, f"the launcher imports {other}: add them to LAUNCHER_SIDE (and keep them free of torch) or import them on the ranks"
+    other = sorted(set(done.stdout.split()) - set(launcher_side()) - {"finetune"})
+    assert not other, f"the launcher imports {other}: import them on the ranks"
 
 
-@pytest.mark.parametrize("module", LAUNCHER_SIDE)
-def test_the_launcher_side_imports_no_torch(module):
-    if module not in modules():
-        pytest.skip(f"{module} is not a module of this tree")
-    code = (f"import sys, {module}; heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('torch', 'transformers', 'deepspeed')); print(heavy); sys.exit(bool(heavy))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, f"{module} imports {done.stdout.strip() or done.stderr[-2000:]}"
+HEAVY = ("torch", "transformers", "deepspeed")
+
+
+def test_the_launcher_side_imports_no_torch():
+    """Every launcher-side and shared module imported in one process (but the TORCH_SHARED ones): none of torch,
+    transformers or deepspeed is loaded. On a failure each is imported alone to name the one that does."""
+    mods = [m for m in launcher_side() if m not in TORCH_SHARED]
+    code = ("import importlib, sys; mods = sys.argv[1:]\n"
+            "for m in mods: importlib.import_module(m)\n"
+            f"heavy = sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}); print(heavy[:5]); sys.exit(bool(heavy))")
+    done = subprocess.run([sys.executable, "-c", code, *mods], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    if done.returncode == 0:
+        return
+    culprits = []
+    for m in mods:
+        one = subprocess.run([sys.executable, "-c", code, m], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        if one.returncode:
+            culprits.append(f"{m}: {one.stdout.strip() or one.stderr[-300:]}")
+    raise AssertionError("the launcher side imports torch, transformers or deepspeed: " + "; ".join(culprits or [done.stderr[-2000:]]))
+
+
+HIDE = """
+import runpy, sys
+hidden = set(sys.argv[1].split(","))
+class Hide:  # a finder that finds nothing of the hidden packages, else what the finder it wraps finds
+    def __init__(self, finder): self.finder = finder
+    def find_spec(self, name, path=None, target=None):
+        return None if name.partition(".")[0] in hidden else self.finder.find_spec(name, path, target)
+    def __getattr__(self, name): return getattr(self.finder, name)
+sys.meta_path[:] = [Hide(f) for f in sys.meta_path]
+sys.argv = sys.argv[2:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+"""Run `python -m MODULE ARGS` as on a machine without the packages named first: `import torch` raises
+ModuleNotFoundError and importlib.util.find_spec("torch") is None (what libraries ask before they use it)."""
+
+
+def test_the_launcher_commands_run_without_torch(tmp_path):
+    """A dry run, the planner and a prepare, each with torch and deepspeed unimportable (and transformers too but for
+    prepare, which loads the tokenizer through transformers' torch-free half): each does its whole job."""
+    quick = ["+recipe=quickstart_sft", f"run_dir={tmp_path / 'run'}"]
+    cache = f"data.cache_dir={tmp_path / 'tokens'}"
+    for hidden, module, args, last in (
+            ("torch,deepspeed,transformers", "finetune.launch", [*quick, "launcher.dry_run=true"], "-m finetune.train"),
+            ("torch,deepspeed,transformers", "finetune.plan", quick, "FITS"),
+            ("torch,deepspeed", "finetune.prepare", [*quick, cache], "(train 4,000 rows, 87,395 tokens, eval 256 rows, 5,557 tokens)")):
+        done = subprocess.run([sys.executable, "-c", HIDE, hidden, module, *args], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert done.returncode == 0, f"{module} without {hidden}: {done.stderr[-2000:]}"
+        assert last in done.stdout, f"{module}: {done.stdout[-1000:]}"

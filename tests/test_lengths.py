@@ -1,4 +1,4 @@
-"""Padded runs are planned from the data (finetune/lengths.py): the light tokenizer gives the rank's
+"""Padded runs are planned from the data (finetune/data/lengths.py): the light tokenizer gives the rank's
 token ids, the longest batch is the one the run's steps reach, the plan says which width it used,
 and the dry run reads no data when data.max_length already fits."""
 
@@ -16,7 +16,7 @@ from conftest import REPO, run_cli
 
 
 def real_examples(cfg):
-    from finetune import model
+    from finetune.rank import model
     from finetune.data.examples import load_split
 
     tokenizer = model.load_tokenizer(cfg.model)
@@ -27,7 +27,7 @@ def real_examples(cfg):
 @pytest.mark.parametrize("overrides", [[], ["data=quickstart_dpo", "method=dpo"]], ids=["sft", "dpo"])
 def test_light_tokenizer_gives_the_ranks_token_ids(compose, overrides):
     """Chat template, response labels and truncation through finetune.data's code: identical ids."""
-    from finetune import lengths
+    from finetune.data import lengths
     from finetune.data.sources import load_rows
     from finetune.data.examples import tokenize
     from finetune.data.tokenize import Pair
@@ -43,8 +43,8 @@ def test_light_tokenizer_gives_the_ranks_token_ids(compose, overrides):
 
 
 def test_reading_lengths_imports_no_torch():
-    code = ("import sys, time; from finetune.compose import preflight; cfg = preflight(['+recipe=quickstart_sft']); "
-            "t = time.perf_counter(); from finetune.lengths import longest_batch; found = longest_batch(cfg); "
+    code = ("import sys, time; from finetune.launcher.compose import preflight; cfg = preflight(['+recipe=quickstart_sft']); "
+            "t = time.perf_counter(); from finetune.data.lengths import longest_batch; found = longest_batch(cfg); "
             "print(found.width, round(time.perf_counter() - t, 2), 'torch' in sys.modules, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -64,7 +64,7 @@ def test_the_longest_batch_is_the_one_the_steps_reach(compose, overrides):
     """Against the rank's own batches: TrainBatches over every step, each micro-batch as collate pads it."""
     from finetune.data.batches import TrainBatches
     from finetune.data.pack import pack
-    from finetune.lengths import longest_batch
+    from finetune.data.lengths import longest_batch
 
     cfg = compose(["+recipe=quickstart_sft", "optim.warmup_steps=0", *overrides])
     train, tokenizer = real_examples(cfg)
@@ -97,7 +97,8 @@ def test_plan_says_at_which_width(tmp_path):
 
 def test_dry_run_reads_no_data_when_max_length_fits(compose, monkeypatch, capsys):
     """check_memory plans data.max_length first; only a config that does not fit there reads the data."""
-    from finetune import launch, lengths
+    from finetune.data import lengths
+    from finetune.launcher import launch
 
     calls = []
     monkeypatch.setattr(lengths, "longest_batch", lambda cfg: calls.append(cfg) or lengths.Longest(16, "stub"))

@@ -1,4 +1,4 @@
-"""model.kernels=liger and logits.kernel=liger (finetune/liger.py, finetune/head.py): Liger-Kernel's Triton kernels.
+"""model.kernels=liger and logits.kernel=liger (finetune/families/liger.py, finetune/rank/head.py): Liger-Kernel's Triton kernels.
 
 On CPU: the refusals, each one line through the real CLI's dry run and on a rank; and, where liger-kernel imports
 (it does on CPU, though its kernels cannot run there), that the swap really happens on the quickstart's tiny Llama
@@ -79,10 +79,10 @@ def test_a_family_liger_does_not_patch_and_tp_are_refused(tmp_path, args, messag
 
 @needs_liger
 def test_the_launcher_reads_the_installed_table_without_importing_it():
-    """finetune.liger.families reads Liger's table from its source: the same keys as the imported table."""
+    """finetune.families.liger.families reads Liger's table from its source: the same keys as the imported table."""
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
-    from finetune import liger
+    from finetune.families import liger
 
     assert liger.families() == sorted(MODEL_TYPE_TO_APPLY_LIGER_FN)
     assert {"llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "olmo2", "mixtral"} <= set(liger.families())
@@ -91,9 +91,9 @@ def test_the_launcher_reads_the_installed_table_without_importing_it():
 def test_a_cpu_rank_refuses_both(compose):
     """A rank on CPU (train.device=auto on a machine without CUDA) refuses the swap and the fused loss in one line;
     a CUDA rank without the package is told how to get it."""
-    from finetune import liger
+    from finetune.families import liger
     from finetune.config import ConfigError, LogitsKernel
-    from finetune.head import ChunkedHead, fused_blocker
+    from finetune.rank.head import ChunkedHead, fused_blocker
 
     model, cpu = tiny("llama"), torch.device("cpu")
     with pytest.raises(ConfigError) as e:
@@ -118,7 +118,7 @@ def test_the_swap_replaces_norms_mlps_and_rope_and_keeps_the_weights(family_modu
     from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
     from transformers.models.llama import modeling_llama
 
-    from finetune import liger
+    from finetune.families import liger
 
     model, _ = tiny_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -160,7 +160,7 @@ def assert_close_grads(grads, reference, rel):
 def test_the_swapped_model_computes_the_same_loss_and_gradients(family_modules, precision):
     """Liger's RMSNorm, RoPE and SwiGLU against the family's own: one forward and backward of the quickstart's tiny
     Llama on CUDA, in fp32 and under bf16 autocast, the same weights."""
-    from finetune import liger
+    from finetune.families import liger
     from finetune.methods.sft import SFT
 
     b = {k: v.cuda() for k, v in batch(vocab=100).items()}

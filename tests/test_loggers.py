@@ -1,4 +1,4 @@
-"""Metric sinks behind one interface (finetune/logs.py): train.loggers chooses them, each sink's files read back
+"""Metric sinks behind one interface (finetune/logs/__init__.py): train.loggers chooses them, each sink's files read back
 (TensorBoard's through its own event reader), train.tensorboard still maps onto the list, jsonl is added where a list
 leaves it out, and an unknown logger is refused at compose time in one line."""
 
@@ -97,10 +97,10 @@ def test_a_run_writes_to_the_loggers_it_names(tmp_path):
     """The rank's own MetricsLog, composed as the launcher does (train_here turns TensorBoard off, so not through it)."""
     import torch
 
-    from finetune import train
-    from finetune.compose import preflight
+    from finetune.rank import train
+    from finetune.launcher.compose import preflight
     from finetune.config import to_yaml
-    from finetune.dist import Dist
+    from finetune.rank.dist import Dist
 
     cfg = preflight(["train.max_steps=2", "train.global_batch_size=8", "train.micro_batch_size=8", "train.eval_every=0",
                      "data.eval_size=0", "data.eval=null", "train.exact_match_samples=0", "train.memory_report=false",

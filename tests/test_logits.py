@@ -47,7 +47,7 @@ def batch(vocab: int = 300, rows: int = 4, length: int = 21) -> dict[str, torch.
 
 
 def loss_and_grads(family: str, objective_of, chunk: int | None, b: dict) -> tuple[torch.Tensor, dict, dict]:
-    from finetune.head import ChunkedHead
+    from finetune.rank.head import ChunkedHead
 
     model = tiny(family)
     head = ChunkedHead(model, chunk) if chunk else None
@@ -90,7 +90,7 @@ def test_chunked_loss_and_gradients_equal_the_full_logits(family, method, chunk)
 
 def test_only_one_chunk_of_logits_exists():
     """The output layer sees at most chunk_tokens positions at a time, and only those with a label."""
-    from finetune.head import ChunkedHead
+    from finetune.rank.head import ChunkedHead
 
     model = tiny("llama")
     seen = []
@@ -110,7 +110,7 @@ def test_only_one_chunk_of_logits_exists():
 def test_an_unknown_logit_transform_is_refused_by_the_probe(monkeypatch):
     """A family whose forward changes the logits in a way head.post_ops does not know (here: Granite with
     its logits_scaling forgotten) is refused by the probe before training, never trained on a wrong loss."""
-    from finetune import head as head_module
+    from finetune.rank import head as head_module
     from finetune.config import ConfigError
 
     monkeypatch.setattr(head_module, "post_ops", lambda model: [])
@@ -134,7 +134,7 @@ def test_the_fused_kernel_runs_where_it_can_and_says_why_not(compose):
     rank); logits.kernel=cce is refused there, as it is at compose time with train.device=cpu; the logits keys are
     refused under logits=full, which ignores them."""
     from finetune.config import ConfigError, LogitsKernel
-    from finetune.head import ChunkedHead, fused_blocker
+    from finetune.rank.head import ChunkedHead, fused_blocker
 
     model, cpu = tiny("llama"), torch.device("cpu")
     head = ChunkedHead(model, 8, LogitsKernel.auto, cpu)
@@ -172,7 +172,7 @@ def test_the_fused_kernel_equals_the_full_logits(family, method, kernel):
     reach the kernel."""
     pytest.importorskip({"cce": "cut_cross_entropy", "liger": "liger_kernel"}[kernel])
     from finetune.config import LogitsKernel
-    from finetune.head import ChunkedHead
+    from finetune.rank.head import ChunkedHead
 
     b = {k: v.cuda() for k, v in batch().items()}
     if method == "dpo":

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from finetune import memory
+from finetune.rank import memory
 from finetune.planner.records import compare
 from finetune.config import MemoryReport
 

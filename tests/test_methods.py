@@ -49,7 +49,7 @@ def test_the_records_say_what_sft_and_dpo_are():
 def test_the_rank_builds_the_records_loss():
     from finetune.methods.dpo import DPO
     from finetune.methods.sft import SFT
-    from finetune.train import build_objective
+    from finetune.rank.train import build_objective
 
     assert type(build_objective(MethodConfig())) is SFT
     assert type(build_objective(MethodConfig(name=Method.dpo))) is DPO
@@ -73,7 +73,7 @@ def test_no_method_branch_outside_the_methods_package():
 
 
 def test_the_launcher_side_reads_the_records_without_torch():
-    code = ("import sys, finetune.methods, finetune.rules, finetune.plan, finetune.data.forms; "
+    code = ("import sys, finetune.methods, finetune.launcher.rules, finetune.plan, finetune.data.forms; "
             "from finetune.methods import get; get('dpo').validate; assert 'torch' not in sys.modules, 'torch imported'")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

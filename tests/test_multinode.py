@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from finetune.config import ConfigError
-from finetune.command import build
+from finetune.launcher.command import build
 
 from conftest import REPO, read_metrics, run_cli
 
@@ -170,7 +170,7 @@ def test_slurm_script_dry_run_with_fake_srun_gives_each_node_its_rank(deepspeed,
     for rank, text in enumerate(nodes):
         assert f"# run directory: {run_dir}" in text
         if deepspeed:
-            command = (f"-m finetune.deepspeed_runner --num_nodes=2 --num_gpus=1 --hostfile={run_dir}/hostfile --no_ssh "
+            command = (f"-m finetune.rank.deepspeed_runner --num_nodes=2 --num_gpus=1 --hostfile={run_dir}/hostfile --no_ssh "
                        f"--node_rank={rank} --master_addr=gpu-node-a --master_port=29500 --module finetune.train {run_dir}/config.yaml")
         else:
             command = (f"-m torch.distributed.run --nnodes=2 --nproc_per_node=1 --node_rank={rank} --master_addr=gpu-node-a "
@@ -220,7 +220,7 @@ def two_launches(tmp_path: Path, per_node: list[list[str]]) -> list[str]:
 
 @pytest.mark.slow
 def test_two_nodes_static_rendezvous_train_together(one_node_two_ranks, tmp_path):
-    from finetune.launch import free_port
+    from finetune.launcher.launch import free_port
 
     port = free_port()
     outs = two_launches(tmp_path, [[f"launcher.node_rank={rank}", "launcher.master_addr=127.0.0.1", f"launcher.master_port={port}"]
@@ -235,7 +235,7 @@ def test_two_nodes_static_rendezvous_train_together(one_node_two_ranks, tmp_path
 
 @pytest.mark.slow
 def test_two_nodes_c10d_rendezvous_train_together(one_node_two_ranks, tmp_path):
-    from finetune.launch import free_port
+    from finetune.launcher.launch import free_port
 
     endpoint = f"127.0.0.1:{free_port()}"
     outs = two_launches(tmp_path, [[f"launcher.rdzv_endpoint={endpoint}"]] * 2)

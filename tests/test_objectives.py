@@ -9,10 +9,10 @@ import torch
 
 from finetune.config import OptimConfig, PrecisionConfig, Scheduler, Strategy
 from finetune.data.tokenize import IGNORE
-from finetune.dist import Dist
-from finetune.engine.torch_engine import TorchEngine, build_scheduler
+from finetune.rank.dist import Dist
+from finetune.rank.engine.torch_engine import TorchEngine, build_scheduler
 from finetune.methods.sft import SFT
-from finetune.objectives import token_loss_sum
+from finetune.methods.losses import token_loss_sum
 
 
 def test_token_loss_sum_by_hand():

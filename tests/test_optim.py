@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune import engine
+from finetune.rank import engine
 from finetune.config import ConfigError
-from finetune.dist import Dist
-from finetune.command import deepspeed_config
+from finetune.rank.dist import Dist
+from finetune.layouts.zero import deepspeed_config
 
 from conftest import REPO, read_metrics, run_cli, tiny_model, train_here
 from ranks import launch_here
@@ -62,10 +62,10 @@ sys.path.insert(0, sys.argv[1])
 import torch
 from conftest import tiny_model
 from finetune.config import Device
-from finetune.dist import init
-from finetune.engine.deepspeed_engine import DeepSpeedEngine
-from finetune.engine.mesh_engine import MeshEngine
-from finetune.compose import preflight
+from finetune.rank.dist import init
+from finetune.rank.engine.deepspeed_engine import DeepSpeedEngine
+from finetune.rank.engine.mesh_engine import MeshEngine
+from finetune.launcher.compose import preflight
 
 d = init(Device.cpu, deepspeed=True)
 for layout in ("parallelism=fsdp", "zero=stage2", "zero=stage2_offload"):
@@ -83,7 +83,7 @@ for layout in ("parallelism=fsdp", "zero=stage2", "zero=stage2_offload"):
 
 
 def test_mesh_and_deepspeed_engines_build_the_chosen_optimizer(tmp_path):
-    from finetune.launch import free_port
+    from finetune.launcher.launch import free_port
 
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port())}
@@ -160,7 +160,7 @@ def test_zero2_offload_momentum_on_two_ranks_matches_one_process(runs, tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     port = re.findall(r"--master_port=(\d+)", out.stdout)[0]  # DeepSpeed's CPU all-reduce buffers: the ranks removed theirs
     assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
-    assert "finetune.deepspeed_runner --num_nodes=1 --num_gpus=2" in out.stdout
+    assert "finetune.rank.deepspeed_runner --num_nodes=1 --num_gpus=2" in out.stdout
     assert json.loads((tmp_path / "run/deepspeed.json").read_text())["optimizer"]["type"] == "SGD"
     assert train_losses(tmp_path / "run") == pytest.approx(train_losses(runs / "momentum"), rel=1e-4)
 
@@ -248,7 +248,7 @@ def test_low_precision_adam_is_torchs_update_with_its_moments_rounded(option, re
     """optim.state_dtype: with fp32 moments the update is torch's, bit for bit; with bf16 moments the moments
     are stored in bf16 and the weights follow torch's within rounding; a saved state loads back in bf16
     (torch's load_state_dict casts floating-point states to the parameter's dtype) and steps on identically."""
-    from finetune.engine.common import LowPrecisionAdam
+    from finetune.rank.engine.common import LowPrecisionAdam
 
     torch.manual_seed(0)
     start, grads = torch.randn(64, 32), [torch.randn(64, 32) for _ in range(12)]
@@ -351,7 +351,7 @@ def test_state_dtype_refusals(compose, overrides, message):
 
 
 def test_state_dtype_builds_its_optimizer_on_each_engine(compose):
-    from finetune.engine.common import LowPrecisionAdam
+    from finetune.rank.engine.common import LowPrecisionAdam
 
     net, _ = tiny_model()
     opt = engine.build(compose(["optim.state_dtype=bf16", "optim=adam"]), net, CPU).optimizer
@@ -364,7 +364,7 @@ def test_bf16_states_are_planned_and_offered_on_sharded_layouts(compose):
     statistics on every layout but DeepSpeed's, and neither bf16 moments nor the uncompensated optimizers under
     bf16_pure (whose moments are bf16 already)."""
     from finetune.planner.peak import plan
-    from finetune.planner.suggest import moves
+    from finetune.launcher.suggest import moves
 
     for layout in (["parallelism=fsdp", "launcher.nproc_per_node=2"], ["parallelism=tp2", "launcher.nproc_per_node=2"],
                    ["parallelism=single", "launcher.nproc_per_node=1"]):
@@ -447,7 +447,7 @@ def test_sharded_optimizers_step_dtensor_shards_like_the_whole_tensors(tmp_path)
     whole tensors within its quantization (the block scales cover each shard), decides 8-bit states by the whole
     tensor's size (a 8,000-element weight whose shards hold 4,000 each), saves DTensors (the moments placed like
     the weight, the scales a padded chunk per rank), and a saved state loads back and steps on bit for bit."""
-    from finetune.launch import free_port
+    from finetune.launcher.launch import free_port
 
     script = tmp_path / "shards.py"
     script.write_text(SHARDS)
@@ -472,7 +472,7 @@ def test_the_schedule_is_transformers_own(compose, scheduler, warmup, min_ratio)
     compiler into every rank); their factors equal transformers' at every step, beyond the last one too."""
     from transformers import get_scheduler
 
-    from finetune.engine.common import build_scheduler
+    from finetune.rank.engine.common import build_scheduler
 
     cfg = compose(["+recipe=quickstart_sft", f"optim.scheduler={scheduler}", f"optim.warmup_steps={warmup}",
                    f"optim.min_lr_ratio={min_ratio}"]).optim
@@ -511,7 +511,7 @@ def kernel_ops(optimizer: torch.optim.Optimizer) -> set[str]:
 def test_each_kernel_runs_what_it_names_and_the_same_update(compose, option):
     """Twenty steps of the same gradients: foreach is the loop bit for bit; fused (auto's choice on CPU) is within
     float rounding of it (Adam's, measured: 1-2 ulp of the weights; SGD's equal); the profiler shows the kernel each ran."""
-    from finetune.engine.common import build_optimizer
+    from finetune.rank.engine.common import build_optimizer
 
     cls, _, _ = OPTIONS[option]
     weights = {}

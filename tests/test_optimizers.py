@@ -11,10 +11,11 @@ import re
 import pytest
 import torch
 
-from finetune import engine, optimizers
+from finetune import optimizers
+from finetune.rank import engine
 from finetune.config import ConfigError
-from finetune.dist import Dist
-from finetune.command import deepspeed_config
+from finetune.rank.dist import Dist
+from finetune.layouts.zero import deepspeed_config
 from finetune.planner.counts import state_bytes
 from finetune.planner.peak import plan
 
@@ -77,7 +78,7 @@ def test_nadam_state_is_planned_as_its_state_dict_holds():
     of NAdam stepped once over the tiny model's real tensors: exp_avg + exp_avg_sq (8 bytes per element), step and
     mu_product (4 bytes each per tensor)."""
     from finetune.config import OptimConfig
-    from finetune.engine.common import build_optimizer
+    from finetune.rank.engine.common import build_optimizer
 
     rec = optimizers.record("torch.optim.NAdam")
     assert (rec.state_bytes, rec.by_shape((1,)) - rec.state_bytes) == (8, 8)

@@ -11,7 +11,7 @@ import torch
 from finetune import methods
 from finetune.config import ConfigError, Method, MethodConfig
 from finetune.methods.orpo import ORPO, orpo_loss
-from finetune.objectives import sequence_logps, token_loss_sum
+from finetune.methods.losses import sequence_logps, token_loss_sum
 
 from conftest import read_metrics, run_cli, tiny_model, train_here
 from ranks import launch_here

@@ -49,7 +49,7 @@ def test_the_wheel_holds_every_package_recipe_and_asset(built):
                     and "__pycache__" not in p.parts)
     assert sorted(n.removeprefix("finetune/") for n in names if n.startswith("finetune/assets/")) == assets
     entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
-    assert "finetune = finetune.cli:main" in zipfile.ZipFile(built["wheel"]).read(entry).decode()
+    assert "finetune = finetune.launcher.cli:main" in zipfile.ZipFile(built["wheel"]).read(entry).decode()
     # the sdist holds what the wheel was built from (python -m build builds the wheel from the sdist)
     members = tarfile.open(built["sdist"]).getnames()
     assert any(m.endswith("/recipes/recipe/quickstart_sft.yaml") for m in members) and any(m.endswith("/setup.py") for m in members)
@@ -80,7 +80,7 @@ def run_installed(env: Path, args: list[str], cwd: Path, timeout: int = 600) -> 
 
 def test_the_installed_wheel_runs_outside_the_checkout(installed, tmp_path):
     where = run_installed(installed, ["python", "-c", "import finetune, finetune.config, finetune.families, finetune.optimizers, "
-                                      "finetune.planner, finetune.rules, finetune.compose; print(finetune.__file__)"], tmp_path)
+                                      "finetune.planner, finetune.launcher.rules, finetune.launcher.compose; print(finetune.__file__)"], tmp_path)
     assert where.returncode == 0, where.stderr[-2000:]
     assert Path(where.stdout.strip()).is_relative_to(installed), where.stdout  # the wheel's copy, not this checkout
     version = run_installed(installed, ["finetune", "--version"], tmp_path)

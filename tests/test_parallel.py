@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from finetune.config import ConfigError
-from finetune.parallel import bubble_fraction, split_blocks
+from finetune.rank.parallel import bubble_fraction, split_blocks
 
 from conftest import last_line, read_metrics, reload_and_evaluate, run_cli, train_here
 from ranks import launch_here
@@ -255,7 +255,7 @@ def test_pipeline_scores_exact_match_on_the_exported_model(tmp_path):
     from dataclasses import replace
 
     from finetune import config
-    from finetune.heldout import exact_match_of_export
+    from finetune.rank.heldout import exact_match_of_export
 
     run = tmp_path / "run"
     out = launch_here("+recipe=quickstart_sft", "parallelism=pp2", "train.max_steps=2", "optim.warmup_steps=0", "train.micro_batch_size=8",

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from finetune import model
+from finetune.rank import model
 from finetune.config import CheckpointingConfig, ConfigError, LoraInit, OptimConfig, PeftConfig, PeftMethod
-from finetune.engine.common import InBackward, build_optimizer, build_scheduler, lora_b, param_groups
+from finetune.rank.engine.common import InBackward, build_optimizer, build_scheduler, lora_b, param_groups
 from tests.conftest import tiny_model
 
 IDS = torch.randint(3, 60, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -154,7 +154,7 @@ def test_neftune_scales_by_each_sequences_real_length():
     for row, length in ((0, 12), (1, 4)):
         bound = 4.0 / math.sqrt(length * d)
         assert float(noise[row].abs().max()) <= bound and float(noise[row].abs().max()) > 0.9 * bound
-    from finetune.neftune import lengths
+    from finetune.rank.neftune import lengths
 
     pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 4]])  # a packed row: samples of 3, 2 and 5 tokens
     assert lengths(None, pos, torch.Size([1, 10, d])).flatten().tolist() == [3, 3, 3, 2, 2, 5, 5, 5, 5, 5]
@@ -197,7 +197,7 @@ def test_variants_compose_where_they_work(compose):
 
 
 def test_an_adapter_disabled_reference_sees_no_noise_in_a_training_step():
-    from finetune.reference import adapter_disabled
+    from finetune.rank.reference import adapter_disabled
 
     torch.manual_seed(0)
     net, _ = tiny_model()

@@ -268,7 +268,7 @@ def llama8b(tmp_path: Path) -> Path:
 
 
 def test_suggestions_fit_when_replanned_and_follow_memory_order(compose, llama8b):
-    from finetune.planner.suggest import suggest
+    from finetune.launcher.suggest import suggest
 
     base = ["model=pretrained", f"model.path={llama8b}", "hardware=a100_80g", "parallelism=ddp", "launcher.nproc_per_node=8",
             "train.micro_batch_size=8", "train.global_batch_size=64", "data.max_length=4096"]
@@ -409,7 +409,7 @@ def test_block_activations_are_the_tensors_autograd_saves(compose, precision, pe
 
 
 def test_plan_help_prints_the_usage(capsys):
-    from finetune.planner import cli
+    from finetune.launcher import plan as cli
 
     assert cli.main(["--help"]) == 0
     out = capsys.readouterr().out

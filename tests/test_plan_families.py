@@ -90,12 +90,12 @@ def measure(directory: Path, cfg, kind: str) -> dict[str, tuple[float, float]]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune import model
+    from finetune.rank import model
     from finetune.methods.sft import SFT
-    from finetune.dist import Dist
-    from finetune.engine.torch_engine import TorchEngine
-    from finetune.memory import MemoryProbe
-    from finetune.lengths import Longest
+    from finetune.rank.dist import Dist
+    from finetune.rank.engine.torch_engine import TorchEngine
+    from finetune.rank.memory import MemoryProbe
+    from finetune.data.lengths import Longest
     from finetune.planner.peak import plan
     from finetune.planner.records import COMPARED, MIB
 
@@ -120,7 +120,7 @@ def measure(directory: Path, cfg, kind: str) -> dict[str, tuple[float, float]]:
 
 def configs(directory: Path, family: str) -> dict[str, object]:
     """The composed configs of a family, full fine-tuning and LoRA (the cases set the other fields)."""
-    from finetune.compose import preflight
+    from finetune.launcher.compose import preflight
 
     common = ["model=pretrained", f"model.path={directory}", f"data.max_length={SEQ}", f"train.micro_batch_size={MICRO}",
               f"train.global_batch_size={MICRO}", "train.max_steps=2", "optim.warmup_steps=0"]
@@ -133,7 +133,7 @@ def configs(directory: Path, family: str) -> dict[str, object]:
 
 def case_config(base, precision: str, checkpointing: str, kind: str):
     from finetune.config import Checkpointing, Precision
-    from finetune.rules import validate
+    from finetune.launcher.rules import validate
 
     cfg = copy.deepcopy(base)
     cfg.precision.name = Precision(precision)
@@ -186,7 +186,7 @@ def test_block_saves_what_autograd_saves(family, precision, peft, tmp_path):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune import model
+    from finetune.rank import model
     from finetune.planner.activations import block_activation_bytes
     from finetune.planner.counts import architecture
 

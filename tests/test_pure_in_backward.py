@@ -9,10 +9,10 @@ import re
 import pytest
 import torch
 
-from finetune import engine
+from finetune.rank import engine
 from finetune.config import ConfigError, OptimConfig, Optimizer
-from finetune.dist import Dist
-from finetune.engine.common import build_optimizer
+from finetune.rank.dist import Dist
+from finetune.rank.engine.common import build_optimizer
 
 from conftest import read_metrics, run_cli, tiny_model, train_here
 from ranks import launch_here

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.compose import preflight
+from finetune.launcher.compose import preflight
 from finetune.config import ConfigError
 
 from conftest import REPO, site_pages

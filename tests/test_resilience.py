@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from finetune import checkpoint
+from finetune.rank import checkpoint
 from finetune.config import ConfigError
 
 from conftest import REPO, last_line, kill_whole_job, read_metrics, steps_done, train_here, wait_for
@@ -85,7 +85,7 @@ def test_a_layout_the_format_cannot_change_is_refused(compose, tmp_path):
 
 def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     """In-process, a write failing with ENOSPC (test_faults.py fills a real disk, through the CLI, on every engine)."""
-    from finetune.engine import torch_engine
+    from finetune.rank.engine import torch_engine
 
     real_save, calls = torch_engine.torch.save, []
 
@@ -128,12 +128,12 @@ class NanAt:
 
 @pytest.mark.parametrize("mode", ["stop", "skip"])
 def test_a_nan_step_stops_naming_the_step_or_is_skipped(mode, tmp_path, monkeypatch):
-    from finetune import loop, train
+    from finetune.rank import loop, train
 
     build = train.build_objective
     monkeypatch.setattr(train, "build_objective", lambda *a, **k: NanAt(build(*a, **k), step=3))
     weights = {}
-    export = "finetune.engine.torch_engine.TorchEngine.export"
+    export = "finetune.rank.engine.torch_engine.TorchEngine.export"
     if mode == "stop":
         with pytest.raises(loop.Stopped) as e:
             train_here([*QUICK, "train.on_nonfinite=stop"], tmp_path)
@@ -168,7 +168,7 @@ def start(args, tmp_path, name):
 POOL_TERMINATES = """
 import time
 import multiprocess
-from finetune import loop
+from finetune.rank import loop
 
 loop.handle_signals()
 with multiprocess.get_context("fork").Pool(2) as pool:
@@ -192,7 +192,7 @@ def test_a_forked_worker_is_ended_by_sigterm_not_caught_as_its_tasks_failure():
 
 SIGTERM_AT_FORK = """
 import os, signal, time
-from finetune import loop
+from finetune.rank import loop
 
 loop.handle_signals()
 survived = 0
@@ -333,7 +333,7 @@ def test_overwrite_replaces_the_old_results_and_contradicts_resume(finished, tmp
 
 
 def train_cfg(overrides):
-    from finetune.compose import preflight
+    from finetune.launcher.compose import preflight
 
     return preflight(list(overrides)).train
 

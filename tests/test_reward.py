@@ -59,7 +59,7 @@ def test_the_gradient_raises_chosen_and_lowers_rejected():
 
 def scored_model(**init):
     """The quickstart's tiny Llama as a sequence classifier (random init, one label) and the shipped tokenizer."""
-    from finetune import model
+    from finetune.rank import model
     from finetune.config import ModelInit, PeftConfig
 
     cfg = ModelConfig(tokenizer=str(ASSETS / "tokenizer"), init=ModelInit(**init))

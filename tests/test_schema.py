@@ -13,7 +13,7 @@ from typing import Any, get_type_hints
 
 import pytest
 
-from finetune.compose import preflight
+from finetune.launcher.compose import preflight
 from finetune.config import Config, ConfigError, PipeSchedule, Precision
 
 

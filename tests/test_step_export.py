@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from finetune import export, step_export
+from finetune.rank import export, step_export
 from finetune.config import load as load_config
 
 from conftest import last_line, reload_and_evaluate, run_cli, tiny_model, train_here

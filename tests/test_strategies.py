@@ -13,14 +13,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from finetune import model
+from finetune.rank import model
 from finetune.config import ASSETS, ConfigError, DataConfig, OptimConfig, Precision, PrecisionConfig, Scheduler, Strategy
 from finetune.data.batches import collate
 from finetune.data.pack import pack
 from finetune.data.sources import load_rows
 from finetune.data.examples import tokenize
-from finetune.dist import Dist
-from finetune.engine.torch_engine import TorchEngine
+from finetune.rank.dist import Dist
+from finetune.rank.engine.torch_engine import TorchEngine
 from finetune.methods.sft import SFT
 
 from conftest import REPO, read_metrics, run_cli, tiny_model, train_here

@@ -1,6 +1,6 @@
 """A structurally wrong model config (issue 27) is refused before any rank starts, in one line naming the
 keys, their values and what to do, for model.init, a local config.json and model.architecture alike
-(finetune/structure.py); and transformers itself rejects every config refused here: its config
+(finetune/families/structure.py); and transformers itself rejects every config refused here: its config
 validation raises, its model cannot be built or run a forward on the meta device, or it warns about the
 same key (a RoPE factor below 1: the run would go on, wrong). Nothing is built beyond the meta device but
 tiny MoE and GPT-2 models on CPU (the meta device cannot route tokens or run GPT-2's dropout)."""
@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from conftest import config_keys, run_cli
-from finetune.compose import preflight
+from finetune.launcher.compose import preflight
 from finetune.config import ConfigError
-from finetune.structure import ATTENTION_LAYER_TYPES, HEADS_DIVIDE_HIDDEN, MLP_LAYER_TYPES, ROPE_REQUIRED, structure_problem
+from finetune.families.structure import ATTENTION_LAYER_TYPES, HEADS_DIVIDE_HIDDEN, MLP_LAYER_TYPES, ROPE_REQUIRED, structure_problem
 
 BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=128, max_position_embeddings=256, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from finetune import sweep
+from finetune.launcher import sweep
 from finetune.config import ASSETS
 
 from conftest import REPO, run_cli
@@ -148,7 +148,7 @@ def test_rebuild_script_prints_the_table(tmp_path):
 
 
 def test_sweep_module_imports_no_torch():
-    code = "import sys, finetune.sweep, finetune.launch; assert 'torch' not in sys.modules"
+    code = "import sys, finetune.launcher.sweep, finetune.launch; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
 

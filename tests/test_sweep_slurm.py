@@ -1,5 +1,5 @@
 """Sweeps through hydra/launcher=submitit_slurm: a real sweep through submitit's Slurm path on this machine (the stand-in
-Slurm of tests/slurm_standin), and the launcher configs finetune refuses before any trial (finetune.sweep_launchers)."""
+Slurm of tests/slurm_standin), and the launcher configs finetune refuses before any trial (finetune.launcher.sweep_launchers)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 
-from finetune import disk, sweep, sweep_launchers  # noqa: E402
+from finetune import disk
+from finetune.launcher import sweep, sweep_launchers# noqa: E402
 from finetune.config import ConfigError  # noqa: E402
 
 from conftest import REPO  # noqa: E402
@@ -136,7 +137,7 @@ def test_a_launcher_config_that_cannot_run_a_trial_is_one_line_before_any_trial(
 
 
 def launcher_config(target: str, nproc: int = 1, devices: int | None = None, **launcher) -> DictConfig:
-    """The parts of a sweep's composed config that finetune.sweep_launchers reads."""
+    """The parts of a sweep's composed config that finetune.launcher.sweep_launchers reads."""
     return OmegaConf.create({"hydra": {"launcher": {"_target_": target, "tasks_per_node": 1, "nodes": 1, "gpus_per_node": None,
                                                     **launcher}, "overrides": {"task": []}},
                              "launcher": {"nproc_per_node": nproc, "devices_per_trial": devices}})
@@ -164,7 +165,7 @@ def test_what_is_not_checked(monkeypatch):
 def test_submitit_local_on_a_gpu_machine_needs_its_gpus_named(monkeypatch):
     """submitit's local executor gives every trial CUDA_VISIBLE_DEVICES of its first gpus_per_node GPUs, none when that is
     unset: on a machine with a GPU, a local sweep without it is refused (its trials would train on CPU without a word)."""
-    from finetune import sweep_launchers as checks
+    from finetune.launcher import sweep_launchers as checks
 
     local = SLURM_TARGET.replace("Slurm", "Local")
     monkeypatch.setattr(checks, "has_gpu", lambda: True)

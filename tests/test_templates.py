@@ -16,7 +16,7 @@ from finetune.config import ASSETS, ConfigError, DataConfig, Reasoning
 from finetune.data import examples, templates
 from finetune.data.sources import local_rows, sources
 from finetune.data.tokenize import IGNORE, encode
-from finetune.lengths import LightTokenizer, check_tools_template
+from finetune.data.lengths import LightTokenizer, check_tools_template
 
 TOOLS_DATA = ASSETS / "data" / "quickstart_tools"
 

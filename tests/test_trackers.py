@@ -1,4 +1,4 @@
-"""The experiment trackers (finetune/trackers.py) for real, offline: a run logs to W&B (WANDB_MODE=offline, its run file
+"""The experiment trackers (finetune/logs/trackers.py) for real, offline: a run logs to W&B (WANDB_MODE=offline, its run file
 read back with W&B's own reader, `wandb leet inspect --json`), MLflow (a local SQLite store, read back with
 MlflowClient) and trackio (its local SQLite database, read back with its SQLiteStorage), and each holds the numbers
 metrics.jsonl holds; the generation samples (train.sample_prompts) are the final model's own greedy outputs; a sweep's
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from finetune import logs, trackers
+from finetune import logs
+from finetune.logs import trackers
 
 from conftest import last_line, read_metrics, reload_and_evaluate, run_cli, site_pages, site_text, train_here
 
@@ -136,7 +137,7 @@ def test_one_run_logs_the_same_numbers_to_every_tracker(offline):
     assert SQLiteStorage.get_run_config("finetune", name)["optim.lr"] == 0.002
 
     # the samples are the model's own: the final ones are what final/ generates greedily from those prompts
-    from finetune.heldout import generate
+    from finetune.rank.heldout import generate
 
     _, model, tok, evals = reload_and_evaluate(run_dir / "final", run_dir)
     import torch
@@ -316,7 +317,7 @@ def test_the_launcher_refuses_an_unreachable_tracker_without_importing_it(tmp_pa
     shown = site_text()  # the site (Metrics and trackers) shows this command and this line
     assert "MLFLOW_TRACKING_URI=http://127.0.0.1:1 python -m finetune.launch +recipe=quickstart_sft train.loggers=[jsonl,mlflow]\n" \
         f"{last_line(out.stderr)}\n" in shown
-    probe = ("import sys; from finetune import launch, trackers; trackers.problems(['wandb', 'mlflow', 'trackio'], "
+    probe = ("import sys; from finetune.launcher import launch; from finetune.logs import trackers; trackers.problems(['wandb', 'mlflow', 'trackio'], "
              "{'WANDB_MODE': 'offline', 'MLFLOW_TRACKING_URI': 'sqlite:///m.db', 'TRACKIO_DIR': 't'}); "
              "print(sorted(m for m in ('wandb', 'mlflow', 'trackio') if m in sys.modules))")
     imported = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120)
@@ -390,7 +391,7 @@ def test_samples_need_an_eval_set_and_a_rank_that_generates(compose, overrides, 
 def test_benchmarks_after_the_run_go_to_its_own_tracker_runs(offline):
     """finetune.evaluate after training (logs.MetricsLog(resume=True)): W&B resumes the run's id, MLflow logs into the
     run of that run directory, trackio into the run of that name; none starts another run."""
-    from finetune import evaluate, finished
+    from finetune.rank import evaluate, finished
 
     run_dir = offline / "run"
     train_here([*TINY, "train.loggers=[jsonl,wandb,mlflow,trackio]"], run_dir)

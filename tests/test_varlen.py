@@ -1,4 +1,4 @@
-"""Rows of several samples attended sample by sample (finetune/varlen.py), and padding-free micro-batches
+"""Rows of several samples attended sample by sample (finetune/rank/varlen.py), and padding-free micro-batches
 (data.padding_free): every family's logits and gradients equal to each sample run alone and to transformers' own
 block mask, one kernel call per sample and no mask over the whole row, padded batches untouched, an
 activation-checkpointing recomputation after another forward reading its own samples; a padding-free micro-batch's
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import read_metrics, train_here
-from finetune import varlen
+from finetune.rank import varlen
 from finetune.config import ConfigError
 from finetune.data.batches import IGNORE, TrainBatches, collate
 from finetune.data.pack import pack
@@ -182,7 +182,7 @@ def test_train_batches_lay_a_micro_batch_end_to_end():
     (["+recipe=quickstart_dpo"], False, "padded: method=dpo scores chosen and rejected as rows of their own"),
 ])
 def test_auto_pads_where_padding_free_does_not_apply_and_says_why(compose, overrides, on, why):
-    from finetune.rules import padding_free
+    from finetune.data.rows import padding_free
 
     base = [] if overrides[:1] == ["+recipe=quickstart_dpo"] else ["+recipe=quickstart_sft"]
     assert padding_free(compose([*base, *overrides])) == (on, why)

@@ -1,5 +1,5 @@
 """The typed config: one dataclass per group, registered in Hydra's ConfigStore (the cross-group rules that no
-single group can check are finetune/rules/).
+single group can check are finetune/launcher/rules/).
 
 Every group YAML starts with `defaults: [base_<group>]`, so a typo (`optim.lrr=...`) or a wrong
 type (`optim.lr=fast`) fails when Hydra composes, naming the key. `validate` then checks what

@@ -48,7 +48,7 @@ def in_range(lo: float, hi: float, *, hi_open: bool = False, step: float = 0.01)
 
 def unused(section: Any, key: str, used: tuple[str, ...], why: str) -> None:
     """Refuse fields of `section` (the group `key`) set away from their defaults where the chosen option ignores
-    them (the cross-group rules call it: finetune.rules, finetune.methods)."""
+    them (the cross-group rules call it: finetune.launcher.rules, finetune.methods)."""
     default = type(section)()
     for f in fields(section):
         if f.name not in used and getattr(section, f.name) != getattr(default, f.name):

@@ -57,10 +57,10 @@ class TrainConfig:
     """A tqdm progress bar on the main rank (else a metrics line every log_every steps)."""
     loggers: list[str] = checked(LOGGERS, factory=lambda: ["jsonl", "tensorboard"],
                                  hint="e.g. train.loggers=[jsonl,tensorboard,mlflow]")
-    """Where the metrics go (finetune/logs.py SINKS): jsonl (RUN_DIR/metrics.jsonl, always, named or not: the summary, the
+    """Where the metrics go (finetune/logs/__init__.py SINKS): jsonl (RUN_DIR/metrics.jsonl, always, named or not: the summary, the
     loss plot and the sweep summary read it; train.loggers=[mlflow] resolves to [jsonl,mlflow]), tensorboard
     (RUN_DIR/tensorboard), and the trackers wandb, mlflow, trackio
-    (finetune/trackers.py; `pip install -e ".[track]"`, each configured by its own environment variables)."""
+    (finetune/logs/trackers.py; `pip install -e ".[track]"`, each configured by its own environment variables)."""
     group: str | None = checked(TEXT, None)
     """The trackers' group for this run (W&B group, MLflow parent run, trackio group); null: none, except that a
     sweep's trials get their sweep directory (the launcher sets it)."""
@@ -179,7 +179,7 @@ def engine_kind(cfg: Config) -> str:
 
 
 def register() -> None:
-    """Store the schemas: `base_config` for the root, `base_<group>` in each group. Called by finetune.compose, which
+    """Store the schemas: `base_config` for the root, `base_<group>` in each group. Called by finetune.launcher.compose, which
     composes: a rank only reads its config.yaml and needs no Hydra (its import is ~0.2 s of the rank's start)."""
     from hydra.core.config_store import ConfigStore
 

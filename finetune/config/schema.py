@@ -114,7 +114,7 @@ OPTIMIZER = Accepts(optimizers.WORDS, lambda v: optimizers.known(v), ("lion", "t
 
 
 LOGGERS = Accepts(f"a list of known loggers ({', '.join(logs.SINKS)})", lambda v: all(x in logs.SINKS for x in v), ("[comet]",))
-"""train.loggers: names of finetune/logs.py's SINKS; jsonl is added when not named (TrainConfig: metrics.jsonl feeds the
+"""train.loggers: names of finetune/logs/__init__.py's SINKS; jsonl is added when not named (TrainConfig: metrics.jsonl feeds the
 summary and the plot)."""
 
 

@@ -2,7 +2,7 @@
 
 The batch order is a pure function of (seed, step): step k uses the same global batch of samples on any
 number of ranks, so runs with different layouts (and a resumed run) see the same data. (A stream keeps
-this with its own order: finetune.data.stream.)
+this with its own order: finetune.rank.stream.)
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def flat_row(examples: list[Example]) -> dict[str, torch.Tensor]:
 
 def starts(positions: torch.Tensor) -> torch.Tensor:
     """[B, S] bool: where a sample begins (a position that does not follow the one before: transformers' reading
-    of packed rows, and finetune.varlen's)."""
+    of packed rows, and finetune.rank.varlen's)."""
     import torch
 
     first = torch.ones_like(positions, dtype=torch.bool)

@@ -142,7 +142,7 @@ class Examples(Sequence):
 
     def labelled(self) -> np.ndarray:
         """Each row's labelled positions after its first token, both sides of a pair summed
-        (finetune.lengths.row_labelled), from the columns."""
+        (finetune.data.lengths.row_labelled), from the columns."""
         table = self.table
         return sum(_labelled(table.column(c).combine_chunks())
                    for c in (f"{prefix}labels" for prefix in self.columns))

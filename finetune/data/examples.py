@@ -1,6 +1,6 @@
 """Rows -> the run's examples, through its method (finetune.methods): the launcher's check of every local row
 (`check`), and `tokenize_row`, the one place a row becomes examples: in memory (`tokenize`, `load_split`), in the
-token cache's workers (finetune.data.cache) and in a stream's worker (finetune.data.stream).
+token cache's workers (finetune.data.cache) and in a stream's worker (finetune.rank.stream).
 
 Above the methods, which are built on forms.py and tokenize.py: this module asks a method's record what a row
 becomes, so those two never import the methods back.

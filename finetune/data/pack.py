@@ -1,6 +1,6 @@
 """Packing: several samples per row of at most max_length tokens, each attending only to itself (its positions
 restart at 0). First fit in a seeded order, in n log n; the token cache packs the same rows from its Arrow
-columns (finetune.data.cache.pack_split), a stream packs each run of rows (finetune.data.stream).
+columns (finetune.data.cache.pack_split), a stream packs each run of rows (finetune.rank.stream).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ starts, so a missing file or a bad line is one line naming the file and line).
   list of sources with weights or row counts, drawn by the seed).
 - `split_rows`: the train rows and the eval rows (data.eval, or rows of data.train held out by the seed).
 - Streams (data.streaming=true): a source read as it is needed, one pass of data.train as a
-  `datasets.IterableDataset` through a seeded shuffle buffer (finetune.data.stream tokenizes it).
+  `datasets.IterableDataset` through a seeded shuffle buffer (finetune.rank.stream tokenizes it).
 - `fingerprint`: what the data of a run is (the files' content hashes), for a resume to compare.
 """
 
@@ -115,7 +115,7 @@ def _text(value: Any) -> str | None:
 
 def column_map(value: Any, at: str) -> tuple[tuple[str, str], ...]:
     """A source's `columns` ({our key: the dataset's column}) as pairs; refused when it is not such a map (one naming a
-    key no row form reads is refused by finetune.rules.data, which knows the forms)."""
+    key no row form reads is refused by finetune.launcher.rules.data, which knows the forms)."""
     if value is None:
         return ()
     if not isinstance(value, dict) or not value or not all(isinstance(v, str) and v for v in value.values()):
@@ -404,14 +404,14 @@ def one_pass(cfg: DataConfig, seed: int, buffer: int) -> Any:
              .shuffle(generator=np.random.default_rng([seed, 7919, i]), buffer_size=buffer) for i, s in enumerate(srcs)]
     if len(parts) == 1:
         return parts[0]
-    total = sum(s.weight for s in srcs)  # every source of a streamed mixture has one (finetune.rules)
+    total = sum(s.weight for s in srcs)  # every source of a streamed mixture has one (finetune.launcher.rules)
     return datasets.interleave_datasets(parts, probabilities=[s.weight / total for s in srcs], seed=seed,
                                         stopping_strategy="first_exhausted")
 
 
 def first_rows(cfg: DataConfig) -> Rows:
     """The eval rows of a streamed data.train: its first data.eval_size rows, in the source's order."""
-    (s,) = sources(cfg.train, cfg.train_split, "data.train")  # one source (finetune.rules)
+    (s,) = sources(cfg.train, cfg.train_split, "data.train")  # one source (finetune.launcher.rules)
     held = list(itertools.islice(records(**_reads(s)), cfg.eval_size))
     if len(held) < cfg.eval_size:
         raise ConfigError(f"data.eval_size={cfg.eval_size} leaves no training rows in {s.path}")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from finetune.config import ConfigError, DataConfig
+from finetune.config import ConfigError, DataConfig, ModelConfig
 from finetune.config.data import TEMPLATES, template_path
 
 Tools = list[dict[str, Any]] | None
@@ -218,3 +218,21 @@ def drop_reasoning(messages: list[dict[str, Any]], tags: list[str]) -> tuple[lis
             m = {**m, "content": pattern.sub("", m["content"])}
         out.append(m)
     return out, removed
+
+
+def load_tokenizer(cfg: ModelConfig, data: DataConfig | None = None) -> Any:
+    """The model's tokenizer, with data.chat_template's template in place of its own when `data` sets one (the run's saved
+    tokenizer then carries the template it trained with)."""
+    from transformers import AutoTokenizer
+
+    source = cfg.tokenizer or cfg.path
+    try:
+        tok = AutoTokenizer.from_pretrained(source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as e:
+        key = "model.tokenizer" if cfg.tokenizer else "model.path"
+        raise ConfigError(f"{key}={source!r}: could not load a tokenizer: {str(e).splitlines()[0]}") from None
+    if tok.pad_token is None:  # many base-model tokenizers have none; padding is masked anyway
+        if tok.eos_token is None:
+            raise ConfigError(f"model.tokenizer={source!r} has neither a pad nor an eos token to pad with")
+        tok.pad_token = tok.eos_token
+    return override(tok, data) if data is not None else tok

@@ -119,7 +119,7 @@ class Family:
     """(attention, final) logit soft-capping when config.json names none (Gemma-2: 50, 30)."""
     tp_plan: bool = True
     """transformers publishes a tensor-parallel plan for the family (its config's base_model_tp_plan), which
-    the ranks apply (finetune/parallel.py); False: tensor parallel is refused before launch (GPT-2's
+    the ranks apply (finetune/rank/parallel.py); False: tensor parallel is refused before launch (GPT-2's
     fused Conv1D layers have none). tests/test_families_parallel.py checks it against transformers."""
     pp_plan: bool = True
     """transformers publishes a pipeline plan (base_model_pp_plan: the modules before and after the

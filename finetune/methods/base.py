@@ -53,7 +53,7 @@ class Item(Protocol):
 
 
 class Objective(Protocol):
-    """The loss one method trains with (finetune.loop calls it; finetune.engine runs it)."""
+    """The loss one method trains with (finetune.rank.loop calls it; finetune.rank.engine runs it)."""
 
     metrics: tuple[str, ...]
     """Names of its own metric sums (DPO: rewards/accuracy...), the same on every rank; the loop averages them
@@ -73,7 +73,7 @@ class Objective(Protocol):
 
     # An online method's objective (Method.online: GRPO) also has
     #     rollout(engine, micro_batches, *, step, tokenizer, seed) -> (training micro-batches, generation seconds)
-    # which finetune.loop calls before each step: the data's micro-batches hold its prompts, what it returns its rows.
+    # which finetune.rank.loop calls before each step: the data's micro-batches hold its prompts, what it returns its rows.
 
 
 class Method(Protocol):
@@ -100,7 +100,7 @@ class Method(Protocol):
 
     online: bool
     """It samples its own training rows at each step (GRPO: method.generations completions of each prompt, rows with
-    gradients): its objective has `rollout` (finetune.loop calls it before the step), and the planner counts
+    gradients): its objective has `rollout` (finetune.rank.loop calls it before the step), and the planner counts
     micro_batch_size x method.generations rows."""
 
     no_grad_rows: int
@@ -125,7 +125,7 @@ class Method(Protocol):
     rows are then read into objects once, not row by row from the memory map."""
 
     model_class: str
-    """The transformers Auto class the ranks build the trained model with (finetune.model.load_model), which
+    """The transformers Auto class the ranks build the trained model with (finetune.rank.model.load_model), which
     also loads its final/: "AutoModelForCausalLM" (token logits: SFT, DPO) or "AutoModelForSequenceClassification"
     (one score per row, num_labels=1, pooled at the last non-pad token: a reward model)."""
 
@@ -147,7 +147,7 @@ class Method(Protocol):
         refusal. Most methods return them as they are."""
 
     def reference(self, cfg: MethodConfig) -> Reference | None:
-        """How the reference log-probs its loss needs are computed (finetune.reference: precomputed, live,
+        """How the reference log-probs its loss needs are computed (finetune.rank.reference: precomputed, live,
         adapter_disabled); None: it needs none. The rules, the planner (a live reference's weights) and the
         ranks read it here."""
 
@@ -156,6 +156,6 @@ class Method(Protocol):
         ConfigError naming the keys and what to do instead."""
 
     def objective(self, cfg: MethodConfig, reference: Any, router: Any, head: Any) -> Objective:
-        """The loss (rank side: imports torch). `reference`: what finetune.reference.setup returned (a callable
+        """The loss (rank side: imports torch). `reference`: what finetune.rank.reference.setup returned (a callable
         (policy, batch) -> reference log-probs, or None: in the batch or not needed); `router`: a MoE's
-        load-balancing loss (finetune.objectives.RouterLoss) or None; `head`: logits=chunked's ChunkedHead or None."""
+        load-balancing loss (finetune.methods.losses.RouterLoss) or None; `head`: logits=chunked's ChunkedHead or None."""

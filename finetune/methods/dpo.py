@@ -3,7 +3,7 @@
 Data: preference rows, (prompt, chosen, rejected) (finetune.data.forms.to_pair), each a `Pair` of two rows
 that share the prompt; only the final response carries labels. A batch of B pairs is B chosen rows, then B
 rejected rows, so one forward scores both; the rows are never packed nor laid end to end. The loss compares
-each response's summed log-probability with a reference model's (finetune.reference computes them:
+each response's summed log-probability with a reference model's (finetune.rank.reference computes them:
 precomputed, live or adapter_disabled); simpo needs none.
 """
 
@@ -93,7 +93,7 @@ class PairLoss:
     Policy log-probs of both responses come from one concatenated forward. Reference log-probs, when the method
     needs them (`referenced`), come from the batch (`reference_logps`, precomputed before training), or from
     `reference` (a live frozen model, or the policy with its adapter disabled). A subclass says what the pair's
-    loss is (`pairs`) and names its metrics. torch and finetune.objectives are imported where they are used: the
+    loss is (`pairs`) and names its metrics. torch and finetune.methods.losses are imported where they are used: the
     launcher reads the methods' records.
     """
 
@@ -109,7 +109,7 @@ class PairLoss:
     def __call__(self, model: Any, batch: dict[str, torch.Tensor]) -> Output:
         import torch
 
-        from finetune.objectives import forward_aux, tie
+        from finetune.methods.losses import forward_aux, tie
 
         reference = None  # precomputed ones travel in the batch: `loss` reads them there
         if self.referenced and "reference_logps" not in batch:
@@ -130,7 +130,7 @@ class PairLoss:
     def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor], reference: torch.Tensor | None = None) -> Output:
         """The loss from logits (what a pipeline's last stage computes; reference log-probs from
         `reference` or the batch)."""
-        from finetune.objectives import logits_logps
+        from finetune.methods.losses import logits_logps
 
         return self.pairs(*logits_logps(logits, batch["labels"]), batch, reference)
 

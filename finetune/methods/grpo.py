@@ -188,7 +188,7 @@ class GRPO:
     def __call__(self, model: Any, batch: dict[str, torch.Tensor]) -> Output:
         import torch
 
-        from finetune.objectives import forward_aux, logits_token_logps
+        from finetune.methods.losses import forward_aux, logits_token_logps
 
         logits, aux = forward_aux(model, batch, self.router is not None)
         logps = logits_token_logps(logits, batch["labels"])
@@ -223,7 +223,7 @@ class GRPO:
         method.updates_per_rollout=mu > 1 the first step of every mu samples (and keeps each token's log-prob under the
         policy that sampled it, `old_logps`); the next mu - 1 steps train on the same completions, their prompts unread."""
         from finetune.methods import rewards
-        from finetune.objectives import token_logps
+        from finetune.methods.losses import token_logps
 
         mu = self.cfg.updates_per_rollout
         if (step - 1) % mu and self.buffer:

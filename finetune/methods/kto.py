@@ -164,8 +164,8 @@ class KTO:
 
     def logps(self, model: Any, batch: dict[str, torch.Tensor], router: bool) -> tuple[torch.Tensor, Any, Any]:
         """Each row's summed label log-probs, the MoE's load-balancing loss (with `router`), and the 0 that ties a
-        logits=chunked loss to the model's output (finetune.objectives.tie)."""
-        from finetune.objectives import forward_aux, logits_logps, tie
+        logits=chunked loss to the model's output (finetune.methods.losses.tie)."""
+        from finetune.methods.losses import forward_aux, logits_logps, tie
 
         if self.head is not None:  # logits=chunked: the output layer leaves the label log-probs
             with self.head.labelled(batch["labels"]):
@@ -176,7 +176,7 @@ class KTO:
 
     def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> Output:
         """The loss from the 2B rows' logits (a pipeline's last stage; the reference precomputed, in the batch)."""
-        from finetune.objectives import logits_logps
+        from finetune.methods.losses import logits_logps
 
         return self.rows(logits_logps(logits, batch["labels"])[0], batch, None)
 

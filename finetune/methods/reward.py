@@ -3,7 +3,7 @@
 Data: the same preference rows as DPO, (prompt, chosen, rejected) (finetune.data.forms.to_pair), each a `Pair` of two
 rows that share the prompt; a batch of B pairs is B chosen rows, then B rejected rows, so one forward scores both.
 The model is transformers' own ForSequenceClassification of the family (num_labels=1: a score head of hidden x 1
-on the last hidden state; finetune.model.load_model builds it from this record's `model_class`), and its forward
+on the last hidden state; finetune.rank.model.load_model builds it from this record's `model_class`), and its forward
 pools the score of each row's last token that is not padding (config.pad_token_id): the exported final/ loads
 with AutoModelForSequenceClassification and scores a row exactly as training did.
 

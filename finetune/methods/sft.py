@@ -72,7 +72,7 @@ METHOD = Sft()
 class SFT:
     """Cross-entropy of next-token prediction on response tokens (prompt and padding masked).
 
-    torch and finetune.objectives are imported where they are used: the launcher reads this module's record."""
+    torch and finetune.methods.losses are imported where they are used: the launcher reads this module's record."""
 
     def __init__(self, router: Any = None, head: Any = None) -> None:
         self.router, self.head = router, head
@@ -84,7 +84,7 @@ class SFT:
 
     def __call__(self, model: Any, batch: dict[str, torch.Tensor]) -> Output:
         """Summed token loss of the batch (not averaged: the loop normalises)."""
-        from finetune.objectives import forward_aux, tie
+        from finetune.methods.losses import forward_aux, tie
 
         if self.head is not None:  # logits=chunked: the output layer leaves the label log-probs
             with self.head.labelled(batch["labels"]):
@@ -97,7 +97,7 @@ class SFT:
 
     def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> Output:
         """The loss from logits (what a pipeline's last stage computes)."""
-        from finetune.objectives import token_loss_sum
+        from finetune.methods.losses import token_loss_sum
 
         return token_loss_sum(logits, batch["labels"]), {}
 

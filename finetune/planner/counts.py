@@ -5,7 +5,7 @@ optimizer's record in finetune/optimizers/ for its state).
 
 Bytes per parameter follow what our engines do, which differs from the textbook table:
 - torch engine (zero=none; single/ddp/fsdp/tp/pp): the module stays fp32 and bf16/fp16 only
-  autocast the compute (finetune/engine/torch_engine.py, mesh_engine.py), so model states are
+  autocast the compute (finetune/rank/engine/torch_engine.py, mesh_engine.py), so model states are
   fp32's row in every precision (AdamW 4 + 4 + 8); activations shrink, but autocast keeps the
   residual stream and the norms in fp32 and a 16-bit copy of each weight for backward.
 - DeepSpeed engine (zero=stage0..3): bf16/fp16 sections make the module 16-bit with an fp32 master

@@ -2,7 +2,7 @@
 (finetune.planner.counts) and the activations (finetune.planner.activations): weights, gradients, optimizer
 states, activations, logits/loss buffers and a fixed framework overhead, and what offload puts in CPU RAM / on
 NVMe. The total is the peak: the larger of the backward peak and the optimizer step (the categories do not all
-peak together), at the longest batch the run will see (finetune.lengths) or data.max_length, an upper bound.
+peak together), at the longest batch the run will see (finetune.data.lengths) or data.max_length, an upper bound.
 
 `plan()` imports only the config and the standard library: no torch (but for `optim.name=torch.optim.CLASS`,
 whose state is measured on a probe step: finetune/optimizers/), well under a second for any model size.
@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from finetune import methods, optimizers
 from finetune.config import Config, Offload, PeftMethod, PipeSchedule, Precision, Reference, StateDtype, Strategy
 from finetune.families import COUNTED, Arch
-from finetune.lengths import Longest
+from finetune.data.lengths import Longest
 from finetune.methods.base import SCORED
 from finetune.planner.activations import Activations, activation_bytes, dtypes
 from finetune.planner.counts import (CPU_OVERHEAD_BYTES, GIB, GPU_OVERHEAD_BYTES, Counts, architecture, attention_kernel,
                                      count_params, engine_state_bytes, fsdp_frozen_and_gathered, module_bytes, moe_notes,
                                      optimizer_kind, state_bytes, trainable_shapes, trainable_split, zero_states)
-from finetune.rules import several_per_row
+from finetune.data.rows import several_per_row
 
 
 
@@ -118,7 +118,7 @@ class Plan:
 
 def plan(cfg: Config, longest: Longest | None = None) -> Plan:
     """Per-rank memory of `cfg` on `cfg.hardware` (raises ConfigError when the architecture is unknown),
-    its activations at `longest` (the longest batch the run sees, read from its data: finetune.lengths)
+    its activations at `longest` (the longest batch the run sees, read from its data: finetune.data.lengths)
     or, without it, at data.max_length, an upper bound for padded batches."""
     arch = architecture(cfg.model)
     if methods.get(cfg.method.name).model_class == SCORED:  # a reward model: a score head of hidden x 1, not lm_head
@@ -181,7 +181,7 @@ def model_notes(arch: Arch, cfg: Config) -> list[str]:
                      "of the same linears, not measured for it")
 
     notes.append("attention: %s (%s)" % attention_kernel(arch, cfg))
-    if several_per_row(cfg):  # finetune.varlen, or flash-attn's variable-length kernel
+    if several_per_row(cfg):  # finetune.rank.varlen, or flash-attn's variable-length kernel
         notes.append(f"rows: {several_per_row(cfg)}, each sample attended alone (no mask over the whole row)")
     return notes + moe_notes(arch, cfg)
 
@@ -323,7 +323,7 @@ def activations_through_backward(arch: Arch, cfg: Config, counts: Counts, s: Sta
                      f"{seq} for 1/{p.cp} of the heads (the score terms stay per token x {seq}); one block's all-to-all "
                      "buffers added")
     # padding (rows of different lengths) or packed samples: sdpa gets a mask (context parallel's own: packed rows only),
-    # unless each sample is attended alone (finetune.varlen: packed rows and padding-free micro-batches)
+    # unless each sample is attended alone (finetune.rank.varlen: packed rows and padding-free micro-batches)
     masked = not several_per_row(cfg) and (cfg.data.packing or (rows > 1 and p.cp == 1))
     layers = math.ceil(arch.num_hidden_layers / p.pp)
     micro_batches = max(1, cfg.grad_accum_steps)

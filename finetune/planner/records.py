@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.config import Config, ConfigError
-from finetune.lengths import Longest
+from finetune.data.lengths import Longest
 from finetune.planner.peak import plan
 
 MIB = 2**20

@@ -1,0 +1,1 @@
+"""The parallel layouts and engines as records, read by both sides (no torch)."""

@@ -1,0 +1,272 @@
+"""What the engines share: the step result, the optimizer and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Collection, Iterator
+
+import torch
+
+from finetune import optimizers
+from finetune.config import ConfigError, OptimConfig, Scheduler, StateDtype
+from finetune.optimizers.kernels import closure_loss
+
+
+@contextlib.contextmanager
+def no_deepspeed_probe() -> Iterator[None]:
+    """For a torch engine's save_pretrained: transformers unwraps the model through accelerate, which imports all of
+    DeepSpeed where it is installed, only to test whether a DeepSpeedEngine wraps the model (none does here): about
+    0.5 s of the export, more on a busy machine. accelerate is told DeepSpeed is absent meanwhile; nothing changes where
+    DeepSpeed is imported already, or where accelerate's function is not where it was (another accelerate version)."""
+    other = sys.modules.get("accelerate.utils.other")
+    if "deepspeed" in sys.modules or not callable(getattr(other, "is_deepspeed_available", None)):
+        yield
+        return
+    probe = other.is_deepspeed_available
+    other.is_deepspeed_available = lambda: False
+    try:
+        yield
+    finally:
+        other.is_deepspeed_available = probe
+
+
+@dataclass
+class StepResult:
+    loss_sum: float
+    """This rank's summed loss over its micro-batches (the loop reduces and divides)."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    lr: float
+    """Learning rate this step used."""
+    loss_scale: float | None = None
+    """fp16: the dynamic loss scale after this step."""
+    skipped: int = 0
+    """fp16: optimizer steps skipped so far because gradients overflowed."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """This rank's sums of the objective's own metrics (DPO rewards...), reduced like `loss_sum`."""
+    applied: bool = True
+    """Whether the optimizer step was applied (False: skipped because the gradient norm was not finite)."""
+
+
+def add_metrics(total: dict[str, float], sums: dict[str, Any]) -> None:
+    """Accumulate an objective's metric sums (tensors) into `total` (floats)."""
+    for k, v in sums.items():
+        total[k] = total.get(k, 0.0) + float(v)
+
+
+def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, kahan: bool | None = None,
+                    drop_empty: bool = False, fast: Collection[int] = ()) -> torch.optim.Optimizer:
+    """The torch optimizer `optim.name` names (its record's builder, finetune/optimizers/), over `param_groups`
+    (no decay on 1-D tensors).
+
+    adamw: decoupled weight decay. adam: torch's Adam adds weight_decay * w to the gradient (L2
+    regularisation, scaled by Adam's normalisation), a different regulariser at the same number.
+    sgd: optim.momentum 0 keeps no state, > 0 one momentum buffer per parameter; betas/eps unused.
+    adamw_8bit: bitsandbytes' AdamW8bit (runs on CPU too). adafactor: torch's, decoupled weight decay. Over DTensor
+    shards (FSDP2, TP) both are optimizers.sharded's versions: the same updates, each rank stepping its shard.
+    A torch.optim class by name: built with the optim.* keys its constructor takes.
+    optim.state_dtype=bf16 (adam/adamw over fp32 weights): `LowPrecisionAdam`, the same update with the
+    moments stored in bf16.
+    (The DeepSpeed engine builds the same optimizers from `layouts.zero.deepspeed_config`.)
+
+    drop_empty: leave out a parameter group with no parameters (the mesh engine's checkpoints need it).
+    fast: ids of the LoRA B matrices (`lora_b`), which learn at optim.lr x optim.loraplus_lr_ratio when it is set (LoRA+).
+    kahan (precision=bf16_pure, bf16 parameters): not None selects optimi's class of the record (`pure`), the same
+    update as torch's, with the states in the parameters' dtype and, when True, Kahan-compensated addition of
+    each update (a bf16 compensation buffer per parameter).
+    """
+    rec = optimizers.record(cfg.name)
+    groups = param_groups(params, cfg.weight_decay, fast=fast, fast_lr=loraplus_lr(cfg))
+    if drop_empty:  # DCP's flattened optimizer state cannot load a group without parameters (LoRA: no 1-D ones)
+        groups = [g for g in groups if g["params"]] or groups[:1]
+    if kahan is not None:
+        import optimi
+
+        kwargs = {"momentum": cfg.momentum, "torch_init": True} if "momentum" in rec.takes else \
+            {"betas": tuple(cfg.betas), "eps": cfg.eps}
+        return getattr(optimi, rec.pure)(groups, lr=cfg.lr, kahan_sum=kahan, **kwargs)
+    if cfg.state_dtype == StateDtype.bf16 and rec.moments:
+        return LowPrecisionAdam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, decoupled=rec.decoupled)
+    return rec.build(groups, cfg, params)
+
+
+class LowPrecisionAdam(torch.optim.Optimizer):
+    """Adam/AdamW (torch's update, step for step) whose two moments are stored in `state_dtype` (bf16: 4
+    bytes per parameter instead of 8) whatever the parameters' dtype. Each parameter's step reads its
+    moments up to fp32, updates them and the weight in fp32, and rounds the moments back (to nearest): the
+    fp32 copies exist for one parameter at a time. Plain tensor ops, so DTensor shards (FSDP2, TP) step too.
+    No maintained library keeps low-precision moments over fp32 weights (torch's and optimi's keep them in
+    the parameters' dtype; bitsandbytes' and torchao's quantize them to 8 bits)."""
+
+    def __init__(self, params: Any, lr: float, betas: tuple[float, float], eps: float, decoupled: bool = True,
+                 state_dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
+        self.decoupled, self.state_dtype = decoupled, state_dtype
+        # torch's load_state_dict casts floating-point states to the parameter's dtype: cast them back
+        self.register_load_state_dict_post_hook(lambda opt: opt._restore_dtype())
+
+    def _restore_dtype(self) -> None:
+        for state in self.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state and state[key].dtype != self.state_dtype:
+                    state[key] = state[key].to(self.state_dtype)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = closure_loss(closure)
+        for group in self.param_groups:
+            (beta1, beta2), lr, eps, decay = group["betas"], group["lr"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
+                state["step"] += 1
+                step = float(state["step"])
+                grad = p.grad.float()
+                if decay and not self.decoupled:  # adam: L2, added to the gradient
+                    grad = grad.add(p, alpha=decay)
+                mean = state["exp_avg"].float().lerp_(grad, 1 - beta1)
+                square = state["exp_avg_sq"].float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                state["exp_avg"].copy_(mean)
+                state["exp_avg_sq"].copy_(square)
+                if decay and self.decoupled:
+                    p.mul_(1 - lr * decay)
+                denom = square.sqrt().div_(math.sqrt(1 - beta2 ** step)).add_(eps)
+                p.addcdiv_(mean, denom, value=-lr / (1 - beta1 ** step))
+        return loss
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int) -> Any:
+    """Linear warmup, then cosine (to lr * min_lr_ratio) or linear decay, or constant: transformers'
+    schedules (`get_scheduler`'s cosine_with_min_lr, linear, constant_with_warmup), written out here
+    because importing them pulls peft, bitsandbytes and torch's compiler into every rank (1.4 s)."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    return LambdaLR(optimizer, functools.partial(lr_factor, scheduler=cfg.scheduler, warmup=cfg.warmup_steps, total=max_steps,
+                                                 min_ratio=cfg.min_lr_ratio))
+
+
+def lr_factor(step: int, *, scheduler: Scheduler, warmup: int, total: int, min_ratio: float) -> float:
+    """The learning rate at `step` over the peak (transformers' formulas, equal to theirs: tests/test_optim.py)."""
+    if step < warmup:
+        return float(step) / float(max(1, warmup))
+    if scheduler == Scheduler.constant:
+        return 1.0
+    if scheduler == Scheduler.linear:
+        return max(0.0, float(total - step) / float(max(1, total - warmup)))
+    progress = float(step - warmup) / float(max(1, total - warmup))  # cosine, half a cycle down to min_ratio
+    return max(0, 0.5 * (1.0 + math.cos(math.pi * progress)) * (1 - min_ratio) + min_ratio)
+
+
+def autocast_dtype(name: Any) -> torch.dtype | None:
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "bf16_pure": torch.bfloat16}[name.value]
+
+
+def to_bf16(model: torch.nn.Module) -> None:
+    """precision=bf16_pure: every floating-point parameter in bf16, in place (quantized 4-bit storage and
+    buffers such as the rotary frequencies stay as they are)."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != torch.bfloat16:
+            p.data = p.data.to(torch.bfloat16)
+
+
+def param_groups(params: list[torch.nn.Parameter], weight_decay: float, *, fast: Collection[int] = (),
+                 fast_lr: float | None = None) -> list[dict[str, Any]]:
+    """No weight decay on biases and norm scales (1-D tensors), as is standard for transformers. With `fast_lr`
+    (LoRA+), the parameters whose id is in `fast` (the B matrices) go into groups of their own at that rate: torch's
+    optimizers, optimi's, bitsandbytes' and DeepSpeed's take a group's "lr" over the default, and the scheduler scales
+    each group's own rate."""
+    slow = [p for p in params if fast_lr is None or id(p) not in fast]
+    groups = [
+        {"params": [p for p in slow if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in slow if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    if fast_lr is not None:
+        quick = [p for p in params if id(p) in fast]
+        groups += [g for g in ({"params": [p for p in quick if p.ndim >= 2], "weight_decay": weight_decay, "lr": fast_lr},
+                               {"params": [p for p in quick if p.ndim < 2], "weight_decay": 0.0, "lr": fast_lr}) if g["params"]]
+    return groups
+
+
+def loraplus_lr(cfg: OptimConfig) -> float | None:
+    """The LoRA B matrices' rate under LoRA+ (optim.loraplus_lr_ratio), None without it."""
+    return cfg.lr * cfg.loraplus_lr_ratio if cfg.loraplus_lr_ratio else None
+
+
+LORA_B = ("lora_B", "lora_embedding_B")
+"""PEFT's names of the adapters' B matrices (linear and embedding adapters), the ones LoRA+ speeds up."""
+
+
+def lora_b(*modules: torch.nn.Module) -> set[int]:
+    """ids of the LoRA B parameters in `modules` (the ones a LoRA+ group trains at the higher rate)."""
+    return {id(p) for m in modules for name, p in m.named_parameters() if any(f".{b}." in f".{name}" for b in LORA_B)}
+
+
+class InBackward:
+    """optim.in_backward: one optimizer per parameter, stepped by that parameter's post-accumulate-grad hook
+    the moment its gradient is complete; the gradient is freed right after, so at most the gradients of
+    the parameters autograd is finishing exist at once, never the whole model's.
+
+    `lead` is an optimizer over every parameter that never steps (torch's optimizers create state on
+    their first step, so it holds none): the learning-rate scheduler drives it, and `begin()` copies its
+    rate to the per-parameter optimizers before each backward. The gradient norm is summed in the hooks
+    (reported, not clipped: a global norm is known only after every parameter has stepped)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], cfg: OptimConfig, kahan: bool | None, fast: Collection[int] = ()) -> None:
+        self.params = params
+        self.lead = build_optimizer(params, cfg, kahan, fast=fast)
+        self.optimizers = [build_optimizer([p], cfg, kahan, fast=fast) for p in params]
+        self.peak = cfg.lr  # each optimizer's groups keep their own peak (LoRA+): begin() scales them all alike
+        self.peaks = [[g["lr"] for g in opt.param_groups] for opt in self.optimizers]
+        self.handles: list[Any] = []
+        self.squares: torch.Tensor | None = None
+
+    def hook(self) -> None:
+        """Install the hooks (after any memory tracker's own, so that it sees each gradient before it is freed)."""
+        if self.handles:
+            return
+        for p, opt in zip(self.params, self.optimizers):
+            self.handles.append(p.register_post_accumulate_grad_hook(self._stepper(opt)))
+
+    def _stepper(self, opt: torch.optim.Optimizer) -> Any:
+        def step(p: torch.nn.Parameter) -> None:
+            square = p.grad.detach().float().pow(2).sum()
+            self.squares = square if self.squares is None else self.squares + square
+            opt.step()
+            p.grad = None
+        return step
+
+    def begin(self) -> None:
+        self.hook()
+        factor = self.lead.param_groups[0]["lr"] / self.peak
+        for opt, peaks in zip(self.optimizers, self.peaks):
+            for group, peak in zip(opt.param_groups, peaks):
+                group["lr"] = peak * factor
+        self.squares = None
+
+    def end(self) -> None:
+        """After backward: every gradient is gone, so the lead's step changes nothing; it only tells the
+        scheduler that an optimizer step happened (torch warns about the order otherwise)."""
+        self.lead.step()
+
+    def norm(self) -> float:
+        """The global norm of this step's gradients (each read in its hook before the step)."""
+        return math.sqrt(float(self.squares)) if self.squares is not None else 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"per_param": [opt.state_dict() for opt in self.optimizers]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if len(state["per_param"]) != len(self.optimizers):
+            raise ConfigError(f"train.resume: the checkpoint steps {len(state['per_param'])} parameters in backward, "
+                              f"this model trains {len(self.optimizers)}: resume with the same model and peft settings")
+        for opt, s in zip(self.optimizers, state["per_param"]):
+            opt.load_state_dict(s)

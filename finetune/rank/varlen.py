@@ -1,0 +1,118 @@
+"""Rows that hold several samples, attended sample by sample: no quadratic mask over the whole row.
+
+A packed row (data.packing) or a padding-free micro-batch (data.padding_free: the micro-batch's samples laid end
+to end in one row) carries position ids that restart at 0 for every sample. transformers reads such rows with
+sdpa or eager by building a block-diagonal causal mask over the whole row: its memory and its attention
+FLOPs grow with the square of the row (a 8,192-token row of 32 samples computes 32 times the scores it needs).
+FlashAttention has a variable-length kernel and transformers already calls it for such rows (flash_attention_2
+reads the position ids); FlexAttention's backward does not run on a CPU (torch 2.13). So for sdpa and eager,
+the model's attention implementation becomes this one (`Varlen`, registered with transformers'
+AttentionInterface): where a row holds several samples, the family's own kernel runs once per sample on that
+sample's queries, keys and values, causal by itself (sdpa's is_causal; eager gets the sample's small mask), and
+the outputs are laid back in order. A row of one sample, and every padded batch (evaluation, generation, the
+reference pass, DPO), goes to the family's kernel with transformers' own mask, unchanged.
+
+Where the samples are: the position ids the layer is called with (transformers passes them to the attention
+function; the same call in an activation-checkpointing recomputation), else those of the model's forward
+(a forward pre-hook, for a family that does not pass them on). Under torch.compile the per-sample split runs
+eager (a graph break around attention), since its shapes are the samples' lengths.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+from torch import nn
+
+from finetune.rank.context import family_eager
+from finetune.data.batches import starts
+
+NAME = "finetune_varlen"
+"""The attention implementations' (AttentionInterface keys') prefix, one per model: finetune_varlen_sdpa_0, ..."""
+_MODELS = itertools.count()
+KERNELS = ("sdpa", "eager")
+"""The kernels run per sample here; flash_attention_2 has its own variable-length path."""
+
+
+def sample_lengths(positions: torch.Tensor) -> list[list[int]]:
+    """Each row's samples' lengths, in order (they sum to the row's width)."""
+    width, out = positions.shape[1], []
+    for row in starts(positions).cpu():
+        at = row.nonzero().flatten().tolist() + [width]
+        out.append([b - a for a, b in zip(at, at[1:])])
+    return out
+
+
+class Varlen:
+    """A model's attention per sample for rows of several samples (see the module's docstring)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+        self.config = model.config
+        self.inner = self.config._attn_implementation
+        if self.inner not in KERNELS:
+            raise ValueError(f"Varlen runs {KERNELS} per sample, not {self.inner}")
+        self.eager = family_eager(model) if self.inner == "eager" else None
+        if self.inner == "eager" and self.eager is None:
+            raise ValueError(f"{self.config.model_type}'s eager attention is not a function transformers names")
+        self.inner_mask = ALL_MASK_ATTENTION_FUNCTIONS[self.inner]
+        self.lengths: list[list[int]] | None = None  # the forward's rows' samples, when some row holds several
+        self.positions: torch.Tensor | None = None
+        self.name = f"{NAME}_{self.inner}_{next(_MODELS)}"  # the registry is global: one key per model
+        AttentionInterface.register(self.name, self.attention)
+        AttentionMaskInterface.register(self.name, self.mask)
+        self.config._attn_implementation = self.name
+        for sub in (getattr(self.config, "text_config", None),):  # a multimodal wrapper's text model reads its own
+            if sub is not None and getattr(sub, "_attn_implementation", None) == self.inner:
+                sub._attn_implementation = self.name
+        model.register_forward_pre_hook(self._forward_begins, with_kwargs=True)
+
+    def _forward_begins(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        positions = kwargs.get("position_ids")
+        self.positions = positions
+        self.lengths = None
+        if positions is not None and positions.dim() == 2:
+            lengths = sample_lengths(positions)
+            if any(len(row) > 1 for row in lengths):
+                self.lengths = lengths
+
+    def mask(self, *args: Any, **kwargs: Any) -> Any:
+        """transformers' mask for this forward: none where rows hold several samples (each is attended alone),
+        else the inner kernel's."""
+        return None if self.lengths is not None else self.inner_mask(*args, **kwargs)
+
+    @torch.compiler.disable
+    def attention(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        """transformers' attention interface: q [B, H, S, D], k/v [B, K, S, D] -> output [B, S, H, D]."""
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        kernel = self.eager if self.eager is not None else ALL_ATTENTION_FUNCTIONS[self.inner]
+        positions = kwargs.pop("position_ids", None)
+        if positions is None:
+            positions = self.positions
+        lengths = None  # a forward whose rows hold several samples has no mask (self.mask); a recomputation
+        if attention_mask is None and positions is not None and positions.shape[-1] == query.shape[2]:  # reads its own
+            lengths = self.lengths if positions is self.positions else sample_lengths(positions)
+        if lengths is None or all(len(row) == 1 for row in lengths):
+            return kernel(module, query, key, value, attention_mask, **kwargs)
+        window = kwargs.get("sliding_window")
+        rows = []
+        for b, row in enumerate(lengths):
+            outs = []
+            for q, k, v in zip(query[b : b + 1].split(row, 2), key[b : b + 1].split(row, 2), value[b : b + 1].split(row, 2)):
+                outs.append(kernel(module, q, k, v, self._sample_mask(q.shape[2], window, q), **kwargs)[0])
+            rows.append(torch.cat(outs, dim=1))
+        return torch.cat(rows, dim=0), None
+
+    def _sample_mask(self, n: int, window: int | None, q: torch.Tensor) -> torch.Tensor | None:
+        """One sample's mask: none for sdpa (its own causal mask) unless a sliding window cuts into the sample;
+        eager's additive causal mask (it applies no causality itself)."""
+        from finetune.rank.context import whole_mask
+
+        additive = q.dtype if self.eager is not None else None
+        return whole_mask(torch.arange(n, device=q.device)[None], window, additive)
