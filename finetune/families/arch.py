@@ -8,175 +8,12 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 from finetune.config import ConfigError
 from finetune.families.checks import adapted, attention_limits
 from finetune.families.records import COUNTED, EXTRAS, FAMILIES, LLAMA_NAMES, NORM_TOPK_DEFAULT, Family, config_value
-
-@dataclass(frozen=True)
-class Linear:
-    """One weight matrix (and bias) of a block: `name` is its path inside the block."""
-
-    name: str
-    inputs: int
-    outputs: int
-    bias: bool = False
-    experts: int = 1
-    """> 1: the experts' weights, one fused 3-D parameter (not an nn.Linear: PEFT adapts it through
-    target_parameters, one r-rank pair per expert; bitsandbytes does not quantize it)."""
-    adaptable: bool = True
-    """An nn.Linear / Conv1D module: PEFT's target_modules adapt it and bitsandbytes quantizes it. False:
-    a weight of another module (a MoE's router, its experts), which only target_parameters reach."""
-
-    @property
-    def params(self) -> int:
-        return self.experts * (self.inputs * self.outputs + (self.outputs if self.bias else 0))
-
-
-@dataclass(frozen=True)
-class Moe:
-    """A sparse MLP: each token goes to top_k of `experts` experts of `width`, chosen by a router."""
-
-    experts: int
-    top_k: int
-    width: int
-    normalized: bool = True
-    """The top-k routing weights are renormalised to sum to one (Mixtral; norm_topk_prob)."""
-
-
-@dataclass(frozen=True)
-class Block:
-    """One decoder block: its linears (attention, MLP or experts) and its norms' parameters."""
-
-    linears: tuple[Linear, ...]
-    norms: int
-    mlp_width: int
-    """The MLP width one token's activations have (MoE: its top-k experts' and the shared expert's)."""
-    roles: dict[str, tuple[str, ...]] = field(default_factory=dict, compare=False, hash=False)
-    """Linears by what they read: qkv (the normed stream), o (attention output), up (the normed
-    stream, MLP side: a MoE's router and shared expert), down (the MLP activation): for the activation count."""
-    moe: Moe | None = None
-    """The routed experts of a sparse block (their linears are `experts` > 1)."""
-
-    @property
-    def params(self) -> int:
-        return sum(lin.params for lin in self.linears) + self.norms
-
-    def role(self, name: str) -> tuple[Linear, ...]:
-        """The linears that read one input: qkv, o, up or down."""
-        return tuple(lin for lin in self.linears if lin.name in self.roles.get(name, ()))
-
-    @property
-    def linear_params(self) -> int:
-        return sum(lin.params for lin in self.linears)
-
-
-@dataclass(frozen=True)
-class Arch:
-    """A decoder-only model as the planner counts it: every block's modules, the embeddings and the head."""
-
-    model_type: str
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    tie_word_embeddings: bool
-    layers: tuple[Block, ...]
-    final_norm: int
-    positions: int = 0
-    """Learned position embeddings (GPT-2): max_position_embeddings x hidden_size."""
-    head_bias: int = 0
-    """The output head's bias (vocab_size; 0: none)."""
-    known: bool = True
-    """Whether model_type is one of FAMILIES (supported end to end: its module names are checked against
-    peft.target_modules before launch); else one COUNTED lists for its count only."""
-    attention: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
-    """The attention kernels this model cannot run, with the reason (attention_limits)."""
-    family: Family = field(default=Family(), compare=False)
-    """The family record it was read with (norm placement and dtype, GPT-2's layout...): for the activation count."""
-    act: str = "silu"
-    """The MLP's activation function (hidden_act)."""
-    attention_dropout: float = 0.0
-    residual_dropout: float = 0.0
-    """Dropout on each sublayer's output before the residual add (resid_pdrop)."""
-    embedding_dropout: float = 0.0
-    attn_softcap: float = 0.0
-    """tanh soft-capping of the attention logits (attn_logit_softcapping); 0: none."""
-    final_softcap: float = 0.0
-    """tanh soft-capping of the output logits (final_logit_softcapping); 0: none."""
-    head_outputs: int = 0
-    """The output head's width: 0, the vocabulary (a causal LM's lm_head); 1, a sequence classifier's score (`scored`)."""
-
-    @property
-    def kv_dim(self) -> int:
-        return self.head_dim * self.num_key_value_heads
-
-    @property
-    def q_dim(self) -> int:
-        return self.head_dim * self.num_attention_heads
-
-    @property
-    def block(self) -> Block:
-        """The largest block (MoE models with dense layers: a sparse one)."""
-        return max(self.layers, key=lambda b: b.params)
-
-    @property
-    def intermediate_size(self) -> int:
-        """The MLP width one token's activations have in the largest block."""
-        return self.block.mlp_width
-
-    def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in, out) of each adaptable linear (nn.Linear / Conv1D) of the largest block, by its path in the block."""
-        return {lin.name: (lin.inputs, lin.outputs) for lin in self.block.linears if lin.adaptable}
-
-    @property
-    def block_linear_params(self) -> int:
-        return self.block.linear_params
-
-    @property
-    def block_params(self) -> int:
-        return self.block.params
-
-    @property
-    def quantized_params(self) -> int:
-        """Weights bitsandbytes stores in 4 bits under QLoRA: those of every nn.Linear of the blocks."""
-        return sum(lin.inputs * lin.outputs for b in self.layers for lin in b.linears if lin.adaptable)
-
-    @property
-    def embedding_params(self) -> int:
-        return self.vocab_size * self.hidden_size
-
-    @property
-    def head_width(self) -> int:
-        """Outputs of the head per token: the vocabulary's logits, or one score."""
-        return self.head_outputs or self.vocab_size
-
-    @property
-    def head_params(self) -> int:
-        """The output head (and its bias); 0 when tied to the embeddings."""
-        return (0 if self.tie_word_embeddings else self.head_width * self.hidden_size) + self.head_bias
-
-    def scored(self) -> Arch:
-        """The same body under transformers' ForSequenceClassification head (method=reward): a score of hidden x 1, no
-        bias, never tied to the embeddings, no logit soft-capping, in place of lm_head."""
-        return replace(self, head_outputs=1, tie_word_embeddings=False, head_bias=0, final_softcap=0.0)
-
-    @property
-    def params(self) -> int:
-        """P = embeddings (+ learned positions) + every block + final norm + head."""
-        return self.embedding_params + self.positions + sum(b.params for b in self.layers) + self.final_norm + self.head_params
-
-    @property
-    def largest_layer_params(self) -> int:
-        """The largest single module (what ZeRO-3 gathers at a time): the embedding, the head, one
-        linear (weight and bias), or one layer's experts (their two fused parameters are one module)."""
-        experts = (sum(lin.params for lin in b.linears if lin.experts > 1) for b in self.layers)
-        return max(self.embedding_params, self.head_params, *experts, *(lin.params for b in self.layers for lin in b.linears))
-
+from finetune.families.shapes import Arch, Block, Linear, Moe
 
 def adapted_outside_linears(arch: dict[str, Any], targets: list[str]) -> bool:
     """Whether peft.target_modules adapt weights outside linear layers (a MoE's experts or router) of
@@ -253,6 +90,83 @@ def sparse_layers(arch: dict[str, Any], layers: int) -> list[bool]:
             for j in range(layers)]
 
 
+def _attention(arch: dict[str, Any], fam: Family, names: dict[str, str], source: str, *, h: int, heads: int, kv: int,
+               head_dim: int) -> tuple[tuple[Linear, ...], dict[str, tuple[str, ...]], int, int, int, int, int]:
+    """A block's attention: (its linears, their roles, head_dim and kv heads as attention sees them, the q and k widths,
+    the latent norms' width: multi-head latent attention's)."""
+    family = str(arch.get("model_type") or "")
+    q, k = heads * head_dim, kv * head_dim
+    qkv_bias, o_bias = _flag(arch, fam.qkv_bias), _flag(arch, fam.o_bias)
+    latent_norms = 0
+    if arch.get("kv_lora_rank"):  # multi-head latent attention (DeepSeek-V2/V3): low-rank q and a shared k/v latent
+        rank, rope, nope = arch["kv_lora_rank"], _int(arch, "qk_rope_head_dim", source, family), arch.get("qk_nope_head_dim") or 0
+        q_rank, v = arch.get("q_lora_rank"), _int(arch, "v_head_dim", source, family)
+        head_dim, kv = nope + rope, heads  # what attention sees, after kv_b_proj
+        query = (Linear("self_attn.q_a_proj", h, q_rank, qkv_bias), Linear("self_attn.q_b_proj", q_rank, heads * head_dim)) \
+            if q_rank else (Linear("self_attn.q_proj", h, heads * head_dim),)
+        attention = (*query, Linear("self_attn.kv_a_proj_with_mqa", h, rank + rope, qkv_bias),
+                     Linear("self_attn.kv_b_proj", rank, heads * (nope + v)), Linear("self_attn.o_proj", heads * v, h, o_bias))
+        roles = {"qkv": (query[0].name, "self_attn.kv_a_proj_with_mqa"), "o": ("self_attn.o_proj",)}
+        latent_norms = rank + (q_rank or 0)  # kv_a_layernorm, q_a_layernorm
+        q, k = heads * head_dim, heads * head_dim
+    elif fam.gpt2:
+        attention = (Linear("attn.c_attn", h, q + 2 * k, True), Linear("attn.c_proj", q, h, True))
+        roles = {"qkv": ("attn.c_attn",), "o": ("attn.c_proj",)}
+    elif fam.fused:
+        attention = (Linear(names["qkv"], h, q + 2 * k, qkv_bias), Linear(names["o"], q, h, o_bias))
+        roles = {"qkv": (names["qkv"],), "o": (names["o"],)}
+    else:
+        attention = (Linear(names["q"], h, q, qkv_bias), Linear(names["k"], h, k, qkv_bias),
+                     Linear(names["v"], h, k, qkv_bias), Linear(names["o"], h if fam.o_square else q, h, o_bias))
+        roles = {"qkv": (names["q"], names["k"], names["v"]), "o": (names["o"],)}
+    return attention, roles, head_dim, kv, q, k, latent_norms
+
+
+def _mlp(fam: Family, names: dict[str, str], h: int, prefix: str, i: int, bias: bool) -> tuple[tuple[Linear, ...], dict[str, tuple[str, ...]]]:
+    """A dense MLP of width i: the block's own (prefix ""), or a shared expert's under `prefix`."""
+    at = {role: prefix + (names[role].rsplit(".", 1)[-1] if prefix else names[role]) for role in ("gate", "up", "down", "gate_up")}
+    if fam.gpt2:
+        return ((Linear(f"{prefix or 'mlp.'}c_fc", h, i, True), Linear(f"{prefix or 'mlp.'}c_proj", i, h, True)),
+                {"up": (f"{prefix or 'mlp.'}c_fc",), "down": (f"{prefix or 'mlp.'}c_proj",)})
+    down = Linear(at["down"], i, h, bias)
+    if fam.mlp == "plain" and not prefix:
+        return (Linear(at["up"], h, i, bias), down), {"up": (at["up"],), "down": (down.name,)}
+    if fam.mlp == "fused" and not prefix:
+        return (Linear(at["gate_up"], h, 2 * i, bias), down), {"up": (at["gate_up"],), "down": (down.name,)}
+    return ((Linear(at["gate"], h, i, bias), Linear(at["up"], h, i, bias), down),
+            {"up": (at["gate"], at["up"]), "down": (down.name,)})
+
+
+def _sparse_block(arch: dict[str, Any], fam: Family, source: str, mlp: Callable[..., Any], *, attention: tuple[Linear, ...],
+                  roles: dict[str, tuple[str, ...]], norms: int, extras: Callable[..., int], width: int, experts: int) -> Block:
+    """A MoE block: the router and the experts' fused weights (`width` wide each), a shared expert where the family has one."""
+    model_type = family = str(arch.get("model_type") or "")
+    h = _int(arch, "hidden_size", source, family)
+    expert = width
+    top_k = config_value(arch, "num_experts_per_tok") or 1
+    b = fam.expert_bias
+    sparse_mlp = (Linear(fam.router, h, experts, b, adaptable=False),
+                  Linear(f"{fam.experts}.gate_up_proj", h, 2 * expert, b, experts=experts, adaptable=False),
+                  Linear(f"{fam.experts}.down_proj", expert, h, b, experts=experts, adaptable=False))
+    sparse_roles = {"up": (fam.router,), "down": ()}  # the experts read gathered copies (Block.moe)
+    shared = arch.get("shared_expert_intermediate_size") or 0
+    if shared:  # Qwen-MoE: one shared expert, gated by a sigmoid of the stream
+        shared_mlp, shared_roles = mlp("mlp.shared_expert.", shared, False)
+        sparse_mlp += shared_mlp + (Linear("mlp.shared_expert_gate", h, 1),)
+        sparse_roles = {role: sparse_roles[role] + shared_roles[role] for role in sparse_roles}
+    count = config_value(arch, "n_shared_experts") or 0
+    if count and not fam.shared:
+        raise ConfigError(f"the planner cannot count model_type={model_type} ({source}) with shared experts "
+                          f"(n_shared_experts={count}): finetune/families/records.py does not describe this family's")
+    if count:  # DeepSeek-style: n_shared_experts experts' width in one gated MLP on every token
+        shared = count * _int(arch, fam.shared_width, source, family)
+        shared_mlp, shared_roles = mlp(fam.shared + ".", shared)
+        sparse_mlp += shared_mlp
+        sparse_roles = {role: sparse_roles[role] + shared_roles[role] for role in sparse_roles}
+    moe = Moe(experts, top_k, expert, bool(arch.get("norm_topk_prob", NORM_TOPK_DEFAULT.get(model_type, True))))
+    return Block(attention + sparse_mlp, norms + extras(expert, experts), top_k * expert + shared, roles | sparse_roles, moe)
+
+
 def arch_from_config(arch: dict[str, Any], source: str) -> Arch:
     """The structure of the model a config.json describes; ConfigError naming `source` and the
     first key the count needs that it lacks, or the model_type the planner cannot count (uncountable)."""
@@ -280,31 +194,8 @@ def arch_from_config(arch: dict[str, Any], source: str) -> Arch:
     tied = arch.get("tie_word_embeddings")
     tied = fam.tied if tied is None else bool(tied)
     norm = (2 * h if fam.layer_norm else h) if fam.norm_weight else 0
-    q, k = heads * head_dim, kv * head_dim
-
-    qkv_bias, o_bias, mlp_bias = _flag(arch, fam.qkv_bias), _flag(arch, fam.o_bias), _flag(arch, fam.mlp_bias)
-    latent_norms = 0
-    if arch.get("kv_lora_rank"):  # multi-head latent attention (DeepSeek-V2/V3): low-rank q and a shared k/v latent
-        rank, rope, nope = arch["kv_lora_rank"], _int(arch, "qk_rope_head_dim", source, family), arch.get("qk_nope_head_dim") or 0
-        q_rank, v = arch.get("q_lora_rank"), _int(arch, "v_head_dim", source, family)
-        head_dim, kv = nope + rope, heads  # what attention sees, after kv_b_proj
-        query = (Linear("self_attn.q_a_proj", h, q_rank, qkv_bias), Linear("self_attn.q_b_proj", q_rank, heads * head_dim)) \
-            if q_rank else (Linear("self_attn.q_proj", h, heads * head_dim),)
-        attention = (*query, Linear("self_attn.kv_a_proj_with_mqa", h, rank + rope, qkv_bias),
-                     Linear("self_attn.kv_b_proj", rank, heads * (nope + v)), Linear("self_attn.o_proj", heads * v, h, o_bias))
-        roles = {"qkv": (query[0].name, "self_attn.kv_a_proj_with_mqa"), "o": ("self_attn.o_proj",)}
-        latent_norms = rank + (q_rank or 0)  # kv_a_layernorm, q_a_layernorm
-        q, k = heads * head_dim, heads * head_dim
-    elif fam.gpt2:
-        attention = (Linear("attn.c_attn", h, q + 2 * k, True), Linear("attn.c_proj", q, h, True))
-        roles = {"qkv": ("attn.c_attn",), "o": ("attn.c_proj",)}
-    elif fam.fused:
-        attention = (Linear(names["qkv"], h, q + 2 * k, qkv_bias), Linear(names["o"], q, h, o_bias))
-        roles = {"qkv": (names["qkv"],), "o": (names["o"],)}
-    else:
-        attention = (Linear(names["q"], h, q, qkv_bias), Linear(names["k"], h, k, qkv_bias),
-                     Linear(names["v"], h, k, qkv_bias), Linear(names["o"], h if fam.o_square else q, h, o_bias))
-        roles = {"qkv": (names["q"], names["k"], names["v"]), "o": (names["o"],)}
+    mlp_bias = _flag(arch, fam.mlp_bias)
+    attention, roles, head_dim, kv, q, k, latent_norms = _attention(arch, fam, names, source, h=h, heads=heads, kv=kv, head_dim=head_dim)
     qk = {"head": 2 * head_dim, "full": q + k}.get(fam.qk_norm, 0) if not fam.qk_norm_key or arch.get(fam.qk_norm_key) else 0
     block_norms = fam.block_norms - bool(fam.parallel_key and arch.get(fam.parallel_key)) \
         - (fam.post_norms if fam.post_norm_key and not arch.get(fam.post_norm_key) else 0)
@@ -314,48 +205,15 @@ def arch_from_config(arch: dict[str, Any], source: str) -> Arch:
         return sum(EXTRAS[kind](h, heads, head_dim, i, routed) for kind in fam.extras)
 
     def mlp(prefix: str, i: int, bias: bool = mlp_bias) -> tuple[tuple[Linear, ...], dict[str, tuple[str, ...]]]:
-        """A dense MLP of width i: the block's own (prefix ""), or a shared expert's under `prefix`."""
-        at = {role: prefix + (names[role].rsplit(".", 1)[-1] if prefix else names[role]) for role in ("gate", "up", "down", "gate_up")}
-        if fam.gpt2:
-            return ((Linear(f"{prefix or 'mlp.'}c_fc", h, i, True), Linear(f"{prefix or 'mlp.'}c_proj", i, h, True)),
-                    {"up": (f"{prefix or 'mlp.'}c_fc",), "down": (f"{prefix or 'mlp.'}c_proj",)})
-        down = Linear(at["down"], i, h, bias)
-        if fam.mlp == "plain" and not prefix:
-            return (Linear(at["up"], h, i, bias), down), {"up": (at["up"],), "down": (down.name,)}
-        if fam.mlp == "fused" and not prefix:
-            return (Linear(at["gate_up"], h, 2 * i, bias), down), {"up": (at["gate_up"],), "down": (down.name,)}
-        return ((Linear(at["gate"], h, i, bias), Linear(at["up"], h, i, bias), down),
-                {"up": (at["gate"], at["up"]), "down": (down.name,)})
+        return _mlp(fam, names, h, prefix, i, bias)
 
     blocks = []
     if not all(sparse):
         dense_mlp, dense_roles = mlp("", width)
         blocks.append(Block(attention + dense_mlp, norms + extras(width), width, roles | dense_roles))
     if experts:
-        expert = experts_width or width
-        top_k = config_value(arch, "num_experts_per_tok") or 1
-        b = fam.expert_bias
-        sparse_mlp = (Linear(fam.router, h, experts, b, adaptable=False),
-                      Linear(f"{fam.experts}.gate_up_proj", h, 2 * expert, b, experts=experts, adaptable=False),
-                      Linear(f"{fam.experts}.down_proj", expert, h, b, experts=experts, adaptable=False))
-        sparse_roles = {"up": (fam.router,), "down": ()}  # the experts read gathered copies (Block.moe)
-        shared = arch.get("shared_expert_intermediate_size") or 0
-        if shared:  # Qwen-MoE: one shared expert, gated by a sigmoid of the stream
-            shared_mlp, shared_roles = mlp("mlp.shared_expert.", shared, False)
-            sparse_mlp += shared_mlp + (Linear("mlp.shared_expert_gate", h, 1),)
-            sparse_roles = {role: sparse_roles[role] + shared_roles[role] for role in sparse_roles}
-        count = config_value(arch, "n_shared_experts") or 0
-        if count and not fam.shared:
-            raise ConfigError(f"the planner cannot count model_type={model_type} ({source}) with shared experts "
-                              f"(n_shared_experts={count}): finetune/families/records.py does not describe this family's")
-        if count:  # DeepSeek-style: n_shared_experts experts' width in one gated MLP on every token
-            shared = count * _int(arch, fam.shared_width, source, family)
-            shared_mlp, shared_roles = mlp(fam.shared + ".", shared)
-            sparse_mlp += shared_mlp
-            sparse_roles = {role: sparse_roles[role] + shared_roles[role] for role in sparse_roles}
-        moe = Moe(experts, top_k, expert, bool(arch.get("norm_topk_prob", NORM_TOPK_DEFAULT.get(model_type, True))))
-        blocks.append(Block(attention + sparse_mlp, norms + extras(expert, experts), top_k * expert + shared,
-                            roles | sparse_roles, moe))
+        blocks.append(_sparse_block(arch, fam, source, mlp, attention=attention, roles=roles, norms=norms, extras=extras,
+                                    width=experts_width or width, experts=experts))
     blocks = [blocks[-1] if is_sparse else blocks[0] for is_sparse in sparse]
     positions = (_int(arch, "max_position_embeddings", source, family) + fam.positions) * h if fam.positions is not None else 0
 

@@ -11,7 +11,7 @@ from finetune.config import ConfigError
 from finetune.families.records import FAMILIES, Family
 
 if TYPE_CHECKING:
-    from finetune.families.arch import Arch, Linear
+    from finetune.families.shapes import Arch, Linear
 
 def targeted(name: str, targets: list[str]) -> bool:
     """Whether PEFT adapts the linear at `name` (its path in the block): all-linear, or a target

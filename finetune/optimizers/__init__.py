@@ -23,7 +23,7 @@ import inspect
 import math
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from enum import Enum
 
@@ -32,9 +32,21 @@ from finetune.errors import ConfigError, did_you_mean
 if TYPE_CHECKING:
     import torch
 
-    from finetune.config import OptimConfig
 
-Builder = Callable[[list[dict[str, Any]], "OptimConfig", list[Any]], Any]
+class OptimValues(Protocol):
+    """What the builders and checks here read of the optim group: finetune.config.OptimConfig has it all (this module
+    names no config class: the schema imports this module for its optimizer names)."""
+
+    name: str
+    lr: float
+    betas: Any
+    eps: float
+    weight_decay: float
+    momentum: float
+    kernel: Any
+
+
+Builder = Callable[[list[dict[str, Any]], OptimValues, list[Any]], Any]
 """(param groups, the optim config, the parameters) -> a torch optimizer over those groups."""
 
 KEYS = ("lr", "betas", "eps", "weight_decay", "momentum")
@@ -112,7 +124,7 @@ class OptimizerRecord:
 # The built-in optimizers' builders (torch imported when one is built)
 
 
-def _kernel(o: OptimConfig, params: list[Any]) -> dict[str, bool]:
+def _kernel(o: OptimValues, params: list[Any]) -> dict[str, bool]:
     from finetune.optimizers.kernels import kernel
 
     return kernel(o.kernel, params)
@@ -125,7 +137,7 @@ def _sharded(params: list[Any]) -> bool:
 
 
 def _adam(decoupled: bool) -> Builder:
-    def build(groups: list[dict[str, Any]], o: OptimConfig, params: list[Any]) -> Any:
+    def build(groups: list[dict[str, Any]], o: OptimValues, params: list[Any]) -> Any:
         import torch
 
         cls = torch.optim.AdamW if decoupled else torch.optim.Adam
@@ -133,13 +145,13 @@ def _adam(decoupled: bool) -> Builder:
     return build
 
 
-def _sgd(groups: list[dict[str, Any]], o: OptimConfig, params: list[Any]) -> Any:
+def _sgd(groups: list[dict[str, Any]], o: OptimValues, params: list[Any]) -> Any:
     import torch
 
     return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum, **_kernel(o, params))
 
 
-def _adamw_8bit(groups: list[dict[str, Any]], o: OptimConfig, params: list[Any]) -> Any:
+def _adamw_8bit(groups: list[dict[str, Any]], o: OptimValues, params: list[Any]) -> Any:
     import bitsandbytes as bnb
 
     from finetune.optimizers.sharded import ShardedAdamW8bit
@@ -147,7 +159,7 @@ def _adamw_8bit(groups: list[dict[str, Any]], o: OptimConfig, params: list[Any])
     return (ShardedAdamW8bit if _sharded(params) else bnb.optim.AdamW8bit)(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
 
 
-def _adafactor(groups: list[dict[str, Any]], o: OptimConfig, params: list[Any]) -> Any:
+def _adafactor(groups: list[dict[str, Any]], o: OptimValues, params: list[Any]) -> Any:
     import torch
 
     from finetune.optimizers.sharded import ShardedAdafactor
@@ -253,13 +265,13 @@ def torch_record(name: str) -> OptimizerRecord:
         engines=("torch",), runs=f"torch's own choice of implementation for {attr}", step_temp="foreach")
 
 
-def constructor_kwargs(takes: tuple[str, ...], o: OptimConfig | ProbeValues) -> dict[str, Any]:
+def constructor_kwargs(takes: tuple[str, ...], o: OptimValues | ProbeValues) -> dict[str, Any]:
     """The optim.* values a torch class's constructor takes (weight_decay goes per param group)."""
     values = {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "momentum": o.momentum}
     return {k: values[k] for k in takes if k in values}
 
 
-def _build_torch_class(cls: type, takes: tuple[str, ...], groups: list[dict[str, Any]], o: OptimConfig, params: list[Any]) -> Any:
+def _build_torch_class(cls: type, takes: tuple[str, ...], groups: list[dict[str, Any]], o: OptimValues, params: list[Any]) -> Any:
     if "weight_decay" not in takes:  # the per-group weight_decay key means nothing to it (the rules refuse it set)
         groups = [{k: v for k, v in g.items() if k != "weight_decay"} for g in groups]
     return cls(groups, **constructor_kwargs(takes, o))
@@ -323,7 +335,7 @@ def state_dict_bytes(optimizer: "torch.optim.Optimizer") -> int:
     return sum(state_tensor_bytes(s) for s in optimizer.state_dict()["state"].values())
 
 
-def refuse_unused_keys(o: OptimConfig, rec: OptimizerRecord) -> None:
+def refuse_unused_keys(o: OptimValues, rec: OptimizerRecord) -> None:
     """A torch class: an optim.* key set away from its default that the class's constructor does not take."""
     if rec.name in RECORDS:
         return
