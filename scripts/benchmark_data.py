@@ -69,7 +69,7 @@ CHILD = r'''
 import json, os, resource, sys, time
 t0 = time.perf_counter()
 from transformers import AutoTokenizer
-from finetune.config import DataConfig, Method
+from finetune.config import DataConfig
 from finetune.data.batches import TrainBatches
 from finetune.data.examples import load_split
 spec = json.loads(sys.argv[1])
@@ -77,11 +77,11 @@ cfg = DataConfig(train=spec["train"], max_length=1024, cache_dir=spec["cache"], 
 tok = AutoTokenizer.from_pretrained(spec["tokenizer"])
 out = {}
 if spec["what"] == "memory":
-    t = time.perf_counter(); train, _, _ = load_split(cfg, tok, 0, Method.sft); out["seconds"] = time.perf_counter() - t
+    t = time.perf_counter(); train, _, _ = load_split(cfg, tok, 0, "sft"); out["seconds"] = time.perf_counter() - t
 else:
     from finetune.data import cache
     t = time.perf_counter()
-    train, *_ = cache.load(cfg, tok, 0, Method.sft, builder=spec["what"] == "build", progress=False, say=lambda line: None)
+    train, *_ = cache.load(cfg, tok, 0, "sft", builder=spec["what"] == "build", progress=False, say=lambda line: None)
     out["seconds"] = time.perf_counter() - t
 out["since_start"] = time.perf_counter() - t0
 if spec.get("steps"):

@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from finetune.config import ASSETS, Method, MethodConfig
+    from finetune.config import ASSETS
+    from finetune.methods.grpo import GrpoConfig
     from finetune.methods.grpo import sample
 
     torch.manual_seed(0)
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     model = LlamaForCausalLM(config).to(args.device).eval()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     prompts = [[int(t) for t in torch.randint(5, len(tok), (args.prompt_tokens,))] for _ in range(args.prompts)]
-    cfg = MethodConfig(name=Method.grpo, generations=args.generations, completion_tokens=args.new_tokens)
+    cfg = GrpoConfig(generations=args.generations, completion_tokens=args.new_tokens)
     model.generation_config.min_new_tokens = args.new_tokens  # both sample exactly new_tokens per row
     engine = Engine(model, dtype)
     ids = torch.tensor(prompts, device=args.device)
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.vllm:
         from finetune.methods.vllm_rollout import VllmSampler
 
-        sampler = VllmSampler(engine, tok, MethodConfig(name=Method.grpo, generations=args.generations, completion_tokens=args.new_tokens,
+        sampler = VllmSampler(engine, tok, GrpoConfig(generations=args.generations, completion_tokens=args.new_tokens,
                                                         vllm=True, vllm_memory=0.3), prompt_tokens=args.prompt_tokens)
         sampler.sync(engine)
 

@@ -9,7 +9,7 @@ per field: key | default | accepts | what it does. The walk is over the dataclas
 order; "accepts" is the field's `checked(...)` words (an enum's values, or true/false), and the
 description is the first sentence of the docstring under the field, read from the source with
 `ast` (field docstrings do not exist at runtime). Nothing else goes in, so the output depends on
-finetune/config/ alone.
+finetune/config/ and each method's config class (finetune/methods/).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from omegaconf import MISSING
 
-from finetune.config import Config
+import finetune.methods  # noqa: F401 - registers each method's config class
+from finetune.config import METHOD_CONFIGS, Config, MethodConfig
 
 START = "<!-- config-reference:start -->"
 END = "<!-- config-reference:end -->"
@@ -133,13 +134,23 @@ def accepts_of(f: Field, kind: Any, nullable: bool) -> str:
     return f"{words}, or null" if nullable else words
 
 
-def tables(node: type = Config, group: str = "", intro: str = "") -> list[Table]:
-    """This dataclass's table, then those of the dataclasses under it (the root's own keys last)."""
+def tables(node: type = Config, group: str = "", intro: str = "", prefix: str | None = None, skip: tuple[str, ...] = ()) -> list[Table]:
+    """This dataclass's table, then those of the dataclasses under it (the root's own keys last). The method group is
+    one table per method (its own config class, finetune/methods/NAME.py), headed method=NAME. `prefix`: the keys'
+    dotted start where it is not the group's name."""
     hints, docs = get_type_hints(node), docstrings(node)[1]
     rows, nested = [], []
+    prefix = group if prefix is None else prefix
     for f in fields(node):
+        if f.name in skip:
+            continue
         kind, nullable = unwrap(hints[f.name])
-        key = f"{group}.{f.name}" if group else f.name
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        if kind is MethodConfig:  # the group's own key (name), then each method's keys (its name row said above)
+            nested += tables(MethodConfig, key, docstrings(MethodConfig)[0])
+            for name, schema in METHOD_CONFIGS.items():
+                nested += tables(schema, f"{key}={name}", docstrings(schema)[0], prefix=key, skip=("name",))
+            continue
         if is_dataclass(kind):
             about = docs.get(f.name) or docstrings(kind)[0]
             if default_of(f) is None:
@@ -173,8 +184,15 @@ def section_of(text: str) -> str | None:
 
 
 def rows_of(section: str) -> dict[str, str]:
-    """Key -> its table row, for every row of the section."""
-    return {m.group(1): line for line in section.splitlines() if (m := ROW_KEY.match(line))}
+    """Key -> its table row, for every row of the section; a key that several tables hold (method.beta: each method's
+    own) is named with its table's heading (method=dpo: method.beta)."""
+    out, heading = {}, ""
+    for line in section.splitlines():
+        if line.startswith("### "):
+            heading = line[4:].strip("`")
+        elif m := ROW_KEY.match(line):
+            out[f"{heading}: {m.group(1)}" if heading.startswith("method=") else m.group(1)] = line
+    return out
 
 
 def problems(readme: str) -> list[str]:

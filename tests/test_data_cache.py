@@ -10,7 +10,7 @@ import pytest
 from conftest import run_cli, write_jsonl
 from transformers import AutoTokenizer
 
-from finetune.config import ASSETS, ConfigError, DataConfig, LongPrompt, Method, Reasoning, Template
+from finetune.config import ASSETS, ConfigError, DataConfig, LongPrompt, Reasoning, Template
 from finetune.data import cache
 from finetune.data.pack import pack
 from finetune.data.examples import load_split
@@ -29,7 +29,7 @@ MIXED = [  # every SFT form, a multi-turn chat, a response cut at max_length, a 
 ]
 
 
-def in_memory_and_cached(cfg: DataConfig, tok, method=Method.sft, seed=0):
+def in_memory_and_cached(cfg: DataConfig, tok, method="sft", seed=0):
     memory = load_split(cfg, tok, seed, method)
     cached = cache.load(cfg, tok, seed, method, builder=True, progress=False, say=lambda line: None)
     return memory, cached
@@ -64,14 +64,14 @@ def test_cached_examples_equal_in_memory_ones_for_every_form(tok, tmp_path, temp
     assert row_lengths(ctrain) == row_lengths(train) and row_labelled(ctrain) == row_labelled(train)  # from the columns
 
 
-@pytest.mark.parametrize("shipped,method", [("quickstart", Method.sft), ("quickstart_dpo", Method.dpo)])
+@pytest.mark.parametrize("shipped,method", [("quickstart", "sft"), ("quickstart_dpo", "dpo")])
 def test_shipped_datasets_cache_to_the_same_examples(tok, tmp_path, shipped, method):
     folder = ASSETS / "data" / shipped
     cfg = DataConfig(train=str(folder / "train.jsonl"), eval=str(folder / "eval.jsonl"), max_length=64, cache_dir=str(tmp_path))
     (train, evals, stats), (ctrain, cevals, cstats, _, _) = in_memory_and_cached(cfg, tok, method)
     same(train, ctrain)
     same(evals, cevals)
-    assert isinstance(ctrain, list) == (method == Method.dpo)  # DPO pairs are materialized (they carry reference log-probs)
+    assert isinstance(ctrain, list) == (method == "dpo")  # DPO pairs are materialized (they carry reference log-probs)
 
 
 def test_tool_rows_cache_to_the_same_examples_and_counts(tmp_path):
@@ -88,8 +88,8 @@ def test_tool_rows_cache_to_the_same_examples_and_counts(tmp_path):
 def test_a_second_load_reads_the_cache(tok, tmp_path):
     cfg = DataConfig(train=write_jsonl(tmp_path / "t.jsonl", MIXED[:5]), cache_dir=str(tmp_path / "c"))
     said: list[str] = []
-    first = cache.load(cfg, tok, 0, Method.sft, builder=True, progress=False, say=said.append)
-    again = cache.load(cfg, tok, 0, Method.sft, builder=True, progress=False, say=said.append)
+    first = cache.load(cfg, tok, 0, "sft", builder=True, progress=False, say=said.append)
+    again = cache.load(cfg, tok, 0, "sft", builder=True, progress=False, say=said.append)
     assert said[0].startswith("data: tokenized 5 train rows in ") and said[0].endswith(f"cached at {first[4]}")
     assert said[1] == f"data: cached tokens {first[4]} (train 5 rows, {first[0].tokens()} tokens)"
     same(first[0], again[0])
@@ -98,16 +98,16 @@ def test_a_second_load_reads_the_cache(tok, tmp_path):
 
 def test_a_builder_that_loses_the_race_keeps_the_winners_entry(tok, tmp_path):
     cfg = DataConfig(train=write_jsonl(tmp_path / "t.jsonl", MIXED[:5]), cache_dir=str(tmp_path / "c"))
-    *_, target = cache.load(cfg, tok, 0, Method.sft, builder=True, progress=False, say=lambda line: None)
-    inputs = cache.key_inputs(cfg, tok, Method.sft, 0)
+    *_, target = cache.load(cfg, tok, 0, "sft", builder=True, progress=False, say=lambda line: None)
+    inputs = cache.key_inputs(cfg, tok, "sft", 0)
     said: list[str] = []
-    cache.build(cfg, tok, Method.sft, 0, target, inputs, num_proc=1, progress=False, say=said.append)  # same key again
+    cache.build(cfg, tok, "sft", 0, target, inputs, num_proc=1, progress=False, say=said.append)  # same key again
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == [target.name] and len(said) == 1
 
 
 def test_the_key_changes_with_every_input_that_changes_the_tokens(tok, tmp_path):
     base = DataConfig(train=write_jsonl(tmp_path / "t.jsonl", MIXED[:4]))
-    key = lambda cfg=base, tokenizer=tok, method=Method.sft, seed=0: cache.key_of(cache.key_inputs(cfg, tokenizer, method, seed))  # noqa: E731
+    key = lambda cfg=base, tokenizer=tok, method="sft", seed=0: cache.key_of(cache.key_inputs(cfg, tokenizer, method, seed))  # noqa: E731
     other_template = AutoTokenizer.from_pretrained(ASSETS / "tokenizer")
     other_template.chat_template = other_template.chat_template.replace("<|assistant|>", "<|bot|>")
     changed = {
@@ -119,7 +119,7 @@ def test_the_key_changes_with_every_input_that_changes_the_tokens(tok, tmp_path)
         "long_prompt": key(replace(base, long_prompt=LongPrompt.error)),
         "packing": key(replace(base, packing=True)),
         "held-out eval rows": key(replace(base, eval_size=1)),
-        "method": key(method=Method.dpo),
+        "method": key(method="dpo"),
         "seed, when rows are held out": key(replace(base, eval_size=1), seed=1),
     }
     assert len(set(changed.values()) | {key()}) == len(changed) + 1, changed
@@ -135,7 +135,7 @@ def test_a_bad_row_in_a_worker_is_one_line_naming_its_line(tok, tmp_path):
     cfg = DataConfig(train=write_jsonl(tmp_path / "t.jsonl", rows), max_length=16, long_prompt=LongPrompt.error,
                      cache_dir=str(tmp_path / "c"), num_proc=2)
     with pytest.raises(ConfigError) as e:
-        cache.load(cfg, tok, 0, Method.sft, builder=True, progress=False, say=lambda line: None)
+        cache.load(cfg, tok, 0, "sft", builder=True, progress=False, say=lambda line: None)
     assert str(e.value) == (f"{cfg.train}:2501: the prompt is 83 tokens, data.max_length=16 leaves no room for the response: "
                             "raise data.max_length or set data.long_prompt=drop")
     assert not any((tmp_path / "c").glob("*/meta.json"))
@@ -145,7 +145,7 @@ def test_an_unwritable_cache_dir_is_one_line(tok, tmp_path):
     (tmp_path / "file").write_text("")
     cfg = DataConfig(train=write_jsonl(tmp_path / "t.jsonl", MIXED[:2]), cache_dir=str(tmp_path / "file" / "cache"))
     with pytest.raises(ConfigError) as e:
-        cache.load(cfg, tok, 0, Method.sft, builder=True, progress=False, say=lambda line: None)
+        cache.load(cfg, tok, 0, "sft", builder=True, progress=False, say=lambda line: None)
     assert str(e.value) == (f"data.cache_dir: cannot write the token cache in {tmp_path / 'file' / 'cache'} (Not a directory): "
                             "point data.cache_dir at a writable directory, or set data.cache=false to tokenize in memory")
 
@@ -211,7 +211,7 @@ def test_a_bad_row_in_a_mixture_names_its_own_file_and_line(tok, tmp_path):
     b = write_jsonl(tmp_path / "b.jsonl", [{"instruction": "x", "output": "y"}, {"instruction": "r" * 80, "output": "x"}])
     cfg = DataConfig(train=[a, {"path": b, "rows": 2}], max_length=16, long_prompt=LongPrompt.error, cache_dir=str(tmp_path / "c"))
     with pytest.raises(ConfigError, match=f"^{b}:2: the prompt is 83 tokens"):
-        cache.load(cfg, tok, 0, Method.sft, builder=True, progress=False, say=lambda line: None)
+        cache.load(cfg, tok, 0, "sft", builder=True, progress=False, say=lambda line: None)
     with pytest.raises(ConfigError, match=f"^{b}:2: the prompt is 83 tokens"):
         load_split(cfg, tok, 0)
 
@@ -223,7 +223,7 @@ def test_a_mixture_caches_like_it_tokenizes_and_its_key_follows_the_draw(tok, tm
     same(train, ctrain)
     same(evals, cevals)
     assert cstats["train"].line("train", 512).endswith(f"\ndata.train: 60 rows from 2 sources ({a} 30 of 30, weight 1; {b} 30 of 60, weight 1)")
-    key = lambda c, seed=2: cache.key_of(cache.key_inputs(c, tok, Method.sft, seed))  # noqa: E731
+    key = lambda c, seed=2: cache.key_of(cache.key_inputs(c, tok, "sft", seed))  # noqa: E731
     assert key(cfg, seed=3) != key(cfg)  # the draw depends on the seed
     assert key(replace(cfg, train=[{"path": a, "weight": 1}, {"path": b, "weight": 2}])) != key(cfg)
     assert key(replace(cfg, eval_size=0, train=[a, b]), seed=3) == key(replace(cfg, eval_size=0, train=[a, b]))  # all rows: no draw

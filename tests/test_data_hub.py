@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 from conftest import write_jsonl
 
-from finetune.config import ConfigError, DataConfig, Method, load, to_yaml
+from finetune.config import ConfigError, DataConfig, load, to_yaml
 from finetune.data import cache
 from finetune.rank import stream
 from finetune.data.examples import check, load_split
@@ -146,12 +146,12 @@ def test_the_hub_form_composes_from_the_command_line(compose, tmp_path):
 def test_the_token_cache_keys_on_subset_split_revision_and_column_map(tok, tmp_path, hub, monkeypatch):
     base = DataConfig(train={"path": hub, "name": "chat", "split": "train_sft", "columns": {"messages": "conversation"}},
                       cache_dir=str(tmp_path / "cache"))
-    key = lambda train: cache.key_of(cache.key_inputs(replace(base, train=train), tok, Method.sft, 0))  # noqa: E731
+    key = lambda train: cache.key_of(cache.key_inputs(replace(base, train=train), tok, "sft", 0))  # noqa: E731
     keys = {key(base.train), key({**base.train, "split": "test_sft"}), key({"path": hub, "name": "alpaca"}),
             key({**base.train, "columns": {"messages": "conversation", "text": "id"}})}
     assert len(keys) == 4
     assert key(dict(base.train)) == key(base.train)
-    train, _, _, _, entry = cache.load(base, tok, 0, Method.sft, builder=True, progress=False, say=lambda line: None)
+    train, _, _, _, entry = cache.load(base, tok, 0, "sft", builder=True, progress=False, say=lambda line: None)
     assert list(train) == load_split(base, tok, 0)[0]
     assert json.loads((entry / "meta.json").read_text())["inputs"]["sources"]["data.train"]["columns"] == {"messages": "conversation"}
     asked = []  # a hub dataset (not downloaded here): its `datasets` fingerprint is read at the subset, split and revision
@@ -180,9 +180,9 @@ def test_a_hub_id_is_loaded_with_its_subset_split_and_revision(monkeypatch):
 def test_the_launchers_check_of_local_rows_reads_the_column_map(tmp_path):
     """A local .jsonl file's rows are checked renamed (the column map applies to files too), before any rank starts."""
     path = write_jsonl(tmp_path / "t.jsonl", [{"conversation": chat(i)} for i in range(2)])
-    check(DataConfig(train={"path": path, "columns": {"messages": "conversation"}}), Method.sft)
+    check(DataConfig(train={"path": path, "columns": {"messages": "conversation"}}), "sft")
     with pytest.raises(ConfigError) as e:
-        check(DataConfig(train=path), Method.sft)
+        check(DataConfig(train=path), "sft")
     assert str(e.value).startswith(f"{path}:1: a row of no known form (keys present: conversation)")
 
 
@@ -191,5 +191,5 @@ def test_a_stream_reads_the_subset_split_and_column_map(tok, hub):
     cfg = DataConfig(train={"path": hub, "name": "chat", "split": "train_sft", "columns": {"messages": "conversation"}},
                      streaming=True, shuffle_buffer=1)
     memory = load_split(replace(cfg, streaming=False, shuffle_buffer=None), tok, 0)[0]
-    examples = stream.Streamed(cfg, tok, Method.sft, 0).examples(Position(), Stats())
+    examples = stream.Streamed(cfg, tok, "sft", 0).examples(Position(), Stats())
     assert [next(examples)[-1] for _ in range(6)] == memory

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 from conftest import read_metrics, run_cli, train_here, write_jsonl
 
-from finetune.config import ASSETS, ConfigError, DataConfig, Method
+from finetune.config import ASSETS, ConfigError, DataConfig
 from finetune.rank import stream
 from finetune.data.batches import collate
 from finetune.data.sources import load_rows
@@ -35,7 +35,7 @@ def numbered(n):
     return [{"instruction": f"row {i}", "output": f"{i}"} for i in range(n)]
 
 
-def streamed(cfg, tok, seed=0, method=Method.sft):
+def streamed(cfg, tok, seed=0, method="sft"):
     return stream.Streamed(cfg, tok, method, seed)
 
 
@@ -59,7 +59,7 @@ def collated(examples, micro_batch=2):
     return [{k: v.tolist() for k, v in collate(examples[i : i + micro_batch], 0).items()} for i in range(0, len(examples), micro_batch)]
 
 
-@pytest.mark.parametrize("shipped,method,rows", [(None, Method.sft, ROWS * 3), ("quickstart_dpo", Method.dpo, None)])
+@pytest.mark.parametrize("shipped,method,rows", [(None, "sft", ROWS * 3), ("quickstart_dpo", "dpo", None)])
 def test_a_buffer_of_one_streams_the_in_memory_examples_in_file_order_pass_after_pass(tok, tmp_path, shipped, method, rows):
     """data.shuffle_buffer=1: the source's own order, every pass alike; each example (ids, labels, prompt length,
     reference; a text row's pieces; no dropped row) is exactly what tokenize makes of the same rows."""
@@ -72,7 +72,7 @@ def test_a_buffer_of_one_streams_the_in_memory_examples_in_file_order_pass_after
     assert [epoch for _, epoch, *_ in out] == [0] * len(memory) + [1] * 3
     assert (counts.rows, counts.truncated, counts.dropped, counts.split) == (
         stats.rows + 3, stats.truncated, stats.dropped, stats.split)  # a pass, and the next pass's first 3 rows (none cut or dropped)
-    if method == Method.sft:
+    if method == "sft":
         assert (stats.truncated, stats.dropped, stats.split) == (3, 3, 3)
 
 
@@ -178,7 +178,7 @@ def test_a_streamed_mixture_draws_by_weight_and_repeats_no_row_within_a_pass(tok
 def test_eval_size_holds_out_the_first_rows_and_the_stream_starts_after_them(tok, tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", numbered(10))
     cfg = DataConfig(train=path, eval_size=3, max_length=48, streaming=True, shuffle_buffer=1)
-    train, evals, stats = stream.load(cfg, tok, 0, Method.sft)
+    train, evals, stats = stream.load(cfg, tok, 0, "sft")
     assert [e.reference for e in evals] == ["0", "1", "2"] and stats["eval"].rows == 3
     assert [e.reference for *_, e in taken(train.examples(Position(), Stats()), 8)] == [*"3456789", "3"]
     with pytest.raises(ConfigError, match=f"^data.eval_size=10 leaves no training rows in {path}$"):
@@ -199,14 +199,14 @@ def test_the_launcher_checks_only_that_a_streamed_file_exists(tmp_path):
     from finetune.data.examples import check
 
     bad = write_jsonl(tmp_path / "t.jsonl", [{"instruction": "x", "output": " "}])
-    check(DataConfig(train=bad, streaming=True), Method.sft)
+    check(DataConfig(train=bad, streaming=True), "sft")
     with pytest.raises(ConfigError, match=f"^{bad}:1: the response 'output' is empty"):
-        check(DataConfig(train=bad), Method.sft)
+        check(DataConfig(train=bad), "sft")
     for name, message in (("missing.jsonl", "data.train: no such file or directory: {}"),
                           ("rows.csv", "data.train: {} is a .csv file: data files are .jsonl")):
         (tmp_path / "rows.csv").write_text("a,b\n")
         with pytest.raises(ConfigError, match="^" + re.escape(message.format(tmp_path / name))):
-            check(DataConfig(train=str(tmp_path / name), streaming=True), Method.sft)
+            check(DataConfig(train=str(tmp_path / name), streaming=True), "sft")
 
 
 def test_a_pass_that_keeps_nothing_is_refused(tok, tmp_path):

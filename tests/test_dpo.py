@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from finetune.config import ASSETS, ConfigError, DataConfig, DpoLoss, Method, MethodConfig
+from finetune.config import ASSETS, ConfigError, DataConfig, MethodConfig
 from finetune.data.batches import collate
 from finetune.data.forms import to_pair
 from finetune.data.sources import Rows
@@ -17,6 +17,7 @@ from finetune.data.examples import tokenize
 from finetune.data.tokenize import IGNORE
 from finetune.methods.dpo import DPO, dpo_loss
 from finetune.methods.losses import sequence_logps, token_loss_sum
+from finetune.methods.dpo import DpoConfig, DpoLoss
 
 from conftest import last_line, read_metrics, run_cli, tiny_model, train_here
 from ranks import launch_here
@@ -25,7 +26,7 @@ LOG2 = math.log(2)
 
 
 def method(**kw) -> MethodConfig:
-    return MethodConfig(name=Method.dpo, **kw)
+    return DpoConfig(**kw)
 
 
 def t(*values: float) -> torch.Tensor:
@@ -107,7 +108,7 @@ def test_validation_refuses_what_has_no_effect(compose):
         assert str(e.value) == message, extra
     with pytest.raises(ConfigError) as e:
         compose(["method.beta=0.2"])
-    assert str(e.value) == "method.beta=0.2 has no effect with method=sft (another method's key): remove it or change the option"
+    assert str(e.value) == "method.beta: not a key of method=sft; its keys are name"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,7 +128,7 @@ def test_three_row_forms_give_the_same_pair(tok):
         {"chosen": [{"role": "user", "content": "reverse\nabc"}, {"role": "assistant", "content": "cba"}],
          "rejected": [{"role": "user", "content": "reverse\nabc"}, {"role": "assistant", "content": "cab"}]},
     ]
-    pairs, stats = tokenize(Rows(rows, "mem"), tok, DataConfig(train="mem"), "data.train", Method.dpo)
+    pairs, stats = tokenize(Rows(rows, "mem"), tok, DataConfig(train="mem"), "data.train", "dpo")
     assert stats.rows == 3 and stats.truncated == stats.dropped == 0
     assert all(p.chosen.input_ids == pairs[0].chosen.input_ids and p.rejected.input_ids == pairs[0].rejected.input_ids for p in pairs)
     p = pairs[0]
@@ -144,7 +145,7 @@ def test_three_row_forms_give_the_same_pair(tok):
 def test_multi_turn_prompt_labels_only_the_final_response(tok):
     prompt = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "reverse\nab"}]
     (pair,), _ = tokenize(Rows([{"prompt": prompt, "chosen": "ba", "rejected": "ab"}], "mem"), tok, DataConfig(train="mem"),
-                               "data.train", Method.dpo)
+                               "data.train", "dpo")
     labelled = [t for t in pair.chosen.labels if t != IGNORE]
     assert tok.decode(labelled) == "ba</s>"
 
@@ -153,14 +154,14 @@ def test_truncation_keeps_the_prompt_and_is_counted(tok):
     rows = Rows([{"prompt": "p", "chosen": "x" * 40, "rejected": "y"}, {"prompt": "q" * 40, "chosen": "a", "rejected": "b"},
                  {"prompt": "r", "chosen": "c", "rejected": "d"}], "mem.jsonl", lines=[1, 2, 3])
     cfg = DataConfig(train="mem", max_length=30)
-    pairs, stats = tokenize(rows, tok, cfg, "data.train", Method.dpo)
+    pairs, stats = tokenize(rows, tok, cfg, "data.train", "dpo")
     assert (stats.rows, stats.truncated, stats.dropped) == (3, 1, 1)
     first = pairs[0]
     assert len(first.chosen.input_ids) == 30 and len(first.rejected.input_ids) < 30
     assert first.chosen.input_ids[: first.chosen.prompt_len] == first.rejected.input_ids[: first.rejected.prompt_len]
     cfg.long_prompt = "error"
     with pytest.raises(ConfigError) as e:
-        tokenize(rows, tok, cfg, "data.train", Method.dpo)
+        tokenize(rows, tok, cfg, "data.train", "dpo")
     # <|user|> + 40 characters + newline + <|assistant|>
     assert str(e.value) == ("mem.jsonl:2: the prompt is 43 tokens, data.max_length=30 leaves no room for the response: "
                             "raise data.max_length or set data.long_prompt=drop")
@@ -203,7 +204,7 @@ def test_data_and_method_must_agree_through_the_cli(tmp_path):
 
 def pairs_batch(tok, n=4):
     rows = Rows([json.loads(line) for line in (ASSETS / "data/quickstart_dpo/train.jsonl").read_text().splitlines()[:n]], "train")
-    pairs, _ = tokenize(rows, tok, DataConfig(train="x", max_length=64), "data.train", Method.dpo)
+    pairs, _ = tokenize(rows, tok, DataConfig(train="x", max_length=64), "data.train", "dpo")
     return collate(pairs, tok.pad_token_id), pairs
 
 

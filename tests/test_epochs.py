@@ -12,7 +12,7 @@ import pytest
 from conftest import read_metrics, run_cli, write_jsonl
 
 from finetune.data import steps
-from finetune.config import ConfigError, Method
+from finetune.config import ConfigError
 from finetune.data import cache
 from finetune.data.batches import TrainBatches, epoch_steps
 from finetune.data.examples import load_split
@@ -61,7 +61,7 @@ def test_the_token_cache_gives_the_count_the_launcher_tokenized(compose, tok, tm
     cfg = compose(["+recipe=quickstart_sft", *small(tmp_path, 37, eval_size=5), "train.epochs=2", "data.packing=true"])
     first, where = steps.count_examples(cfg)
     assert where == "by tokenizing data.train here"
-    train, _, _, _, entry = cache.load(cfg.data, tok, cfg.train.seed, Method.sft, builder=True, progress=False, say=lambda line: None)
+    train, _, _, _, entry = cache.load(cfg.data, tok, cfg.train.seed, "sft", builder=True, progress=False, say=lambda line: None)
     assert len(train) == first < 32
     assert steps.count_examples(cfg) == (first, f"from the token cache {entry}")
 

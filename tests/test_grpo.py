@@ -13,17 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune.config import ConfigError, Method, MethodConfig
+from finetune.config import ConfigError, MethodConfig
 from finetune.data.tokenize import IGNORE
 from finetune.methods.grpo import GRPO, group_advantages, grpo_loss, sample, split_rows
 from finetune.methods import rewards
+from finetune.methods.grpo import GrpoConfig
 
 from conftest import last_line, read_metrics, run_cli, tiny_model
 from ranks import launch_here
 
 
 def method(**kw) -> MethodConfig:
-    return MethodConfig(name=Method.grpo, **kw)
+    return GrpoConfig(**kw)
 
 
 def test_advantages_are_z_scores_within_each_group():
@@ -168,7 +169,8 @@ def test_rollout_is_seeded_cut_at_eos_and_labels_only_the_completion(tok):
 def test_rules(compose):
     base = ["method=grpo"]
     for overrides, message in [
-        (["method.gamma=0.5"], "method.gamma=0.5 has no effect with method=grpo (another method's key): remove it or change the option"),
+        (["method.gamma=0.5"], "method.gamma: not a key of method=grpo; its keys are name, beta, reference, generations, "
+         "completion_tokens, temperature, top_p, epsilon, updates_per_rollout, rewards, reward_weights, format_pattern, vllm, vllm_memory"),
         (["method.reference=live"], "method.reference=live has no effect with method=grpo and method.beta=0 (no KL term, no reference): "
                                     "remove it or change the option"),
         (["method.beta=0.04", "method.reference=precomputed"], "method.reference=precomputed cannot score GRPO's completions, which are "
@@ -189,7 +191,7 @@ def test_rules(compose):
             compose([*base, *overrides])
         assert str(e.value) == message, overrides
     cfg = compose([*base, "method.beta=0.04", "method.reference=live"])
-    assert cfg.method.beta_value == 0.04 and compose(base).method.beta_value == 0.0
+    assert cfg.method.beta == 0.04 and compose(base).method.beta == 0.0
 
 
 def test_the_planner_counts_every_completion_as_a_row(compose, monkeypatch):
@@ -433,8 +435,8 @@ def test_vllm_draws_each_prompts_samples_from_streams_of_their_own(monkeypatch):
     stream. Seeds one apart (the earlier seed + i) made sample k of prompt i a copy of sample k-1 of prompt i+1's draws."""
     import types
 
-    from finetune.config import MethodConfig
     from finetune.methods import vllm_rollout
+    from finetune.methods.grpo import GrpoConfig
 
     class Recorder:  # vLLM's LLM.generate as far as seeding goes: one child request per sample, seeded seed + k
         def generate(self, requests, params, use_tqdm=False):
@@ -444,7 +446,7 @@ def test_vllm_draws_each_prompts_samples_from_streams_of_their_own(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **kw: types.SimpleNamespace(**kw)))
     sampler = object.__new__(vllm_rollout.VllmSampler)
     sampler.llm = Recorder()
-    cfg = MethodConfig(generations=8)
+    cfg = GrpoConfig(generations=8)
     streams = []
     for step in range(3):
         sampler.sample([[5, 6]] * 16, cfg, seed=hash((0, step, 0, 0)) % 2**63)

@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from finetune import methods
-from finetune.config import ConfigError, DataConfig, Method, MethodConfig
+from finetune.config import ConfigError, DataConfig, MethodConfig
 from finetune.data.batches import collate, for_generation
 from finetune.data.sources import Rows
 from finetune.data.examples import tokenize
 from finetune.data.tokenize import IGNORE
 from finetune.methods.kto import KTO, Labelled, kto_loss
 from finetune.methods.losses import sequence_logps
+from finetune.methods.kto import KtoConfig
 
 from conftest import last_line, read_metrics, run_cli, tiny_model, train_here
 from ranks import launch_here
@@ -29,7 +30,7 @@ def sig(x: float) -> float:
 
 
 def method(**kw) -> MethodConfig:
-    return MethodConfig(name=Method.kto, **kw)
+    return KtoConfig(**kw)
 
 
 def test_loss_by_hand():
@@ -77,7 +78,7 @@ def tok():
 
 def test_unpaired_rows_in_every_form_and_pairs_as_two(tok):
     data = DataConfig(train="mem", max_length=64)
-    examples, stats = tokenize(Rows(UNPAIRED, "mem"), tok, data, "data.train", Method.kto)
+    examples, stats = tokenize(Rows(UNPAIRED, "mem"), tok, data, "data.train", "kto")
     assert stats.rows == 4 and [e.desirable for e in examples] == [True, False, True, True, False]
     responses = [tok.decode([t for t in e.row.labels if t != IGNORE]) for e in examples]
     assert responses == ["cba</s>", "aabx</s>", "XY</s>", "bc</s>", "cb</s>"]
@@ -110,7 +111,7 @@ def test_bad_unpaired_rows_are_named(row, message):
 
 def test_one_example_is_refused_and_a_labelled_row_is_not_sft(tok):
     data = DataConfig(train="mem", max_length=64)
-    examples, _ = tokenize(Rows(UNPAIRED[:1], "mem"), tok, data, "data.eval", Method.kto)
+    examples, _ = tokenize(Rows(UNPAIRED[:1], "mem"), tok, data, "data.eval", "kto")
     with pytest.raises(ConfigError, match=r"^data.eval: method=kto pairs each prompt with another example's response"):
         KTO_METHOD.settle(examples, data, "data.eval")
     with pytest.raises(ConfigError) as e:
@@ -122,7 +123,7 @@ def test_one_example_is_refused_and_a_labelled_row_is_not_sft(tok):
 def test_rules(compose):
     base = ["method=kto", "data=quickstart_kto"]
     cases = [
-        (["method.gamma=0.5"], "method.gamma=0.5 has no effect with method=kto (another method's key): remove it or change the option"),
+        (["method.gamma=0.5"], "method.gamma: not a key of method=kto; its keys are name, beta, desirable_weight, undesirable_weight, reference"),
         (["method.reference=adapter_disabled"], "method.reference=adapter_disabled uses the base model under a PEFT adapter: add "
          "peft=lora (or qlora/dora), or use method.reference=precomputed"),
         (["data.packing=true"], "data.packing=true is not supported with method=kto (each response is scored in a row of its own): "
@@ -140,15 +141,15 @@ def test_rules(compose):
         assert str(e.value) == message, extra
     with pytest.raises(ConfigError) as e:
         compose(["method=dpo", "data=quickstart_dpo", "method.desirable_weight=2"])
-    assert str(e.value) == ("method.desirable_weight=2.0 has no effect with method=dpo (another method's key): remove it "
-                            "or change the option")
+    assert str(e.value) == ("method.desirable_weight: not a key of method=dpo (did you mean 'sft_weight'?); its keys are "
+                            "name, loss, beta, gamma, label_smoothing, sft_weight, reference")
     assert compose([*base, "peft=lora", "method.reference=adapter_disabled", "method.undesirable_weight=1.3"]).method.undesirable_weight == 1.3
 
 
 def test_one_step_on_a_model_raises_desirable_and_lowers_undesirable(tok):
     net, _ = tiny_model()
     data = DataConfig(train="mem", max_length=64)
-    examples, _ = tokenize(Rows(UNPAIRED, "mem"), tok, data, "data.train", Method.kto)
+    examples, _ = tokenize(Rows(UNPAIRED, "mem"), tok, data, "data.train", "kto")
     batch = collate(KTO_METHOD.settle(examples, data, "data.train"), tok.pad_token_id)
     with torch.no_grad():
         start = sequence_logps(net, batch)[0]

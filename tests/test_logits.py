@@ -62,10 +62,9 @@ def sft(head):
 
 
 def dpo(head):
-    from finetune.config import MethodConfig
-    from finetune.config import Method
+    from finetune.methods.dpo import DpoConfig
     from finetune.methods.dpo import DPO
-    return DPO(MethodConfig(name=Method.dpo, beta=0.1), head=head)
+    return DPO(DpoConfig(beta=0.1), head=head)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

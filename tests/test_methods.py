@@ -13,37 +13,52 @@ from pathlib import Path
 import pytest
 
 from finetune import methods
-from finetune.config import ConfigError, DataFormat, DpoLoss, Method, MethodConfig, Reference
+from finetune.config import METHOD_CONFIGS, ConfigError, DataFormat, MethodConfig, Reference
 from finetune.methods.base import Method as Interface
+from finetune.methods.dpo import DpoConfig, DpoLoss
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_every_method_has_a_record_and_every_record_a_method():
-    assert sorted(methods.METHODS) == sorted(m.value for m in Method)
-    for m in Method:
-        assert methods.get(m) is methods.get(m.value) is methods.METHODS[m.value]
-        assert methods.get(m).name == m.value
+def test_every_method_has_a_record_its_config_and_a_group_option():
+    """The registry is the list: each record names itself, brings its own config class (registered for the schema),
+    and recipes/method/ has one option per method, composing that class."""
+    options = sorted(p.stem for p in (REPO / "recipes" / "method").glob("*.yaml"))
+    assert options == sorted(methods.METHODS)
+    for name, record in methods.METHODS.items():
+        assert methods.get(name) is record and record.name == name
+        assert issubclass(record.config, MethodConfig) and record.config().name == name
+        assert METHOD_CONFIGS[name] is record.config
+        assert f"defaults: [base_{name}]" in (REPO / "recipes" / "method" / f"{name}.yaml").read_text()
 
 
-@pytest.mark.parametrize("name", [m.value for m in Method])
-def test_each_record_answers_the_whole_interface(name):
-    record = methods.get(name)
-    asked = set(Interface.__annotations__) | {k for k, v in vars(Interface).items() if callable(v) and not k.startswith("_")}
-    assert {"encode", "check_row", "join", "reference", "validate", "objective"} <= asked
-    assert not [k for k in asked if not hasattr(record, k)]
-    assert record.rows_per_example >= len(record.columns) >= 1  # KTO: + the mismatched row its split settles on
-    assert record.forms and DataFormat.auto not in record.forms
-    assert all(isinstance(getattr(record, k), (str, type(None))) for k in ("unpacked", "split_tokens"))
-    assert record.reference(MethodConfig(name=Method(name))) in (None, *Reference)
+def test_an_unknown_method_is_refused_naming_the_methods():
+    with pytest.raises(ConfigError) as e:
+        methods.get("dop")
+    assert str(e.value) == ("method.name=dop must be one of sft, dpo, kto, orpo, reward, grpo (did you mean 'dpo'?) (choose the "
+                            "method with method=NAME)")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["method=dpo", "method.generations=4"],
+     "method.generations: not a key of method=dpo; its keys are name, loss, beta, gamma, label_smoothing, sft_weight, reference"),
+    (["method=grpo", "method.generatons=4"],
+     "method.generatons: not a key of method=grpo (did you mean 'generations'?); its keys are name, beta, reference, generations, "
+     "completion_tokens, temperature, top_p, epsilon, updates_per_rollout, rewards, reward_weights, format_pattern, vllm, vllm_memory"),
+    (["method=sft", "method.beta=0.1"], "method.beta: not a key of method=sft; its keys are name"),
+])
+def test_a_key_of_another_method_is_refused_naming_the_methods_keys(compose, overrides, message):
+    with pytest.raises(ConfigError) as e:
+        compose(overrides)
+    assert str(e.value) == message
 
 
 def test_the_records_say_what_sft_and_dpo_are():
     sft, dpo = methods.get("sft"), methods.get("dpo")
     assert (sft.rows_per_example, sft.unpacked, sft.split_tokens, sft.reference(MethodConfig())) == (1, None, None, None)
     assert dpo.rows_per_example == 2 and dpo.columns == ("chosen_", "rejected_") and dpo.unpacked and dpo.split_tokens
-    assert dpo.reference(MethodConfig(name=Method.dpo, reference=Reference.live)) == Reference.live
-    assert dpo.reference(MethodConfig(name=Method.dpo, loss=DpoLoss.simpo)) is None  # reference-free
+    assert dpo.reference(DpoConfig(reference=Reference.live)) == Reference.live
+    assert dpo.reference(DpoConfig(loss=DpoLoss.simpo)) is None  # reference-free
 
 
 def test_the_rank_builds_the_records_loss():
@@ -52,12 +67,13 @@ def test_the_rank_builds_the_records_loss():
     from finetune.rank.train import build_objective
 
     assert type(build_objective(MethodConfig())) is SFT
-    assert type(build_objective(MethodConfig(name=Method.dpo))) is DPO
+    assert type(build_objective(DpoConfig())) is DPO
 
 
-# a comparison with a method (a parameter's default, `method: Method = Method.sft`, is not one), its loss options, the pair type
-BRANCH = re.compile(r"([!=]=|\bin \(?|\bis )\s*Method\.\w+|\bMethod\.\w+\s*([!=]=|\bif\b)|method\.name\s*[!=]=|\bDpoLoss\.|"
-                    r"isinstance\([^)]*\bPair\b")
+# a comparison with a method's name, its loss options, the pair type, a method's objective asked what it has
+NAMES = "|".join(methods.METHODS)
+BRANCH = re.compile(rf"([!=]=|\bin \(?)\s*[\"']({NAMES})[\"']|method\.name\s*[!=]=|\bDpoLoss\.|isinstance\([^)]*\bPair\b|"
+                    r"hasattr\(objective|cfg\.method\.(?!name\b)\w+")
 
 
 def test_no_method_branch_outside_the_methods_package():

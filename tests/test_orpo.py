@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from finetune import methods
-from finetune.config import ConfigError, Method, MethodConfig
+from finetune.config import ConfigError, MethodConfig
 from finetune.methods.orpo import ORPO, orpo_loss
 from finetune.methods.losses import sequence_logps, token_loss_sum
+from finetune.methods.orpo import OrpoConfig
 
 from conftest import read_metrics, run_cli, tiny_model, train_here
 from ranks import launch_here
@@ -20,7 +21,7 @@ from test_dpo import pairs_batch
 
 
 def method(**kw) -> MethodConfig:
-    return MethodConfig(name=Method.orpo, **kw)
+    return OrpoConfig(**kw)
 
 
 def test_loss_by_hand():
@@ -60,10 +61,8 @@ def test_on_a_model_the_loss_is_the_chosen_per_token_nll_plus_the_odds_term():
 def test_rules(compose):
     base = ["method=orpo", "data=quickstart_dpo"]
     for extra, message in [
-        (["method.reference=live"], "method.reference=live has no effect with method=orpo (no reference model; method.beta is the "
-         "odds-ratio weight): remove it or change the option"),
-        (["method.loss=ipo"], "method.loss=ipo has no effect with method=orpo (no reference model; method.beta is the odds-ratio "
-         "weight): remove it or change the option"),
+        (["method.reference=live"], "method.reference: not a key of method=orpo; its keys are name, beta"),
+        (["method.loss=ipo"], "method.loss: not a key of method=orpo; its keys are name, beta"),
         (["data.packing=true"], "data.packing=true is not supported with method=orpo (chosen and rejected are scored as separate rows): "
          "set data.packing=false"),
         (["data=quickstart"], "method=orpo trains on preference pairs: data.format=alpaca must be preference or auto"),

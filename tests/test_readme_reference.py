@@ -16,7 +16,8 @@ from typing import Union, get_args, get_origin, get_type_hints
 
 import pytest
 
-from finetune.config import Config
+from finetune import methods  # noqa: F401 - registers each method's config class
+from finetune.config import METHOD_CONFIGS, Config, MethodConfig
 
 from conftest import REPO
 
@@ -34,15 +35,21 @@ def reference() -> types.ModuleType:
     return module
 
 
-def schema_keys(node: type = Config, prefix: str = "") -> list[str]:
-    """Dotted key of every leaf field (nested dataclasses such as model.init walked into)."""
+def schema_keys(node: type = Config, prefix: str = "", table: str = "") -> list[str]:
+    """Dotted key of every leaf field (nested dataclasses such as model.init walked into; each method's own keys under its
+    table's name, as "method=dpo: method.beta")."""
     out = []
     hints = get_type_hints(node)
     for f in fields(node):
         kind = hints[f.name]
         if get_origin(kind) in (Union, types.UnionType):
             kind = next(a for a in get_args(kind) if a is not type(None))
-        out += schema_keys(kind, f"{prefix}{f.name}.") if is_dataclass(kind) else [f"{prefix}{f.name}"]
+        if kind is MethodConfig:
+            out.append(f"{prefix}{f.name}.name")
+            for name, schema in METHOD_CONFIGS.items():
+                out += [k for k in schema_keys(schema, f"{prefix}{f.name}.", f"method={name}: ") if not k.endswith(".name")]
+            continue
+        out += schema_keys(kind, f"{prefix}{f.name}.", table) if is_dataclass(kind) else [f"{table}{prefix}{f.name}"]
     return out
 
 

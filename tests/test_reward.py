@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune.config import ASSETS, ConfigError, DataConfig, Method, MethodConfig, ModelConfig
+from finetune.config import ASSETS, ConfigError, DataConfig, MethodConfig, ModelConfig
 from finetune.data.batches import collate, eval_batches
 from finetune.data.sources import Rows, load_rows
 from finetune.data.examples import tokenize
 from finetune.families import FAMILIES
 from finetune.methods.base import SCORED
 from finetune.methods.reward import BradleyTerry, bradley_terry
+from finetune.methods.reward import RewardConfig
 
 from conftest import REPO, last_line, read_metrics, run_cli, train_here
 from ranks import launch_here
@@ -44,7 +45,7 @@ def t(*values: float) -> torch.Tensor:
 def test_the_loss_by_hand(center, expected):
     chosen, rejected = t(1.0, 0.0, 1.5), t(0.0, 2.0, 1.5)
     assert bradley_terry(chosen, rejected, center).tolist() == pytest.approx(expected, rel=1e-12)
-    loss, metrics = BradleyTerry(MethodConfig(name=Method.reward, center_rewards_coefficient=center)).rows_loss(
+    loss, metrics = BradleyTerry(RewardConfig(center_rewards_coefficient=center)).rows_loss(
         torch.cat([chosen, rejected]), {"input_ids": torch.zeros(6, 1)})
     assert loss.item() == pytest.approx(sum(expected), rel=1e-6)  # summed over pairs: the loop divides by the pairs
     assert metrics["rewards/accuracy"].item() == 1.0  # only the first pair scores chosen higher (a tie is no win)
@@ -71,7 +72,7 @@ def scored_model(**init):
 
 def pairs(tok, n=4, split="train"):
     rows = Rows([json.loads(line) for line in (ASSETS / f"data/quickstart_dpo/{split}.jsonl").read_text().splitlines()[:n]], split)
-    return tokenize(rows, tok, DataConfig(train="x", max_length=64), "data.train", Method.reward)[0]
+    return tokenize(rows, tok, DataConfig(train="x", max_length=64), "data.train", "reward")[0]
 
 
 def test_each_row_is_scored_at_its_last_token_whatever_the_padding():
@@ -82,7 +83,7 @@ def test_each_row_is_scored_at_its_last_token_whatever_the_padding():
     batch = collate(examples, tok.pad_token_id)
     assert (batch["attention_mask"] == 0).any()  # rows of different lengths: padded on the right
     with torch.no_grad():
-        loss, metrics = BradleyTerry(MethodConfig(name=Method.reward))(net, batch)
+        loss, metrics = BradleyTerry(RewardConfig())(net, batch)
         alone = [net.score(net.model(input_ids=torch.tensor([row.input_ids])).last_hidden_state[0, -1]).item()
                  for k in (0, 1) for row in (e.rows[k] for e in examples)]  # each row by itself, unpadded: its last token's score
     chosen, rejected = t(*alone[:4]), t(*alone[4:])
@@ -138,7 +139,7 @@ REFUSED = [
     (["data.padding_free=true"], "data.padding_free=true cannot run here: method=reward scores chosen and rejected each at its own "
      "last token, as rows of their own: set data.padding_free=false (or null)"),
     (["data=quickstart"], "method=reward reads data.format=preference rows (or auto): data.format=alpaca is not one of them"),
-    (["method.beta=0.2"], "method.beta=0.2 has no effect with method=reward (another method's key): remove it or change the option"),
+    (["method.beta=0.2"], "method.beta: not a key of method=reward; its keys are name, center_rewards_coefficient"),
 ]
 
 
@@ -168,8 +169,8 @@ def test_the_centring_key_belongs_to_reward_models(compose):
         with pytest.raises(ConfigError) as e:
             compose([f"method={method}", "data=quickstart_dpo" if method == "dpo" else "data=quickstart",
                      "method.center_rewards_coefficient=0.01"])
-        assert str(e.value) == (f"method.center_rewards_coefficient=0.01 has no effect with method={method} (another method's key): "
-                                "remove it or change the option")
+        keys = {"dpo": "name, loss, beta, gamma, label_smoothing, sft_weight, reference", "sft": "name"}[method]
+        assert str(e.value) == f"method.center_rewards_coefficient: not a key of method={method}; its keys are {keys}"
 
 
 def test_the_plan_counts_a_score_head_not_an_lm_head(compose):
@@ -195,7 +196,7 @@ def eval_scores(final: Path, run_dir: Path, margins: list[float] | None = None, 
     cfg = config.load(run_dir / "config.yaml")
     tok = AutoTokenizer.from_pretrained(final)
     net = AutoModelForSequenceClassification.from_pretrained(final).eval()
-    evals, _ = tokenize(load_rows(cfg.data.eval, "eval", "data.eval"), tok, cfg.data, "data.eval", Method.reward)
+    evals, _ = tokenize(load_rows(cfg.data.eval, "eval", "data.eval"), tok, cfg.data, "data.eval", "reward")
     objective, sums, count = BradleyTerry(cfg.method), {"eval_loss": 0.0}, 0
     with torch.no_grad(), torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
         for batch in eval_batches(evals, 32, tok.pad_token_id):

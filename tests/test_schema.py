@@ -14,7 +14,7 @@ from typing import Any, get_type_hints
 import pytest
 
 from finetune.launcher.compose import preflight
-from finetune.config import Config, ConfigError, PipeSchedule, Precision
+from finetune.config import METHOD_CONFIGS, Config, ConfigError, MethodConfig, PipeSchedule, Precision
 
 
 def _unwrap(kind: Any) -> Any:
@@ -23,28 +23,32 @@ def _unwrap(kind: Any) -> Any:
     return kind
 
 
-def schema_fields(node: type = Config, prefix: str = "") -> list[tuple[str, Any, Any]]:
-    """(dotted key, type, dataclass field) for every leaf field of the schema."""
+def schema_fields(node: type = Config, prefix: str = "", recipe: str = "quickstart_sft") -> list[tuple[str, Any, Any, str]]:
+    """(dotted key, type, dataclass field, the recipe it is composed on) for every leaf field of the schema; the method
+    group's fields are each method's own (its config class), composed on that method's quickstart recipe."""
     out = []
     hints = get_type_hints(node)
     for f in fields(node):
         kind = _unwrap(hints[f.name])
-        if is_dataclass(kind):
-            out += schema_fields(kind, f"{prefix}{f.name}.")
+        if kind is MethodConfig:
+            for name, schema in METHOD_CONFIGS.items():
+                out += schema_fields(schema, f"{prefix}{f.name}.", f"quickstart_{name}")
+        elif is_dataclass(kind):
+            out += schema_fields(kind, f"{prefix}{f.name}.", recipe)
         else:
-            out.append((f"{prefix}{f.name}", kind, f))
+            out.append((f"{prefix}{f.name}", kind, f, recipe))
     return out
 
 
-def constrained() -> list[tuple[str, str]]:
-    """(key, override) for each value just outside each constrained field (a mapping takes new entries with '+')."""
-    return [(key, f"{'+' if getattr(kind, '__origin__', None) is dict else ''}{key}={value}")
-            for key, kind, f in schema_fields() if "accepts" in f.metadata for value in f.metadata["accepts"].outside]
+def constrained() -> list[tuple[str, str, str]]:
+    """(key, override, recipe) for each value just outside each constrained field (a mapping takes new entries with '+')."""
+    return [(key, f"{'+' if getattr(kind, '__origin__', None) is dict else ''}{key}={value}", recipe)
+            for key, kind, f, recipe in schema_fields() if "accepts" in f.metadata for value in f.metadata["accepts"].outside]
 
 
 def test_every_number_text_and_list_field_declares_what_it_accepts():
     """Booleans and enums are checked by their type; everything else carries an `accepts` rule."""
-    bare = [key for key, kind, f in schema_fields()
+    bare = [key for key, kind, f, _ in schema_fields()
             if not (kind is bool or (isinstance(kind, type) and issubclass(kind, Enum))) and "accepts" not in f.metadata]
     assert bare == []
     assert len(constrained()) >= 80  # the walk below really runs over the schema
@@ -53,10 +57,10 @@ def test_every_number_text_and_list_field_declares_what_it_accepts():
 # Keys under model.init exist only for the random-init model (the quickstart's); everything else
 # is composed on top of the quickstart recipe. The field checks run before the rules across
 # fields, so each refusal below is the field's own.
-@pytest.mark.parametrize("key,override", constrained())
-def test_a_value_just_outside_is_refused_naming_the_key(key, override):
+@pytest.mark.parametrize("key,override,recipe", constrained())
+def test_a_value_just_outside_is_refused_naming_the_key(key, override, recipe):
     with pytest.raises(ConfigError) as e:
-        preflight(["+recipe=quickstart_sft", override])
+        preflight([f"+recipe={recipe}", override])
     message = str(e.value)
     assert message.startswith(f"{key}=") and " must be " in message, message
     assert "\n" not in message

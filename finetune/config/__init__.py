@@ -27,10 +27,10 @@ from finetune.config.root import (
     TrainConfig, Config, GROUPS, uses_deepspeed, engine_kind, register, to_config, to_yaml, load, launcher_for
 )
 from finetune.config.schema import (
-    AttnImpl, DataFormat, Template, LongPrompt, Reasoning, Method, DpoLoss, Reference, Precision, Offload, Checkpointing,
+    AttnImpl, DataFormat, Template, LongPrompt, Reasoning, Reference, Precision, Offload, Checkpointing,
     Logits, LogitsKernel, Kernels, LoraInit, PeftMethod, QuantType, Strategy, PipeSchedule, StateDtype, OptimKernel,
     OPTIMIZER, LOGGERS, Scheduler, LauncherName, NonFinite, Device, MemoryReport, MEMORY_REPORT_BOOLS,
-    MEMORY_REPORTS, ModelInit, ModelConfig, DataConfig, MethodConfig, PrecisionConfig, CheckpointingConfig,
+    MEMORY_REPORTS, ModelInit, ModelConfig, DataConfig, MethodConfig, METHOD_CONFIGS, METHOD_NAME, method_schema, PrecisionConfig, CheckpointingConfig,
     LogitsConfig, ZeroConfig, ParallelismConfig, PeftConfig, OptimConfig, LauncherConfig, PlanConfig, HardwareConfig
 )
 from finetune.errors import ConfigError, did_you_mean
@@ -39,13 +39,13 @@ __all__ = [
     "ANY_TEXT", "ARCHITECTURE", "ASSETS", "BETAS", "ENUM_ALIASES", "ENV", "EXISTING_DIR", "EXISTING_FILE", "GROUPS",
     "HOST_PORT", "LOGGERS", "MEMORY_REPORTS", "MEMORY_REPORT_BOOLS", "NAMES", "OPTIMIZER", "PORT", "POSITIVE",
     "PROBABILITY", "SOME_NAMES", "SOURCES", "TEXT", "Accepts", "AttnImpl", "Checkpointing", "CheckpointingConfig",
-    "Config", "ConfigError", "DataConfig", "DataFormat", "Device", "DpoLoss", "HardwareConfig", "Kernels",
+    "Config", "ConfigError", "DataConfig", "DataFormat", "Device", "HardwareConfig", "Kernels",
     "LauncherConfig", "LauncherName", "Logits", "LogitsConfig", "LogitsKernel", "LongPrompt", "MemoryReport",
-    "Method", "MethodConfig", "ModelConfig", "ModelInit", "NonFinite", "Offload", "OptimConfig", "OptimKernel",
+    "METHOD_CONFIGS", "METHOD_NAME", "MethodConfig", "ModelConfig", "ModelInit", "NonFinite", "Offload", "OptimConfig", "OptimKernel",
     "LoraInit", "ParallelismConfig", "PeftConfig", "PeftMethod", "PipeSchedule", "PlanConfig", "Precision", "PrecisionConfig",
     "QuantType", "Reasoning", "Reference", "Scheduler", "Spelled", "StateDtype", "Strategy", "Template", "TrainConfig",
     "ZeroConfig", "at_least", "check_fields", "checked", "did_you_mean", "engine_kind", "in_range", "launcher_for",
-    "load", "machine_ram_gib", "one_of", "register", "spelling", "to_config", "to_yaml", "unused", "uses_deepspeed"
+    "load", "machine_ram_gib", "method_schema", "one_of", "register", "spelling", "to_config", "to_yaml", "unused", "uses_deepspeed"
 ]
 
 

@@ -14,10 +14,11 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from finetune.config.fields import NAMES, POSITIVE, TEXT, at_least, checked, spelling
+from finetune.errors import ConfigError
 from finetune.config.schema import (
     LOGGERS, MEMORY_REPORT_BOOLS, MEMORY_REPORTS, CheckpointingConfig, DataConfig, Device, HardwareConfig, LauncherConfig,
-    LauncherName, LogitsConfig, MemoryReport, MethodConfig, ModelConfig, NonFinite, OptimConfig, ParallelismConfig, PeftConfig,
-    PlanConfig, PrecisionConfig, Strategy, ZeroConfig,
+    LauncherName, LogitsConfig, MemoryReport, METHOD_CONFIGS, MethodConfig, ModelConfig, NonFinite, OptimConfig, ParallelismConfig, PeftConfig,
+    PlanConfig, PrecisionConfig, Strategy, ZeroConfig, method_schema,
 )
 
 
@@ -187,6 +188,8 @@ def register() -> None:
     cs.store(name="base_config", node=Config)
     for group, schema in GROUPS.items():
         cs.store(group=group, name=f"base_{group}", node=schema)
+    for name, schema in METHOD_CONFIGS.items():  # recipes/method/NAME.yaml: defaults: [base_NAME]
+        cs.store(group="method", name=f"base_{name}", node=schema)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,7 +204,14 @@ def to_config(dcfg: DictConfig) -> Config:
     """
     plain = OmegaConf.to_container(dcfg, resolve=True)
     plain.pop("hydra", None)
-    merged = OmegaConf.merge(OmegaConf.structured(Config), plain)
+    method = plain.get("method")
+    name = method.get("name", MethodConfig.name) if isinstance(method, dict) else MethodConfig.name
+    schema = method_schema(name)
+    composed = OmegaConf.get_type(dcfg, "method") if "method" in dcfg else None  # the class Hydra composed the group with
+    if isinstance(composed, type) and issubclass(composed, MethodConfig) and composed not in (schema, MethodConfig):
+        raise ConfigError(f"method.name={name} with method={composed.name}: choose the method with method={name} (the group "
+                          "option brings its keys); method.name only names it")
+    merged = OmegaConf.merge(OmegaConf.structured(Config), {"method": OmegaConf.structured(schema)}, plain)
     return OmegaConf.to_object(merged)  # type: ignore[return-value]
 
 

@@ -11,10 +11,10 @@ from enum import Enum
 from typing import Any
 
 from finetune import logs, optimizers
+from finetune.errors import ConfigError, did_you_mean
 from finetune.config.data import DataConfig, DataFormat, LongPrompt, Reasoning, Template  # noqa: F401 - re-exported
 from finetune.config.fields import (
-    ARCHITECTURE, BETAS, ENV, EXISTING_DIR, EXISTING_FILE, HOST_PORT, NAMES, PORT, POSITIVE, PROBABILITY, SOME_NAMES,
-    TEXT, Accepts, Spelled, at_least, checked, in_range, one_of,
+    ARCHITECTURE, BETAS, ENV, EXISTING_DIR, EXISTING_FILE, HOST_PORT, PORT, POSITIVE, PROBABILITY, TEXT, Accepts, Spelled, at_least, checked, in_range, one_of,
 )
 from finetune.config.peft import LoraInit, PeftConfig, PeftMethod, QuantType  # noqa: F401 - the peft group, re-exported
 
@@ -24,22 +24,6 @@ class AttnImpl(str, Enum, metaclass=Spelled):
     flash_attention_2 = "flash_attention_2"
     sdpa = "sdpa"
     eager = "eager"
-
-
-class Method(str, Enum, metaclass=Spelled):
-    sft = "sft"
-    dpo = "dpo"
-    kto = "kto"
-    orpo = "orpo"
-    reward = "reward"
-    grpo = "grpo"
-
-
-class DpoLoss(str, Enum, metaclass=Spelled):
-    sigmoid = "sigmoid"
-    ipo = "ipo"
-    hinge = "hinge"
-    simpo = "simpo"
 
 
 class Reference(str, Enum, metaclass=Spelled):
@@ -215,80 +199,33 @@ class ModelConfig:
     they load differs from it in any of these keys."""
 
 
+METHOD_CONFIGS: dict[str, type[MethodConfig]] = {}
+"""Each method's config class by its name, registered by finetune.methods as it imports the methods (`to_config` and
+`load` type the method group with it; the ConfigStore holds each as method/base_NAME)."""
+
+METHOD_NAME = Accepts("a method's name (finetune.methods.METHODS)", lambda v: str(v) in METHOD_CONFIGS, ("dop",))
+
+
 @dataclass
 class MethodConfig:
-    name: Method = Method.sft
-    """sft: cross-entropy on response tokens only. dpo: preference optimisation on
-    (prompt, chosen, rejected) pairs, with the DPO-family loss `loss`. kto: unpaired rows labelled desirable
-    or undesirable (`label: true/false`; pairs count as one of each), against a reference. orpo: pairs, the
-    SFT loss plus an odds-ratio term, no reference model. reward: a reward model (one scalar
-    score per row, AutoModelForSequenceClassification) trained on the same pairs with the Bradley-Terry loss.
-    grpo: online reinforcement learning from rewards (Group Relative Policy Optimization): `generations` completions
-    sampled per prompt at each step, scored by `rewards`, the policy moved towards the better ones of each group."""
-    loss: DpoLoss = DpoLoss.sigmoid
-    """dpo: sigmoid (DPO), ipo (squared loss on length-averaged log-ratios), hinge (SLiC),
-    simpo (reference-free, length-averaged log-probs, target margin `gamma`)."""
-    beta: float | None = checked(POSITIVE, None)
-    """dpo, kto: inverse temperature of the implicit reward; orpo: the weight (lambda) of the odds-ratio term;
-    grpo: the weight of the per-token KL to the reference (0: no KL term and no reference model);
-    null: 0.1, 2.0 for simpo (the papers' values), 0 for grpo (TRL's default since DAPO/Dr. GRPO)."""
-    gamma: float = checked(at_least(0), 1.0)
-    """simpo: the target reward margin between chosen and rejected."""
-    label_smoothing: float = checked(in_range(0, 0.5, hi_open=True), 0.0)
-    """sigmoid/simpo: probability that a preference label is flipped (conservative DPO), in [0, 0.5)."""
-    sft_weight: float = checked(at_least(0), 0.0)
-    """dpo: weight of an added SFT loss on the chosen response (per-token mean; RPO-style)."""
-    desirable_weight: float = checked(POSITIVE, 1.0)
-    """kto: the weight of a desirable row's loss (lambda_D; the paper keeps lambda_D x desirable rows / lambda_U x
-    undesirable rows in [1, 4/3])."""
-    undesirable_weight: float = checked(POSITIVE, 1.0)
-    """kto: the weight of an undesirable row's loss (lambda_U)."""
-    reference: Reference = Reference.precomputed
-    """dpo, kto: where the reference log-probs come from. precomputed: one no-grad pass of the initial
-    policy over the data before training (no reference model in memory while training);
-    live: a frozen copy of the initial model (sharded like the policy under ZeRO-3);
-    adapter_disabled: with peft, the policy itself with its adapter switched off (no copy)."""
-    center_rewards_coefficient: float = checked(at_least(0), 0.0)
-    """reward: weight of the added mean squared sum of the pair's scores, (r_chosen + r_rejected)^2, which keeps
-    the scores centred on 0 (Eisenstein et al. 2023; TRL's RewardConfig.center_rewards_coefficient, 0.01 there);
-    0: the plain Bradley-Terry loss."""
-    generations: int = checked(at_least(2), 8)
-    """grpo: completions sampled per prompt (the group G); each one's advantage is its reward's z-score in its group."""
-    completion_tokens: int = checked(POSITIVE, 64)
-    """grpo: the most tokens a sampled completion has (generation stops at the EOS token or here)."""
-    temperature: float = checked(POSITIVE, 1.0)
-    """grpo: the sampling temperature of the completions."""
-    top_p: float = checked(in_range(0, 1), 1.0)
-    """grpo: nucleus sampling's probability mass (1: the whole distribution)."""
-    epsilon: float = checked(in_range(0, 1, hi_open=True), 0.2)
-    """grpo: the policy ratio's clip range [1 - epsilon, 1 + epsilon] (PPO's; DeepSeekMath's 0.2)."""
-    updates_per_rollout: int = checked(at_least(1), 1)
-    """grpo: optimizer steps on each rollout (mu; TRL's num_iterations): the completions sampled at step k train steps
-    k .. k + mu - 1 against the log-probs they were sampled with (the clipped ratio); those steps' own prompts are not
-    read. train.save_every must be a multiple of it (a checkpoint falls between rollouts)."""
-    rewards: list[str] = checked(SOME_NAMES, factory=lambda: ["exact_match"])
-    """grpo: the reward functions, summed with `reward_weights`: built-in exact_match (1 when the completion equals the
-    row's response, stripped), similarity (partial credit: difflib's matched-character ratio with the response), format (1 when the completion matches `format_pattern`), length (minus the completion's
-    tokens over completion_tokens), or a Python function `package.module:function` (finetune.methods.rewards says how it is
-    called), or `reward:PATH`: a reward model this project trained (method=reward), scoring prompt + completion."""
-    reward_weights: list[float] | None = checked(Accepts("a list of numbers", lambda v: len(v) > 0, ("[]",)), None)
-    """grpo: one weight per entry of `rewards` (null: 1 each)."""
-    format_pattern: str | None = checked(TEXT, None)
-    """grpo: the regular expression the `format` reward matches each whole completion against (Python's re.fullmatch,
-    DOTALL)."""
-    vllm: bool = False
-    """grpo: sample the completions with vLLM (`pip install vllm`) instead of transformers' generate: an engine on each rank
-    beside training (colocated), the policy's weights (gathered, any adapter merged in) loaded into it before each
-    rollout."""
-    vllm_memory: float = checked(in_range(0.05, 0.95), 0.3)
-    """grpo with vllm: the fraction of the GPU's memory vLLM takes for its weights and KV cache (its gpu_memory_utilization);
-    training gets the rest."""
+    """The method group's base. Each method's own config subclasses it in its module (finetune/methods/NAME.py: DpoConfig,
+    GrpoConfig, ...) with the keys that method reads; `method=NAME` composes that class, so a key of another method is an
+    unknown key, refused naming the method's keys."""
 
-    @property
-    def beta_value(self) -> float:
-        if self.beta is not None:
-            return self.beta
-        return 2.0 if self.loss == DpoLoss.simpo else 0.0 if self.name == Method.grpo else 0.1
+    name: str = checked(METHOD_NAME, "sft")
+    """The training method, chosen with method=NAME (which brings its keys): sft, dpo, kto, orpo, reward, grpo
+    (finetune.methods.METHODS)."""
+
+
+def method_schema(name: Any) -> type[MethodConfig]:
+    """The config class of method `name`: ConfigError naming the methods where none has that name."""
+    if not METHOD_CONFIGS:
+        raise RuntimeError("no method config is registered: import finetune.methods first (it registers each method's config)")
+    found = METHOD_CONFIGS.get(str(name))
+    if found is None:
+        raise ConfigError(f"method.name={name} must be one of {', '.join(METHOD_CONFIGS)}{did_you_mean(str(name), list(METHOD_CONFIGS))} "
+                          "(choose the method with method=NAME)")
+    return found
 
 
 @dataclass

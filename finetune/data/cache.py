@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from finetune import methods
-from finetune.config import ConfigError, DataConfig, Method
+from finetune.config import ConfigError, DataConfig
 from finetune.data.pack import first_fit
 from finetune.data.sources import Rows, fingerprint, samples_rows, split_rows
 from finetune.data.examples import tokenize_row
@@ -75,7 +75,7 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return digest.hexdigest()
 
 
-def key_inputs(cfg: DataConfig, tokenizer: Any, method: Method | str, seed: int) -> dict[str, Any]:
+def key_inputs(cfg: DataConfig, tokenizer: Any, method: str, seed: int) -> dict[str, Any]:
     """Everything that changes the tokens of a run's data (what the key hashes; meta.json keeps it)."""
     sources = fingerprint(cfg)
     for entry in sources.values():
@@ -112,7 +112,7 @@ def key_of(inputs: dict[str, Any]) -> str:
 class Examples(Sequence):
     """A split's examples (or pairs), read row by row from a memory-mapped Arrow table."""
 
-    def __init__(self, table: pa.Table, method: Method | str = Method.sft) -> None:
+    def __init__(self, table: pa.Table, method: str = "sft") -> None:
         self.table, self.method = table, methods.get(method)
         self.columns = self.method.columns  # each of an example's rows: its columns' prefix
 
@@ -174,13 +174,13 @@ def _labelled(labels: Any) -> np.ndarray:
     return marked[offsets[1:]] - marked[offsets[:-1]] - first
 
 
-def find(cfg: DataConfig, tokenizer: Any, method: Method | str, seed: int) -> Path | None:
+def find(cfg: DataConfig, tokenizer: Any, method: str, seed: int) -> Path | None:
     """The cache entry of these inputs, if one is complete."""
     target = root(cfg) / key_of(key_inputs(cfg, tokenizer, method, seed))
     return target if (target / META).is_file() else None
 
 
-def open_split(path: Path, method: Method | str = Method.sft) -> Examples:
+def open_split(path: Path, method: str = "sft") -> Examples:
     """A split's Arrow file of `method`'s examples, memory-mapped (pages are read as rows are; nothing is copied)."""
     import pyarrow as pa
 
@@ -199,7 +199,7 @@ def write_split(table: pa.Table, path: Path) -> None:
 # Building
 
 
-def _features(method: Method | str) -> datasets.Features:
+def _features(method: str) -> datasets.Features:
     """The token columns of each of an example's rows (prefixed by the method's `columns`), its `scalars`, and the counts'."""
     from datasets import Features, Sequence, Value
 
@@ -216,7 +216,7 @@ TRUNCATED, SPLIT = 1, 2  # `flags` bits, on a source row's first output
 
 
 def _encode_batch(batch: dict[str, list[Any]], indices: list[int], *, origin: Rows, tokenizer: Any, cfg: DataConfig,
-                  method: Method | str, chat: bool) -> dict[str, list[Any]]:
+                  method: str, chat: bool) -> dict[str, list[Any]]:
     """datasets.map: JSON rows -> token columns, one output per example (and one per dropped row)."""
     out: dict[str, list[Any]] = {name: [] for name in _features(method)}
     for raw, i in zip(batch["row"], indices):
@@ -229,7 +229,7 @@ def _encode_batch(batch: dict[str, list[Any]], indices: list[int], *, origin: Ro
     return out
 
 
-def _append(out: dict[str, list[Any]], item: Any, method: Method | str, *, kind: int, prompt: int, flags: int, thought: int) -> None:
+def _append(out: dict[str, list[Any]], item: Any, method: str, *, kind: int, prompt: int, flags: int, thought: int) -> None:
     out["thought"].append(thought)
     out["kind"].append(kind)
     out["prompt"].append(prompt)
@@ -266,7 +266,7 @@ def row_file(rows: Rows, path: Path) -> datasets.Dataset:
     return datasets.Dataset.from_file(str(path))
 
 
-def tokenize_split(rows: Rows, tokenizer: Any, cfg: DataConfig, key: str, method: Method | str, *, num_proc: int,
+def tokenize_split(rows: Rows, tokenizer: Any, cfg: DataConfig, key: str, method: str, *, num_proc: int,
                    progress: bool, scratch: Path) -> tuple[pa.Table, Stats]:
     """Rows -> a token table (memory-mapped from `datasets`' files in `scratch`) with `tokenize`'s counts and
     refusals. The rows are consumed (`row_file`)."""
@@ -352,7 +352,7 @@ def pack_split(table: pa.Table, max_length: int, seed: int) -> pa.Table:
     return packed
 
 
-def build(cfg: DataConfig, tokenizer: Any, method: Method | str, seed: int, target: Path, inputs: dict[str, Any], *,
+def build(cfg: DataConfig, tokenizer: Any, method: str, seed: int, target: Path, inputs: dict[str, Any], *,
           num_proc: int, progress: bool, say: Callable[[str], None]) -> None:
     """Tokenize (and pack) the run's data into `target`, atomically."""
     started = time.perf_counter()
@@ -401,7 +401,7 @@ def num_processes(cfg: DataConfig) -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def load(cfg: DataConfig, tokenizer: Any, seed: int, method: Method | str, *, builder: bool, progress: bool,
+def load(cfg: DataConfig, tokenizer: Any, seed: int, method: str, *, builder: bool, progress: bool,
          say: Callable[[str], None], wait_s: float = 0.5) -> tuple[Any, Any, dict[str, Stats], int, Path]:
     """The run's train and eval examples from the cache, built first if missing by the `builder` (local rank 0;
     the others wait for it). Returns (train, eval, counts, samples before packing, the cache entry)."""

@@ -11,13 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 from finetune import methods
-from finetune.config import DataConfig, Method
+from finetune.config import DataConfig
 from finetune.data.sources import Rows, all_sources, local_rows, split_rows
 from finetune.data.tokenize import Encoded, Stats, uses_chat_template
 from finetune.data.tools import uses_tools
 
 
-def check(cfg: DataConfig, method: Method | str) -> str | None:
+def check(cfg: DataConfig, method: str) -> str | None:
     """Read every local data file and convert every row; raises ConfigError at the first bad one. Returns where the
     first row with tools or tool turns is (its template is then probed: finetune.data.templates.check_tools), or None.
 
@@ -36,12 +36,12 @@ def check(cfg: DataConfig, method: Method | str) -> str | None:
     return first_tools
 
 
-def tokenize_row(row: dict[str, Any], where: str, tokenizer: Any, cfg: DataConfig, method: Method | str, chat: bool) -> Encoded:
+def tokenize_row(row: dict[str, Any], where: str, tokenizer: Any, cfg: DataConfig, method: str, chat: bool) -> Encoded:
     """One row -> its examples no longer than cfg.max_length (see `tokenize`): the method's `encode`."""
     return methods.get(method).encode(row, where, tokenizer, cfg, chat)
 
 
-def tokenize(rows: Rows, tokenizer: Any, cfg: DataConfig, key: str, method: Method | str = Method.sft) -> tuple[list[Any], Stats]:
+def tokenize(rows: Rows, tokenizer: Any, cfg: DataConfig, key: str, method: str = "sft") -> tuple[list[Any], Stats]:
     """Rows -> examples (or preference pairs) no longer than cfg.max_length, with truncation counted.
 
     A pair keeps its prompt whole and cuts each response at the end, so the prompt/response
@@ -57,7 +57,7 @@ def tokenize(rows: Rows, tokenizer: Any, cfg: DataConfig, key: str, method: Meth
     return out, stats
 
 
-def load_split(cfg: DataConfig, tokenizer: Any, seed: int, method: Method | str = Method.sft) -> tuple[list[Any], list[Any], dict[str, Stats]]:
+def load_split(cfg: DataConfig, tokenizer: Any, seed: int, method: str = "sft") -> tuple[list[Any], list[Any], dict[str, Stats]]:
     """The train and eval examples (pairs for DPO), per the data config, with their counts, in memory."""
     train_rows, eval_rows = split_rows(cfg, seed)
     train, train_stats = tokenize(train_rows, tokenizer, cfg, "data.train", method)

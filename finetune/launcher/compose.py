@@ -26,7 +26,8 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from finetune.config import Config, ConfigError, check_fields, did_you_mean, register, spelling, to_config
+from finetune import methods  # noqa: F401 - registers each method's config before the schemas are stored
+from finetune.config import Config, ConfigError, MethodConfig, check_fields, did_you_mean, register, spelling, to_config
 from finetune.launcher.rules import validate
 
 register()  # the schemas into Hydra's ConfigStore, before anything composes
@@ -169,6 +170,10 @@ def explain(e: BaseException) -> str:
             return f"unknown key '{key}' in Hydra's settings{hint}; the usual ones: {', '.join(HYDRA_KEYS)}"
         parent, _, leaf = str(key).rpartition(".")
         known = _fields_at(parent)
+        schema = getattr(cause, "object_type", None)
+        if parent == "method" and isinstance(schema, type) and issubclass(schema, MethodConfig):  # the method's own class
+            keys = [f.name for f in fields(schema)]
+            return f"{key}: not a key of method={schema.name}{did_you_mean(leaf, keys)}; its keys are {', '.join(keys)}"
         where = f"'{parent}'" if parent else "the config"
         hint = did_you_mean(leaf, known, prefix=f"{parent}." if parent else "")
         return f"unknown key '{key}' in {where}{hint}; known keys: {', '.join(known)}"

@@ -2,8 +2,8 @@
 
 The data (forms, tokenizing, the token cache, batches), the planner, the rules, the reference and the loss
 read a method through `get(cfg.method.name)`; nothing outside this package branches on a method's name.
-Adding a method: a module here with a `METHOD` record (base.Method), its entry below and in
-finetune.config.Method, a recipes/method/NAME.yaml, and its tests (docs/architecture.md: "Adding a training method").
+Adding a method: a module here with a `METHOD` record (base.Method) and its config class, its entry below, a
+recipes/method/NAME.yaml, and its tests (docs/architecture.md: "Adding a training method").
 No torch here: the launcher imports this package.
 """
 
@@ -11,16 +11,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from finetune.config import METHOD_CONFIGS, method_schema
 from finetune.methods import dpo, grpo, kto, orpo, reward, sft
 from finetune.methods.base import Item, Method, Objective
 
 METHODS: dict[str, Method] = {m.name: m for m in (sft.METHOD, dpo.METHOD, kto.METHOD, orpo.METHOD, reward.METHOD, grpo.METHOD)}
-"""Every method, by its method.name (tests/test_methods.py checks each finetune.config.Method has one)."""
+"""Every method, by its method.name."""
+
+METHOD_CONFIGS.update({name: m.config for name, m in METHODS.items()})  # the schema types the method group with these
 
 
 def get(name: Any) -> Method:
-    """The method named `name` (a finetune.config.Method or its value)."""
-    return METHODS[getattr(name, "value", name)]
+    """The method named `name`; ConfigError naming the methods where none has that name."""
+    found = METHODS.get(str(getattr(name, "value", name)))
+    if found is None:
+        method_schema(name)  # raises, naming the methods
+    return found
 
 
 __all__ = ["METHODS", "Item", "Method", "Objective", "get"]

@@ -14,7 +14,8 @@ rejected rows, with their reference log-probs). A batch lays out row k of every 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from finetune.config import Config, DataConfig, DataFormat, MethodConfig, Reference
 
@@ -71,9 +72,36 @@ class Objective(Protocol):
     def rows_loss(self, logps: torch.Tensor, batch: dict[str, torch.Tensor]) -> Output:
         """The same from each row's summed label log-probs (a pipeline's last stage under logits=chunked)."""
 
-    # An online method's objective (Method.online: GRPO) also has
-    #     rollout(engine, micro_batches, *, step, tokenizer, seed) -> (training micro-batches, generation seconds)
-    # which finetune.rank.loop calls before each step: the data's micro-batches hold its prompts, what it returns its rows.
+
+
+@runtime_checkable
+class OnlineObjective(Objective, Protocol):
+    """The objective of a method that samples its own rows (its record's `sampling` is not None: GRPO)."""
+
+    rollout_every: int
+    """Optimizer steps on each rollout: the loop stops on a signal only after a rollout's last one."""
+
+    prompt_tokens: int | None
+    """The longest prompt it samples after (data.max_length; a rank sets it before training): a sampler's context."""
+
+    def rollout(self, engine: Any, micro_batches: list[dict[str, Any]], *, step: int, tokenizer: Any,
+                seed: int) -> tuple[list[dict[str, Any]], float]:
+        """The rows this step trains on, made from the data's micro-batches, which hold its prompts (finetune.rank.loop
+        calls it before each step); and the seconds generation took."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What an online method samples before each step, as the planner counts it."""
+
+    completions: int
+    """Completions sampled per prompt, each a row with gradients."""
+    completion_tokens: int
+    """The most tokens one completion has."""
+    sampler: str = "generate"
+    """What samples: transformers' generate (a KV cache freed before the step), or vllm (an engine beside training)."""
+    reserved: float = 0.0
+    """The share of the GPU a sampler beside training holds through the run (vLLM's gpu_memory_utilization)."""
 
 
 class Method(Protocol):
@@ -82,7 +110,12 @@ class Method(Protocol):
     across config groups, and what the planner counts for it."""
 
     name: str
-    """Its `method.name` (finetune.config.Method), as typed on the command line."""
+    """Its `method.name`, as typed on the command line (method=NAME)."""
+
+    config: type[MethodConfig]
+    """Its settings: a dataclass subclassing finetune.config.MethodConfig, in its own module, each field's constraint
+    beside it and its docstring under it. method=NAME composes it (recipes/method/NAME.yaml: defaults: [base_NAME]), so
+    a key of another method is an unknown key; defaults that differ per method live here."""
 
     forms: tuple[DataFormat, ...]
     """The data.format values it accepts besides auto (which tells a row's form by its keys)."""
@@ -98,10 +131,10 @@ class Method(Protocol):
     """Rows one example puts in a batch (its cached rows and those `settle` adds: KTO's mismatched row): the planner
     counts micro_batch_size x this many rows of activations, less `no_grad_rows`."""
 
-    online: bool
-    """It samples its own training rows at each step (GRPO: method.generations completions of each prompt, rows with
-    gradients): its objective has `rollout` (finetune.rank.loop calls it before the step), and the planner counts
-    micro_batch_size x method.generations rows."""
+    def sampling(self, cfg: MethodConfig) -> Sampling | None:
+        """None: it trains on the data's rows. Else it samples its own rows at each step (GRPO: method.generations
+        completions of each prompt, rows with gradients): its objective is an `OnlineObjective`, and the planner counts
+        what this says."""
 
     no_grad_rows: int
     """Of those, rows forwarded without gradients outside a pipeline (KTO's mismatched row): no activations kept for

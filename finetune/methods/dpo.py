@@ -9,10 +9,12 @@ precomputed, live or adapter_disabled); simpo needs none.
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import dataclass, fields
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from finetune.config import Config, ConfigError, DataConfig, DataFormat, DpoLoss, MethodConfig, PeftMethod, Reference, unused
+from finetune.config import (METHOD_NAME, POSITIVE, Config, ConfigError, DataConfig, DataFormat, MethodConfig, PeftMethod, Reference,
+                             Spelled, at_least, checked, in_range, unused)
 from finetune.data.forms import to_pair
 from finetune.data.tools import tools_of
 from finetune.data.tokenize import IGNORE, Encoded, Example, Pair, encode_pair, fit
@@ -22,16 +24,52 @@ if TYPE_CHECKING:
     import torch
 
 
+class DpoLoss(str, Enum, metaclass=Spelled):
+    sigmoid = "sigmoid"
+    ipo = "ipo"
+    hinge = "hinge"
+    simpo = "simpo"
+
+
+@dataclass
+class DpoConfig(MethodConfig):
+    """method=dpo: preference optimisation on (prompt, chosen, rejected) pairs with the DPO-family loss `loss`."""
+
+    name: str = checked(METHOD_NAME, "dpo")
+    loss: DpoLoss = DpoLoss.sigmoid
+    """sigmoid (DPO), ipo (squared loss on length-averaged log-ratios), hinge (SLiC), simpo (reference-free,
+    length-averaged log-probs, target margin `gamma`)."""
+    beta: float | None = checked(POSITIVE, None)
+    """Inverse temperature of the implicit reward; null: 0.1, 2.0 for simpo (the papers' values)."""
+    gamma: float = checked(at_least(0), 1.0)
+    """simpo: the target reward margin between chosen and rejected."""
+    label_smoothing: float = checked(in_range(0, 0.5, hi_open=True), 0.0)
+    """sigmoid/simpo: probability that a preference label is flipped (conservative DPO), in [0, 0.5)."""
+    sft_weight: float = checked(at_least(0), 0.0)
+    """Weight of an added SFT loss on the chosen response (per-token mean; RPO-style)."""
+    reference: Reference = Reference.precomputed
+    """Where the reference log-probs come from. precomputed: one no-grad pass of the initial policy over the data
+    before training (no reference model in memory while training); live: a frozen copy of the initial model (sharded
+    like the policy under ZeRO-3); adapter_disabled: with peft, the policy itself with its adapter switched off (no
+    copy)."""
+
+    @property
+    def beta_value(self) -> float:
+        if self.beta is not None:
+            return self.beta
+        return 2.0 if self.loss == DpoLoss.simpo else 0.1
+
+
 class Dpo:
     """The DPO record (finetune.methods.base.Method)."""
 
     name = "dpo"
+    config = DpoConfig
     forms = (DataFormat.preference,)
     unit = "pair"
     columns = ("chosen_", "rejected_")
     rows_per_example = 2
     no_grad_rows = 0
-    online = False
     unpacked = "method=dpo scores chosen and rejected as rows of their own"
     split_tokens = ("the DPO loss needs each response's whole log-probability before it is computed, and each rank holds a "
                     "slice of the tokens; use parallelism.cp=1 (with checkpointing=full and logits=chunked for long pairs)")
@@ -50,13 +88,14 @@ class Dpo:
     def join(self, rows: list[Example], scalars: dict[str, float]) -> Pair:
         return Pair(*rows)
 
-    def reference(self, cfg: MethodConfig) -> Reference | None:
+    def sampling(self, cfg: MethodConfig) -> None:
+        return None
+
+    def reference(self, cfg: DpoConfig) -> Reference | None:
         return None if cfg.loss == DpoLoss.simpo else cfg.reference
 
     def validate(self, cfg: Config) -> None:
         m = cfg.method
-        unused(m, "method", ("name", "loss", "beta", "gamma", "label_smoothing", "sft_weight", "reference"),
-               "with method=dpo (another method's key)")
         if m.loss == DpoLoss.simpo:
             unused(m, "method", ("name", "loss", "beta", "gamma", "label_smoothing", "sft_weight"), "with method.loss=simpo (reference-free)")
         else:
@@ -73,7 +112,7 @@ class Dpo:
     def settle(self, examples: list[Any], data: DataConfig, key: str) -> list[Any]:
         return examples
 
-    def objective(self, cfg: MethodConfig, reference: Any, router: Any, head: Any) -> DPO:
+    def objective(self, cfg: DpoConfig, reference: Any, router: Any, head: Any) -> DPO:
         return DPO(cfg, reference, router, head)
 
 
@@ -114,7 +153,7 @@ class PairLoss:
         reference = None  # precomputed ones travel in the batch: `loss` reads them there
         if self.referenced and "reference_logps" not in batch:
             if self.reference is None:
-                raise RuntimeError(f"method={self.cfg.name.value} needs reference log-probs: precompute them or give a reference model")
+                raise RuntimeError(f"method={self.cfg.name} needs reference log-probs: precompute them or give a reference model")
             with torch.no_grad():  # before the policy's forward: nothing of it is kept for backward
                 reference = self.reference(model, batch).float()
         if self.head is not None:  # logits=chunked: the output layer leaves the label log-probs
@@ -150,7 +189,7 @@ class DPO(PairLoss):
 
     metric_names = ("logps/chosen", "logps/rejected", "rewards/accuracy", "rewards/chosen", "rewards/margin", "rewards/rejected")
 
-    def __init__(self, cfg: MethodConfig, reference: Any = None, router: Any = None, head: Any = None) -> None:
+    def __init__(self, cfg: DpoConfig, reference: Any = None, router: Any = None, head: Any = None) -> None:
         super().__init__(cfg, reference, router, head, referenced=cfg.loss != DpoLoss.simpo)
 
     def pairs(self, logps: torch.Tensor, lengths: torch.Tensor, batch: dict[str, torch.Tensor], reference: torch.Tensor | None) -> Output:
@@ -174,7 +213,7 @@ class DPO(PairLoss):
 
 
 def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, n_chosen: torch.Tensor, n_rejected: torch.Tensor,
-             cfg: MethodConfig) -> tuple[torch.Tensor, ...]:
+             cfg: DpoConfig) -> tuple[torch.Tensor, ...]:
     """Per-pair losses and implicit rewards (chosen, rejected) from summed response log-probs.
 
     Args:

@@ -33,30 +33,74 @@ time is reported apart (`generation_s`). Evaluation scores the rows' own respons
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from finetune.config import Config, ConfigError, DataConfig, DataFormat, Logits, MethodConfig, Reference, unused
+from finetune.config import (METHOD_NAME, POSITIVE, SOME_NAMES, TEXT, Accepts, Config, ConfigError, DataConfig, DataFormat, Logits,
+                             MethodConfig, Reference, at_least, checked, in_range, unused)
 from finetune.data.tokenize import IGNORE, Encoded, Example
-from finetune.methods.base import CAUSAL_LM, Output
+from finetune.methods.base import CAUSAL_LM, Output, Sampling
 from finetune.methods.sft import METHOD as SFT_METHOD
 
 if TYPE_CHECKING:
     import torch
 
-KEYS = ("name", "beta", "reference", "generations", "completion_tokens", "temperature", "top_p", "epsilon", "updates_per_rollout",
-        "rewards", "reward_weights", "format_pattern", "vllm", "vllm_memory")
+@dataclass
+class GrpoConfig(MethodConfig):
+    """method=grpo: online reinforcement learning from rewards (Group Relative Policy Optimization): `generations`
+    completions sampled per prompt at each step, scored by `rewards`, the policy moved towards the better ones of each
+    group."""
+
+    name: str = checked(METHOD_NAME, "grpo")
+    beta: float = checked(at_least(0), 0.0)
+    """The weight of the per-token KL to the reference; 0: no KL term and no reference model (TRL's default since
+    DAPO/Dr. GRPO)."""
+    reference: Reference = Reference.precomputed
+    """With beta > 0, where the reference log-probs come from: live (a frozen copy of the initial model) or
+    adapter_disabled (with peft); precomputed cannot score completions sampled while training."""
+    generations: int = checked(at_least(2), 8)
+    """Completions sampled per prompt (the group G); each one's advantage is its reward's z-score in its group."""
+    completion_tokens: int = checked(POSITIVE, 64)
+    """The most tokens a sampled completion has (generation stops at the EOS token or here)."""
+    temperature: float = checked(POSITIVE, 1.0)
+    """The sampling temperature of the completions."""
+    top_p: float = checked(in_range(0, 1), 1.0)
+    """Nucleus sampling's probability mass (1: the whole distribution)."""
+    epsilon: float = checked(in_range(0, 1, hi_open=True), 0.2)
+    """The policy ratio's clip range [1 - epsilon, 1 + epsilon] (PPO's; DeepSeekMath's 0.2)."""
+    updates_per_rollout: int = checked(at_least(1), 1)
+    """Optimizer steps on each rollout (mu; TRL's num_iterations): the completions sampled at step k train steps
+    k .. k + mu - 1 against the log-probs they were sampled with (the clipped ratio); those steps' own prompts are not
+    read. train.save_every must be a multiple of it (a checkpoint falls between rollouts)."""
+    rewards: list[str] = checked(SOME_NAMES, factory=lambda: ["exact_match"])
+    """The reward functions, summed with `reward_weights`: built-in exact_match (1 when the completion equals the row's
+    response, stripped), similarity (partial credit: difflib's matched-character ratio with the response), format (1
+    when the completion matches `format_pattern`), length (minus the completion's tokens over completion_tokens), or a
+    Python function `package.module:function` (finetune.methods.rewards says how it is called), or `reward:PATH`: a
+    reward model this project trained (method=reward), scoring prompt + completion."""
+    reward_weights: list[float] | None = checked(Accepts("a list of numbers", lambda v: len(v) > 0, ("[]",)), None)
+    """One weight per entry of `rewards` (null: 1 each)."""
+    format_pattern: str | None = checked(TEXT, None)
+    """The regular expression the `format` reward matches each whole completion against (Python's re.fullmatch, DOTALL)."""
+    vllm: bool = False
+    """Sample the completions with vLLM (`pip install vllm`) instead of transformers' generate: an engine on each rank
+    beside training (colocated), the policy's weights (gathered, any adapter merged in) loaded into it before each
+    rollout."""
+    vllm_memory: float = checked(in_range(0.05, 0.95), 0.3)
+    """With vllm: the fraction of the GPU's memory vLLM takes for its weights and KV cache (its gpu_memory_utilization);
+    training gets the rest."""
 
 
 class Grpo:
     """The GRPO record (finetune.methods.base.Method)."""
 
     name = "grpo"
+    config = GrpoConfig
     forms = (DataFormat.alpaca, DataFormat.chat, DataFormat.sharegpt, DataFormat.completion)
     unit = "prompt"
     columns = ("",)
-    rows_per_example = 1  # x method.generations completions, each a row with gradients (`online`)
+    rows_per_example = 1  # x method.generations completions, each a row with gradients (`sampling`)
     no_grad_rows = 0
-    online = True
     unpacked = "method=grpo samples each prompt's completions as rows of their own"
     split_tokens = ("the GRPO loss averages each completion's tokens, and each rank holds a slice of them; use parallelism.cp=1 "
                     "(with checkpointing=full for long completions)")
@@ -76,16 +120,19 @@ class Grpo:
     def settle(self, examples: list[Any], data: DataConfig, key: str) -> list[Any]:
         return examples
 
-    def reference(self, cfg: MethodConfig) -> Reference | None:
-        return cfg.reference if cfg.beta_value > 0 else None
+    def sampling(self, cfg: GrpoConfig) -> Sampling:
+        return Sampling(cfg.generations, cfg.completion_tokens, "vllm" if cfg.vllm else "generate", cfg.vllm_memory if cfg.vllm else 0.0)
+
+    def reference(self, cfg: GrpoConfig) -> Reference | None:
+        return cfg.reference if cfg.beta > 0 else None
 
     def validate(self, cfg: Config) -> None:
         from finetune.methods import rewards
 
         m = cfg.method
-        unused(m, "method", KEYS, "with method=grpo (another method's key)")
-        if m.beta_value == 0:
-            unused(m, "method", tuple(k for k in KEYS if k != "reference"), "with method=grpo and method.beta=0 (no KL term, no reference)")
+        if m.beta == 0:
+            unused(m, "method", tuple(f.name for f in fields(m) if f.name != "reference"),
+                   "with method=grpo and method.beta=0 (no KL term, no reference)")
         elif m.reference == Reference.precomputed:
             raise ConfigError("method.reference=precomputed cannot score GRPO's completions, which are sampled while training: use "
                               "method.reference=live (or adapter_disabled with peft), or method.beta=0 (no KL term)")
@@ -104,12 +151,12 @@ class Grpo:
                               "the chunked head reduces per row; use logits=full")
         if m.vllm:
             vllm_rules(cfg)
-        elif m.vllm_memory != MethodConfig().vllm_memory:
+        elif m.vllm_memory != GrpoConfig().vllm_memory:
             raise ConfigError(f"method.vllm_memory={m.vllm_memory:g} is set but method.vllm=false: it is the share of the GPU vLLM "
                               "takes; set method.vllm=true or drop it")
         rewards.resolve(m)
 
-    def objective(self, cfg: MethodConfig, reference: Any, router: Any, head: Any) -> GRPO:
+    def objective(self, cfg: GrpoConfig, reference: Any, router: Any, head: Any) -> GRPO:
         return GRPO(cfg, reference, router)
 
 
@@ -170,7 +217,7 @@ def vllm_rules(cfg: Config) -> None:
 class GRPO:
     """The GRPO loss over a rollout batch (`rollout` makes it from a batch of prompts before each step)."""
 
-    def __init__(self, cfg: MethodConfig, reference: Any = None, router: Any = None) -> None:
+    def __init__(self, cfg: GrpoConfig, reference: Any = None, router: Any = None) -> None:
         self.cfg, self.reference, self.router = cfg, reference, router
         self.rewards: list[Any] | None = None  # resolved (reward models loaded) at the first rollout
         self.rollout_every = cfg.updates_per_rollout  # the loop stops on a signal only after a rollout's last update
@@ -199,10 +246,10 @@ class GRPO:
             out: Output = (loss, {})
         else:
             reference = None
-            if self.cfg.beta_value > 0:
+            if self.cfg.beta > 0:
                 with torch.no_grad():
                     reference = self.reference(model, batch, per_token=True).float()
-            loss, kl = grpo_loss(logps, batch["advantages"].float(), mask, self.cfg.epsilon, self.cfg.beta_value, reference,
+            loss, kl = grpo_loss(logps, batch["advantages"].float(), mask, self.cfg.epsilon, self.cfg.beta, reference,
                                  batch.get("old_logps"))
             sums = {k[len("sum_"):]: v.sum() for k, v in batch.items() if k.startswith("sum_")}
             out = (loss, {**sums, "kl": kl, "completion_tokens": mask.sum()})
@@ -313,7 +360,7 @@ def split_rows(batch: dict[str, torch.Tensor]) -> tuple[list[list[int]], list[li
     return prompts, answers
 
 
-def sample(engine: Any, prompts: list[list[int]], cfg: MethodConfig, tokenizer: Any, seed: tuple[int, ...],
+def sample(engine: Any, prompts: list[list[int]], cfg: GrpoConfig, tokenizer: Any, seed: tuple[int, ...],
            vllm: Any = None) -> list[list[int]]:
     """G sampled completions of each prompt (adjacent), each cut after its first EOS (kept: it is labelled), through
     the engine (eval mode, its precision; generation synced across ranks where parameters are gathered), or through

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from finetune.config import Config, ConfigError, DataConfig, DataFormat, MethodConfig, Reference, unused
+from finetune.config import METHOD_NAME, POSITIVE, Config, ConfigError, DataConfig, DataFormat, MethodConfig, Reference, checked
 from finetune.data.forms import to_labelled
 from finetune.data.tools import tools_of
 from finetune.data.tokenize import IGNORE, Encoded, Example, encode, fit
@@ -31,6 +31,23 @@ from finetune.methods.dpo import check_reference
 
 if TYPE_CHECKING:
     import torch
+
+
+@dataclass
+class KtoConfig(MethodConfig):
+    """method=kto: unpaired rows labelled desirable or undesirable (`label: true/false`; pairs count as one of each),
+    against a reference."""
+
+    name: str = checked(METHOD_NAME, "kto")
+    beta: float = checked(POSITIVE, 0.1)
+    """Inverse temperature of the implicit reward (the paper's 0.1)."""
+    desirable_weight: float = checked(POSITIVE, 1.0)
+    """The weight of a desirable row's loss (lambda_D; the paper keeps lambda_D x desirable rows / lambda_U x
+    undesirable rows in [1, 4/3])."""
+    undesirable_weight: float = checked(POSITIVE, 1.0)
+    """The weight of an undesirable row's loss (lambda_U)."""
+    reference: Reference = Reference.precomputed
+    """Where the reference log-probs come from: precomputed, live or adapter_disabled (as method=dpo's)."""
 
 
 @dataclass
@@ -68,12 +85,12 @@ class Kto:
     """The KTO record (finetune.methods.base.Method)."""
 
     name = "kto"
+    config = KtoConfig
     forms = (DataFormat.alpaca, DataFormat.chat, DataFormat.sharegpt, DataFormat.completion, DataFormat.preference)
     unit = "example"
     columns = ("",)  # the token cache keeps the row; its mismatched row is made on the rank (settle)
     rows_per_example = 2  # the row, then its mismatched row
     no_grad_rows = 1  # the mismatched row: forwarded without gradients (a pipeline keeps it)
-    online = False
     unpacked = "method=kto scores each response's whole log-probability in a row of its own"
     split_tokens = ("the KTO loss needs each response's whole log-probability before it is computed, and each rank holds a "
                     "slice of the tokens; use parallelism.cp=1 (with checkpointing=full and logits=chunked for long rows)")
@@ -104,12 +121,13 @@ class Kto:
             e.mismatched = mismatched(e.row, examples[(i + 1) % len(examples)].row, data.max_length)
         return examples
 
-    def reference(self, cfg: MethodConfig) -> Reference | None:
+    def sampling(self, cfg: MethodConfig) -> None:
+        return None
+
+    def reference(self, cfg: KtoConfig) -> Reference | None:
         return cfg.reference
 
     def validate(self, cfg: Config) -> None:
-        unused(cfg.method, "method", ("name", "beta", "desirable_weight", "undesirable_weight", "reference"),
-               "with method=kto (another method's key)")
         check_reference(cfg)
         if cfg.data.packing:
             raise ConfigError("data.packing=true is not supported with method=kto (each response is scored in a row of its own): "
@@ -121,7 +139,7 @@ class Kto:
             raise ConfigError("method=kto trains on labelled responses: data.format=text has none; use alpaca, chat, sharegpt, "
                               "completion (with a 'label') or preference rows")
 
-    def objective(self, cfg: MethodConfig, reference: Any, router: Any, head: Any) -> KTO:
+    def objective(self, cfg: KtoConfig, reference: Any, router: Any, head: Any) -> KTO:
         return KTO(cfg, reference, router, head)
 
 
@@ -137,7 +155,7 @@ class KTO:
     of one forward and detaches the mismatched half.
     """
 
-    def __init__(self, cfg: MethodConfig, reference: Any = None, router: Any = None, head: Any = None) -> None:
+    def __init__(self, cfg: KtoConfig, reference: Any = None, router: Any = None, head: Any = None) -> None:
         self.cfg, self.reference, self.router, self.head = cfg, reference, router, head
         self.metrics = ("kl", "logps", "rewards/accuracy", "rewards/signed") + ((router.metric,) if router else ())
 
@@ -191,18 +209,18 @@ class KTO:
         rewards = logps[:n] - reference[:n]
         kl = (logps[n:].detach() - reference[n:]).mean().clamp(min=0)
         losses = kto_loss(rewards, kl, good, self.cfg)
-        beta = self.cfg.beta_value
+        beta = self.cfg.beta
         sign = good.float() * 2 - 1
         metrics = {"kl": kl * n, "logps": logps[:n].sum(), "rewards/accuracy": ((rewards > kl) == good).float().sum(),
                    "rewards/signed": beta * (sign * rewards).sum()}
         return losses.sum(), {k: v.detach().float() for k, v in metrics.items()}
 
 
-def kto_loss(rewards: torch.Tensor, kl: torch.Tensor, desirable: torch.Tensor, cfg: MethodConfig) -> torch.Tensor:
+def kto_loss(rewards: torch.Tensor, kl: torch.Tensor, desirable: torch.Tensor, cfg: KtoConfig) -> torch.Tensor:
     """Per-row KTO losses from each row's r = policy - reference log-prob ([B]), the reference point z0 and the labels."""
     import torch
 
-    beta = cfg.beta_value
+    beta = cfg.beta
     value = torch.where(desirable, torch.sigmoid(beta * (rewards - kl)), torch.sigmoid(beta * (kl - rewards)))
     weight = torch.where(desirable, cfg.desirable_weight, cfg.undesirable_weight)
     return weight * (1 - value)

@@ -15,9 +15,10 @@ the batch's tokens instead); the loop averages over the step's pairs. The data, 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from finetune.config import Config, ConfigError, DataFormat, MethodConfig, Reference, unused
+from finetune.config import METHOD_NAME, POSITIVE, Config, ConfigError, DataFormat, MethodConfig, Reference, checked
 from finetune.methods.base import Output
 from finetune.methods.dpo import Dpo, PairLoss
 
@@ -25,10 +26,20 @@ if TYPE_CHECKING:
     import torch
 
 
+@dataclass
+class OrpoConfig(MethodConfig):
+    """method=orpo: pairs, the SFT loss on the chosen response plus an odds-ratio term; no reference model."""
+
+    name: str = checked(METHOD_NAME, "orpo")
+    beta: float = checked(POSITIVE, 0.1)
+    """The weight (lambda) of the odds-ratio term (the paper's 0.1)."""
+
+
 class Orpo(Dpo):
     """The ORPO record (finetune.methods.base.Method): DPO's pairs, no reference."""
 
     name = "orpo"
+    config = OrpoConfig
     unpacked = "method=orpo scores chosen and rejected as rows of their own"
     split_tokens = ("the ORPO loss needs each response's whole log-probability before it is computed, and each rank holds a "
                     "slice of the tokens; use parallelism.cp=1 (with checkpointing=full and logits=chunked for long pairs)")
@@ -38,7 +49,6 @@ class Orpo(Dpo):
         return None
 
     def validate(self, cfg: Config) -> None:
-        unused(cfg.method, "method", ("name", "beta"), "with method=orpo (no reference model; method.beta is the odds-ratio weight)")
         if cfg.data.packing:
             raise ConfigError("data.packing=true is not supported with method=orpo (chosen and rejected are scored as separate rows): "
                               "set data.packing=false")
@@ -59,8 +69,8 @@ class ORPO(PairLoss):
 
     def pairs(self, logps: torch.Tensor, lengths: torch.Tensor, batch: dict[str, torch.Tensor], reference: torch.Tensor | None) -> Output:
         chosen, rejected = (logps / lengths).chunk(2)  # each response's mean token log-probability
-        losses, log_odds = orpo_loss(chosen, rejected, self.cfg.beta_value)
-        beta = self.cfg.beta_value
+        losses, log_odds = orpo_loss(chosen, rejected, self.cfg.beta)
+        beta = self.cfg.beta
         metrics = {
             "log_odds_ratio": log_odds.sum(), "nll": -chosen.sum(),
             "rewards/chosen": beta * chosen.sum(), "rewards/rejected": beta * rejected.sum(),  # TRL's: beta x mean log-prob

@@ -18,9 +18,10 @@ higher), the mean scores and their margin. No reference model.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from finetune.config import Config, ConfigError, Logits, MethodConfig, Reference, unused
+from finetune.config import METHOD_NAME, Config, ConfigError, Logits, MethodConfig, Reference, at_least, checked
 from finetune.disk import model_config
 from finetune.families import FAMILIES
 from finetune.methods.base import SCORED, Output
@@ -30,13 +31,25 @@ if TYPE_CHECKING:
     import torch
 
 
+@dataclass
+class RewardConfig(MethodConfig):
+    """method=reward: a reward model (one scalar score per row, AutoModelForSequenceClassification) trained on
+    preference pairs with the Bradley-Terry loss."""
+
+    name: str = checked(METHOD_NAME, "reward")
+    center_rewards_coefficient: float = checked(at_least(0), 0.0)
+    """Weight of the added mean squared sum of the pair's scores, (r_chosen + r_rejected)^2, which keeps the scores
+    centred on 0 (Eisenstein et al. 2023; TRL's RewardConfig.center_rewards_coefficient, 0.01 there); 0: the plain
+    Bradley-Terry loss."""
+
+
 class Reward:
     """The reward-model record (finetune.methods.base.Method)."""
 
     name = "reward"
+    config = RewardConfig
     forms, unit, columns, rows_per_example, scalars = Dpo.forms, Dpo.unit, Dpo.columns, Dpo.rows_per_example, Dpo.scalars
     no_grad_rows = Dpo.no_grad_rows
-    online = False
     check_row, encode, join = Dpo.check_row, Dpo.encode, Dpo.join  # DPO's preference rows, read the same way (as method=reward)
     unpacked = "method=reward scores chosen and rejected each at its own last token, as rows of their own"
     split_tokens = ("a reward model scores each row at its last token, which only one rank's slice of the tokens holds; use "
@@ -46,11 +59,13 @@ class Reward:
 
     settle = Dpo.settle  # nothing added to a split
 
+    def sampling(self, cfg: MethodConfig) -> None:
+        return None
+
     def reference(self, cfg: MethodConfig) -> Reference | None:
         return None
 
     def validate(self, cfg: Config) -> None:
-        unused(cfg.method, "method", ("name", "center_rewards_coefficient"), "with method=reward (another method's key)")
         refusal = unsupported(cfg)
         if refusal:
             raise ConfigError(refusal)

@@ -7,9 +7,10 @@ example; rows may be packed and laid end to end (padding-free). No reference mod
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from finetune.config import Config, ConfigError, DataConfig, DataFormat, MethodConfig, Reference, unused
+from finetune.config import METHOD_NAME, Config, ConfigError, DataConfig, DataFormat, MethodConfig, Reference, checked
 from finetune.data.forms import form_of, text_of, to_messages
 from finetune.data.tools import tools_of
 from finetune.data.tokenize import IGNORE, Encoded, Example, encode, encode_text, fit
@@ -19,16 +20,23 @@ if TYPE_CHECKING:
     import torch
 
 
+@dataclass
+class SftConfig(MethodConfig):
+    """method=sft: cross-entropy on the response tokens only. No keys of its own."""
+
+    name: str = checked(METHOD_NAME, "sft")
+
+
 class Sft:
     """The SFT record (finetune.methods.base.Method)."""
 
     name = "sft"
+    config = SftConfig
     forms = (DataFormat.alpaca, DataFormat.chat, DataFormat.sharegpt, DataFormat.completion, DataFormat.text)
     unit = "example"
     columns = ("",)
     rows_per_example = 1
     no_grad_rows = 0
-    online = False
     unpacked = None
     split_tokens = None
     scalars = ()
@@ -54,11 +62,13 @@ class Sft:
     def settle(self, examples: list[Any], data: DataConfig, key: str) -> list[Any]:
         return examples
 
+    def sampling(self, cfg: MethodConfig) -> None:
+        return None
+
     def reference(self, cfg: MethodConfig) -> Reference | None:
         return None
 
     def validate(self, cfg: Config) -> None:
-        unused(cfg.method, "method", ("name",), "with method=sft (another method's key)")
         if cfg.data.format == DataFormat.preference:
             raise ConfigError("data.format=preference holds (prompt, chosen, rejected) pairs for method=dpo; method=sft needs alpaca or chat rows")
 

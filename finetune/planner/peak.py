@@ -17,7 +17,7 @@ from finetune import methods, optimizers
 from finetune.config import Config, Offload, PeftMethod, PipeSchedule, Precision, Reference, StateDtype, Strategy
 from finetune.families import COUNTED, Arch
 from finetune.data.lengths import Longest
-from finetune.methods.base import SCORED
+from finetune.methods.base import SCORED, Sampling
 from finetune.planner.activations import Activations, activation_bytes, dtypes
 from finetune.planner.counts import (CPU_OVERHEAD_BYTES, GIB, GPU_OVERHEAD_BYTES, Counts, architecture, attention_kernel,
                                      count_params, engine_state_bytes, fsdp_frozen_and_gathered, module_bytes, moe_notes,
@@ -130,14 +130,15 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
     s.weights += reference_weights(arch, cfg, notes)
     seq, said = batch_width(cfg, longest)
     notes.append(said)
-    if methods.get(cfg.method.name).online:  # GRPO's rows: a prompt and a sampled completion (bounded by the row + a whole one)
-        seq += cfg.method.completion_tokens
-        notes.append(f"grpo rows: counted at {seq} tokens, that width + method.completion_tokens={cfg.method.completion_tokens} "
+    sampling = methods.get(cfg.method.name).sampling(cfg.method)
+    if sampling is not None:  # GRPO's rows: a prompt and a sampled completion (bounded by the row + a whole one)
+        seq += sampling.completion_tokens
+        notes.append(f"{cfg.method.name} rows: counted at {seq} tokens, that width + method.completion_tokens={sampling.completion_tokens} "
                      "(an upper bound of prompt + completion)")
     acts, backward = activations_through_backward(arch, cfg, counts, s, seq, longest, on_gpu, notes)
     pl = total(cfg, counts, s, acts, backward, step_temp(arch, cfg, counts, s, on_gpu), seq, on_gpu, notes)
-    if methods.get(cfg.method.name).online:
-        pl.rollout, pl.reserved = rollout_bytes(arch, cfg, seq, on_gpu, notes)
+    if sampling is not None:
+        pl.rollout, pl.reserved = rollout_bytes(arch, cfg, sampling, seq, on_gpu, notes)
         if cfg.zero.enabled:  # DeepSpeed keeps its gradient partitions between steps
             pl.rollout += s.grads
     return pl
@@ -149,21 +150,21 @@ def kv_cache_bytes(arch: Arch, rows: int, tokens: int, tp: int, itemsize: float)
     return rows * tokens * arch.num_hidden_layers * 2 * arch.kv_dim / tp * itemsize
 
 
-def rollout_bytes(arch: Arch, cfg: Config, seq: int, on_gpu: bool, notes: list[str]) -> tuple[float, float]:
-    """GRPO's sampling before each step: (model.generate's KV cache of micro_batch_size x generations rows at `seq`
-    tokens, prompt + completion, with one decoding step's fp32 logits and probabilities; vLLM's reservation beside
-    training under method.vllm, where its own KV cache lives instead)."""
-    m = cfg.method
-    rows = cfg.train.micro_batch_size * m.generations
-    if m.vllm:
-        reserved = m.vllm_memory * cfg.hardware.gpu_memory_gib * GIB if on_gpu else 0.0
-        notes.append(f"grpo rollout: vLLM samples {rows} completions per micro-batch; it holds method.vllm_memory={m.vllm_memory:g} "
+def rollout_bytes(arch: Arch, cfg: Config, sampling: Sampling, seq: int, on_gpu: bool, notes: list[str]) -> tuple[float, float]:
+    """An online method's sampling before each step: (model.generate's KV cache of micro_batch_size x completions rows
+    at `seq` tokens, prompt + completion, with one decoding step's fp32 logits and probabilities; vLLM's reservation
+    beside training, where its own KV cache lives instead)."""
+    name, per = cfg.method.name, sampling.completions
+    rows = cfg.train.micro_batch_size * per
+    if sampling.sampler == "vllm":
+        reserved = sampling.reserved * cfg.hardware.gpu_memory_gib * GIB if on_gpu else 0.0
+        notes.append(f"{name} rollout: vLLM samples {rows} completions per micro-batch; it holds method.vllm_memory={sampling.reserved:g} "
                      f"of the GPU for its weights and KV cache through the run ({reserved / GIB:.2f} GiB, counted at every peak)"
-                     if on_gpu else "grpo rollout: vLLM on CPU keeps its KV cache in VLLM_CPU_KVCACHE_SPACE, not counted here")
+                     if on_gpu else f"{name} rollout: vLLM on CPU keeps its KV cache in VLLM_CPU_KVCACHE_SPACE, not counted here")
         return 0.0, reserved
     kv = kv_cache_bytes(arch, rows, seq, cfg.parallelism.tp, dtypes(cfg).compute)
     logits = rows * arch.vocab_size * 4 * 2
-    notes.append(f"grpo rollout: {rows} completions per micro-batch ({cfg.train.micro_batch_size} prompts x {m.generations}), "
+    notes.append(f"{name} rollout: {rows} completions per micro-batch ({cfg.train.micro_batch_size} prompts x {per}), "
                  f"each a row with gradients; sampling holds a KV cache of {kv / 2**20:.1f} MiB at {seq} tokens and "
                  f"{logits / 2**20:.1f} MiB of logits, freed before the step")
     return kv + logits, 0.0
@@ -312,7 +313,8 @@ def activations_through_backward(arch: Arch, cfg: Config, counts: Counts, s: Sta
     p, z = cfg.parallelism, cfg.zero
     method = methods.get(cfg.method.name)
     rows = cfg.train.micro_batch_size * (method.rows_per_example - (method.no_grad_rows if p.pp == 1 else 0))
-    rows *= cfg.method.generations if method.online else 1  # GRPO: each prompt's completions, each a row with gradients
+    sampling = method.sampling(cfg.method)
+    rows *= sampling.completions if sampling is not None else 1  # GRPO: each prompt's completions, each a row with gradients
     tokens = -(-seq // p.cp) * rows  # context parallel: this rank's slice of every row (attention: all of it, 1/cp of the heads)
     labelled = longest.labelled if longest is not None else None
     exchange = 0.0

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune import benchmarks, logs, rundir
-from finetune.config import ConfigError, Template
+from finetune.config import ConfigError
 from finetune.rank.finished import Finished, Refusal, load, locate
 
 RESULTS = "eval"

@@ -197,11 +197,11 @@ def card(run: Finished, tokenizer: Any, *, dtype: str, gguf: Path | None) -> Any
     hub_base = base if base and not Path(base).expanduser().exists() else None
     data = data_fingerprints(cfg, tokenizer)
     hub_data = [e["hub"] for e in data["sources"].values() if "hub" in e]
-    tags = ["finetune", cfg.method.name.value, *([cfg.peft.name.value] if cfg.peft.name != PeftMethod.none else []), *(["gguf"] if gguf else [])]
+    tags = ["finetune", cfg.method.name, *([cfg.peft.name.value] if cfg.peft.name != PeftMethod.none else []), *(["gguf"] if gguf else [])]
     meta = ModelCardData(base_model=hub_base, datasets=hub_data or None, library_name="transformers", pipeline_tag="text-generation",
                          tags=tags)
     lines = [f"# {run_dir.name}", "",
-             f"Fine-tuned with finetune from {_base_words(cfg)}; method `{cfg.method.name.value}`"
+             f"Fine-tuned with finetune from {_base_words(cfg)}; method `{cfg.method.name}`"
              f"{_adapter_words(cfg)}. Weights: {dtype} safetensors{f', and {gguf.name} (GGUF)' if gguf else ''}.", "",
              "## Data", "", "| source | fingerprint (sha256, as the token cache keys it) |", "|---|---|"]
     for key, entry in data["sources"].items():
@@ -237,9 +237,9 @@ def _adapter_words(cfg: Config) -> str:
 
 def _settings(cfg: Config) -> dict[str, Any]:
     o, t, par = cfg.optim, cfg.train, cfg.parallelism
-    method = {k: v for k, v in vars(cfg.method).items() if k != "name"} if cfg.method.name.value != "sft" else {}
+    method = {k: v for k, v in vars(cfg.method).items() if k != "name"}  # the method's own keys (none for sft)
     return {
-        "method": cfg.method.name.value + (f" ({', '.join(f'{k}={_value(v)}' for k, v in method.items())})" if method else ""),
+        "method": cfg.method.name + (f" ({', '.join(f'{k}={_value(v)}' for k, v in method.items())})" if method else ""),
         "steps": t.max_steps, "batch": f"{t.global_batch_size} sequences ({t.micro_batch_size} per micro-batch)", "seed": t.seed,
         "optimizer": f"{_value(o.name)} lr={o.lr} {_value(o.scheduler)} schedule, warmup {o.warmup_steps} steps, weight decay "
                      f"{o.weight_decay}, betas {tuple(o.betas)}, max grad norm {o.max_grad_norm}",

@@ -22,6 +22,7 @@ from finetune.rank.dist import Dist
 from finetune.rank.engine.base import Engine
 from finetune.rank.heldout import evaluate
 from finetune.logs import MetricsLog
+from finetune.methods.base import OnlineObjective
 from finetune.rank.memory import MemoryProbe, PeakProbe
 
 MEMORY_STEPS = 2  # the second step has optimizer states and gradients: the steady-state peak
@@ -92,62 +93,39 @@ def train(cfg: TrainConfig, *, engine: Engine, objective: Any, batches: TrainBat
         probe: measures memory over the first MEMORY_STEPS steps, its peak or by category (None: not measured).
         flops_per_token, peak_flops: for model FLOPs utilisation (GPU; None: not reported).
     """
-    def run_eval(step: int, final: bool) -> dict[str, float]:
-        if not evals:
-            return {}
-        with compiling.eager():  # train.compile: the training step's graphs only
-            metrics, samples = evaluate(engine, objective, evals, dist=dist, tokenizer=tokenizer, batch_size=cfg.eval_batch_size,
-                                        exact_match_samples=cfg.exact_match_samples if final else 0,
-                                        sample_prompts=cfg.sample_prompts, max_new_tokens=cfg.max_new_tokens)
-        log.write("eval", step, metrics)
-        if samples:  # train.sample_prompts: what the model answers now, beside the reference
-            log.samples(step, samples)
-        say(dist, bar, f"step {step:>5}  " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-        return metrics
-
-    first = 1
-    if resume_from is not None:
-        startup.mark("resume")
-        first = engine.load(resume_from) + 1
-        checkpoint.restore_rng(resume_from, dist.rank)  # dropout continues as if never interrupted
-        say(dist, None, f"resumed from {resume_from} at step {first - 1}")
+    first = _resume(engine, resume_from, dist)
     memory: dict[str, float] = {}
     skipped_nonfinite = 0
     bar = progress(cfg, dist, initial=first - 1)
+
+    def run_eval(step: int, final: bool) -> dict[str, float]:
+        return _evaluate(cfg, step, final, engine=engine, objective=objective, evals=evals, tokenizer=tokenizer, dist=dist,
+                         log=log, bar=bar)
+
     startup.mark("eval")
     before = run_eval(first - 1, final=True)
     startup.mark("first step")
     started: dict[str, float] = {}
     start = time.perf_counter()
     ahead = Ahead(batches, last=cfg.max_steps - 1)
-    online = hasattr(objective, "rollout")
-    rollout_every = getattr(objective, "rollout_every", 1)  # GRPO reusing a rollout: a signal stops after its last update
+    online = isinstance(objective, OnlineObjective)  # it samples the rows it trains on (GRPO)
+    rollout_every = objective.rollout_every if online else 1  # a rollout reused: a signal stops after its last update
     for step in range(first, cfg.max_steps + 1):
         micro_batches, waited = ahead.get(step - 1)
         generated = 0.0
         if online:  # GRPO: the data's micro-batches hold prompts; the objective samples and scores the rows it trains on
             micro_batches, generated = objective.rollout(engine, micro_batches, step=step, tokenizer=tokenizer, seed=cfg.seed)
-        owner = int(engine.owner)  # tp/pp: one rank per model replica counts its data
-        local_count = owner * sum(objective.count(mb) for mb in micro_batches)
-        local_tokens = owner * sum(int(mb["real_tokens"].sum()) for mb in micro_batches)
-        local_slots = owner * sum(mb["input_ids"].numel() for mb in micro_batches)
-        (count,) = dist.sum(local_count)  # loss units of the whole global batch: the normaliser
+        count, local_tokens, local_slots = _counts(engine, objective, micro_batches, dist)
 
         measured = probe is not None and step < first + MEMORY_STEPS
-        tic, compiled = time.perf_counter(), compiling.seconds() if cfg.compile else 0.0
-        with probe.track() if measured else contextlib.nullcontext():
-            out = engine.train_step(micro_batches, objective, count)
+        out, seconds, compiled = _timed_step(engine, objective, micro_batches, count, cfg=cfg, probe=probe if measured else None)
         names = objective.metrics  # its own (DPO rewards...), averaged like the loss; pipeline stages without the loss add 0
         loss_sum, tokens, slots, signalled, *sums = dist.sum(out.loss_sum, local_tokens, local_slots, STOP["signal"],
                                                              *(out.metrics.get(k, 0.0) for k in names))
-        seconds = time.perf_counter() - tic
-        compiled = compiling.seconds() - compiled if cfg.compile else 0.0  # this rank's, apart from the step's time
-        seconds -= compiled
         if compiled >= 0.05:
             say(dist, bar, f"compile: {compiled:.1f} s in step {step}" + (" (the first)" if step == first else " (a new shape)"))
-        if step == first and (parts := startup.first_step_done(compiled)) is not None:
-            started = parts
-            say(dist, bar, startup.line(parts))
+        if step == first and (started := startup.first_step_done(compiled) or {}):
+            say(dist, bar, startup.line(started))
         if measured and step == first + MEMORY_STEPS - 1:
             memory = probe.report()
             log.write("memory", step, memory)
@@ -159,41 +137,19 @@ def train(cfg: TrainConfig, *, engine: Engine, objective: Any, batches: TrainBat
                    "step_s": seconds, "data_wait_s": waited,  # the step's micro-batches not ready when it began
                    "epoch": batches.epoch(step), "elapsed_s": time.perf_counter() - start,
                    **({"compile_s": compiled} if cfg.compile else {}),
-                   **({"generation_s": generated} if online else {})}  # apart from step_s
-        metrics |= {k: v / count for k, v in zip(names, sums)}
+                   **({"generation_s": generated} if online else {}),  # apart from step_s
+                   **{k: v / count for k, v in zip(names, sums)}}
         if flops_per_token and peak_flops:  # achieved model FLOPs over the dense peak of all ranks
             metrics["mfu"] = tokens * flops_per_token / seconds / (peak_flops * dist.world_size)
-        if out.loss_scale is not None:  # fp16: the dynamic scale and how many steps overflowed
-            metrics |= {"loss_scale": out.loss_scale, "skipped_steps": out.skipped}
-        # Never train on NaNs: fp16's scaler already skipped overflowing gradients, the rest is ours.
-        finite = math.isfinite(metrics["loss"]) and (out.loss_scale is not None or math.isfinite(out.grad_norm))
-        if not finite:
-            what = f"step {step}: the loss is {metrics['loss']:.4g} and the gradient norm {out.grad_norm:.4g}"
-            if cfg.on_nonfinite == NonFinite.stop:
-                log.write("train", step, metrics)
-                kept = f"the weights are those after step {step - 1}" if not out.applied else \
-                    "the engine had already applied it: resume from the last checkpoint"
-                raise Stopped(f"{what}: stopped before training on them ({kept}); lower optim.lr, use precision=bf16 rather "
-                              "than fp16, check the data, or set train.on_nonfinite=skip", code=3)
-            skipped_nonfinite += 1
-            say(dist, bar, f"{what}: step skipped (train.on_nonfinite=skip; {skipped_nonfinite} so far)")
+        metrics |= _scaled(out)
+        skipped_nonfinite += _nonfinite(cfg, step, metrics, out, log=log, dist=dist, bar=bar, skipped=skipped_nonfinite)
         metrics["nonfinite_skipped"] = skipped_nonfinite
         log.write("train", step, metrics)
-        if bar is not None:
-            bar.update()
-            bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{out.lr:.2e}", refresh=False)
-        elif step % cfg.log_every == 0:
-            say(dist, None, f"step {step:>5}  loss {metrics['loss']:.4f}  lr {out.lr:.2e}  "
-                            f"grad_norm {out.grad_norm:.3f}  tokens/s {metrics['tokens_per_s']:.0f}  data_wait {1000 * waited:.0f} ms"
-                            + "".join(f"  {k} {metrics[k]:.3f}" for k in names))
+        _show(cfg, step, metrics, out, names=names, waited=waited, dist=dist, bar=bar)
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps:
             run_eval(step, final=False)
         if signalled and step < cfg.max_steps and step % rollout_every == 0:  # SIGTERM/SIGINT on some rank: save here and stop cleanly
-            signum = signal.Signals(STOP["signal"] or signal.SIGTERM)  # this rank's, or the one another rank got
-            launcher_ended()  # the other rank's may have been its launcher's end
-            where = save(step)
-            raise Stopped(f"stopped by {signum.name}{STOP['why']} after step {step}: resumable checkpoint {where}; continue "
-                          "with train.resume=auto", code=128 + int(signum))
+            _stop(step, save)
         if cfg.save_every and step % cfg.save_every == 0:
             save(step)
     ahead.close()
@@ -203,6 +159,98 @@ def train(cfg: TrainConfig, *, engine: Engine, objective: Any, batches: TrainBat
         bar.close()
     ended = {"eval": round(time.perf_counter() - tic, 3)}  # the rest of the time after training: finetune.rank.train.run
     return {"before": before, "after": after, "memory": memory, **({"startup": started} if started else {}), "after_training": ended}
+
+
+def _stop(step: int, save: Callable[[int], Path]) -> None:
+    """A signal reached some rank: a resumable checkpoint of `step`, then Stopped naming the signal."""
+    signum = signal.Signals(STOP["signal"] or signal.SIGTERM)  # this rank's, or the one another rank got
+    launcher_ended()  # the other rank's may have been its launcher's end
+    where = save(step)
+    raise Stopped(f"stopped by {signum.name}{STOP['why']} after step {step}: resumable checkpoint {where}; continue "
+                  "with train.resume=auto", code=128 + int(signum))
+
+
+def _resume(engine: Engine, resume_from: Path | None, dist: Dist) -> int:
+    """The first step to run: 1, or the one after the checkpoint `resume_from` (its weights, optimizer and RNG loaded)."""
+    if resume_from is None:
+        return 1
+    startup.mark("resume")
+    first = engine.load(resume_from) + 1
+    checkpoint.restore_rng(resume_from, dist.rank)  # dropout continues as if never interrupted
+    say(dist, None, f"resumed from {resume_from} at step {first - 1}")
+    return first
+
+
+def _evaluate(cfg: TrainConfig, step: int, final: bool, *, engine: Engine, objective: Any, evals: list[Example], tokenizer: Any,
+              dist: Dist, log: MetricsLog, bar: Any) -> dict[str, float]:
+    """The held-out metrics at `step` (exact match and samples at the first and the last), logged and said."""
+    if not evals:
+        return {}
+    with compiling.eager():  # train.compile: the training step's graphs only
+        metrics, samples = evaluate(engine, objective, evals, dist=dist, tokenizer=tokenizer, batch_size=cfg.eval_batch_size,
+                                    exact_match_samples=cfg.exact_match_samples if final else 0,
+                                    sample_prompts=cfg.sample_prompts, max_new_tokens=cfg.max_new_tokens)
+    log.write("eval", step, metrics)
+    if samples:  # train.sample_prompts: what the model answers now, beside the reference
+        log.samples(step, samples)
+    say(dist, bar, f"step {step:>5}  " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    return metrics
+
+
+def _counts(engine: Engine, objective: Any, micro_batches: list[dict[str, Any]], dist: Dist) -> tuple[float, int, int]:
+    """(the loss units of the whole global batch: the normaliser, this rank's non-pad tokens, its token slots)."""
+    owner = int(engine.owner)  # tp/pp: one rank per model replica counts its data
+    local_count = owner * sum(objective.count(mb) for mb in micro_batches)
+    local_tokens = owner * sum(int(mb["real_tokens"].sum()) for mb in micro_batches)
+    local_slots = owner * sum(mb["input_ids"].numel() for mb in micro_batches)
+    (count,) = dist.sum(local_count)
+    return count, local_tokens, local_slots
+
+
+def _timed_step(engine: Engine, objective: Any, micro_batches: list[dict[str, Any]], count: float, *, cfg: TrainConfig,
+                probe: MemoryProbe | PeakProbe | None) -> tuple[Any, float, float]:
+    """(the engine's step result, its seconds, the seconds this rank compiled in it: apart from the step's time); the
+    memory probe tracks it where given."""
+    tic, compiled = time.perf_counter(), compiling.seconds() if cfg.compile else 0.0
+    with probe.track() if probe is not None else contextlib.nullcontext():
+        out = engine.train_step(micro_batches, objective, count)
+    seconds = time.perf_counter() - tic
+    compiled = compiling.seconds() - compiled if cfg.compile else 0.0
+    return out, seconds - compiled, compiled
+
+
+def _scaled(out: Any) -> dict[str, float]:
+    """fp16: the dynamic loss scale and how many steps overflowed; else nothing."""
+    return {"loss_scale": out.loss_scale, "skipped_steps": out.skipped} if out.loss_scale is not None else {}
+
+
+def _nonfinite(cfg: TrainConfig, step: int, metrics: dict[str, float], out: Any, *, log: MetricsLog, dist: Dist, bar: Any,
+               skipped: int) -> int:
+    """1 where the step's loss or gradient norm is not finite and train.on_nonfinite=skip, else 0; with stop, Stopped.
+    Never train on NaNs: fp16's scaler already skipped overflowing gradients, the rest is ours."""
+    if math.isfinite(metrics["loss"]) and (out.loss_scale is not None or math.isfinite(out.grad_norm)):
+        return 0
+    what = f"step {step}: the loss is {metrics['loss']:.4g} and the gradient norm {out.grad_norm:.4g}"
+    if cfg.on_nonfinite == NonFinite.stop:
+        log.write("train", step, metrics)
+        kept = f"the weights are those after step {step - 1}" if not out.applied else \
+            "the engine had already applied it: resume from the last checkpoint"
+        raise Stopped(f"{what}: stopped before training on them ({kept}); lower optim.lr, use precision=bf16 rather "
+                      "than fp16, check the data, or set train.on_nonfinite=skip", code=3)
+    say(dist, bar, f"{what}: step skipped (train.on_nonfinite=skip; {skipped + 1} so far)")
+    return 1
+
+
+def _show(cfg: TrainConfig, step: int, metrics: dict[str, float], out: Any, *, names: tuple[str, ...], waited: float, dist: Dist,
+          bar: Any) -> None:
+    """The progress bar's postfix, or every train.log_every steps a line."""
+    if bar is not None:
+        bar.update()
+        bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{out.lr:.2e}", refresh=False)
+    elif step % cfg.log_every == 0:
+        say(dist, None, f"step {step:>5}  loss {metrics['loss']:.4f}  lr {out.lr:.2e}  "
+                        f"grad_norm {out.grad_norm:.3f}  tokens/s {metrics['tokens_per_s']:.0f}  data_wait {1000 * waited:.0f} ms"
+                        + "".join(f"  {k} {metrics[k]:.3f}" for k in names))
 
 
 class Ahead:

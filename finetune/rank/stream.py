@@ -29,7 +29,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from finetune.config import ConfigError, DataConfig, Method
+from finetune.config import ConfigError, DataConfig
 from finetune.data.batches import collate
 from finetune.data.pack import pack
 from finetune.data.sources import first_rows, load_sources, one_pass, parse_row, sources
@@ -73,7 +73,7 @@ class Failed:
 class Streamed:
     """data.train as a stream of examples, from any Position: a pure function of the data, the tokenizer and the seed."""
 
-    def __init__(self, cfg: DataConfig, tokenizer: Any, method: Method, seed: int) -> None:
+    def __init__(self, cfg: DataConfig, tokenizer: Any, method: str, seed: int) -> None:
         self.cfg, self.tokenizer, self.method, self.seed = cfg, tokenizer, method, seed
         self.buffer = cfg.shuffle_buffer or BUFFER
         self.window = PACK_WINDOW if cfg.packing else 1
@@ -129,7 +129,7 @@ class Streamed:
                 f"the fly by a DataLoader worker on every rank, no token cache{packed})")
 
 
-def load(cfg: DataConfig, tokenizer: Any, seed: int, method: Method) -> tuple[Streamed, list[Any], dict[str, Stats]]:
+def load(cfg: DataConfig, tokenizer: Any, seed: int, method: str) -> tuple[Streamed, list[Any], dict[str, Stats]]:
     """The streamed train set and the eval examples (data.eval, or the first data.eval_size rows of data.train,
     tokenized in memory: an eval set is finite), with the eval counts."""
     rows = load_sources(cfg.eval, cfg.eval_split, "data.eval", seed) if cfg.eval is not None else first_rows(cfg) if cfg.eval_size else None

@@ -22,7 +22,7 @@ import torch
 from finetune import config, logs, methods, rundir, startup
 from finetune.data import steps
 from finetune.families import liger
-from finetune.methods import losses as objectives
+from finetune.methods import losses
 from finetune.rank import checkpoint, compiling, dist, engine, flops, heldout, loop, model, reference, varlen
 from finetune.config import Config, ConfigError, Kernels, Logits, MemoryReport, MethodConfig, PeftConfig, PeftMethod, Precision, Strategy, uses_deepspeed
 from finetune.data import rows
@@ -39,6 +39,7 @@ from finetune.layouts.zero import deepspeed_config
 from finetune.rundir import ERROR_FILE, LAUNCHER_ENV, RANKS_DIR
 from finetune.rank.memory import MemoryProbe, PeakProbe
 from finetune.methods import Objective
+from finetune.methods.base import OnlineObjective
 from finetune.planner import records
 from finetune.planner.peak import plan
 
@@ -205,6 +206,7 @@ class RankStatus:
 
 
 def run(cfg: Config, d: dist.Dist) -> None:
+    """One rank's whole run: tokenizer, data, model, engine, resume, reference, objective, the loop, the export."""
     run_dir = Path(cfg.run_dir)
     torch.manual_seed(cfg.train.seed)
     phase("tokenizer")
@@ -227,6 +229,35 @@ def run(cfg: Config, d: dist.Dist) -> None:
         return loaded
 
     loaded = load(cfg.peft)
+    net = prepare_model(cfg, d, loaded, attention, attention_why, model_class)
+    chunked = ChunkedHead(net, cfg.logits.chunk_tokens, cfg.logits.kernel, d.device) if cfg.logits.name == Logits.chunked else None
+    if chunked is not None and d.is_main:
+        print(f"logits: chunked, {chunked.kernel.value} ({chunked.why})")
+    phase("engine")
+    eng = engine.build(cfg, net, d)
+    if chunked is not None:  # a family that changes its logits in a way we do not repeat per chunk: refused here
+        with compiling.eager():
+            chunked.check(*eng.inference(chunked.prober(), probe_batch(train_examples)))
+    phase("resume")
+    resume_from = resume_point(cfg, d, run_dir)
+    # the method's reference (DPO's): the live one is the initial model again (a 4-bit base for QLoRA, no adapter).
+    phase("reference")
+    base_peft = cfg.peft if cfg.peft.name == PeftMethod.qlora else PeftConfig()
+    with compiling.eager():  # a precomputed reference is the policy's forward without gradients
+        ref = reference.setup(cfg, engine=eng, dist=d, splits={"train": train_examples, "eval": eval_examples}, run_dir=run_dir,
+                              resume_from=resume_from, load_model=lambda: load(base_peft), pad_id=tokenizer.pad_token_id)
+    objective = objective_for(cfg, d, loaded.config, ref, chunked)
+    batches = make_batches(cfg, train_examples, eng, tokenizer.pad_token_id, resume_from)
+    phase("training")
+    loop.STOP["defer"] = True  # from here a signal saves a checkpoint at the next step boundary
+    train_and_export(cfg, d, eng=eng, net=net, objective=objective, batches=batches, examples=(train_examples, eval_examples),
+                     stats=stats, tokenizer=tokenizer, resume_from=resume_from, model_class=model_class)
+    del zero3  # alive until here: transformers consults it while loading, generating and saving
+
+
+def prepare_model(cfg: Config, d: dist.Dist, loaded: torch.nn.Module, attention: str, attention_why: str, model_class: str) -> Any:
+    """The loaded model made ready for the engine: per-sample attention in rows of several samples, PEFT's adapters and
+    activation checkpointing (model.apply_strategies), its layers compiled (train.compile); its line said."""
     if cfg.model.kernels == Kernels.liger and d.is_main:
         print(liger.describe(loaded))
     if getattr(loaded.config, "output_router_logits", False):  # a hub config the launcher could not read
@@ -251,39 +282,40 @@ def run(cfg: Config, d: dist.Dist) -> None:
         if d.is_main:
             print(f"compile: {layers} decoder layers compiled in place at the first training step (each new shape compiles "
                   "once more: compile_s in the metrics); evaluation and generation run eager")
-    chunked = ChunkedHead(net, cfg.logits.chunk_tokens, cfg.logits.kernel, d.device) if cfg.logits.name == Logits.chunked else None
-    if chunked is not None and d.is_main:
-        print(f"logits: chunked, {chunked.kernel.value} ({chunked.why})")
-    phase("engine")
-    eng = engine.build(cfg, net, d)
-    if chunked is not None:  # a family that changes its logits in a way we do not repeat per chunk: refused here
-        with compiling.eager():
-            chunked.check(*eng.inference(chunked.prober(), probe_batch(train_examples)))
-    phase("resume")
+    return net
+
+
+def resume_point(cfg: Config, d: dist.Dist, run_dir: Path) -> Path | None:
+    """The checkpoint train.resume means (checked against this config), or None: start from step 0."""
     resume_from = checkpoint.resolve(cfg.train.resume, run_dir, warn=lambda line: d.is_main and print(f"warning: {line}", file=sys.stderr))
     if resume_from is not None:
         checkpoint.check_compatible(resume_from, cfg)
     elif cfg.train.resume == "auto" and d.is_main:
         print(f"train.resume=auto: no checkpoint in {run_dir / 'checkpoints'}, starting from step 0")
-    # the method's reference (DPO's): the live one is the initial model again (a 4-bit base for QLoRA, no adapter).
-    phase("reference")
-    base_peft = cfg.peft if cfg.peft.name == PeftMethod.qlora else PeftConfig()
-    with compiling.eager():  # a precomputed reference is the policy's forward without gradients
-        ref = reference.setup(cfg, engine=eng, dist=d, splits={"train": train_examples, "eval": eval_examples}, run_dir=run_dir,
-                              resume_from=resume_from, load_model=lambda: load(base_peft), pad_id=tokenizer.pad_token_id)
-    router = objectives.router_loss(loaded.config)  # a MoE's load-balancing loss, from its config
+    return resume_from
+
+
+def objective_for(cfg: Config, d: dist.Dist, model_config: Any, ref: Any, chunked: ChunkedHead | None) -> Objective:
+    """The method's loss, with a MoE's load-balancing loss read from the model's config (not under pipeline parallel)."""
+    router = losses.router_loss(model_config)  # a MoE's load-balancing loss, from its config
     if router and cfg.parallelism.pp > 1:  # stages hand each other hidden states: the routers' logits stay in theirs
         if d.is_main:
             print(f"router aux loss: not reported under parallelism.pp={cfg.parallelism.pp} (each stage keeps its routers' logits)")
         router = None
     objective = build_objective(cfg.method, ref, router, chunked)
-    if methods.get(cfg.method.name).online:  # a rollout engine (method.vllm) is sized for the longest prompt + completion
+    if isinstance(objective, OnlineObjective):  # a rollout engine (method.vllm) is sized for the longest prompt + completion
         objective.prompt_tokens = cfg.data.max_length
     if router and d.is_main and router.metric in objective.metrics:  # a sequence classifier (method=reward) returns none to report
         print(router.describe())
-    batches = make_batches(cfg, train_examples, eng, tokenizer.pad_token_id, resume_from)
-    phase("training")
-    loop.STOP["defer"] = True  # from here a signal saves a checkpoint at the next step boundary
+    return objective
+
+
+def train_and_export(cfg: Config, d: dist.Dist, *, eng: Engine, net: Any, objective: Objective, batches: Any,
+                     examples: tuple[list[Any], list[Any]], stats: dict[str, Stats], tokenizer: Any, resume_from: Path | None,
+                     model_class: str) -> None:
+    """The loop under the run's metrics log, then final/ and (rank 0) the report."""
+    run_dir = Path(cfg.run_dir)
+    train_examples, eval_examples = examples
     log = logs.MetricsLog(run_dir, enabled=d.is_main, loggers=cfg.train.loggers, config=cfg)
     with log:  # the trackers end their runs after the run's last file (report), or marked failed if this raises
         predicted = None
@@ -316,7 +348,6 @@ def run(cfg: Config, d: dist.Dist) -> None:
                 result["after"]["exact_match"] = heldout.exact_match_of_export(final, eval_examples, cfg.train, d.device)
         if d.is_main:
             report(run_dir, final, result, {k: vars(s) for k, s in stats.items()}, log, model_class)
-    del zero3  # alive until here: transformers consults it while loading, generating and saving
 
 
 def load_data(cfg: Config, tokenizer: Any, d: dist.Dist) -> tuple[Any, Any, dict[str, Stats]]:
@@ -371,7 +402,7 @@ def make_batches(cfg: Config, examples: Any, eng: Engine, pad_id: int, resume_fr
     return TrainBatches(examples, **shape, seed=cfg.train.seed)
 
 
-def build_objective(method: MethodConfig, reference: Any = None, router: objectives.RouterLoss | None = None,
+def build_objective(method: MethodConfig, reference: Any = None, router: losses.RouterLoss | None = None,
                     head: ChunkedHead | None = None) -> Objective:
     """The loss of `method.name`, built by its finetune.methods record. `reference`: what finetune.rank.reference.setup
     returned ((policy, batch) -> reference log-probs, or None)."""

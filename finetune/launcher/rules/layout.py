@@ -97,8 +97,8 @@ def validate_layout(cfg: Config) -> None:
         raise ConfigError("peft=dora is not supported with tensor parallel (its weight norm spans the sharded dimension): "
                           "use peft=lora with tp, or dora with fsdp/ddp")
     if p.pp > 1:
-        if methods.get(cfg.method.name).reference(cfg.method) not in (None, Reference.precomputed):
-            raise ConfigError(f"method.reference={cfg.method.reference.value} is not supported with pipeline parallel: "
+        if (ref := methods.get(cfg.method.name).reference(cfg.method)) not in (None, Reference.precomputed):
+            raise ConfigError(f"method.reference={ref.value} is not supported with pipeline parallel: "
                               "use method.reference=precomputed")
         if cfg.checkpointing.name == Checkpointing.offload:
             raise ConfigError("checkpointing=offload is not supported with pipeline parallel: use checkpointing=full or selective")

@@ -4,6 +4,7 @@ optim.loraplus_lr_ratio without adapters; train.neftune_alpha under layouts that
 
 from __future__ import annotations
 
+from finetune import methods
 from finetune.config import Config, ConfigError, LoraInit, PeftMethod, Reference, engine_kind
 
 MUTATING = (LoraInit.pissa, LoraInit.olora)
@@ -33,7 +34,7 @@ def validate_peft_variants(cfg: Config) -> None:
                           "PEFT converts the trained adapter to the original base at save by loading the step-0 adapter into "
                           "the live model, which a sharded or partitioned model cannot take: use parallelism=single or ddp "
                           "with zero=none, or peft.init=default")
-    if cfg.method.reference == Reference.adapter_disabled and cfg.method.name.value in ("dpo", "kto"):
+    if methods.get(cfg.method.name).reference(cfg.method) == Reference.adapter_disabled:
         raise ConfigError(f"method.reference=adapter_disabled with peft.init={init.value}: the base under the adapter holds "
                           "the residual (the weight less its principal part), not the model you started from: use "
                           "method.reference=precomputed or live, or peft.init=default")
