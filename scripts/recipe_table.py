@@ -19,7 +19,8 @@ from pathlib import Path
 
 from finetune.planner.peak import plan
 from finetune.launcher.compose import RECIPES, preflight
-from finetune.config import Config, ConfigError, Logits, Offload, PeftMethod, engine_kind
+from finetune.config import Config, ConfigError, Logits, Offload, PeftMethod
+from finetune.layouts import engine_kind
 
 START = "<!-- recipe-table:start -->"
 END = "<!-- recipe-table:end -->"

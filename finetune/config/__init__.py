@@ -24,7 +24,7 @@ from finetune.config.fields import (
     machine_ram_gib, ENUM_ALIASES, spelling, Spelled
 )
 from finetune.config.root import (
-    TrainConfig, Config, GROUPS, uses_deepspeed, engine_kind, register, to_config, to_yaml, load, launcher_for
+    TrainConfig, Config, GROUPS, uses_deepspeed, register, to_config, to_yaml, load
 )
 from finetune.config.schema import (
     AttnImpl, DataFormat, Template, LongPrompt, Reasoning, Reference, Precision, Offload, Checkpointing,
@@ -44,7 +44,7 @@ __all__ = [
     "METHOD_CONFIGS", "METHOD_NAME", "MethodConfig", "ModelConfig", "ModelInit", "NonFinite", "Offload", "OptimConfig", "OptimKernel",
     "LoraInit", "ParallelismConfig", "PeftConfig", "PeftMethod", "PipeSchedule", "PlanConfig", "Precision", "PrecisionConfig",
     "QuantType", "Reasoning", "Reference", "Scheduler", "Spelled", "StateDtype", "Strategy", "Template", "TrainConfig",
-    "ZeroConfig", "at_least", "check_fields", "checked", "did_you_mean", "engine_kind", "in_range", "launcher_for",
+    "ZeroConfig", "at_least", "check_fields", "checked", "did_you_mean", "in_range", 
     "load", "machine_ram_gib", "method_schema", "one_of", "register", "spelling", "to_config", "to_yaml", "unused", "uses_deepspeed"
 ]
 

@@ -17,8 +17,8 @@ from finetune.config.fields import NAMES, POSITIVE, TEXT, at_least, checked, spe
 from finetune.errors import ConfigError
 from finetune.config.schema import (
     LOGGERS, MEMORY_REPORT_BOOLS, MEMORY_REPORTS, CheckpointingConfig, DataConfig, Device, HardwareConfig, LauncherConfig,
-    LauncherName, LogitsConfig, MemoryReport, METHOD_CONFIGS, MethodConfig, ModelConfig, NonFinite, OptimConfig, ParallelismConfig, PeftConfig,
-    PlanConfig, PrecisionConfig, Strategy, ZeroConfig, method_schema,
+    LogitsConfig, MemoryReport, METHOD_CONFIGS, MethodConfig, ModelConfig, NonFinite, OptimConfig, ParallelismConfig, PeftConfig,
+    PlanConfig, PrecisionConfig, ZeroConfig, method_schema,
 )
 
 
@@ -171,14 +171,6 @@ def uses_deepspeed(cfg: Config) -> bool:
     return cfg.zero.enabled
 
 
-def engine_kind(cfg: Config) -> str:
-    """deepspeed (a ZeRO stage), mesh (FSDP2 / tensor / pipeline parallel) or torch (single, DDP)."""
-    p = cfg.parallelism
-    if uses_deepspeed(cfg):
-        return "deepspeed"
-    return "mesh" if p.strategy == Strategy.fsdp or p.tp * p.pp * p.cp > 1 else "torch"
-
-
 def register() -> None:
     """Store the schemas: `base_config` for the root, `base_<group>` in each group. Called by finetune.launcher.compose, which
     composes: a rank only reads its config.yaml and needs no Hydra (its import is ~0.2 s of the rank's start)."""
@@ -235,10 +227,3 @@ def _plain(value: Any) -> Any:
 def load(path: str | Path) -> Config:
     """Read a resolved config.yaml (what the launcher wrote into the run directory)."""
     return to_config(OmegaConf.load(path))
-
-
-def launcher_for(cfg: Config) -> LauncherName:
-    """Which launcher `launcher=auto` means: deepspeed for the DeepSpeed engine, else torchrun."""
-    if cfg.launcher.name != LauncherName.auto:
-        return cfg.launcher.name
-    return LauncherName.deepspeed if cfg.zero.enabled else LauncherName.torchrun

@@ -13,7 +13,8 @@ import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from finetune.config import Config, LauncherName, launcher_for, to_yaml
+from finetune.config import Config, LauncherName, to_yaml
+from finetune.layouts import launcher_for
 from finetune.launcher.devices import Devices
 from finetune.layouts.zero import deepspeed_config
 from finetune.rundir import CONFIG_FILE, DEEPSPEED_FILE

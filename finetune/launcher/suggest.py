@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from finetune import optimizers
-from finetune.config import (AttnImpl, Checkpointing, Config, ConfigError, Logits, Offload, PeftMethod, Precision, StateDtype,
-                             engine_kind)
+from finetune.config import (AttnImpl, Checkpointing, Config, ConfigError, Logits, Offload, PeftMethod, Precision, StateDtype)
+from finetune.layouts import engine_kind
 from finetune.data.lengths import Longest
 from finetune.planner.counts import GIB
 from finetune.planner.peak import Plan, plan

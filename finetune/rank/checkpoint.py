@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from finetune import optimizers
-from finetune.config import Config, ConfigError, engine_kind
+from finetune.config import Config, ConfigError
+from finetune.layouts import engine_kind
 from finetune.data.sources import fingerprint, looks_local
 from finetune.rundir import CHECKPOINTS
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import fields
 
 from finetune.config import (Checkpointing, Config, ConfigError, LauncherConfig, LauncherName, Offload, ParallelismConfig, PeftMethod,
-                             PipeSchedule, Precision, Reference, Strategy, launcher_for, unused as _unused)
+                             PipeSchedule, Precision, Reference, Strategy, unused as _unused)
+from finetune.layouts import launcher_for
 from finetune import methods
 from finetune.disk import model_config
 from finetune.families import router_loss_split

@@ -4,7 +4,8 @@ it runs under, bf16 moments, the kernel, compiling, stepping in backward.
 
 from __future__ import annotations
 
-from finetune.config import Config, ConfigError, NonFinite, OptimKernel, Precision, Scheduler, StateDtype, engine_kind
+from finetune.config import Config, ConfigError, NonFinite, OptimKernel, Precision, Scheduler, StateDtype
+from finetune.layouts import engine_kind
 from finetune import optimizers
 from finetune.launcher.rules.layout import layout_words
 from finetune.data.steps import check_warmup

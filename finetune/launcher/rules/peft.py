@@ -5,7 +5,8 @@ optim.loraplus_lr_ratio without adapters; train.neftune_alpha under layouts that
 from __future__ import annotations
 
 from finetune import methods
-from finetune.config import Config, ConfigError, LoraInit, PeftMethod, Reference, engine_kind
+from finetune.config import Config, ConfigError, LoraInit, PeftMethod, Reference
+from finetune.layouts import engine_kind
 
 MUTATING = (LoraInit.pissa, LoraInit.olora)
 """Inits that move the base weights' principal part into the adapter (finetune.rank.model.MUTATING, which imports torch)."""

@@ -6,14 +6,17 @@ lockstep); engines differ behind it:
 - `DeepSpeedEngine` (deepspeed_engine.py): ZeRO stages 0-3 with CPU/NVMe offload, DeepSpeed's precision and scaler.
 - `MeshEngine` (mesh_engine.py): FSDP2, tensor parallel and pipeline parallel on one DeviceMesh (pp, dp, tp).
 
-common.py holds what they share (optimizer and schedule building, autocast, StepResult). `build` picks one.
+common.py holds what they share (optimizer and schedule building, autocast, StepResult). `build` builds the one
+the config's engine record (finetune.layouts.ENGINES) names.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-from finetune.config import Config, engine_kind
+from finetune.config import Config
+from finetune.layouts import engine_of
 from finetune.rank.dist import Dist
 from finetune.rank.engine.base import Engine
 from finetune.rank.engine.common import StepResult, build_scheduler
@@ -22,17 +25,6 @@ __all__ = ["Engine", "StepResult", "build", "build_scheduler"]
 
 
 def build(cfg: Config, model: Any, dist: Dist) -> Engine:
-    """The engine `cfg` runs on (config.engine_kind): mesh, deepspeed or torch."""
-    kind = engine_kind(cfg)
-    if kind == "mesh":
-        from finetune.rank.engine.mesh_engine import MeshEngine
-
-        return MeshEngine(model, cfg=cfg, dist=dist)
-    if kind == "deepspeed":
-        from finetune.rank.engine.deepspeed_engine import DeepSpeedEngine
-
-        return DeepSpeedEngine(model, cfg=cfg, dist=dist)
-    from finetune.rank.engine.torch_engine import TorchEngine
-
-    return TorchEngine(model, optim=cfg.optim, precision=cfg.precision, max_steps=cfg.train.max_steps,
-                       strategy=cfg.parallelism.strategy, dist=dist)
+    """The engine `cfg` runs on (finetune.layouts.engine_of: its record names the class), built from the config."""
+    module, _, name = engine_of(cfg).builds.partition(":")
+    return getattr(importlib.import_module(module), name).from_config(model, cfg, dist)

@@ -22,6 +22,11 @@ if TYPE_CHECKING:
 class Engine(Protocol):
     """How a step runs on this rank, and what the loop, evaluation and checkpoints read of the placement."""
 
+    @classmethod
+    def from_config(cls, model: Any, cfg: Any, dist: Any) -> Engine:
+        """The engine over `model` that the run's config asks for (finetune.rank.engine.build, from its record in
+        finetune.layouts.ENGINES)."""
+
     dp_rank: int
     """This rank's index among the data-parallel replicas: which share of each batch it trains on."""
     dp_size: int

@@ -24,6 +24,11 @@ class DeepSpeedEngine:
     """finetune.rank.engine.base.Engine on DeepSpeed ZeRO stages 0-3."""
 
     owner = True  # every rank's data and loss count in global sums
+    @classmethod
+    def from_config(cls, model: torch.nn.Module, cfg: Config, dist: Dist) -> DeepSpeedEngine:
+        """The engine a run's config asks for (finetune.layouts.ENGINES: what finetune.rank.engine.build calls)."""
+        return cls(model, cfg=cfg, dist=dist)
+
     def __init__(self, model: torch.nn.Module, *, cfg: Config, dist: Dist) -> None:
         deepspeed = import_deepspeed()
         from deepspeed.accelerator import get_accelerator

@@ -49,6 +49,11 @@ FLAT = _flat()
 class MeshEngine:
     """finetune.rank.engine.base.Engine on a DeviceMesh (FSDP2, tensor, pipeline and context parallel)."""
 
+    @classmethod
+    def from_config(cls, model: nn.Module, cfg: Config, dist: Dist) -> MeshEngine:
+        """The engine a run's config asks for (finetune.layouts.ENGINES: what finetune.rank.engine.build calls)."""
+        return cls(model, cfg=cfg, dist=dist)
+
     def __init__(self, model: nn.Module, *, cfg: Config, dist: Dist) -> None:
         p = cfg.parallelism
         self.dist, self.cfg = dist, cfg

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from finetune.config import ConfigError, OptimConfig, Precision, PrecisionConfig, Strategy
+from finetune.config import Config, ConfigError, OptimConfig, Precision, PrecisionConfig, Strategy
 from finetune.rank.dist import Dist
 from finetune.rank.engine.common import (InBackward, StepResult, add_metrics, autocast_dtype, build_optimizer, build_scheduler, lora_b, no_deepspeed_probe,
                                     to_bf16)
@@ -26,6 +26,12 @@ class TorchEngine:
 
     lockstep = False  # each rank holds the whole model: ranks may run different numbers of forwards
     owner = True  # every rank's data and loss count in global sums (no model-parallel copies)
+
+    @classmethod
+    def from_config(cls, model: torch.nn.Module, cfg: Config, dist: Dist) -> TorchEngine:
+        """The engine a run's config asks for (finetune.layouts.ENGINES: what finetune.rank.engine.build calls)."""
+        return cls(model, optim=cfg.optim, precision=cfg.precision, max_steps=cfg.train.max_steps, strategy=cfg.parallelism.strategy,
+                   dist=dist)
 
     def __init__(self, model: torch.nn.Module, *, optim: OptimConfig, precision: PrecisionConfig, max_steps: int,
                  strategy: Strategy, dist: Dist) -> None:
