@@ -39,6 +39,17 @@ def test_an_unknown_method_is_refused_naming_the_methods():
                             "method with method=NAME)")
 
 
+def test_a_config_without_a_method_name_is_refused(tmp_path):
+    """config.load of a config.yaml whose method section names no method: one line, not a silent sft."""
+    from finetune.config import load
+
+    path = tmp_path / "config.yaml"
+    path.write_text("method: {beta: 0.1}\n")
+    with pytest.raises(ConfigError) as e:
+        load(path)
+    assert str(e.value) == "method.name is missing: choose the method with method=NAME (one of sft, dpo, kto, orpo, reward, grpo)"
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["method=dpo", "method.generations=4"],
      "method.generations: not a key of method=dpo; its keys are name, loss, beta, gamma, label_smoothing, sft_weight, reference"),

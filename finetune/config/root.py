@@ -197,7 +197,9 @@ def to_config(dcfg: DictConfig) -> Config:
     plain = OmegaConf.to_container(dcfg, resolve=True)
     plain.pop("hydra", None)
     method = plain.get("method")
-    name = method.get("name", MethodConfig.name) if isinstance(method, dict) else MethodConfig.name
+    if not isinstance(method, dict) or "name" not in method:  # the name picks the class: no default to fall back on
+        raise ConfigError(f"method.name is missing: choose the method with method=NAME (one of {', '.join(METHOD_CONFIGS)})")
+    name = method["name"]
     schema = method_schema(name)
     composed = OmegaConf.get_type(dcfg, "method") if "method" in dcfg else None  # the class Hydra composed the group with
     if isinstance(composed, type) and issubclass(composed, MethodConfig) and composed not in (schema, MethodConfig):
