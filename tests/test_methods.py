@@ -64,6 +64,20 @@ def test_a_key_of_another_method_is_refused_naming_the_methods_keys(compose, ove
     assert str(e.value) == message
 
 
+@pytest.mark.parametrize("name", sorted(methods.METHODS))
+def test_each_record_answers_the_whole_interface(name):
+    record = methods.get(name)
+    asked = set(Interface.__annotations__) | {k for k, v in vars(Interface).items() if callable(v) and not k.startswith("_")}
+    assert {"encode", "check_row", "join", "reference", "sampling", "validate", "objective", "config"} <= asked
+    assert not [k for k in asked if not hasattr(record, k)]
+    assert record.rows_per_example >= len(record.columns) >= 1  # KTO: + the mismatched row its split settles on
+    assert record.forms and DataFormat.auto not in record.forms
+    assert all(isinstance(getattr(record, k), (str, type(None))) for k in ("unpacked", "split_tokens"))
+    assert record.reference(record.config()) in (None, *Reference)
+    sampling = record.sampling(record.config())
+    assert sampling is None or sampling.completions >= 2
+
+
 def test_the_records_say_what_sft_and_dpo_are():
     sft, dpo = methods.get("sft"), methods.get("dpo")
     assert (sft.rows_per_example, sft.unpacked, sft.split_tokens, sft.reference(MethodConfig())) == (1, None, None, None)
