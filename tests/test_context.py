@@ -81,7 +81,7 @@ def test_the_whole_rows_mask():
 
 @pytest.mark.parametrize("overrides,message", [
     (["parallelism=cp2", "parallelism.pp=2", "launcher.nproc_per_node=4", "model.init.num_hidden_layers=4"],
-     "parallelism.cp=2 with pipeline parallel (parallelism.pp=2) is not supported (a stage hands whole sequences to the next): "
+     "parallelism.cp=2 does not compose with parallelism.pp=2: a pipeline stage hands whole sequences to the next: "
      "use cp with fsdp or ddp, and tp"),
     (["parallelism=cp2", "method=dpo", "data=quickstart_dpo"],
      "method=dpo with parallelism.cp=2 is not supported: the DPO loss needs each response's whole log-probability before it is "
@@ -100,8 +100,8 @@ def test_the_whole_rows_mask():
      "parallelism.tp=1/pp=1/cp=2 need parallelism.strategy=ddp or fsdp (data parallel over world / (tp x pp x cp) replicas), "
      "not single"),
     (["parallelism=ddp", "parallelism.cp=2", "zero=stage2"],
-     "zero=stage2 shards over data-parallel ranks; parallelism strategy=ddp tp=1 pp=1 is a torch-engine layout (FSDP2 / DTensor / "
-     "pipelining): use parallelism=ddp with zero, or zero=none"),
+     "zero=stage2 does not compose with parallelism.cp=2: ZeRO shards over data-parallel ranks on the DeepSpeed engine; FSDP2, "
+     "tensor, pipeline and context parallel run on the mesh engine: use parallelism=ddp with zero, or zero=none"),
 ], ids=["pp", "dpo", "kv_heads", "kv_heads_per_tp_rank", "world", "single", "zero"])
 def test_what_context_parallel_cannot_combine_with_is_refused(compose, overrides, message):
     with pytest.raises(ConfigError) as e:

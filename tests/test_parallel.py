@@ -52,8 +52,8 @@ def test_block_split_and_bubble():
          "parallelism.tp=2 x parallelism.pp=1 = 2 ranks per model replica does not divide the launch size 3 "
          "(launcher.nproc_per_node=3 x launcher.nnodes=1): launch a multiple of 2 ranks"),
         (["parallelism=tp2", "zero=stage2"],
-         "zero=stage2 shards over data-parallel ranks; parallelism strategy=ddp tp=2 pp=1 is a torch-engine layout "
-         "(FSDP2 / DTensor / pipelining): use parallelism=ddp with zero, or zero=none"),
+         "zero=stage2 does not compose with parallelism.tp=2: ZeRO shards over data-parallel ranks on the DeepSpeed engine; "
+         "FSDP2, tensor, pipeline and context parallel run on the mesh engine: use parallelism=ddp with zero, or zero=none"),
         (["parallelism=fsdp", "precision=fp16"],
          "precision=fp16 is not supported with parallelism.strategy=fsdp tp=1 pp=1 (no sharded loss scaler here): use precision=bf16"),
         (["parallelism=pp2", "parallelism.pp_schedule=interleaved_1f1b"],

@@ -1,14 +1,63 @@
-"""The layouts on one DeviceMesh (FSDP2, tensor, pipeline and context parallel): whether a model's shape and family
-allow the layout asked for, checked by the launcher's rules and again on the ranks once the model's config is loaded.
-No torch.
+"""The layouts on one DeviceMesh (FSDP2, tensor, pipeline and context parallel): their rules (finetune.layouts.LAYOUTS
+names them), and whether a model's shape and family allow the layout asked for, checked by the launcher's rules and
+again on the ranks once the model's config is loaded. No torch.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from finetune.config import ConfigError, ParallelismConfig
-from finetune.families import FAMILIES
+from finetune import methods
+from finetune.config import Checkpointing, Config, ConfigError, ParallelismConfig, PeftMethod, Precision, Reference
+from finetune.disk import model_config
+from finetune.families import FAMILIES, router_loss_split
+
+
+def _precision(cfg: Config) -> None:
+    """What every mesh layout refuses: fp16 (no sharded loss scaler)."""
+    p = cfg.parallelism
+    if cfg.precision.name == Precision.fp16:
+        raise ConfigError(f"precision=fp16 is not supported with parallelism.strategy={p.strategy.value} tp={p.tp} pp={p.pp} "
+                          "(no sharded loss scaler here): use precision=bf16")
+
+
+def validate_fsdp(cfg: Config) -> None:
+    """FSDP2 (parallelism=fsdp)."""
+    _precision(cfg)
+
+
+def validate_tp(cfg: Config) -> None:
+    """Tensor parallel: no 4-bit base (QLoRA) and no DoRA, whose pieces have no rows or columns to split."""
+    _precision(cfg)
+    p = cfg.parallelism
+    if cfg.peft.name == PeftMethod.qlora:
+        raise ConfigError(f"peft=qlora is not supported with tensor parallel (parallelism.tp={p.tp}): bitsandbytes keeps a 4-bit "
+                          "weight as one flat buffer of packed pairs with per-block constants, which has no rows or columns to "
+                          "split (no maintained library splits it): use peft=qlora with parallelism=fsdp or pp, or peft=lora with tp")
+    if cfg.peft.name == PeftMethod.dora:
+        raise ConfigError("peft=dora is not supported with tensor parallel (its weight norm spans the sharded dimension): "
+                          "use peft=lora with tp, or dora with fsdp/ddp")
+
+
+def validate_pp(cfg: Config) -> None:
+    """Pipeline parallel: a reference the stages can run (precomputed), no activation offload."""
+    _precision(cfg)
+    if (ref := methods.get(cfg.method.name).reference(cfg.method)) not in (None, Reference.precomputed):
+        raise ConfigError(f"method.reference={ref.value} is not supported with pipeline parallel: "
+                          "use method.reference=precomputed")
+    if cfg.checkpointing.name == Checkpointing.offload:
+        raise ConfigError("checkpointing=offload is not supported with pipeline parallel: use checkpointing=full or selective")
+
+
+def validate_cp(cfg: Config) -> None:
+    """Context parallel (finetune/rank/context.py): a method that splits no row's tokens apart, no router loss."""
+    _precision(cfg)
+    p, method = cfg.parallelism, methods.get(cfg.method.name)
+    if method.split_tokens:
+        raise ConfigError(f"method={method.name} with parallelism.cp={p.cp} is not supported: {method.split_tokens}")
+    arch = model_config(cfg.model)
+    if arch is not None and arch.get("output_router_logits") is True:
+        raise ConfigError(router_loss_split(f"parallelism.cp={p.cp}"))
 
 
 def check_layout_fits_model(p: ParallelismConfig, shape: dict[str, Any]) -> None:

@@ -1,4 +1,5 @@
-"""ZeRO (DeepSpeed): the DeepSpeed JSON, a pure function of the typed config.
+"""ZeRO (DeepSpeed): the DeepSpeed JSON, a pure function of the typed config, and the rules of the ZeRO layouts
+(finetune.layouts.LAYOUTS: the stages and the offloads).
 
 The launcher writes it beside config.yaml (finetune.launcher.command) and the DeepSpeed engine builds from the same function
 (finetune.rank.engine.deepspeed_engine), so what a dry run shows is what the ranks run. No torch import.
@@ -6,10 +7,11 @@ The launcher writes it beside config.yaml (finetune.launcher.command) and the De
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 from finetune import optimizers
-from finetune.config import Config, Offload, OptimConfig, Precision
+from finetune.config import Config, ConfigError, Offload, OptimConfig, Precision, unused
 
 
 def deepspeed_config(cfg: Config) -> dict[str, Any]:
@@ -79,3 +81,38 @@ def deepspeed_optimizer(o: OptimConfig) -> dict[str, Any]:
     rec = optimizers.record(o.name)
     values = {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay, "momentum": o.momentum}
     return {"type": rec.deepspeed, "params": {**{k: values[k] for k in rec.deepspeed_keys}, **rec.deepspeed_extra}}
+
+
+def validate_stage(cfg: Config) -> None:
+    """A ZeRO stage's rules: the knobs of the other stages are refused as having no effect."""
+    z = cfg.zero
+    if z.stage == 3:
+        unused(z, "zero", tuple(f.name for f in fields(z) if f.name != "allgather_bucket_size"), "with ZeRO stage 3 (stages 1-2 only)")
+    else:
+        stage3_knobs = [f.name for f in fields(z) if f.name.startswith("stage3_") or f.name == "sub_group_size"]
+        unused(z, "zero", tuple(f.name for f in fields(z) if f.name not in stage3_knobs), f"with ZeRO stage {z.stage} (stage 3 only)")
+
+
+def _offload(cfg: Config, where: Offload) -> None:
+    """What both offloads need: DeepSpeed, and a directory for NVMe."""
+    if not cfg.zero.enabled:
+        raise ConfigError("zero.offload_* needs DeepSpeed: choose a zero option (e.g. zero=stage2_offload), not zero=none")
+    if where == Offload.nvme and not cfg.zero.nvme_path:
+        raise ConfigError("NVMe offload needs a directory on a fast local disk: set zero.nvme_path=/local/nvme")
+
+
+def validate_offload_optimizer(cfg: Config) -> None:
+    """zero.offload_optimizer: ZeRO stage 2 or 3 (the optimizer states and the fp32 gradients go to CPU RAM or NVMe)."""
+    z = cfg.zero
+    _offload(cfg, z.offload_optimizer)
+    if z.stage < 2:
+        raise ConfigError(f"zero.offload_optimizer={z.offload_optimizer.value} needs ZeRO stage 2 or 3 (got stage {z.stage}): "
+                          "use zero=stage2_offload or zero=stage3_offload")
+
+
+def validate_offload_param(cfg: Config) -> None:
+    """zero.offload_param: ZeRO stage 3 (the parameters go to CPU RAM or NVMe between uses)."""
+    z = cfg.zero
+    _offload(cfg, z.offload_param)
+    if z.stage != 3:
+        raise ConfigError(f"zero.offload_param={z.offload_param.value} needs ZeRO stage 3 (got stage {z.stage}): use zero=stage3_offload")

@@ -14,15 +14,17 @@ import math
 from dataclasses import dataclass, field
 
 from finetune import methods, optimizers
-from finetune.config import Config, Offload, PeftMethod, PipeSchedule, Precision, Reference, StateDtype, Strategy
+from finetune.config import Config, Offload, PeftMethod, Precision, Reference, StateDtype, Strategy
 from finetune.families import COUNTED, Arch
 from finetune.data.lengths import Longest
+from finetune.data.rows import several_per_row
+from finetune.layouts import engine_kind, layouts_of, resolve
 from finetune.methods.base import SCORED, Sampling
 from finetune.planner.activations import Activations, activation_bytes, dtypes
 from finetune.planner.counts import (CPU_OVERHEAD_BYTES, GIB, GPU_OVERHEAD_BYTES, Counts, architecture, attention_kernel,
-                                     count_params, engine_state_bytes, fsdp_frozen_and_gathered, module_bytes, moe_notes,
-                                     optimizer_kind, state_bytes, trainable_shapes, trainable_split, zero_states)
-from finetune.data.rows import several_per_row
+                                     count_params, engine_state_bytes, module_bytes, moe_notes, optimizer_kind, state_bytes,
+                                     trainable_shapes, trainable_split)
+from finetune.planner.terms import States, Work
 
 
 
@@ -127,7 +129,7 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
     on_gpu = cfg.hardware.gpu_memory_gib > 0  # without a GPU, offloading to CPU RAM moves nothing: it stays counted per rank
     notes = model_notes(arch, cfg)
     s = model_states(arch, cfg, counts, on_gpu, notes)
-    s.weights += reference_weights(arch, cfg, notes)
+    s.weights += reference_weights(arch, cfg, s, notes)
     seq, said = batch_width(cfg, longest)
     notes.append(said)
     sampling = methods.get(cfg.method.name).sampling(cfg.method)
@@ -187,169 +189,84 @@ def model_notes(arch: Arch, cfg: Config) -> list[str]:
     return notes + moe_notes(arch, cfg)
 
 
-@dataclass
-class States:
-    """Per-rank bytes of the model states as `model_states` counts them (the frozen base and what is gathered in
-    `weights`), and what offload moves off the rank."""
-
-    trainable: float
-    """Trainable parameters on this rank's tensor x pipeline share (before data-parallel sharding)."""
-    bytes_per_param: tuple[int, int, int]
-    """(weights, gradients, optimizer states) bytes per trainable parameter (counts.engine_state_bytes)."""
-    weights: float = 0.0
-    grads: float = 0.0
-    opt: float = 0.0
-    buckets: float = 0.0
-    """DDP's flat gradient buckets (a second copy of the gradients)."""
-    one_grad: float = 0.0
-    """optim.in_backward: the largest trainable tensor's gradient, the most it holds."""
-    cpu: float = 0.0
-    nvme: float = 0.0
-
-
 def model_states(arch: Arch, cfg: Config, counts: Counts, on_gpu: bool, notes: list[str]) -> States:
     """Weights (the frozen base and what is gathered included), gradients and optimizer states of this rank: the
-    DeepSpeed engine's ZeRO partitions, or the torch engine's (FSDP2 shards, DDP buckets, stepping in backward)."""
-    p = cfg.parallelism
-    mp = p.tp * p.pp  # weights/grads/optimizer split over tensor x pipeline ranks
-    s = States(counts.trainable / mp, engine_state_bytes(cfg))
-    frozen = counts.frozen / mp
-    frozen_w, gathered = zero_model_states(arch, cfg, s, frozen, counts, on_gpu, notes) if cfg.zero.enabled else \
-        torch_model_states(arch, cfg, s, frozen, counts, on_gpu, notes)
-    s.weights += frozen_w + gathered
-
-    if cfg.peft.name == PeftMethod.dora:
-        notes.append("DoRA: its magnitude path keeps more per forward than LoRA (base and adapter outputs per token, "
-                     "weight-sized norms); counted as LoRA, so activations are low (~1.5-2x at h=256 measured)")
-    return s
-
-
-def zero_model_states(arch: Arch, cfg: Config, s: States, frozen: float, counts: Counts, on_gpu: bool,
-                      notes: list[str]) -> tuple[float, float]:
-    """DeepSpeed ZeRO's partitions of `s`'s states and where offload moves them; (frozen base bytes, gathered bytes)."""
-    z, dp = cfg.zero, cfg.data_parallel_size
+    engine's bytes per parameter, then each layout's states term (finetune.layouts.LAYOUTS, in order: a ZeRO stage's
+    partitions and offloads, tensor and pipeline splits, DDP's buckets, FSDP2's shards and offload)."""
+    s = States(counts.trainable, engine_state_bytes(cfg))
     w, g, k = s.bytes_per_param
-    gathered = 0.0
-    s.weights, s.grads, s.opt = zero_states(z.stage, s.trainable, dp, w, g, k)
-    frozen_w = frozen * counts.frozen_bytes_per_param / (dp if z.stage == 3 else 1)
-    if z.stage == 3:
-        gathered = (w + g) * arch.largest_layer_params  # one module's 16-bit weights + gradients at a time
-    if z.offload_optimizer == Offload.nvme or (z.offload_optimizer == Offload.cpu and on_gpu):
-        # the reduced gradient partition goes straight into an fp32 buffer next to the offloaded states
-        # (docs/memory.md: offload moves the 12P and the fp32 gradient copy); the GPU keeps only reduce buckets
-        moved = s.opt + 4 * s.trainable / dp
-        s.opt = s.grads = 0.0
-        if z.offload_optimizer == Offload.cpu:
-            s.cpu += moved
-        else:
-            s.nvme += moved
-    if z.offload_param == Offload.nvme or (z.offload_param == Offload.cpu and on_gpu):
-        moved = s.weights + frozen_w
-        s.weights = frozen_w = 0.0
-        if z.offload_param == Offload.cpu:
-            s.cpu += moved
-        else:
-            s.nvme += moved
-    notes.append(f"DeepSpeed ZeRO stage {z.stage}: {w}+{g}+{k} bytes/param, sharded over {dp} data-parallel ranks "
-                 "(DeepSpeed's own estimator adds a 4 bytes/param fp32 gradient copy: 18P/N)")
-    return frozen_w, gathered
-
-
-def torch_model_states(arch: Arch, cfg: Config, s: States, frozen: float, counts: Counts, on_gpu: bool,
-                       notes: list[str]) -> tuple[float, float]:
-    """The torch engine's states of `s` (FSDP2 shards, DDP buckets, bf16_pure, optim.in_backward); (frozen base bytes,
-    gathered bytes)."""
-    p, dp = cfg.parallelism, cfg.data_parallel_size
-    mp = p.tp * p.pp
-    w, g, k = s.bytes_per_param
-    gathered = 0.0
     s.weights, s.grads, s.opt = w * s.trainable, g * s.trainable, k * s.trainable
-    if optimizers.record(cfg.optim.name).by_shape:  # by tensor shape, not per parameter
-        s.opt = state_bytes(trainable_shapes(arch, cfg), cfg.optim.name) / mp
-    frozen_w = frozen * counts.frozen_bytes_per_param
-    if p.strategy == Strategy.fsdp:  # FSDP2: like ZeRO-3 over dp (x cp), fp32 states, one block gathered at a time
-        s.weights, s.grads, s.opt = s.weights / (dp * p.cp), s.grads / (dp * p.cp), s.opt / (dp * p.cp)
-        frozen_w, gathered = fsdp_frozen_and_gathered(arch, cfg, frozen_w, w, g)
-        if p.fsdp_offload and on_gpu:
-            s.cpu += s.weights + s.grads + s.opt + frozen_w
-            s.weights = s.grads = s.opt = frozen_w = 0.0
-        elif not p.fsdp_reshard_after_forward:  # gathered blocks kept from forward to backward
-            gathered += w * arch.params / mp
-    elif p.strategy == Strategy.ddp and dp > 1 and mp == 1 and p.cp == 1:
-        s.buckets = s.grads  # DDP's flat all-reduce buckets: a second copy of the gradients, held throughout
-        notes.append("DDP: gradient buckets counted as a second copy of the gradients")
-    if cfg.precision.name == Precision.bf16_pure:
+    if optimizers.record(cfg.optim.name).by_shape:  # by tensor shape, not per parameter (ZeRO's partitions replace it)
+        s.opt = state_bytes(trainable_shapes(arch, cfg), cfg.optim.name)
+    s.frozen = counts.frozen * counts.frozen_bytes_per_param
+    for rec in layouts_of(cfg):
+        if rec.states is not None:
+            resolve(rec.states)(arch, cfg, s, counts, on_gpu, notes)
+    if cfg.optim.in_backward:  # each gradient is stepped and freed in its hook: the largest one is the most held
+        s.one_grad = g * max(math.prod(shape) for shape in trainable_shapes(arch, cfg)) / (cfg.parallelism.tp * cfg.parallelism.pp)
+        notes.append("optim.in_backward: each parameter steps in backward and frees its gradient: the largest "
+                     "trainable tensor's gradient counted")
+    s.weights += s.frozen + s.gathered
+    if engine_kind(cfg) == "deepspeed":
+        pass  # the stage's term said how DeepSpeed holds them
+    elif cfg.precision.name == Precision.bf16_pure:
         notes.append(f"precision=bf16_pure: bf16 weights, gradients and {optimizer_kind(cfg)} states ({w}+{g}+{k} bytes/param"
                      + (", 2 of them Kahan's compensation)" if cfg.precision.kahan_sum else ")"))
     else:
         states = "bf16 states (optim.state_dtype=bf16: 4 bytes/param)" if cfg.optim.state_dtype == StateDtype.bf16 else "states"
         notes.append(f"torch engine: fp32 weights and {optimizer_kind(cfg)} {states} in every precision "
                      "(bf16/fp16 autocast the compute only)")
-    if cfg.optim.in_backward:  # each gradient is stepped and freed in its hook: the largest one is the most held
-        s.one_grad = g * max(math.prod(shape) for shape in trainable_shapes(arch, cfg)) / mp
-        notes.append("optim.in_backward: each parameter steps in backward and frees its gradient: the largest "
-                     "trainable tensor's gradient counted")
-    return frozen_w, gathered
+    if cfg.peft.name == PeftMethod.dora:
+        notes.append("DoRA: its magnitude path keeps more per forward than LoRA (base and adapter outputs per token, "
+                     "weight-sized norms); counted as LoRA, so activations are low (~1.5-2x at h=256 measured)")
+    return s
 
 
-def reference_weights(arch: Arch, cfg: Config, notes: list[str]) -> float:
-    """A live reference model (DPO's): its weights (frozen, no gradients, sharded like the policy's frozen part)."""
-    p, method = cfg.parallelism, methods.get(cfg.method.name)
+def reference_weights(arch: Arch, cfg: Config, s: States, notes: list[str]) -> float:
+    """A live reference model (DPO's): its weights (frozen, no gradients, split over the ranks like the policy's)."""
+    method = methods.get(cfg.method.name)
     if method.reference(cfg.method) != Reference.live:
         return 0.0
-    ref_bytes = module_bytes(cfg) * arch.params / (p.tp * p.pp)
-    if (cfg.zero.enabled and cfg.zero.stage == 3) or p.strategy == Strategy.fsdp:
-        ref_bytes /= cfg.data_parallel_size * p.cp
     notes.append(f"{method.name.upper()} reference=live: a frozen copy of the model's weights")
-    return ref_bytes
+    return module_bytes(cfg) * arch.params / s.split
 
 
 def activations_through_backward(arch: Arch, cfg: Config, counts: Counts, s: States, seq: int, longest: Longest | None,
                                  on_gpu: bool, notes: list[str]) -> tuple[Activations, float]:
     """The activations of a micro batch (x the method's rows per example with gradients: 2 for DPO pairs, 1 for KTO's
-    row and its mismatched row outside a pipeline) at `seq` tokens per row,
-    pipeline stages in flight, and the worst moment of backward with the gradients held by then (`s.grads` gains DDP's
-    buckets; under optim.in_backward it becomes the one gradient held)."""
-    p, z = cfg.parallelism, cfg.zero
+    row and its mismatched row outside a pipeline) at `seq` tokens per row, as each layout's work term cuts it
+    (finetune.layouts.LAYOUTS: context parallel's share of the tokens, a pipeline's blocks and micro-batches in flight),
+    and the worst moment of backward with the gradients held by then (`s.grads` gains DDP's buckets; under
+    optim.in_backward it becomes the one gradient held)."""
     method = methods.get(cfg.method.name)
-    rows = cfg.train.micro_batch_size * (method.rows_per_example - (method.no_grad_rows if p.pp == 1 else 0))
     sampling = method.sampling(cfg.method)
-    rows *= sampling.completions if sampling is not None else 1  # GRPO: each prompt's completions, each a row with gradients
-    tokens = -(-seq // p.cp) * rows  # context parallel: this rank's slice of every row (attention: all of it, 1/cp of the heads)
-    labelled = longest.labelled if longest is not None else None
-    exchange = 0.0
-    if p.cp > 1:  # one block's all-to-all buffers in flight: q, k, v as sent and as received
-        exchange = tokens * 2 * dtypes(cfg).compute * (arch.q_dim + 2 * arch.kv_dim) / p.tp
-        labelled = -(-labelled // p.cp) if labelled is not None else None
-        notes.append(f"context parallel: {tokens // rows} of each row's {seq} tokens on each of {p.cp} ranks; attention over all "
-                     f"{seq} for 1/{p.cp} of the heads (the score terms stay per token x {seq}); one block's all-to-all "
-                     "buffers added")
-    # padding (rows of different lengths) or packed samples: sdpa gets a mask (context parallel's own: packed rows only),
+    per = cfg.train.micro_batch_size * (sampling.completions if sampling is not None else 1)  # GRPO: each prompt's completions
+    rows = per * (method.rows_per_example - method.no_grad_rows)
+    w = Work(seq=seq, rows=rows, no_grad_rows=per * method.no_grad_rows, tokens=seq * rows, layers=arch.num_hidden_layers,
+             labelled=longest.labelled if longest is not None else None)
+    for rec in layouts_of(cfg):
+        if rec.work is not None:
+            resolve(rec.work)(arch, cfg, w, notes)
+    # padding (rows of different lengths) or packed samples: sdpa gets a mask (a layout's own: packed rows only),
     # unless each sample is attended alone (finetune.rank.varlen: packed rows and padding-free micro-batches)
-    masked = not several_per_row(cfg) and (cfg.data.packing or (rows > 1 and p.cp == 1))
-    layers = math.ceil(arch.num_hidden_layers / p.pp)
-    micro_batches = max(1, cfg.grad_accum_steps)
-    in_flight = 1 if p.pp == 1 else (micro_batches if p.pp_schedule == PipeSchedule.gpipe else min(p.pp, micro_batches))
+    masked = not several_per_row(cfg) and (cfg.data.packing or (w.rows > 1 and not w.own_mask))
     # gradients held throughout backward: those of earlier micro-batches (accumulation, or a pipeline's
     # schedule), and buffers allocated up front (DDP buckets; DeepSpeed's gradient partitions / buckets);
     # otherwise they fill in block by block, the head's first
     per_param = s.grads / max(s.trainable, 1)  # gradient bytes per trainable parameter held here
     block_trainable, head_trainable = trainable_split(arch, cfg, counts)
-    resident = s.grads if (z.enabled or micro_batches > 1 or p.pp > 1) else 0.0
-    block_grads = 0.0 if resident else per_param * block_trainable / p.tp
-    head_grads = 0.0 if resident else per_param * head_trainable / p.tp
+    resident = s.grads if (s.resident or cfg.grad_accum_steps > 1) else 0.0
+    block_grads = 0.0 if resident else per_param * block_trainable / cfg.parallelism.tp
+    head_grads = 0.0 if resident else per_param * head_trainable / cfg.parallelism.tp
     if cfg.optim.in_backward:  # stepped and freed in backward: one gradient at a time, never all of them
         s.grads = resident = s.one_grad
         block_grads = head_grads = 0.0
-    acts = activation_bytes(arch, cfg, layers, in_flight, seq, tokens, block_grads, head_grads, moves=on_gpu, masked=masked,
-                            labelled=labelled, exchange=exchange)
+    acts = activation_bytes(arch, cfg, w.layers, w.in_flight, seq, w.tokens, block_grads, head_grads, moves=on_gpu, masked=masked,
+                            labelled=w.labelled, exchange=w.exchange)
     # the worst moment of backward: the loss's own backward (everything saved, and its buffers), or
     # inside the blocks (the gradients filled in by then)
     backward = s.buckets + resident + max(acts.stored + acts.loss, acts.filled)
     s.grads += s.buckets
-    if p.pp > 1:
-        notes.append(f"pipeline: {layers} blocks per stage, {in_flight} micro-batches in flight on the first stage; "
-                     "the logits (last stage) are added too: a conservative worst rank")
     return acts, backward
 
 

@@ -31,7 +31,7 @@ import torch
 
 from finetune import optimizers
 from finetune.config import Config, ConfigError
-from finetune.layouts import engine_kind
+from finetune.layouts import ENGINES, engine_kind, layouts_of, shape
 from finetune.data.sources import fingerprint, looks_local
 from finetune.rundir import CHECKPOINTS
 
@@ -56,9 +56,8 @@ def tag(step: int) -> str:
 
 
 def layout(cfg: Config) -> dict[str, Any]:
-    p = cfg.parallelism
-    return {"engine": engine_kind(cfg), "world_size": cfg.world_size, "zero_stage": cfg.zero.stage, "strategy": p.strategy.value,
-            "tp": p.tp, "pp": p.pp, "pp_stages_per_rank": p.pp_stages_per_rank, "cp": p.cp}
+    """What meta.json records of the run's layout: its engine and its shape (finetune.layouts.shape)."""
+    return {"engine": engine_kind(cfg), **shape(cfg)}
 
 
 def trajectory(cfg: Config) -> dict[str, Any]:
@@ -326,15 +325,7 @@ def resolve(resume: str | None, run_dir: Path, warn: Callable[[str], None] = lam
     return path
 
 
-RESUME_UNDER = {  # what a checkpoint of each engine can be resumed under
-    "torch": "resume with a layout of the torch engine (parallelism=single or ddp, no zero, tp=pp=1), on any number of ranks",
-    "deepspeed": "resume under DeepSpeed with the same zero stage and number of ranks",
-    "mesh": "resume under fsdp or tp with the same pp, on any number of ranks (DCP reshards): on one process, "
-            "parallelism=fsdp launcher.nproc_per_node=1",
-}
-
-
-LAYOUT_ADDED = {"cp": 1}
+LAYOUT_ADDED = {"cp": 1, "offload_optimizer": "none", "offload_param": "none", "fsdp_offload": False}
 """Layout keys added after checkpoints were written, at the value those checkpoints ran with."""
 
 
@@ -355,11 +346,12 @@ def check_compatible(step_dir: Path, cfg: Config) -> None:
                 raise ConfigError(f"train.resume: {step_dir} was trained with {key}={typed(theirs.get(key))}, this run has "
                                   f"{key}={typed(ours.get(key))}: resume with the same setting, or start a fresh run")
     saved, now = {**LAYOUT_ADDED, **meta["layout"]}, layout(cfg)
-    fixed = {"torch": (), "deepspeed": ("world_size", "zero_stage"), "mesh": ("pp", "pp_stages_per_rank")}
-    for key in ("engine", *fixed.get(saved["engine"], ())):
+    fixed = [key for rec in (*layouts_of(saved), *layouts_of(now)) for key in rec.fixed]  # what either side's layouts fix
+    for key in dict.fromkeys(("engine", *fixed)):
         if saved[key] != now[key]:
+            resumes = next(e.resumes for e in ENGINES if e.name == saved["engine"])
             raise ConfigError(f"train.resume: {step_dir} was saved with {key}={saved[key]} ({saved['engine']} engine), this run has "
-                              f"{key}={now[key]}: that checkpoint format cannot change it; {RESUME_UNDER[saved['engine']]}")
+                              f"{key}={now[key]}: that checkpoint format cannot change it; {resumes}")
     rec = optimizers.record(cfg.optim.name)
     if saved["engine"] == "mesh" and rec.shard_bound and (saved["strategy"] == "fsdp" or saved["tp"] > 1):
         for key in ("world_size", "strategy", "tp", "cp"):  # optimizers.sharded.ShardedAdamW8bit

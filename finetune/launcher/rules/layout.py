@@ -1,17 +1,13 @@
-"""The distributed rules: the launcher and its rendezvous, the hardware, ZeRO, the parallel layout (and whether the
-model's shape and family allow it), context parallel, the batch sizes against the data-parallel size.
+"""The distributed rules: the launcher and its rendezvous, the hardware, the launcher against ZeRO, the parallel layout
+(its sizes against the launch and the model's shape; then each layout's own rules and the pairs that do not compose, from
+the records of finetune.layouts), the batch sizes against the data-parallel size.
 """
 
 from __future__ import annotations
 
-from dataclasses import fields
-
-from finetune.config import (Checkpointing, Config, ConfigError, LauncherConfig, LauncherName, Offload, ParallelismConfig, PeftMethod,
-                             PipeSchedule, Precision, Reference, Strategy, unused as _unused)
-from finetune.layouts import launcher_for
-from finetune import methods
-from finetune.disk import model_config
-from finetune.families import router_loss_split
+from finetune.config import (Config, ConfigError, LauncherConfig, LauncherName, ParallelismConfig, PipeSchedule, Strategy,
+                             unused as _unused)
+from finetune.layouts import check_composes, launcher_for, layouts_of
 from finetune.layouts.mesh import check_layout_fits_model
 from finetune.launcher.rules.model import model_shape
 
@@ -83,40 +79,10 @@ def validate_layout(cfg: Config) -> None:
     shape = model_shape(cfg.model)
     if shape is not None:
         check_layout_fits_model(p, shape)
-    if not (model_parallel > 1 or p.strategy == Strategy.fsdp):
-        return
-    layout = f"parallelism.strategy={p.strategy.value} tp={p.tp} pp={p.pp}"
-    if cfg.precision.name == Precision.fp16:
-        raise ConfigError(f"precision=fp16 is not supported with {layout} (no sharded loss scaler here): use precision=bf16")
-    if cfg.peft.name == PeftMethod.qlora and p.tp > 1:
-        raise ConfigError(f"peft=qlora is not supported with tensor parallel (parallelism.tp={p.tp}): bitsandbytes keeps a 4-bit "
-                          "weight as one flat buffer of packed pairs with per-block constants, which has no rows or columns to "
-                          "split (no maintained library splits it): use peft=qlora with parallelism=fsdp or pp, or peft=lora with tp")
-    if p.cp > 1:
-        validate_context_parallel(cfg)
-    if cfg.peft.name == PeftMethod.dora and p.tp > 1:
-        raise ConfigError("peft=dora is not supported with tensor parallel (its weight norm spans the sharded dimension): "
-                          "use peft=lora with tp, or dora with fsdp/ddp")
-    if p.pp > 1:
-        if (ref := methods.get(cfg.method.name).reference(cfg.method)) not in (None, Reference.precomputed):
-            raise ConfigError(f"method.reference={ref.value} is not supported with pipeline parallel: "
-                              "use method.reference=precomputed")
-        if cfg.checkpointing.name == Checkpointing.offload:
-            raise ConfigError("checkpointing=offload is not supported with pipeline parallel: use checkpointing=full or selective")
-
-
-def validate_context_parallel(cfg: Config) -> None:
-    """What context parallel (finetune/rank/context.py) does not combine with, and why."""
-    p = cfg.parallelism
-    if p.pp > 1:
-        raise ConfigError(f"parallelism.cp={p.cp} with pipeline parallel (parallelism.pp={p.pp}) is not supported (a stage hands "
-                          "whole sequences to the next): use cp with fsdp or ddp, and tp")
-    method = methods.get(cfg.method.name)
-    if method.split_tokens:
-        raise ConfigError(f"method={method.name} with parallelism.cp={p.cp} is not supported: {method.split_tokens}")
-    arch = model_config(cfg.model)
-    if arch is not None and arch.get("output_router_logits") is True:
-        raise ConfigError(router_loss_split(f"parallelism.cp={p.cp}"))
+    for rec in layouts_of(cfg):  # each layout's own rules (finetune.layouts.LAYOUTS), then the pairs that do not compose
+        if rec.rules is not None:
+            rec.rules(cfg)
+    check_composes(cfg)
 
 
 def validate_hardware(cfg: Config) -> None:
@@ -159,36 +125,15 @@ def validate_launcher(cfg: Config) -> None:
 
 
 def validate_zero(cfg: Config) -> None:
+    """The launcher against ZeRO (the ZeRO layouts' own rules are finetune/layouts/zero.py's, run by validate_layout)."""
     z, launch = cfg.zero, cfg.launcher
     if launch.name == LauncherName.deepspeed and not z.enabled:
         raise ConfigError("launcher=deepspeed starts the DeepSpeed engine, which needs a zero option: use zero=stage0..stage3 or launcher=torchrun")
     if (launch.hostfile or launch.no_ssh) and launch.name == LauncherName.torchrun:
         raise ConfigError("launcher.hostfile and launcher.no_ssh are deepspeed launcher settings: use launcher=deepspeed (or unset them)")
     if not z.enabled:
-        if z.offload_optimizer != Offload.none or z.offload_param != Offload.none:
-            raise ConfigError("zero.offload_* needs DeepSpeed: choose a zero option (e.g. zero=stage2_offload), not zero=none")
-        _unused(z, "zero", ("stage",), "with zero=none (no DeepSpeed)")
+        _unused(z, "zero", ("stage", "offload_optimizer", "offload_param"), "with zero=none (no DeepSpeed)")
         return
-    if z.stage == 3:
-        _unused(z, "zero", tuple(f.name for f in fields(z) if f.name != "allgather_bucket_size"), "with ZeRO stage 3 (stages 1-2 only)")
-    else:  # offload_param below stage 3 gets its own message further down
-        stage3_knobs = [f.name for f in fields(z) if f.name.startswith("stage3_") or f.name == "sub_group_size"]
-        _unused(z, "zero", tuple(f.name for f in fields(z) if f.name not in stage3_knobs), f"with ZeRO stage {z.stage} (stage 3 only)")
-    if cfg.parallelism.strategy not in (Strategy.single, Strategy.ddp) or cfg.parallelism.tp * cfg.parallelism.pp * cfg.parallelism.cp > 1:
-        p = cfg.parallelism
-        raise ConfigError(
-            f"zero=stage{z.stage} shards over data-parallel ranks; parallelism strategy={p.strategy.value} tp={p.tp} pp={p.pp} is "
-            "a torch-engine layout (FSDP2 / DTensor / pipelining): use parallelism=ddp with zero, or zero=none"
-        )
-    if z.offload_optimizer != Offload.none and z.stage < 2:
-        raise ConfigError(
-            f"zero.offload_optimizer={z.offload_optimizer.value} needs ZeRO stage 2 or 3 (got stage {z.stage}): "
-            "use zero=stage2_offload or zero=stage3_offload"
-        )
-    if z.offload_param != Offload.none and z.stage != 3:
-        raise ConfigError(f"zero.offload_param={z.offload_param.value} needs ZeRO stage 3 (got stage {z.stage}): use zero=stage3_offload")
-    if Offload.nvme in (z.offload_optimizer, z.offload_param) and not z.nvme_path:
-        raise ConfigError("NVMe offload needs a directory on a fast local disk: set zero.nvme_path=/local/nvme")
     if launch.nnodes > 1 and launcher_for(cfg) == LauncherName.deepspeed and not launch.hostfile:
         raise ConfigError(
             f"launcher.nnodes={launch.nnodes} with the deepspeed launcher needs launcher.hostfile "
