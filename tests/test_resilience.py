@@ -38,7 +38,8 @@ def test_checkpoints_are_complete_keep_the_last_k_and_record_their_run(tmp_path)
     assert (root / "latest").read_text() == "step_6\n"
     meta = json.loads((root / "step_6/meta.json").read_text())
     assert meta["step"] == 6 and len(meta["config_hash"]) == 16
-    assert meta["layout"] == {"engine": "torch", "world_size": 1, "zero_stage": None, "strategy": "single", "tp": 1, "pp": 1,
+    assert meta["layout"] == {"engine": "torch", "world_size": 1, "zero_stage": None, "offload_optimizer": "none",
+                              "offload_param": "none", "strategy": "single", "fsdp_offload": False, "tp": 1, "pp": 1,
                               "pp_stages_per_rank": 1, "cp": 1}
     assert meta["settings"]["optim.lr"] == 1e-4 and meta["settings"]["train.seed"] == 42
     assert (root / "step_6/rng_0.pt").is_file()
