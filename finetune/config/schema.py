@@ -168,6 +168,12 @@ class ModelInit:
     """Seed of the random initialisation (the same on every rank)."""
 
 
+VISION_PARTS = ("vision", "projector", "language")
+"""A vision-language model's parts (finetune/rank/vision.py finds them in the built model)."""
+PARTS = Accepts(f"a list of {', '.join(VISION_PARTS)}", lambda v: all(str(x) in VISION_PARTS for x in v) and len(set(v)) == len(v),
+                ("[tower]", "[vision,vision]"))
+
+
 @dataclass
 class ModelConfig:
     path: str | None = checked(TEXT, None)
@@ -192,6 +198,9 @@ class ModelConfig:
     recipe_if_missing: str | None = checked(TEXT, None)
     """When `path` is a local directory that does not exist yet: the recipe whose run makes it
     (run first, in `path`'s parent directory, which must be RUN_DIR/final of that run)."""
+    freeze: list[str] | None = checked(PARTS, None)
+    """The parts of a vision-language model kept frozen: vision (the vision tower), projector, language (the language
+    model); null: the vision tower, as the peers train them; []: none. A text model has none of them (refused)."""
     architecture: dict[str, Any] = checked(ARCHITECTURE, factory=dict, hint="e.g. the keys in recipes/model/llama3_1_8b.yaml")
     """The model's config.json keys the planner and the layout checks need (model_type, sizes,
     head_dim, biases, experts, tie_word_embeddings...), for a hub id the launcher cannot read

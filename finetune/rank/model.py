@@ -206,16 +206,17 @@ def _gathered(model: torch.nn.Module, zero3: bool) -> Any:
 
 
 def apply_strategies(model: torch.nn.Module, *, checkpointing: CheckpointingConfig, peft: PeftConfig,
-                     model_class: str = CAUSAL_LM, neftune_alpha: float | None = None) -> torch.nn.Module:
-    """Adapters (PEFT's task type for the method's `model_class`), then activation checkpointing / offload, each from
-    its own config slice; NEFTune's embedding noise (train.neftune_alpha) last."""
+                     model_class: str = CAUSAL_LM, neftune_alpha: float | None = None, kept: set[str] = frozenset()) -> torch.nn.Module:
+    """Adapters (PEFT's task type for the method's `model_class`; none in `kept`, the linear layers model.freeze keeps
+    frozen), then activation checkpointing / offload, each from its own config slice; NEFTune's embedding noise
+    (train.neftune_alpha) last."""
     if peft.name != PeftMethod.none:
         from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
         if peft.name == PeftMethod.qlora:  # norms and head in fp32, frozen 4-bit base
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
             keep_4bit_layout(model)
-        modules, parameters = lora_targets(model, peft)
+        modules, parameters = lora_targets(model, peft, kept)
         if parameters and peft.name == PeftMethod.dora:
             raise ConfigError(dora_experts(model.config.model_type))
         exact = is_moe(model)  # modules and parameters named one by one: check PEFT adapted just those
@@ -322,13 +323,14 @@ def weights_outside_linears(model: torch.nn.Module) -> dict[str, int]:
     return out
 
 
-def lora_targets(model: torch.nn.Module, peft: PeftConfig) -> tuple[Any, list[str]]:
+def lora_targets(model: torch.nn.Module, peft: PeftConfig, kept: set[str] = frozenset()) -> tuple[Any, list[str]]:
     """(target_modules, target_parameters) for PEFT, by families.adapted's rule on this model's modules:
     all-linear is every linear layer but the output head, and a MoE's fused experts; a name adapts
     the linear layers it matches and the weights outside them it or its module matches (`experts`,
     `gate_up_proj`, the router `gate`). A name that matches nothing, or a modules_to_save entry that is
     no module, is refused in one line listing what exists. A model with no weights outside linears
-    gets peft.target_modules as written (PEFT's own all-linear)."""
+    gets peft.target_modules as written (PEFT's own all-linear). `kept`: linear layers model.freeze keeps frozen (a
+    vision-language model's vision tower): none of them is adapted."""
     names = {name: module for name, module in model.named_modules() if name}
     linear = [n for n, m in names.items() if _is_linear(m)]
     weights = weights_outside_linears(model)
@@ -343,11 +345,13 @@ def lora_targets(model: torch.nn.Module, peft: PeftConfig) -> tuple[Any, list[st
         raise ConfigError(f"peft.modules_to_save: {', '.join(unsaved)} {'matches' if len(unsaved) == 1 else 'match'} no module of "
                           f"this {model.config.model_type} model: its module names are "
                           f"{', '.join(sorted(n for n in leaves if not n.isdigit()))}")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if kept:  # a vision-language model with parts frozen (model.freeze, finetune.rank.vision): its other layers, one by one
+        return [n for n in linear if n not in kept and names[n] is not head and (all_linear or any(_matches(n, t) for t in wanted))], []
     if not is_moe(model):  # PEFT's own matching, as written
         return (peft.target_modules[0] if all_linear else wanted), []
     # A MoE: name every module and weight, so PEFT's conversion of transformers-4 MoE names (mixtral, qwen3_moe: it
     # would add the router and double the experts' rank under all-linear) leaves them as they are (check_adapted).
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if all_linear:
         return [n for n in linear if names[n] is not head], [w for w, ndim in weights.items() if ndim == 3]
     return ([n for n in linear if any(_matches(n, t) for t in wanted)],

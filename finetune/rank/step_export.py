@@ -81,13 +81,15 @@ def built(run_dir: Path, cfg: Config) -> tuple[Any, Any]:
     import torch
 
     from finetune import methods
-    from finetune.rank import model
+    from finetune.config import PeftMethod
+    from finetune.rank import model, vision
 
     tokenizer = model.load_tokenizer(cfg.model)
     model_class = methods.get(cfg.method.name).model_class
     net = model.load_model(cfg.model, tokenizer, attention="sdpa", peft=cfg.peft, compute_dtype=torch.float32, zero3=False,
                            run_dir=run_dir, is_main=False, barrier=lambda: None, model_class=model_class)
-    return model.apply_strategies(net, checkpointing=CheckpointingConfig(), peft=cfg.peft, model_class=model_class), tokenizer
+    _, kept = vision.freeze(net, cfg.model.freeze, adapters=cfg.peft.name != PeftMethod.none)  # as the run froze it
+    return model.apply_strategies(net, checkpointing=CheckpointingConfig(), peft=cfg.peft, model_class=model_class, kept=kept), tokenizer
 
 
 def load_trained(net: Any, state: dict[str, Any], *, trained_only: bool, where: Path) -> None:

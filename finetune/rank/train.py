@@ -23,7 +23,7 @@ from finetune import config, logs, methods, rundir, startup
 from finetune.data import steps
 from finetune.families import liger
 from finetune.methods import losses
-from finetune.rank import checkpoint, compiling, dist, engine, flops, heldout, loop, model, reference, varlen
+from finetune.rank import checkpoint, compiling, dist, engine, flops, heldout, loop, model, reference, varlen, vision
 from finetune.config import Config, ConfigError, Kernels, Logits, MemoryReport, MethodConfig, PeftConfig, PeftMethod, Precision, Strategy, uses_deepspeed
 from finetune.data import rows
 from finetune.rank import stream
@@ -272,8 +272,12 @@ def prepare_model(cfg: Config, d: dist.Dist, loaded: torch.nn.Module, attention:
     elif several:
         attention_why += f"; {several}: its variable-length kernel"
     phase("peft" if cfg.peft.name != PeftMethod.none else "model")
+    frozen, kept = vision.freeze(loaded, cfg.model.freeze, adapters=cfg.peft.name != PeftMethod.none)
     net = model.apply_strategies(loaded, checkpointing=cfg.checkpointing, peft=cfg.peft, model_class=model_class,
-                                 neftune_alpha=cfg.train.neftune_alpha)
+                                 neftune_alpha=cfg.train.neftune_alpha, kept=kept)
+    if d.is_main and frozen:
+        print("vision-language model: frozen " + ", ".join(f"{part} ({n:,} parameters)" for part, n in frozen.items())
+              + " (model.freeze)")
     if d.is_main:
         trainable, total = model.trainable_parameters(net)
         print(f"model: {total:,} parameters, {trainable:,} trainable ({trainable / total:.2%}), attention {attention} ({attention_why})")
@@ -472,7 +476,7 @@ def probe(cfg: Config, eng: Engine, d: dist.Dist, run_dir: Path, planned: dict[s
 
 def mfu_inputs(cfg: Config, net: Any, d: dist.Dist) -> dict[str, float | None]:
     """FLOPs per token and the GPU's peak, for MFU (None on CPU or an unlisted GPU)."""
-    arch = net.config
+    arch = net.config.get_text_config()  # a multimodal wrapper's language model
     _, total = model.trainable_parameters(net)
     per_token = flops.train_flops_per_token(total, arch.num_hidden_layers, arch.hidden_size, cfg.data.max_length)
     return {"flops_per_token": per_token,

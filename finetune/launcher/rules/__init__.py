@@ -30,6 +30,7 @@ def validate(cfg: Config) -> None:
     """Check the rules that span groups, by topic, in this order (the first broken one is the line said). Raises
     ConfigError naming the keys to change."""
     model.validate_model(cfg.model)
+    model.validate_vision(cfg)
     model.validate_structure(cfg.model)
     model.validate_context(cfg)
     data.validate_sources(cfg)

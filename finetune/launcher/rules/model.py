@@ -7,10 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from finetune import methods
 from finetune.config import AttnImpl, Config, ConfigError, ModelConfig
 from finetune.disk import attention, config_source, local_config, model_config
 from finetune.families import COUNTED, config_value
 from finetune.families.structure import structure_problem
+from finetune.families.vision import vision_of
 
 
 def validate_model(m: ModelConfig) -> None:
@@ -29,6 +31,40 @@ def validate_model(m: ModelConfig) -> None:
                           "model.init: use one model recipe (model=tiny or a hub model's), not both")
     if m.path is None and m.tokenizer is None:
         raise ConfigError("model.tokenizer: a random-init model needs a tokenizer path or hub id")
+
+
+MAPPINGS = {"AutoModelForCausalLM": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+            "AutoModelForSequenceClassification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"}
+"""The model types each method's Auto class builds, as transformers lists them (transformers.models.auto.modeling_auto)."""
+
+
+def validate_vision(cfg: Config) -> None:
+    """A vision-language checkpoint (finetune.families.vision: its config has a vision_config) trains where the method's
+    Auto class builds it, its parts frozen as model.freeze says; model.freeze on a text model is refused. Read from a
+    local config.json or model.architecture; a hub id without either is checked on the ranks."""
+    m = cfg.model
+    whole = local_config(m, whole=True) if m.init is None else None
+    vision = vision_of(whole) if whole else None
+    if vision is None:
+        if m.freeze is not None and (whole is not None or m.init is not None):
+            what = "model.init" if m.init is not None else config_source(m)
+            raise ConfigError(f"model.freeze={_listed(m.freeze)} names parts of a vision-language model, but {what} is a text model "
+                              "(no vision_config): remove model.freeze")
+        return
+    auto = methods.get(cfg.method.name).model_class
+    from transformers.models.auto import modeling_auto  # imports torch (3-4 s): only for a vision-language model
+
+    builds = getattr(modeling_auto, MAPPINGS[auto])
+    if vision.model_type not in builds:
+        image_text = sorted(set(builds) & set(modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES))
+        raise ConfigError(f"model.path={m.path} is a vision-language model (model_type={vision.model_type}: {vision.describe()}) "
+                          f"that transformers' {auto}, the class method={cfg.method.name} trains, cannot build, and training with "
+                          f"images is not built yet: of the image-text models, {auto} builds {', '.join(image_text)} (their "
+                          "language model trains on text rows; model.freeze chooses the frozen parts)")
+
+
+def _listed(values: list[str]) -> str:
+    return "[" + ",".join(values) + "]"
 
 
 def validate_structure(m: ModelConfig) -> None:

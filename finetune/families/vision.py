@@ -1,0 +1,59 @@
+"""Vision-language models read from their own config.json, as finetune.families reads a text model's (no torch).
+
+A vision-language checkpoint (LLaVA, Qwen2.5-VL and Qwen3-VL, Gemma 3, Llama 3.2 Vision, Mistral 3, and the other
+image-text-to-text classes transformers registers) says so in its config: a `vision_config` (the vision tower) beside a
+`text_config` (the language model), and the id of the token an image takes in the text (`image_token_id`, or
+`image_token_index` in the older classes). Where the vision tower, the projector and the language model live in the
+built model is found on the rank (finetune/rank/vision.py); how many tokens an image becomes is the processor's to say,
+but where the config fixes it (Gemma 3's `mm_tokens_per_image`) it is read here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+IMAGE_TOKEN_KEYS = ("image_token_id", "image_token_index")
+"""Where a config names the token an image takes in the text (the newer classes' name first)."""
+FIXED_TOKENS_KEYS = ("mm_tokens_per_image",)
+"""Where a config fixes how many tokens one image becomes (the model pools every image to it). Not `image_seq_length`:
+LLaVA's config carries 576 whatever its vision tower's size, a value for its processor."""
+
+
+@dataclass(frozen=True)
+class Vision:
+    """A vision-language model as its config.json describes it."""
+
+    model_type: str
+    text: dict[str, Any]
+    """The language model's config (text_config), read by finetune.families like a text model's."""
+    vision: dict[str, Any]
+    """The vision tower's config (vision_config)."""
+    image_token_id: int | None
+    """The token each image takes (or fills, once the processor expands it) in the text."""
+    cross_attention: bool
+    """Images reach the text through cross-attention layers (Llama 3.2 Vision's mllama), not as tokens in the sequence."""
+    tokens_per_image: int | None
+    """How many tokens one image becomes, where the config fixes it; None: the processor computes it per image
+    (dynamic resolution: Qwen2-VL's image_grid_thw, Pixtral's patches; tiles)."""
+
+    @property
+    def text_model_type(self) -> str:
+        return str(self.text.get("model_type") or "")
+
+    def describe(self) -> str:
+        """What it is, in a few words, for the lines that name it."""
+        language = f"a {self.text_model_type} language model" if self.text_model_type else "a language model"
+        return f"a vision tower, a projector and {language}" + (" with cross-attention to the image" if self.cross_attention else "")
+
+
+def vision_of(config: dict[str, Any]) -> Vision | None:
+    """The vision-language model `config` (a config.json's keys) describes, or None for a text model."""
+    vision, text = config.get("vision_config"), config.get("text_config")
+    if not isinstance(vision, dict):
+        return None
+    text = text if isinstance(text, dict) else {}
+    token = next((config[k] for k in IMAGE_TOKEN_KEYS if isinstance(config.get(k), int)), None)
+    fixed = next((config[k] for k in FIXED_TOKENS_KEYS if isinstance(config.get(k), int)), None)
+    return Vision(model_type=str(config.get("model_type") or ""), text=text, vision=vision, image_token_id=token,
+                  cross_attention=bool(text.get("cross_attention_layers")), tokens_per_image=fixed)

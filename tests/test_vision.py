@@ -1,0 +1,128 @@
+"""Vision-language models: read from their own config (finetune/families/vision.py), their parts found in the built model
+by one code path (finetune/rank/vision.py), model.freeze applied to them, and what the launcher refuses before launch.
+Tiny random-init models of eight classes (tests/vision_models.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+import vision_models
+from conftest import run_cli, train_here
+from finetune.config import ConfigError
+from finetune.families.vision import vision_of
+
+torch = pytest.importorskip("torch")
+
+SHORT = ["+recipe=quickstart_sft", "model=pretrained", "launcher.nproc_per_node=1", "parallelism=single", "train.max_steps=2",
+         "optim.warmup_steps=0", "train.micro_batch_size=4", "train.global_batch_size=4", "train.eval_every=0"]
+
+
+@pytest.fixture(scope="module")
+def vlm_dirs(tmp_path_factory):
+    """Model directories of the tiny gemma3 (AutoModelForCausalLM builds it) and llava (it does not)."""
+    root = tmp_path_factory.mktemp("vlm")
+    return {name: vision_models.save(name, root / name) for name in ("gemma3", "llava")}
+
+
+@pytest.mark.parametrize("name", vision_models.NAMES)
+def test_the_config_says_what_it_is(name):
+    """vision_of reads each class's config.json: the image token (under either key), the language model's config,
+    cross-attention (mllama only), and the tokens per image where the config fixes them (Gemma 3's 4)."""
+    config, tok = vision_models.config(name)
+    v = vision_of(config.to_dict())
+    assert v is not None and v.model_type == name
+    token = {"gemma3": "<image_soft_token>", "llava": "<image>", "mllama": "<|image|>", "mistral3": "[IMG]",
+             "idefics3": "<image>"}.get(name, "<|image_pad|>")
+    assert v.image_token_id == tok.convert_tokens_to_ids(token)
+    assert v.text["hidden_size"] == 64 and v.vision
+    assert v.cross_attention == (name == "mllama")
+    assert v.tokens_per_image == (4 if name == "gemma3" else None)
+    assert vision_of(config.get_text_config().to_dict()) is None  # the language model alone is a text model
+
+
+@pytest.mark.parametrize("name", vision_models.NAMES)
+def test_one_code_path_finds_the_parts_of_every_class(name):
+    """The vision tower, the projector and the language model are found in each class (none named in the code but by
+    transformers' own lookups and the projector's names); with the output head they hold every parameter once."""
+    from finetune.rank.vision import freeze, parts
+
+    model = vision_models.build(name)
+    found = parts(model)
+    assert found.vision is not None and found.projector is not None and found.language is not None
+    ids = [{id(p) for p in found.named(part)} for part in ("vision", "projector", "language")]
+    assert all(ids) and not (ids[0] & ids[1] or ids[0] & ids[2] or ids[1] & ids[2])
+    head = {id(p) for p in model.get_output_embeddings().parameters()}
+    every = {id(p) for p in model.parameters()}
+    assert set().union(*ids) | head == every
+    frozen, kept = freeze(model, None, adapters=False)  # model.freeze=null, full fine-tuning: the vision tower
+    assert list(frozen) == ["vision"] and frozen["vision"] == sum(p.numel() for p in found.named("vision"))
+    assert all(not p.requires_grad for p in found.named("vision")) and all(p.requires_grad for p in found.named("projector"))
+    assert kept and all(name.startswith(_path(model, found.vision)) for name in kept)
+
+
+def _path(model, module) -> str:
+    return next(n for n, m in model.named_modules() if m is module)
+
+
+def test_a_text_model_has_no_parts_to_freeze():
+    from finetune.rank.vision import freeze, parts
+
+    model = vision_models.build("llava").model.language_model
+    assert parts(model).vision is None and freeze(model, None, adapters=False) == ({}, set())
+
+
+def test_model_freeze_chooses_what_trains(vlm_dirs, tmp_path, capsys):
+    """model.freeze=null keeps the vision tower frozen, [] trains it too, [vision,projector] with LoRA puts adapters in the
+    language model only: the counts of trainable parameters say what runs."""
+    path = f"model.path={vlm_dirs['gemma3']}"
+    counts = {}
+    for label, extra in (("default", []), ("none", ["model.freeze=[]"]), ("lora", ["peft=lora"])):
+        train_here([*SHORT, path, *extra], tmp_path / label)
+        out = capsys.readouterr().out
+        total, trainable = map(lambda s: int(s.replace(",", "")), re.search(r"model: ([\d,]+) parameters, ([\d,]+) trainable", out).groups())
+        counts[label] = (total, trainable, out)
+    model = vision_models.build("gemma3")
+    from finetune.rank.vision import parts
+
+    found = parts(model)
+    vision = sum(p.numel() for p in found.named("vision"))
+    assert counts["none"][1] == counts["none"][0] == sum(p.numel() for p in model.parameters())
+    assert counts["default"][1] == counts["none"][1] - vision
+    assert f"vision-language model: frozen vision ({vision:,} parameters) (model.freeze)" in counts["default"][2]
+    adapters = json.loads((tmp_path / "lora" / "final" / "adapter_config.json").read_text())["target_modules"]
+    assert adapters and all(t.startswith("model.language_model.") for t in adapters)
+
+
+def test_a_vision_language_model_trains_its_language_through_the_cli_with_the_vision_tower_kept(vlm_dirs, tmp_path):
+    """The real command line on gemma3's checkpoint: text rows train the language model; the exported vision tower is
+    the one loaded, byte for byte."""
+    from safetensors.torch import load_file
+
+    out = run_cli(*SHORT, f"model.path={vlm_dirs['gemma3']}", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, after = load_file(vlm_dirs["gemma3"] / "model.safetensors"), load_file(tmp_path / "run" / "final" / "model.safetensors")
+    assert set(before) == set(after)
+    vision = [k for k in before if k.startswith("vision_tower.")]
+    language = [k for k in before if k.startswith("language_model.")]
+    assert vision and all(torch.equal(before[k], after[k]) for k in vision)
+    assert any(not torch.equal(before[k], after[k]) for k in language)
+
+
+def test_a_class_the_method_cannot_build_is_refused_before_launch(vlm_dirs, tmp_path):
+    out = run_cli("+recipe=quickstart_sft", "model=pretrained", f"model.path={vlm_dirs['llava']}", "launcher.dry_run=true", cwd=tmp_path)
+    assert out.returncode != 0
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: model.path={vlm_dirs['llava']} is a vision-language model (model_type=llava: a vision tower, "
+                           "a projector and a llama language model) that transformers' AutoModelForCausalLM, the class "
+                           "method=sft trains, cannot build, and training with images is not built yet: of the image-text "
+                           "models, AutoModelForCausalLM builds "), line
+    assert "gemma3" in line and "mllama" in line
+
+
+def test_model_freeze_on_a_text_model_is_refused(compose):
+    with pytest.raises(ConfigError, match=r"^model.freeze=\[vision\] names parts of a vision-language model, but model.init is "
+                                          r"a text model \(no vision_config\): remove model.freeze$"):
+        compose(["+recipe=quickstart_sft", "model.freeze=[vision]"])

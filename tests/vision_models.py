@@ -1,0 +1,131 @@
+"""Tiny random-init vision-language models, built from their configs with a tokenizer made here (no hub, no
+torchvision): a vision tower of 2 layers, a language model of 2 (mllama: 3, one of them cross-attention), hidden 64.
+`config(name)` is the transformers config; `save(name, dir)` writes a model directory (config.json, the weights and the
+tokenizer) as a checkpoint on disk would be. Sizes follow the constraints each class checks (tests/test_vision.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+H, VOCAB = 64, 256
+WORDS = ("user assistant system what is the answer to a an of and yes no it shows small big plus minus times equals "
+         "question").split() + list(".,?!:;'\"()[]-_/+=*0123456789")
+
+
+def tokenizer(bos: str = "<s>", eos: str = "</s>", pad: str = "<pad>", specials: dict[str, str] | None = None,
+              extra: tuple[str, ...] = ()) -> Any:
+    """A word-level tokenizer of a few dozen words; `specials`: named special tokens (tokenizer.boi_token, ...)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab: dict[str, int] = {}
+    for t in [pad, "<unk>", bos, eos, *WORDS]:
+        vocab.setdefault(t, len(vocab))
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=bos, eos_token=eos, pad_token=pad, unk_token="<unk>",
+                                  extra_special_tokens=dict(specials or {}))
+    added = [e for e in extra if e not in tok.get_vocab()]
+    if added:
+        tok.add_special_tokens({"additional_special_tokens": added}, replace_extra_special_tokens=False)
+    return tok
+
+
+def _text(**kw: Any) -> dict[str, Any]:
+    return dict(vocab_size=VOCAB, hidden_size=H, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512) | kw
+
+
+def _vit(image_size: int, patch_size: int, **kw: Any) -> dict[str, Any]:
+    return dict(hidden_size=H, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=image_size,
+                patch_size=patch_size) | kw
+
+
+QWEN_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def _qwen(kind: str) -> tuple[Any, Any]:
+    import transformers as T
+
+    tok = tokenizer(extra=QWEN_TOKENS)
+    ids = tok.convert_tokens_to_ids
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}  # sums to head_dim / 2
+    tokens = dict(image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+                  vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
+    ends = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    if kind == "qwen2_vl":
+        return T.Qwen2VLConfig(text_config=_text(rope_parameters=rope, **ends), **tokens, vision_config=dict(
+            depth=2, embed_dim=H, hidden_size=H, num_heads=4, mlp_ratio=2, patch_size=14, spatial_merge_size=2,
+            temporal_patch_size=2)), tok
+    if kind == "qwen2_5_vl":
+        return T.Qwen2_5_VLConfig(text_config=_text(rope_parameters=rope, **ends), **tokens, vision_config=dict(
+            depth=2, hidden_size=H, intermediate_size=128, num_heads=4, out_hidden_size=H, patch_size=14,
+            spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])), tok
+    return T.Qwen3VLConfig(text_config=_text(head_dim=16, rope_parameters={**rope, "mrope_interleaved": True}, **ends),
+                           **tokens, vision_config=dict(depth=2, hidden_size=H, intermediate_size=128, num_heads=4,
+                                                        out_hidden_size=H, patch_size=16, spatial_merge_size=2,
+                                                        temporal_patch_size=2, num_position_embeddings=16,
+                                                        deepstack_visual_indexes=[0])), tok
+
+
+def config(name: str) -> tuple[Any, Any]:
+    """(the transformers config, its tokenizer) of the tiny `name` model."""
+    import transformers as T
+
+    if name.startswith("qwen"):
+        return _qwen(name)
+    if name == "gemma3":
+        tok = tokenizer(bos="<bos>", eos="<eos>", specials={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                                            "image_token": "<image_soft_token>"})
+        ids = tok.convert_tokens_to_ids
+        return T.Gemma3Config(text_config=_text(head_dim=16, sliding_window=16, query_pre_attn_scalar=16),
+                              vision_config=_vit(32, 8, vision_use_head=False), mm_tokens_per_image=4,
+                              boi_token_index=ids("<start_of_image>"), eoi_token_index=ids("<end_of_image>"),
+                              image_token_index=ids("<image_soft_token>")), tok
+    if name == "llava":
+        tok = tokenizer(specials={"image_token": "<image>"})
+        return T.LlavaConfig(text_config=dict(model_type="llama", **_text()),
+                             vision_config=dict(model_type="clip_vision_model", projection_dim=H, **_vit(28, 14)),
+                             image_token_index=tok.image_token_id, vision_feature_layer=-2,
+                             vision_feature_select_strategy="default"), tok
+    if name == "mllama":
+        tok = tokenizer(bos="<|begin_of_text|>", eos="<|eot_id|>", pad="<|finetune_right_pad_id|>", extra=("<|image|>",))
+        return T.MllamaConfig(text_config=_text(num_hidden_layers=3, cross_attention_layers=[1], bos_token_id=tok.bos_token_id,
+                                                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id),
+                              vision_config=dict(hidden_size=H, intermediate_size=128, num_hidden_layers=2, num_global_layers=1,
+                                                 attention_heads=4, image_size=28, patch_size=14, max_num_tiles=4,
+                                                 intermediate_layers_indices=[0, 1], vision_output_dim=H * 3),
+                              image_token_index=tok.convert_tokens_to_ids("<|image|>")), tok
+    if name == "mistral3":
+        tok = tokenizer(extra=("[IMG]", "[IMG_BREAK]", "[IMG_END]"))
+        return T.Mistral3Config(text_config=dict(model_type="mistral", head_dim=16, **_text()),
+                                vision_config=dict(model_type="pixtral", head_dim=16, **_vit(56, 14)),
+                                image_token_index=tok.convert_tokens_to_ids("[IMG]"), spatial_merge_size=2,
+                                vision_feature_layer=-1), tok
+    if name == "idefics3":
+        tok = tokenizer(extra=("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"))
+        return T.Idefics3Config(text_config=dict(model_type="llama", **_text()), vision_config=_vit(32, 8),
+                                image_token_id=tok.convert_tokens_to_ids("<image>"), scale_factor=2,
+                                pad_token_id=tok.pad_token_id), tok
+    raise KeyError(name)
+
+
+NAMES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "llava", "mllama", "mistral3", "idefics3")
+
+
+def build(name: str) -> Any:
+    """The tiny model, random-init (seed 0)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(0)
+    return AutoModelForImageTextToText.from_config(config(name)[0])
+
+
+def save(name: str, where: Path) -> Path:
+    """A model directory of the tiny `name` model: config.json, weights, tokenizer."""
+    _, tok = config(name)
+    build(name).save_pretrained(where)
+    tok.save_pretrained(where)
+    return where
