@@ -126,3 +126,22 @@ def test_model_freeze_on_a_text_model_is_refused(compose):
     with pytest.raises(ConfigError, match=r"^model.freeze=\[vision\] names parts of a vision-language model, but model.init is "
                                           r"a text model \(no vision_config\): remove model.freeze$"):
         compose(["+recipe=quickstart_sft", "model.freeze=[vision]"])
+
+
+def test_qlora_quantizes_the_language_model_only(vlm_dirs, tmp_path):
+    """bitsandbytes 4-bit on the language model's linear layers; the vision tower, the projector and the head stay as
+    they were (finetune.rank.vision.NOT_QUANTIZED)."""
+    pytest.importorskip("bitsandbytes")
+    from bitsandbytes.nn import Linear4bit
+
+    from finetune.config import ModelConfig, PeftConfig, PeftMethod
+    from finetune.rank.model import load_model, load_tokenizer
+
+    cfg = ModelConfig(path=str(vlm_dirs["gemma3"]))
+    net = load_model(cfg, load_tokenizer(cfg), attention="sdpa", peft=PeftConfig(name=PeftMethod.qlora), compute_dtype=torch.float32,
+                     zero3=False, run_dir=tmp_path, is_main=True, barrier=lambda: None)
+    kinds = {name: type(m) for name, m in net.named_modules() if isinstance(m, torch.nn.Linear)}
+    language = [n for n in kinds if n.startswith("model.language_model.")]
+    others = [n for n in kinds if not n.startswith("model.language_model.")]
+    assert language and all(issubclass(kinds[n], Linear4bit) for n in language)
+    assert any(n.startswith("model.vision_tower.") for n in others) and not any(issubclass(kinds[n], Linear4bit) for n in others)

@@ -23,6 +23,8 @@ from finetune.data.templates import load_tokenizer  # noqa: F401 (the ranks' cal
 from finetune.rank.dist import import_deepspeed
 from finetune.methods.base import CAUSAL_LM, SCORED
 from finetune.families import attention_limits, dora_experts, pick_attention, unmatched_targets
+from finetune.families.vision import vision_of
+from finetune.rank import vision
 from finetune.config import (
     AttnImpl,
     Checkpointing,
@@ -145,6 +147,9 @@ def load_model(cfg: ModelConfig, tokenizer: Any, *, attention: str, peft: PeftCo
             bnb_4bit_compute_dtype=compute_dtype,
             # DeepSpeed shards tensors of one dtype: store the packed 4-bit values as the compute dtype.
             bnb_4bit_quant_storage=compute_dtype if zero3 else torch.uint8,
+            # a vision-language model: the language model only (the vision tower and projector stay as they are)
+            llm_int8_skip_modules=vision.NOT_QUANTIZED if vision_of(AutoConfig.from_pretrained(
+                path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code).to_dict()) else None,
         )
         if not zero3:
             kwargs["device_map"] = {"": torch.cuda.current_device()} if torch.cuda.is_available() and not fsdp else "cpu"

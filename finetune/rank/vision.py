@@ -16,6 +16,12 @@ import torch
 
 PROJECTORS = ("multi_modal_projector", "connector", "merger", "mlp1")
 """The names image-text classes give the module between the vision tower and the language model."""
+TOWERS = ("vision_tower", "visual", "vision_model", "vision_encoder", "image_tower")
+"""The names transformers' get_encoder(modality="image") looks for."""
+NOT_QUANTIZED = [rf"(.*\.)?{name}" for name in (*TOWERS, *PROJECTORS, "lm_head")]
+"""What QLoRA leaves unquantized in a vision-language model (bitsandbytes' llm_int8_skip_modules: transformers matches
+each as a regex from the start of a module's path, to a module boundary, before the model is built): the vision tower,
+the projector and the output head, wherever the class puts them."""
 
 
 @dataclass
