@@ -90,6 +90,11 @@ def test_model_freeze_chooses_what_trains(vlm_dirs, tmp_path, capsys):
     found = parts(model)
     vision = sum(p.numel() for p in found.named("vision"))
     assert counts["none"][1] == counts["none"][0] == sum(p.numel() for p in model.parameters())
+    from finetune.launcher.compose import preflight
+    from finetune.planner.peak import plan
+
+    for label, extra in (("default", []), ("none", ["model.freeze=[]"])):  # the planner counts what the rank trains
+        assert plan(preflight([*SHORT, path, *extra])).trainable == counts[label][1]
     assert counts["default"][1] == counts["none"][1] - vision
     assert f"vision-language model: frozen vision ({vision:,} parameters) (model.freeze)" in counts["default"][2]
     adapters = json.loads((tmp_path / "lora" / "final" / "adapter_config.json").read_text())["target_modules"]

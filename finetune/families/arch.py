@@ -14,6 +14,7 @@ from finetune.config import ConfigError
 from finetune.families.checks import adapted, attention_limits
 from finetune.families.records import COUNTED, EXTRAS, FAMILIES, LLAMA_NAMES, NORM_TOPK_DEFAULT, Family, config_value
 from finetune.families.shapes import Arch, Block, Linear, Moe
+from finetune.families.vision import parts as vision_parts
 
 def adapted_outside_linears(arch: dict[str, Any], targets: list[str]) -> bool:
     """Whether peft.target_modules adapt weights outside linear layers (a MoE's experts or router) of
@@ -279,7 +280,9 @@ def _built(key: str) -> Arch | str:
         return f"transformers cannot build it from this config ({type(e).__name__}: {first[:200]})"
     finally:
         hf_logging.set_verbosity(verbosity)
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    found = vision_parts(model)  # a vision-language model: its layers are the language model's
+    root = found.language if found.vision is not None and found.language is not None else model
+    lists = [m for m in root.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
     if not lists:
         return "its transformers build has no list of decoder layers"
     stack = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
@@ -309,7 +312,8 @@ def _built(key: str) -> Arch | str:
                 final_norm=rest, head_bias=head_bias, known=False, attention=attention_limits(arch),
                 act=str(first("hidden_act", "hidden_activation", "activation_function", default="silu")),
                 attention_dropout=float(first("attention_dropout", "attn_pdrop", default=0.0)),
-                residual_dropout=float(first("resid_pdrop", default=0.0)))
+                residual_dropout=float(first("resid_pdrop", default=0.0)),
+                image_parts=tuple((part, found.count(part)) for part in ("vision", "projector", "language")) if found.vision is not None else ())
 
 
 def _block(layer: Any, h: int, arch: dict[str, Any], linear_types: tuple[type, ...], seen: set[int]) -> Block:

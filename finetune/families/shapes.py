@@ -103,6 +103,9 @@ class Arch:
     """tanh soft-capping of the output logits (final_logit_softcapping); 0: none."""
     head_outputs: int = 0
     """The output head's width: 0, the vocabulary (a causal LM's lm_head); 1, a sequence classifier's score (`scored`)."""
+    image_parts: tuple[tuple[str, int], ...] = ()
+    """A vision-language model's parts (finetune.families.vision.parts): (vision, projector, language) with their
+    parameters; model.freeze chooses which are frozen. The tower and the projector are counted in `final_norm`'s rest."""
 
     @property
     def kv_dim(self) -> int:

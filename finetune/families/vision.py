@@ -4,7 +4,8 @@ A vision-language checkpoint (LLaVA, Qwen2.5-VL and Qwen3-VL, Gemma 3, Llama 3.2
 image-text-to-text classes transformers registers) says so in its config: a `vision_config` (the vision tower) beside a
 `text_config` (the language model), and the id of the token an image takes in the text (`image_token_id`, or
 `image_token_index` in the older classes). Where the vision tower, the projector and the language model live in the
-built model is found on the rank (finetune/rank/vision.py); how many tokens an image becomes is the processor's to say,
+built model is found by `parts` (the planner's meta-device build, the ranks' model: finetune/rank/vision.py freezes them);
+how many tokens an image becomes is the processor's to say,
 but where the config fixes it (Gemma 3's `mm_tokens_per_image`) it is read here.
 """
 
@@ -12,6 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+PROJECTORS = ("multi_modal_projector", "connector", "merger", "mlp1")
+"""The names image-text classes give the module between the vision tower and the language model."""
+TOWERS = ("vision_tower", "visual", "vision_model", "vision_encoder", "image_tower")
+"""The names transformers' get_encoder(modality="image") looks for."""
 
 IMAGE_TOKEN_KEYS = ("image_token_id", "image_token_index")
 """Where a config names the token an image takes in the text (the newer classes' name first)."""
@@ -57,3 +63,56 @@ def vision_of(config: dict[str, Any]) -> Vision | None:
     fixed = next((config[k] for k in FIXED_TOKENS_KEYS if isinstance(config.get(k), int)), None)
     return Vision(model_type=str(config.get("model_type") or ""), text=text, vision=vision, image_token_id=token,
                   cross_attention=bool(text.get("cross_attention_layers")), tokens_per_image=fixed)
+
+
+def default_frozen(adapters: bool) -> list[str]:
+    """model.freeze=null: the vision tower (full fine-tuning trains the projector and the language model, as the peers
+    do), and the projector too under adapters (LoRA adapts the language model only, unless model.freeze says otherwise)."""
+    return ["vision", "projector"] if adapters else ["vision"]
+
+
+@dataclass
+class Parts:
+    """A built vision-language model's vision tower, projector and language model (torch modules; None where absent)."""
+
+    vision: Any
+    projector: Any
+    language: Any
+
+    def named(self, part: str) -> list[Any]:
+        """The parameters of one part (vision, projector, language): the vision tower's without the projector inside it."""
+        module = getattr(self, part)
+        if module is None:
+            return []
+        inside = {id(p) for p in self.projector.parameters()} if part == "vision" and self.projector is not None else set()
+        return [p for p in module.parameters() if id(p) not in inside]
+
+    def count(self, part: str) -> int:
+        return sum(p.numel() for p in self.named(part))
+
+
+def _within(inner: Any, outer: Any) -> bool:
+    return any(m is inner for m in outer.modules())
+
+
+def parts(model: Any) -> Parts:
+    """The vision tower, projector and language model of a built `model` (None where it has none), by one code path for
+    every image-text class: transformers' own `get_encoder(modality="image")` and `get_decoder()` (over the names the
+    classes use: TOWERS; language_model, text_model), and the first module named as a projector (PROJECTORS) outside
+    the language model. A text model answers with itself: no vision tower."""
+    vision = language = None
+    try:
+        vision = model.get_encoder(modality="image")
+    except (AttributeError, TypeError, ValueError):
+        pass
+    try:
+        language = model.get_decoder()
+    except (AttributeError, TypeError, ValueError):
+        pass
+    if vision is not None and (language is None or _within(language, vision)):
+        vision = None
+    projector = None
+    if vision is not None:
+        projector = next((m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in PROJECTORS
+                          and not (language is not None and _within(m, language))), None)
+    return Parts(vision, projector, language)

@@ -23,6 +23,7 @@ from finetune import optimizers
 from finetune.config import Config, ConfigError, ModelConfig, PeftMethod, Precision, StateDtype
 from finetune.disk import config_source, flash_unavailable, local_config
 from finetune.families import Arch, Block, adapted, arch_from_config, lora_params, pick_attention
+from finetune.families.vision import default_frozen
 
 GIB = 2**30
 
@@ -176,12 +177,15 @@ class Counts:
 
 
 def count_params(arch: Arch, cfg: Config) -> Counts:
-    """Trainable vs frozen parameters: all trainable without PEFT; with LoRA/DoRA/QLoRA the adapters
+    """Trainable vs frozen parameters: all trainable without PEFT (but the parts of a vision-language model model.freeze
+    keeps frozen); with LoRA/DoRA/QLoRA the adapters
     r * (in + out) per targeted linear (DoRA adds a magnitude vector of `out`), plus modules_to_save."""
     total = arch.params
     peft = cfg.peft
-    if peft.name == PeftMethod.none:
-        return Counts(total, total, 0, 0.0)
+    if peft.name == PeftMethod.none:  # a vision-language model's parts model.freeze keeps frozen: weights only
+        frozen_parts = set(cfg.model.freeze if cfg.model.freeze is not None else default_frozen(adapters=False))
+        frozen = sum(n for part, n in arch.image_parts if part in frozen_parts)
+        return Counts(total, total - frozen, frozen, float(module_bytes(cfg)) if frozen else 0.0)
     adapter = sum(adapter_params(block, cfg) for block in arch.layers)
     saved = 0
     if "lm_head" in peft.modules_to_save:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from finetune import methods, optimizers
 from finetune.config import Config, Offload, PeftMethod, Precision, Reference, StateDtype, Strategy
 from finetune.families import COUNTED, Arch
+from finetune.families.vision import default_frozen
 from finetune.data.lengths import Longest
 from finetune.data.rows import several_per_row
 from finetune.layouts import engine_kind, layouts_of, resolve
@@ -183,6 +184,11 @@ def model_notes(arch: Arch, cfg: Config) -> list[str]:
                      "build of its config on the meta device (exact); its activations are estimated as for a Llama-style block "
                      "of the same linears, not measured for it")
 
+    if arch.image_parts:
+        frozen = cfg.model.freeze if cfg.model.freeze is not None else default_frozen(adapters=cfg.peft.name != PeftMethod.none)
+        sizes = ", ".join(f"{part} {n:,}" for part, n in arch.image_parts)
+        notes.append(f"vision-language model ({sizes} parameters): frozen {', '.join(frozen) or 'nothing'} (model.freeze); "
+                     "rows are text, so the vision tower's activations are not counted")
     notes.append("attention: %s (%s)" % attention_kernel(arch, cfg))
     if several_per_row(cfg):  # finetune.rank.varlen, or flash-attn's variable-length kernel
         notes.append(f"rows: {several_per_row(cfg)}, each sample attended alone (no mask over the whole row)")
