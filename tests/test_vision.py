@@ -150,3 +150,20 @@ def test_qlora_quantizes_the_language_model_only(vlm_dirs, tmp_path):
     others = [n for n in kinds if not n.startswith("model.language_model.")]
     assert language and all(issubclass(kinds[n], Linear4bit) for n in language)
     assert any(n.startswith("model.vision_tower.") for n in others) and not any(issubclass(kinds[n], Linear4bit) for n in others)
+
+
+@pytest.mark.parametrize("layout,spelled", [(["parallelism=tp2"], "parallelism.tp=2"), (["parallelism=cp2"], "parallelism.cp=2"),
+                                            (["parallelism=pp2"], "parallelism.pp=2")])
+def test_model_parallel_layouts_are_refused_for_a_vision_language_model(vlm_dirs, compose, layout, spelled, tmp_path):
+    """tp, pp and cp follow the language model's plans: refused before launch, naming the layout and the model (its
+    config untied, which pipeline parallel needs first)."""
+    import shutil
+
+    untied = shutil.copytree(vlm_dirs["gemma3"], tmp_path / "gemma3")
+    config = json.loads((untied / "config.json").read_text())
+    config["tie_word_embeddings"] = config["text_config"]["tie_word_embeddings"] = False
+    (untied / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=rf"^{re.escape(spelled)} is not supported for a vision-language model "
+                                          r"\(model_type=gemma3\): its tensor-parallel, pipeline and context-parallel plans"):
+        compose(["+recipe=quickstart_sft", "model=pretrained", f"model.path={untied}", "launcher.nproc_per_node=2",
+                 "train.micro_batch_size=1", "train.global_batch_size=8", *layout])

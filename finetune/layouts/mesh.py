@@ -9,8 +9,19 @@ from typing import Any
 
 from finetune import methods
 from finetune.config import Checkpointing, Config, ConfigError, ParallelismConfig, PeftMethod, Precision, Reference
-from finetune.disk import model_config
+from finetune.disk import local_config, model_config
 from finetune.families import FAMILIES, router_loss_split
+from finetune.families.vision import vision_of
+
+
+def _no_vision(cfg: Config, layout: str) -> None:
+    """tp, pp and cp follow the language model's plans; a vision-language model's tower and projector have none here."""
+    whole = local_config(cfg.model, whole=True) if cfg.model.init is None else None
+    vision = vision_of(whole) if whole else None
+    if vision is not None:
+        raise ConfigError(f"{layout} is not supported for a vision-language model (model_type={vision.model_type}): its "
+                          "tensor-parallel, pipeline and context-parallel plans cover the language model, not the vision "
+                          "tower and the projector; use parallelism=fsdp or ddp, or zero")
 
 
 def _precision(cfg: Config) -> None:
@@ -27,9 +38,10 @@ def validate_fsdp(cfg: Config) -> None:
 
 
 def validate_tp(cfg: Config) -> None:
-    """Tensor parallel: no 4-bit base (QLoRA) and no DoRA, whose pieces have no rows or columns to split."""
+    """Tensor parallel: no 4-bit base (QLoRA) and no DoRA, whose pieces have no rows or columns to split; a language model."""
     _precision(cfg)
     p = cfg.parallelism
+    _no_vision(cfg, f"parallelism.tp={p.tp}")
     if cfg.peft.name == PeftMethod.qlora:
         raise ConfigError(f"peft=qlora is not supported with tensor parallel (parallelism.tp={p.tp}): bitsandbytes keeps a 4-bit "
                           "weight as one flat buffer of packed pairs with per-block constants, which has no rows or columns to "
@@ -40,8 +52,9 @@ def validate_tp(cfg: Config) -> None:
 
 
 def validate_pp(cfg: Config) -> None:
-    """Pipeline parallel: a reference the stages can run (precomputed), no activation offload."""
+    """Pipeline parallel: a reference the stages can run (precomputed), no activation offload; a language model."""
     _precision(cfg)
+    _no_vision(cfg, f"parallelism.pp={cfg.parallelism.pp}")
     if (ref := methods.get(cfg.method.name).reference(cfg.method)) not in (None, Reference.precomputed):
         raise ConfigError(f"method.reference={ref.value} is not supported with pipeline parallel: "
                           "use method.reference=precomputed")
@@ -50,9 +63,11 @@ def validate_pp(cfg: Config) -> None:
 
 
 def validate_cp(cfg: Config) -> None:
-    """Context parallel (finetune/rank/context.py): a method that splits no row's tokens apart, no router loss."""
+    """Context parallel (finetune/rank/context.py): a method that splits no row's tokens apart, no router loss; a
+    language model."""
     _precision(cfg)
     p, method = cfg.parallelism, methods.get(cfg.method.name)
+    _no_vision(cfg, f"parallelism.cp={p.cp}")
     if method.split_tokens:
         raise ConfigError(f"method={method.name} with parallelism.cp={p.cp} is not supported: {method.split_tokens}")
     arch = model_config(cfg.model)
