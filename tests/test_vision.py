@@ -167,3 +167,22 @@ def test_model_parallel_layouts_are_refused_for_a_vision_language_model(vlm_dirs
                                           r"\(model_type=gemma3\): its tensor-parallel, pipeline and context-parallel plans"):
         compose(["+recipe=quickstart_sft", "model=pretrained", f"model.path={untied}", "launcher.nproc_per_node=2",
                  "train.micro_batch_size=1", "train.global_batch_size=8", *layout])
+
+
+@pytest.mark.parametrize("layout", [["parallelism=ddp"], ["parallelism=fsdp"], ["zero=stage3", "parallelism=ddp"]],
+                         ids=["ddp", "fsdp", "zero3"])
+def test_a_vision_language_model_trains_on_two_ranks_as_on_one(vlm_dirs, tmp_path, layout):
+    """DDP (the vision tower and projector take no part in a text row's forward: unused parameters), FSDP2 (its check
+    reads the language model's config) and ZeRO-3 (the planner's meta build on rank 0 stays out of zero.Init's
+    collectives) each train Gemma 3's language model to the eval loss one process reaches."""
+    from ranks import launch_here
+
+    common = [*SHORT[:2], f"model.path={vlm_dirs['gemma3']}", *SHORT[4:6], "train.global_batch_size=4", "train.eval_every=0"]
+    one = train_here([*common, "launcher.nproc_per_node=1", "parallelism=single", "train.micro_batch_size=4"], tmp_path / "one")
+    out = launch_here(*common, "launcher.nproc_per_node=2", "train.micro_batch_size=2", *layout, f"hydra.run.dir={tmp_path / 'two'}",
+                      cwd=tmp_path)
+    assert out.returncode == 0, (out.stdout[-1500:], out.stderr[-1500:])
+    two = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert two["after"]["eval_loss"] == pytest.approx(one["after"]["eval_loss"], abs=2e-3)
+    assert two["after"]["eval_loss"] < two["before"]["eval_loss"] - 0.3
+    assert "vision-language model: frozen vision (80,448 parameters) (model.freeze)" in out.stdout

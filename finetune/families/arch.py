@@ -6,6 +6,7 @@ transformers' meta-device build for a decoder without one, `uncountable` for wha
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from typing import Any, Callable
@@ -250,6 +251,21 @@ def arch_from_build(arch: dict[str, Any]) -> Arch | str:
     return _built(key)
 
 
+@contextlib.contextmanager
+def _without_zero3() -> Any:
+    """transformers' ZeRO-3 flag off while the planner builds on the meta device: a ZeRO-3 rank keeps it set for the
+    whole run (finetune.rank.model.zero3_context), and under it from_config would partition the build with collectives
+    that only this rank (rank 0 plans) enters."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    held = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = held
+
+
 @functools.lru_cache(maxsize=16)
 def _built(key: str) -> Arch | str:
     arch = json.loads(key)
@@ -273,7 +289,7 @@ def _built(key: str) -> Arch | str:
             kind = CONFIG_MAPPING[model_type]
             decode = getattr(kind, "_decode_special_floats", lambda obj: obj)  # {"__float__": "Infinity"}, as from_pretrained reads it
             config = kind.from_dict(decode(arch))
-            with torch.device("meta"):
+            with torch.device("meta"), _without_zero3():
                 model = AutoModelForCausalLM.from_config(config)
     except Exception as e:  # noqa: BLE001 - its reason, in the refusal
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""

@@ -88,7 +88,8 @@ class Parts:
         return [p for p in module.parameters() if id(p) not in inside]
 
     def count(self, part: str) -> int:
-        return sum(p.numel() for p in self.named(part))
+        """Its parameters (a ZeRO-3 partitioned one counted whole: ds_numel)."""
+        return sum(getattr(p, "ds_numel", p.numel()) for p in self.named(part))
 
 
 def _within(inner: Any, outer: Any) -> bool:

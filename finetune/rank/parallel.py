@@ -98,7 +98,7 @@ def block_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 def check_model(model: nn.Module, p: ParallelismConfig) -> None:
     """The layout-vs-model checks for models whose config was not readable before launch (hub ids)."""
-    c = causal_lm(model).config  # transformers' attribute_map reads each family's own names
+    c = causal_lm(model).config.get_text_config()  # attribute_map reads each family's own names; a wrapper's language model
     check_layout_fits_model(p, {"model_type": getattr(c, "model_type", None), "num_hidden_layers": c.num_hidden_layers,
                                 "num_attention_heads": c.num_attention_heads,
                                 "num_key_value_heads": getattr(c, "num_key_value_heads", None) or c.num_attention_heads,

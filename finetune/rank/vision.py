@@ -29,7 +29,7 @@ def freeze(model: torch.nn.Module, frozen: list[str] | None, adapters: bool) -> 
             p.requires_grad_(False)
         kept |= {id(p) for p in params}
         if params:
-            out[part] = sum(p.numel() for p in params)
+            out[part] = found.count(part)
     linears = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
                and all(id(p) in kept for p in m.parameters())}
     return out, linears

@@ -13,6 +13,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from finetune.config import Config, ConfigError, OptimConfig, Precision, PrecisionConfig, Strategy
+from finetune.families.vision import parts
 from finetune.rank.dist import Dist
 from finetune.rank.engine.common import (InBackward, StepResult, add_metrics, autocast_dtype, build_optimizer, build_scheduler, lora_b, no_deepspeed_probe,
                                     to_bf16)
@@ -43,7 +44,9 @@ class TorchEngine:
             to_bf16(model)  # no fp32 master: the weights the optimizer updates are the bf16 ones
         self.module = model.to(dist.device)  # otherwise fp32 master weights whatever the compute precision
         ddp = strategy == Strategy.ddp and dist.world_size > 1
-        self.model: torch.nn.Module = DistributedDataParallel(self.module) if ddp else self.module
+        # a vision-language model: a row without images leaves its vision tower and projector out of the forward
+        unused = parts(self.module).vision is not None
+        self.model: torch.nn.Module = DistributedDataParallel(self.module, find_unused_parameters=unused) if ddp else self.module
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.max_grad_norm = optim.max_grad_norm
         kahan = precision.kahan_sum if pure else None
