@@ -65,9 +65,11 @@ def vision_of(config: dict[str, Any]) -> Vision | None:
                   cross_attention=bool(text.get("cross_attention_layers")), tokens_per_image=fixed)
 
 
-def default_frozen(adapters: bool) -> list[str]:
-    """model.freeze=null: the vision tower (full fine-tuning trains the projector and the language model, as the peers
-    do), and the projector too under adapters (LoRA adapts the language model only, unless model.freeze says otherwise)."""
+def frozen_parts(freeze: list[str] | None, adapters: bool) -> list[str]:
+    """The parts model.freeze keeps frozen. null: the vision tower (full fine-tuning trains the projector and the language
+    model, as the peers do), and the projector too under adapters (LoRA adapts the language model only)."""
+    if freeze is not None:
+        return list(freeze)
     return ["vision", "projector"] if adapters else ["vision"]
 
 

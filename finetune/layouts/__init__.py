@@ -155,11 +155,6 @@ def layouts_of(cfg_or_shape: Config | Shape) -> list[LayoutRecord]:
     return [rec for rec in LAYOUTS if rec.uses(s)]
 
 
-def layout(name: str) -> LayoutRecord:
-    """The record called `name`."""
-    return next(rec for rec in LAYOUTS if rec.name == name)
-
-
 def engine_of(cfg: Config) -> EngineRecord:
     """The engine `cfg` runs on: the first of ENGINES that runs all its layouts. Layouts no engine runs together
     (refused by check_composes) run on the first layout's engine, so that a rule may ask before they are refused."""

@@ -23,7 +23,7 @@ from finetune import optimizers
 from finetune.config import Config, ConfigError, ModelConfig, PeftMethod, Precision, StateDtype
 from finetune.disk import config_source, flash_unavailable, local_config
 from finetune.families import Arch, Block, adapted, arch_from_config, lora_params, pick_attention
-from finetune.families.vision import default_frozen
+from finetune.families.vision import frozen_parts
 
 GIB = 2**30
 
@@ -183,8 +183,7 @@ def count_params(arch: Arch, cfg: Config) -> Counts:
     total = arch.params
     peft = cfg.peft
     if peft.name == PeftMethod.none:  # a vision-language model's parts model.freeze keeps frozen: weights only
-        frozen_parts = set(cfg.model.freeze if cfg.model.freeze is not None else default_frozen(adapters=False))
-        frozen = sum(n for part, n in arch.image_parts if part in frozen_parts)
+        frozen = sum(n for part, n in arch.image_parts if part in frozen_parts(cfg.model.freeze, adapters=False))
         return Counts(total, total - frozen, frozen, float(module_bytes(cfg)) if frozen else 0.0)
     adapter = sum(adapter_params(block, cfg) for block in arch.layers)
     saved = 0

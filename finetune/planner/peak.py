@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from finetune import methods, optimizers
 from finetune.config import Config, Offload, PeftMethod, Precision, Reference, StateDtype, Strategy
 from finetune.families import COUNTED, Arch
-from finetune.families.vision import default_frozen
+from finetune.families.vision import frozen_parts
 from finetune.data.lengths import Longest
 from finetune.data.rows import several_per_row
 from finetune.layouts import engine_kind, layouts_of, resolve
@@ -185,7 +185,7 @@ def model_notes(arch: Arch, cfg: Config) -> list[str]:
                      "of the same linears, not measured for it")
 
     if arch.image_parts:
-        frozen = cfg.model.freeze if cfg.model.freeze is not None else default_frozen(adapters=cfg.peft.name != PeftMethod.none)
+        frozen = frozen_parts(cfg.model.freeze, adapters=cfg.peft.name != PeftMethod.none)
         sizes = ", ".join(f"{part} {n:,}" for part, n in arch.image_parts)
         notes.append(f"vision-language model ({sizes} parameters): frozen {', '.join(frozen) or 'nothing'} (model.freeze); "
                      "rows are text, so the vision tower's activations are not counted")
@@ -213,8 +213,8 @@ def model_states(arch: Arch, cfg: Config, counts: Counts, on_gpu: bool, notes: l
         notes.append("optim.in_backward: each parameter steps in backward and frees its gradient: the largest "
                      "trainable tensor's gradient counted")
     s.weights += s.frozen + s.gathered
-    if engine_kind(cfg) == "deepspeed":
-        pass  # the stage's term said how DeepSpeed holds them
+    if engine_kind(cfg) == "deepspeed":  # the stage's term said how DeepSpeed holds them
+        pass
     elif cfg.precision.name == Precision.bf16_pure:
         notes.append(f"precision=bf16_pure: bf16 weights, gradients and {optimizer_kind(cfg)} states ({w}+{g}+{k} bytes/param"
                      + (", 2 of them Kahan's compensation)" if cfg.precision.kahan_sum else ")"))

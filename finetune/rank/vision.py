@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from finetune.families.vision import PROJECTORS, TOWERS, default_frozen, parts
+from finetune.families.vision import PROJECTORS, TOWERS, frozen_parts, parts
 
 NOT_QUANTIZED = [rf"(.*\.)?{name}" for name in (*TOWERS, *PROJECTORS, "lm_head")]
 """What QLoRA leaves unquantized in a vision-language model (bitsandbytes' llm_int8_skip_modules: transformers matches
@@ -23,7 +23,7 @@ def freeze(model: torch.nn.Module, frozen: list[str] | None, adapters: bool) -> 
         return {}, set()
     out: dict[str, int] = {}
     kept: set[int] = set()
-    for part in default_frozen(adapters) if frozen is None else frozen:
+    for part in frozen_parts(frozen, adapters):
         params = found.named(part)
         for p in params:
             p.requires_grad_(False)
