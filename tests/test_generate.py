@@ -130,11 +130,14 @@ def test_prompt_files_txt_and_jsonl_and_their_mistakes(tmp_path):
 
     txt = tmp_path / "p.txt"
     txt.write_text("reverse abc\n\nupper\n")
-    assert list(read_prompts(txt)) == [([{"role": "user", "content": "reverse abc"}], None), ([{"role": "user", "content": "upper"}], None)]
+    assert list(read_prompts(txt)) == [([{"role": "user", "content": "reverse abc"}], None, None),
+                                       ([{"role": "user", "content": "upper"}], None, None)]
     jsonl = tmp_path / "p.jsonl"
-    jsonl.write_text('{"prompt": "a"}\n{"messages": [{"role": "user", "content": "b"}], "tools": [{"name": "f"}]}\n')
-    assert list(read_prompts(jsonl)) == [([{"role": "user", "content": "a"}], None),
-                                         ([{"role": "user", "content": "b"}], [{"type": "function", "function": {"name": "f"}}])]
+    jsonl.write_text('{"prompt": "a"}\n{"messages": [{"role": "user", "content": "b"}], "tools": [{"name": "f"}]}\n'
+                     '{"prompt": "<image> c", "images": ["i.png"]}\n')
+    assert list(read_prompts(jsonl)) == [([{"role": "user", "content": "a"}], None, None),
+                                         ([{"role": "user", "content": "b"}], [{"type": "function", "function": {"name": "f"}}], None),
+                                         ([{"role": "user", "content": "<image> c"}], None, [str(tmp_path.resolve() / "i.png")])]
     jsonl.write_text('{"prompt": "a"}\n{"text": "b"}\n')
     with pytest.raises(Refusal, match=r'p.jsonl:2: a line needs \{"prompt": TEXT\} or \{"messages": \[...\]\}'):
         list(read_prompts(jsonl))

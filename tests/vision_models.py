@@ -26,7 +26,7 @@ def tokenizer(bos: str = "<s>", eos: str = "</s>", pad: str = "<pad>", specials:
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=bos, eos_token=eos, pad_token=pad, unk_token="<unk>",
                                   extra_special_tokens=dict(specials or {}))
-    added = [e for e in extra if e not in tok.get_vocab()]
+    added = [e for e in ("<|im_start|>", "<|im_end|>", *extra) if e not in tok.get_vocab()]
     if added:
         tok.add_special_tokens({"additional_special_tokens": added}, replace_extra_special_tokens=False)
     return tok
@@ -123,9 +123,77 @@ def build(name: str) -> Any:
     return AutoModelForImageTextToText.from_config(config(name)[0])
 
 
-def save(name: str, where: Path) -> Path:
-    """A model directory of the tiny `name` model: config.json, weights, tokenizer."""
+def template(image: str) -> str:
+    """A ChatML chat template that renders an {"type": "image"} content part as `image` (what the model's own template
+    writes for it: Qwen's <|vision_start|><|image_pad|><|vision_end|>, Gemma 3's <start_of_image>, ...)."""
+    return ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' }}"
+            "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+            "{% if c['type'] == 'image' %}" + image + "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+            "{% endfor %}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+IMAGE_SIDE = {"qwen2_vl": 56, "qwen2_5_vl": 56, "qwen3_vl": 64, "gemma3": 32, "llava": 28, "mllama": 28, "idefics3": 32,
+              "mistral3": 56}
+"""The image size each tiny processor resizes to."""
+
+
+def processor(name: str, tok: Any) -> Any:
+    """The tiny `name` model's processor (its image processor's PIL class: no torchvision), with a chat template."""
+    import transformers as T
+
+    from finetune.data.images import _without_video
+
+    side = IMAGE_SIDE[name]
+    if name.startswith("qwen"):
+        patch = 16 if name == "qwen3_vl" else 14
+        ip = T.Qwen2VLImageProcessorPil(patch_size=patch, merge_size=2, temporal_patch_size=2,
+                                        size={"shortest_edge": side * side, "longest_edge": side * side})
+        cls = {"qwen2_vl": T.Qwen2VLProcessor, "qwen2_5_vl": T.Qwen2_5_VLProcessor, "qwen3_vl": T.Qwen3VLProcessor}[name]
+        return _without_video(cls)(image_processor=ip, tokenizer=tok,
+                                   chat_template=template("<|vision_start|><|image_pad|><|vision_end|>"))
+    if name == "gemma3":
+        return T.Gemma3Processor(image_processor=T.Gemma3ImageProcessorPil(size={"height": side, "width": side}), tokenizer=tok,
+                                 image_seq_length=4, chat_template=template("<start_of_image>"))
+    if name == "llava":
+        ip = T.LlavaImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+        return T.LlavaProcessor(image_processor=ip, tokenizer=tok, patch_size=14, vision_feature_select_strategy="default",
+                                num_additional_image_tokens=1, chat_template=template("<image>"))
+    if name == "mllama":
+        return T.MllamaProcessor(image_processor=T.MllamaImageProcessorPil(size={"height": side, "width": side}, max_image_tiles=4),
+                                 tokenizer=tok, chat_template=template("<|image|>"))
+    if name == "idefics3":
+        ip = T.Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": side},
+                                         max_image_size={"longest_edge": side})
+        return T.Idefics3Processor(image_processor=ip, tokenizer=tok, image_seq_len=4, chat_template=template("<image>"))
+    raise KeyError(name)
+
+
+def save(name: str, where: Path, with_processor: bool = False) -> Path:
+    """A model directory of the tiny `name` model: config.json, weights, tokenizer (and its processor, with a chat
+    template: what a vision-language checkpoint on the hub holds)."""
     _, tok = config(name)
     build(name).save_pretrained(where)
     tok.save_pretrained(where)
+    if with_processor:
+        if name == "mistral3":  # Pixtral's processor needs torchvision: its files as the hub has them
+            import json
+
+            import transformers as T
+
+            T.PixtralImageProcessorPil(size={"longest_edge": 56}, patch_size={"height": 14, "width": 14}).save_pretrained(where)
+            (where / "processor_config.json").write_text(json.dumps({"processor_class": "PixtralProcessor", "patch_size": 14,
+                                                                     "spatial_merge_size": 2}))
+        else:
+            processor(name, tok).save_pretrained(where)
+    return where
+
+
+def image(where: Path, side: int = 40, seed: int = 0, width: int | None = None) -> Path:
+    """A random RGB PNG of `side` x `width` pixels."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = (np.random.default_rng(seed).random((side, width or side, 3)) * 255).astype("uint8")
+    Image.fromarray(pixels).save(where)
     return where

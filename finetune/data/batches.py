@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     import torch
 
 
-def collate(examples: list[Any], pad_id: int, width: int | None = None, flat: bool = False) -> dict[str, torch.Tensor]:
+def collate(examples: list[Any], pad_id: int, width: int | None = None, flat: bool = False,
+            pictures: Any = None) -> dict[str, torch.Tensor]:
     """Right-pad to the longest example; padding carries no loss. `flat`: the examples end to end in one row
     instead (padding-free, `flat_row`).
 
@@ -31,13 +32,14 @@ def collate(examples: list[Any], pad_id: int, width: int | None = None, flat: bo
     every sample (and for the padding tail): transformers then attends only within each sample
     (a block-diagonal causal mask with sdpa/eager, varlen kernels with flash-attn).
     `real_tokens` counts the non-pad tokens of each row. `width` pads to a fixed length
-    (pipeline parallel: every micro-batch has one shape).
+    (pipeline parallel: every micro-batch has one shape). Rows with images (a vision-language model's) get the model's
+    image inputs from its processor (`pictures`: finetune.data.images.Pictures.batch).
     """
     import torch  # here, not at the top: the planner reads lengths through this module without torch
 
     if not isinstance(examples[0], Example):  # an Item (finetune.methods.base): its rows and the values they carry
         rows = range(len(examples[0].rows))
-        batch = collate([e.rows[k] for k in rows for e in examples], pad_id, width)
+        batch = collate([e.rows[k] for k in rows for e in examples], pad_id, width, pictures=pictures)
         values = [e.values() for e in examples]
         for name in values[0]:
             batch[name] = torch.tensor([v[name][k] for k in rows for v in values], dtype=torch.float64)
@@ -62,6 +64,10 @@ def collate(examples: list[Any], pad_id: int, width: int | None = None, flat: bo
             pos[row, n:] = torch.arange(width - n)  # the padding tail is a separate "sample"
         batch["position_ids"] = pos
         labels[starts(pos)] = IGNORE  # a sample's first token is predicted by the sample before's last: no loss
+    if any(e.images for e in examples):
+        if pictures is None:
+            raise ValueError("a batch with images needs the model's processor (finetune.data.images.Pictures)")
+        batch |= pictures.batch([list(e.images) for e in examples], ids)
     return batch
 
 
@@ -101,11 +107,12 @@ class TrainBatches:
 
     def __init__(
         self, examples: list[Example], *, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int, seed: int, pad_id: int,
-        pad_to: int | None = None, flat: bool = False,
+        pad_to: int | None = None, flat: bool = False, pictures: Any = None,
     ) -> None:
         self.examples, self.global_batch, self.micro_batch = examples, global_batch, micro_batch
         self.dp_rank, self.dp_size, self.seed, self.pad_id, self.pad_to = dp_rank, dp_size, seed, pad_id, pad_to
         self.flat = flat  # padding-free: each micro-batch one row of its samples end to end (flat_row)
+        self.pictures = pictures  # a vision-language model's processor: its rows' images become pixel inputs in collate
         self._perm: dict[int, np.ndarray] = {}
 
     def indices(self, step: int) -> list[int]:
@@ -123,7 +130,7 @@ class TrainBatches:
     def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
         idx = self.indices(step)
         chunks = [idx[i : i + self.micro_batch] for i in range(0, len(idx), self.micro_batch)]
-        return [collate([self.examples[i] for i in chunk], self.pad_id, self.pad_to, self.flat) for chunk in chunks]
+        return [collate([self.examples[i] for i in chunk], self.pad_id, self.pad_to, self.flat, self.pictures) for chunk in chunks]
 
     def epoch(self, step: int) -> float:
         return step * self.global_batch / len(self.examples)
@@ -162,6 +169,6 @@ def left_padded(prompts: list[list[int]], pad_id: int) -> dict[str, torch.Tensor
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def eval_batches(examples: list[Any], batch_size: int, pad_id: int) -> Iterator[dict[str, torch.Tensor]]:
+def eval_batches(examples: list[Any], batch_size: int, pad_id: int, pictures: Any = None) -> Iterator[dict[str, torch.Tensor]]:
     for i in range(0, len(examples), batch_size):
-        yield collate(examples[i : i + batch_size], pad_id)
+        yield collate(examples[i : i + batch_size], pad_id, pictures=pictures)

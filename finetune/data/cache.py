@@ -43,13 +43,14 @@ from finetune.config import ConfigError, DataConfig
 from finetune.data.pack import first_fit
 from finetune.data.sources import Rows, fingerprint, samples_rows, split_rows
 from finetune.data.examples import tokenize_row
+from finetune.data.images import has_images, kept, kept_row, pictures_of
 from finetune.data.tokenize import IGNORE, Example, Stats, rows_of, uses_chat_template
 
 if TYPE_CHECKING:
     import datasets
     import pyarrow as pa
 
-VERSION = 2  # bump when the layout or the tokenization changes: old entries are then never read
+VERSION = 3  # bump when the layout or the tokenization changes: old entries are then never read
 META = "meta.json"
 ROWS_PER_PROCESS = 1000  # fewer rows than this per process: starting the process costs more than it saves
 SFT_COLUMNS = ("input_ids", "labels")
@@ -72,6 +73,9 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     digest.update((backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))).encode())
     digest.update(json.dumps([getattr(tokenizer, "chat_template", None), tokenizer.bos_token, tokenizer.eos_token,
                               tokenizer.bos_token_id, tokenizer.eos_token_id], default=str).encode())
+    pictures = pictures_of(tokenizer)
+    if pictures is not None:  # a vision-language model's processor decides each image's tokens
+        digest.update(pictures.fingerprint().encode())
     return digest.hexdigest()
 
 
@@ -126,7 +130,8 @@ class Examples(Sequence):
             raise IndexError(i)
         row = self.table.slice(int(i) % len(self), 1).to_pylist()[0]
         return self.method.join([Example(row[f"{c}input_ids"], row[f"{c}labels"], row[f"{c}prompt_len"], row[f"{c}reference"],
-                                         row.get(f"{c}position_ids")) for c in self.columns],
+                                         row.get(f"{c}position_ids"), images=tuple(row.get(f"{c}images") or ()))
+                                 for c in self.columns],
                                 {name: row[name] for name in self.method.scalars})
 
     def __eq__(self, other: object) -> bool:
@@ -208,6 +213,7 @@ def _features(method: str) -> datasets.Features:
     m = methods.get(method)
     return Features({f"{c}{name}": ids for c in m.columns for name in ("input_ids", "labels")}
                     | {f"{c}prompt_len": Value("int32") for c in m.columns} | {f"{c}reference": Value("string") for c in m.columns}
+                    | {f"{c}images": Sequence(Value("string")) for c in m.columns}
                     | {name: Value("float64") for name in m.scalars} | common)
 
 
@@ -242,16 +248,27 @@ def _append(out: dict[str, list[Any]], item: Any, method: str, *, kind: int, pro
         out[f"{c}labels"].append(ex.labels)
         out[f"{c}prompt_len"].append(ex.prompt_len)
         out[f"{c}reference"].append(ex.reference)
+        out[f"{c}images"].append(list(ex.images))  # paths: the rows' bytes were kept as files first (`_kept_images`)
 
 
 ROWS_PER_WRITE = 10_000
+IMAGES = "images"
+"""The cache root's directory of images a row held as bytes (a `datasets` Image column, or bytes in memory), each kept
+once as a file named by its content's hash: the token table keeps image paths."""
 
 
-def row_file(rows: Rows, path: Path) -> datasets.Dataset:
+def _kept_images(row: dict[str, Any], store: Path) -> dict[str, Any]:
+    """The row with each image it holds as bytes or a decoded image replaced by its file in `store`."""
+    if not has_images(row):
+        return row
+    return kept_row(row, lambda image: kept(image, store))
+
+
+def row_file(rows: Rows, path: Path, store: Path) -> datasets.Dataset:
     """The rows as one JSON string each, written to an Arrow file that `datasets` memory-maps: the forked
     tokenizing workers share its pages instead of each copying the parent's row objects (a million rows'
     dicts are gigabytes, and a child's garbage collector touches every one). `rows.rows` is emptied as
-    it is written: the caller's rows are consumed."""
+    it is written: the caller's rows are consumed. Images a row holds as bytes are kept as files in `store` first."""
     import pyarrow as pa
 
     import datasets
@@ -260,14 +277,15 @@ def row_file(rows: Rows, path: Path) -> datasets.Dataset:
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
         for start in range(0, len(rows.rows), ROWS_PER_WRITE):
             end = min(start + ROWS_PER_WRITE, len(rows.rows))
-            writer.write_batch(pa.record_batch([pa.array([json.dumps(r) for r in rows.rows[start:end]], pa.string())], schema=schema))
+            writer.write_batch(pa.record_batch([pa.array([json.dumps(_kept_images(r, store)) for r in rows.rows[start:end]],
+                                                         pa.string())], schema=schema))
             rows.rows[start:end] = [None] * (end - start)
     rows.rows.clear()
     return datasets.Dataset.from_file(str(path))
 
 
 def tokenize_split(rows: Rows, tokenizer: Any, cfg: DataConfig, key: str, method: str, *, num_proc: int,
-                   progress: bool, scratch: Path) -> tuple[pa.Table, Stats]:
+                   progress: bool, scratch: Path, store: Path) -> tuple[pa.Table, Stats]:
     """Rows -> a token table (memory-mapped from `datasets`' files in `scratch`) with `tokenize`'s counts and
     refusals. The rows are consumed (`row_file`)."""
     import gc
@@ -280,7 +298,7 @@ def tokenize_split(rows: Rows, tokenizer: Any, cfg: DataConfig, key: str, method
     count = len(rows.rows)
     scratch = scratch / key  # a split's own directory: `datasets` names its output files by the fingerprint
     scratch.mkdir(parents=True)
-    table = row_file(rows, scratch / "rows.arrow")
+    table = row_file(rows, scratch / "rows.arrow", store)
     procs = max(1, min(num_proc, count // ROWS_PER_PROCESS))
     if procs > 1:  # the workers are forked: the tokenizer's own threads would deadlock or warn in them
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -368,7 +386,8 @@ def build(cfg: DataConfig, tokenizer: Any, method: str, seed: int, target: Path,
         for name in ("train", "eval"):
             if rows[name] is not None:
                 splits[name], stats[name] = tokenize_split(rows.pop(name), tokenizer, cfg, f"data.{name}", method,
-                                                           num_proc=num_proc, progress=progress, scratch=scratch)
+                                                           num_proc=num_proc, progress=progress, scratch=scratch,
+                                                           store=target.parent / IMAGES)
         samples = splits["train"].num_rows
         if cfg.packing and methods.get(method).unpacked is None:
             splits["train"] = pack_split(splits["train"], cfg.max_length, seed)

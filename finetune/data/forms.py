@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from finetune.config import ConfigError, DataConfig, DataFormat
+from finetune.data import images as pictures
 from finetune.data import tools as tool_turns
 from finetune.data.tools import FIX, TOOL_TURNS, Message, check_calls, tools_of
 
@@ -205,6 +206,8 @@ def _messages(value: Any, where: str, key: str) -> list[Message]:
     out = []
     for i, m in enumerate(value):
         role = m.get("role") if isinstance(m, dict) else None
+        if isinstance(m, dict) and isinstance(m.get("content"), list):  # content parts: images as <image> in the text
+            m = {**m, "content": pictures.part_text(m["content"], where, f"{key}[{i}]", [])}
         if role == "tool":
             out.append(tool_turns.tool_message(m, where, f"{key}[{i}]"))
         elif role == "assistant" and m.get("tool_calls") and (m.get("content") is None or isinstance(m["content"], str)):
@@ -239,6 +242,31 @@ def sharegpt_messages(row: dict[str, Any], where: str) -> list[Message]:
         else:
             out.append({"role": role, "content": t["value"]})
     return out
+
+
+def images_of(row: dict[str, Any], messages: list[Message], where: str) -> list[Any]:
+    """The row's images in the order their places (finetune.data.images.PLACEHOLDER) come in `messages` (the row read by
+    `to_messages`): its top-level `images` list, or its messages' image parts. Refused in one line naming the row: both
+    forms at once, a count of images that differs from their places, an image in an assistant's message (images are
+    what the model reads, not what it writes)."""
+    listed = pictures.row_images(row, where)
+    parts: list[Any] = []
+    for key in ("messages", "prompt", "chosen", "rejected", "completion"):
+        turns = row.get(key)
+        for i, m in enumerate(turns if isinstance(turns, list) else []):
+            if isinstance(m, dict) and isinstance(m.get("content"), list):
+                pictures.part_text(m["content"], where, f"{key}[{i}]", parts)
+    if listed and parts:
+        raise ConfigError(f"{where}: the row gives images both as an 'images' list and as image parts in its messages: use one")
+    found = listed or parts
+    if not found and "images" not in row:
+        return []
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant" and pictures.PLACEHOLDER in m["content"]:
+            raise ConfigError(f"{where}: the assistant's message {i} holds an image ({pictures.PLACEHOLDER}): images go in "
+                              "the user's messages (the model reads them; it writes text)")
+    pictures.check_count([m["content"] for m in messages], found, where)
+    return found
 
 
 def _ends_with_response(messages: list[Message], where: str, key: str) -> None:

@@ -8,13 +8,27 @@ from finetune import methods
 from finetune.config import Config, ConfigError
 
 
+UNPACKED_VISION = ("a vision-language model computes its image tokens' positions and masks per row (Qwen-VL's M-RoPE, Gemma 3's "
+                   "bidirectional image attention, Mllama's cross-attention mask)")
+
+
+def vision_model(cfg: Config) -> bool:
+    """Whether the run's model is a vision-language one, as its local config.json says (finetune.families.vision)."""
+    from finetune.disk import local_config
+    from finetune.families.vision import vision_of
+
+    whole = local_config(cfg.model, whole=True) if cfg.model.init is None else None
+    return bool(whole) and vision_of(whole) is not None
+
+
 def padding_free(cfg: Config) -> tuple[bool, str]:
     """(whether the training micro-batches are padding-free, why): data.padding_free, null resolved."""
     asked = cfg.data.padding_free
     p = cfg.parallelism
     why_not = methods.get(cfg.method.name).unpacked or (
         f"parallelism.pp={p.pp} sends every micro-batch through the stages at one shape (data.max_length)" if p.pp > 1 else
-        f"parallelism.cp={p.cp} splits each row's tokens over ranks and masks the whole row" if p.cp > 1 else None)
+        f"parallelism.cp={p.cp} splits each row's tokens over ranks and masks the whole row" if p.cp > 1 else
+        UNPACKED_VISION if vision_model(cfg) else None)
     if asked is False:
         return False, "data.padding_free=false"
     if why_not is not None:

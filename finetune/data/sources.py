@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from finetune.config import ConfigError, DataConfig
+from finetune.data.images import anchor, has_images
 
 
 @dataclass
@@ -214,7 +215,15 @@ def load_rows(source: str, split: str, key: str, *, name: str | None = None, rev
         rows = Rows(rows=list(_open_dataset(source, split, key, streaming=False, name=name, revision=revision)), source=source)
     if columns:
         rows.rows = [renamed(row, columns, rows.where(i), key) for i, row in enumerate(rows.rows)]
+    if path.exists():  # a local file's or directory's images are read relative to it
+        rows.rows = _anchored(rows.rows, path)
     return rows
+
+
+def _anchored(rows: list[dict[str, Any]], path: Path) -> list[dict[str, Any]]:
+    """Rows with their relative image paths read from the data file's directory (a dataset directory: itself)."""
+    base = (path if path.is_dir() else path.parent).resolve()
+    return [anchor(row, base) if has_images(row) else row for row in rows]
 
 
 def _data_file(path: Path, source: str, key: str) -> str:
@@ -377,6 +386,9 @@ def records(source: str, split: str, key: str, start: int = 0, *, name: str | No
     if columns:
         found = ({"row": json.dumps(renamed(parse_row(r["row"], r["where"]), columns, r["where"], key), default=str),
                   "where": r["where"]} for r in found)
+    if path.exists():  # relative image paths read from the data file's directory
+        found = ({"row": json.dumps(anchor(row, (path if path.is_dir() else path.parent).resolve())), "where": r["where"]}
+                 if has_images(row := parse_row(r["row"], r["where"])) else r for r in found)
     empty = True
     for record in itertools.islice(found, start, None):
         empty = False

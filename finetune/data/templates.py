@@ -24,6 +24,8 @@ from typing import Any
 
 from finetune.config import ConfigError, DataConfig, ModelConfig
 from finetune.config.data import TEMPLATES, template_path
+from finetune.data.images import Pictures, attach
+from finetune.families.vision import vision_of
 
 Tools = list[dict[str, Any]] | None
 
@@ -235,4 +237,26 @@ def load_tokenizer(cfg: ModelConfig, data: DataConfig | None = None) -> Any:
         if tok.eos_token is None:
             raise ConfigError(f"model.tokenizer={source!r} has neither a pad nor an eos token to pad with")
         tok.pad_token = tok.eos_token
+    attach(tok, pictures_for(cfg))
     return override(tok, data) if data is not None else tok
+
+
+def pictures_for(cfg: ModelConfig) -> Pictures | None:
+    """A vision-language model's processor, as the data path reads images with it (finetune.data.images.Pictures), or None
+    for a text model: read from model.path's config (a local config.json, else transformers' AutoConfig)."""
+    if cfg.path is None:
+        return None
+    from finetune.disk import is_local, local_config
+
+    config = local_config(cfg, whole=True) if is_local(cfg.path) else None
+    if config is None:
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(cfg.path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code).to_dict()
+        except (OSError, ValueError):
+            return None  # loading the model says why
+    vision = vision_of(config)
+    if vision is None:
+        return None
+    return Pictures(cfg.path, cfg.revision, cfg.trust_remote_code, vision.image_token_id, vision.model_type)

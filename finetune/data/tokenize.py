@@ -22,6 +22,7 @@ from typing import Any
 
 from finetune.config import ConfigError, DataConfig, LongPrompt, Reasoning, Template
 from finetune.data import templates
+from finetune.data.images import PLACEHOLDER, as_parts, pictures_of
 from finetune.data.tools import Message
 
 IGNORE = -100  # label of tokens that carry no loss (prompt, padding)
@@ -71,6 +72,11 @@ class Example:
     thought: int = field(default=0, compare=False)
     """Tokens of reasoning blocks in its labelled responses (dropped: in any assistant message), per data.reasoning: a
     count for the data line, which the token cache keeps per row of its own (not with the example)."""
+    images: tuple[Any, ...] = ()
+    """Its images in order (a vision-language model's: paths, or bytes in memory), each already expanded to its tokens
+    in `input_ids` (finetune.data.images.Pictures); the batch turns them into the model's pixel inputs."""
+    image_end: int = field(default=0, compare=False)
+    """Where its last image's tokens end: `fit` never cuts an image (a prompt longer than this is a long prompt)."""
 
 
 @dataclass
@@ -102,9 +108,19 @@ def rows_of(item: Any) -> tuple[Example, ...]:
 
 
 def encode(messages: list[Message], tokenizer: Any, chat_template: bool, last_only: bool = False, *, tools: templates.Tools = None,
-           data: DataConfig | None = None, where: str = "a row") -> Example:
+           data: DataConfig | None = None, where: str = "a row", images: list[Any] | tuple[Any, ...] = ()) -> Example:
     """Token ids and labels; every assistant response is labelled (only the last with `last_only`). `tools`: the
-    functions the row offers; `data`: its data.reasoning and data.reasoning_tags (None: reasoning kept, uncounted)."""
+    functions the row offers; `data`: its data.reasoning and data.reasoning_tags (None: reasoning kept, uncounted);
+    `images`: the row's images, one for each finetune.data.images.PLACEHOLDER in the messages (finetune.data.forms.images_of),
+    each expanded into the tokens the model's processor says (a prompt's tokens: never labelled)."""
+    pictures = pictures_of(tokenizer) if images else None
+    if images and pictures is None:
+        raise ConfigError(f"{where}: this row has {len(images)} image(s), but the model is a text model (its config.json has no "
+                          "vision_config): train a vision-language model on it, or remove the images")
+    if pictures is not None:  # each image as the template renders it: a content part, or the processor's own token
+        messages = [m if m["role"] == "assistant" else
+                    {**m, "content": as_parts(m["content"]) if chat_template else m["content"].replace(PLACEHOLDER, pictures.token)}
+                    for m in messages]
     if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
         templates.check_tools(tokenizer, chat_template, where)
     mode, tags = (data.reasoning, data.reasoning_tags) if data is not None else (Reasoning.keep, None)
@@ -125,7 +141,11 @@ def encode(messages: list[Message], tokenizer: Any, chat_template: bool, last_on
                 for t, thought in (templates.split_reasoning(text, tags) if on else [(text, False)])]
     elif mode == Reasoning.keep and tags is not None:
         counted = [t for text, on, *_ in flat if on for t, thought in templates.split_reasoning(text, tags) if thought]
-    tokens = tokenizer([text for text, *_ in flat] + counted, add_special_tokens=False)["input_ids"]  # each piece alone, in one call
+    if pictures is not None:  # the pieces with each image's tokens in place
+        tokens = pictures.tokenize([text for text, *_ in flat], list(images), where)
+        tokens += tokenizer(counted, add_special_tokens=False)["input_ids"] if counted else []
+    else:
+        tokens = tokenizer([text for text, *_ in flat] + counted, add_special_tokens=False)["input_ids"]  # each piece alone, in one call
     ids: list[int] = []
     labels: list[int] = []
     prompt_len = None
@@ -136,7 +156,12 @@ def encode(messages: list[Message], tokenizer: Any, chat_template: bool, last_on
         thought += len(piece) if is_thought else 0
         ids += piece
         labels += piece if on and not is_thought else [IGNORE] * len(piece)
-    return Example(ids, labels, prompt_len or 0, messages[-1]["content"], thought=thought)
+    if pictures is None:
+        return Example(ids, labels, prompt_len or 0, messages[-1]["content"], thought=thought)
+    marks = [i for i, t in enumerate(ids) if t == pictures.image_token_id]
+    labels = [IGNORE if t == pictures.image_token_id else label for t, label in zip(ids, labels)]
+    return Example(ids, labels, prompt_len or 0, messages[-1]["content"], thought=thought, images=tuple(images),
+                   image_end=marks[-1] + 1 if marks else 0)
 
 
 def encode_pair(prompt: list[Message], chosen: str, rejected: str, tokenizer: Any, chat_template: bool, *,
@@ -218,13 +243,15 @@ def fit(item: Any, cfg: DataConfig, where: str) -> Encoded:
     data.long_prompt) when its prompt leaves no room for a single response token."""
     parts = rows_of(item)
     first_label = next((j for j, label in enumerate(parts[0].labels) if label != IGNORE), len(parts[0].labels))
-    if first_label >= cfg.max_length:  # not a single response token would fit
+    image_end = max(ex.image_end for ex in parts)  # an image's tokens are never cut: the model reads them all or none
+    if first_label >= cfg.max_length or image_end > cfg.max_length:  # not a single response token would fit
+        prompt = "the prompt" if first_label >= image_end else "the prompt with its images"
         if cfg.long_prompt == LongPrompt.error:
             raise ConfigError(
-                f"{where}: the prompt is {first_label} tokens, data.max_length={cfg.max_length} leaves no "
+                f"{where}: {prompt} is {max(first_label, image_end)} tokens, data.max_length={cfg.max_length} leaves no "
                 "room for the response: raise data.max_length or set data.long_prompt=drop"
             )
-        return Encoded([], dropped=first_label)
+        return Encoded([], dropped=max(first_label, image_end))
     truncated = any(len(ex.input_ids) > cfg.max_length for ex in parts)
     if truncated:
         for ex in parts:

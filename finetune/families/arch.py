@@ -273,14 +273,16 @@ def _built(key: str) -> Arch | str:
     import warnings
 
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
     from transformers.pytorch_utils import Conv1D
     from transformers.utils import logging as hf_logging
 
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    image_text = isinstance(arch.get("vision_config"), dict) and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not image_text:
         return "transformers has no causal language model of this model_type to build it from"
+    auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM  # what the ranks build (methods.base.built_as)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
@@ -290,7 +292,7 @@ def _built(key: str) -> Arch | str:
             decode = getattr(kind, "_decode_special_floats", lambda obj: obj)  # {"__float__": "Infinity"}, as from_pretrained reads it
             config = kind.from_dict(decode(arch))
             with torch.device("meta"), _without_zero3():
-                model = AutoModelForCausalLM.from_config(config)
+                model = auto.from_config(config)
     except Exception as e:  # noqa: BLE001 - its reason, in the refusal
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return f"transformers cannot build it from this config ({type(e).__name__}: {first[:200]})"

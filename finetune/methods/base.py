@@ -28,12 +28,25 @@ Output = tuple["torch.Tensor", dict[str, "torch.Tensor"]]  # (summed loss, summe
 
 CAUSAL_LM, SCORED = "AutoModelForCausalLM", "AutoModelForSequenceClassification"
 """The `model_class` values: token logits (lm_head), or one score per row (a score head of hidden x 1)."""
+IMAGE_TEXT = "AutoModelForImageTextToText"
+"""What a causal LM is built as when the checkpoint is a vision-language model (`built_as`): the same token logits, from
+text and images (transformers' image-text-to-text classes: LLaVA, Qwen-VL, Gemma 3, Mllama, ...)."""
+GENERATIVE = (CAUSAL_LM, IMAGE_TEXT)
+
+
+def built_as(model_class: str, vision: bool) -> str:
+    """The Auto class a method's `model_class` builds for a checkpoint: a causal LM of a vision-language model
+    (finetune.families.vision.vision_of) is its image-text-to-text class."""
+    return IMAGE_TEXT if vision and model_class == CAUSAL_LM else model_class
 
 
 def saved_class(config_json: dict[str, Any]) -> str:
-    """The `model_class` a saved model loads as, from its config.json: a sequence classifier, or a causal LM."""
+    """The `model_class` a saved model loads as, from its config.json: a sequence classifier, an image-text model, or a
+    causal LM."""
     architectures = config_json.get("architectures") or []
-    return SCORED if any(a.endswith("ForSequenceClassification") for a in architectures) else CAUSAL_LM
+    if any(a.endswith("ForSequenceClassification") for a in architectures):
+        return SCORED
+    return built_as(CAUSAL_LM, isinstance(config_json.get("vision_config"), dict))
 
 
 class Item(Protocol):

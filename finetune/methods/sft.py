@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from finetune.config import METHOD_NAME, Config, ConfigError, DataConfig, DataFormat, MethodConfig, Reference, checked
-from finetune.data.forms import form_of, text_of, to_messages
+from finetune.data.forms import form_of, images_of, text_of, to_messages
+from finetune.data.images import check_image
 from finetune.data.tools import tools_of
 from finetune.data.tokenize import IGNORE, Encoded, Example, encode, encode_text, fit
 from finetune.methods.base import CAUSAL_LM, Output
@@ -47,14 +48,16 @@ class Sft:
         if form_of(row, data.format, where) == DataFormat.text:
             text_of(row, where)
         else:
-            to_messages(row, data.format, data.system_prompt, where)
+            for image in images_of(row, to_messages(row, data.format, data.system_prompt, where), where):
+                check_image(image, where)
 
     def encode(self, row: dict[str, Any], where: str, tokenizer: Any, data: DataConfig, chat: bool) -> Encoded:
         if form_of(row, data.format, where) == DataFormat.text:
             pieces = encode_text(text_of(row, where), tokenizer, data.max_length)
             return Encoded(pieces, split=len(pieces) > 1)
         messages = to_messages(row, data.format, data.system_prompt, where)
-        return fit(encode(messages, tokenizer, chat, tools=tools_of(row, where), data=data, where=where), data, where)
+        return fit(encode(messages, tokenizer, chat, tools=tools_of(row, where), data=data, where=where,
+                          images=images_of(row, messages, where)), data, where)
 
     def join(self, rows: list[Example], scalars: dict[str, float]) -> Example:
         return rows[0]

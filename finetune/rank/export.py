@@ -24,10 +24,11 @@ from typing import Any
 
 import yaml
 
+from finetune.data.images import save_tokenizer
 from finetune import rundir
 from finetune.config import Config, PeftMethod, Precision
 from finetune.rank.finished import DTYPES, Finished, Refusal, load, locate
-from finetune.methods.base import CAUSAL_LM
+from finetune.methods.base import CAUSAL_LM, IMAGE_TEXT
 
 PRECISION_DTYPE = {Precision.bf16: "bf16", Precision.bf16_pure: "bf16", Precision.fp16: "fp16"}
 """The default --dtype: what the run computed in (fp32 otherwise)."""
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         gguf = write_gguf(model, run, out, args.gguf, model_type) if args.gguf else None
         model.to(getattr(__import__("torch"), DTYPES[dtype])).save_pretrained(out)
-        tokenizer.save_pretrained(out)
+        save_tokenizer(tokenizer, out)
         card(run, tokenizer, dtype=dtype, gguf=gguf).save(out / "README.md")
         print(f"export       {out}  (merged, {dtype}{', ' + gguf.name if gguf else ''}, README.md)")
         if args.push_to_hub:
@@ -106,6 +107,11 @@ def check(run: Finished, args: argparse.Namespace) -> str:
     if args.gguf:
         from finetune.rank import gguf_file
 
+        if run.model_class == IMAGE_TEXT:
+            raise Refusal(f"--gguf {args.gguf}: {run.run_dir or run.model} is a vision-language model ({model_type}): llama.cpp reads "
+                          "one as a text model's GGUF plus its vision tower and projector in a separate mmproj file, which "
+                          "finetune does not write: export it without --gguf (transformers' AutoModelForImageTextToText and "
+                          "AutoProcessor load the export)")
         if run.model_class != CAUSAL_LM:
             raise Refusal(f"--gguf {args.gguf}: {run.run_dir} is a reward model (a sequence classifier), and GGUF holds causal language "
                           "models for llama.cpp: export it without --gguf")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.config import Config, PeftMethod, load as load_config
-from finetune.methods.base import CAUSAL_LM, SCORED, saved_class
+from finetune.methods.base import CAUSAL_LM, GENERATIVE, IMAGE_TEXT, SCORED, built_as, saved_class
 from finetune.rundir import FINAL
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -52,18 +52,30 @@ class Finished:
     def model_class(self) -> str:
         """The transformers Auto class the model loads as: the run's method's (method=reward: a sequence classifier),
         else what the adapter's task type or the model's config.json says (a causal LM unless it is a classifier)."""
+        file = Path(self.base or self.model) / "config.json"
+        saved = saved_class(json.loads(file.read_text())) if file.is_file() else CAUSAL_LM
         if self.config is not None:
             from finetune import methods
 
-            return methods.get(self.config.method.name).model_class
-        if self.adapter is not None:
-            return SCORED if self.adapter.get("task_type") == "SEQ_CLS" else CAUSAL_LM
-        file = Path(self.model) / "config.json"
-        return saved_class(json.loads(file.read_text())) if file.is_file() else CAUSAL_LM
+            return built_as(methods.get(self.config.method.name).model_class, saved == IMAGE_TEXT)
+        if self.adapter is not None and self.adapter.get("task_type") == "SEQ_CLS":
+            return SCORED
+        return saved
+
+    def pictures(self) -> Any:
+        """A vision-language model's processor (finetune.data.images.Pictures): final/'s (the run saves it with the
+        tokenizer), else its base model's."""
+        from finetune.data.images import Pictures, has_processor
+        from finetune.families.vision import vision_of
+
+        source = next((s for s in (self.model, self.base) if s and has_processor(s)), self.base or self.model)
+        vision = vision_of(json.loads((Path(self.base or self.model) / "config.json").read_text()))
+        assert vision is not None
+        return Pictures(source, None, False, vision.image_token_id, vision.model_type)
 
     def generative(self, command: str) -> None:
         """Refuse a model that scores rather than generates (a reward model) for `command`."""
-        if self.model_class != CAUSAL_LM:
+        if self.model_class not in GENERATIVE:
             raise Refusal(f"{self.run_dir or self.model} is a reward model (a sequence classifier: one score per text), which "
                           f"{command} cannot use: it needs a causal language model (method=sft, dpo, kto or orpo)")
 
@@ -100,12 +112,15 @@ def load(run: Finished, dtype: str = "fp32") -> tuple[Any, Any]:
     import transformers
     from transformers import AutoTokenizer
 
+    from finetune.data.images import attach
     from finetune.rank.model import head_config
 
     torch_dtype = getattr(torch, DTYPES[dtype])
     tokenizer = AutoTokenizer.from_pretrained(run.model)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if run.model_class == IMAGE_TEXT:  # its processor travels with the tokenizer (saved beside it: save_tokenizer)
+        attach(tokenizer, run.pictures())
     auto = getattr(transformers, run.model_class)
     if run.adapter is None:
         return auto.from_pretrained(run.model, dtype=torch_dtype).eval(), tokenizer

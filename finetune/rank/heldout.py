@@ -10,6 +10,7 @@ import torch
 
 from finetune.config import TrainConfig
 from finetune.data.batches import collate, eval_batches, for_generation, left_padded, shard
+from finetune.data.images import pictures_of
 from finetune.data.tokenize import Example
 from finetune.rank.dist import Dist
 from finetune.rank.engine.base import Engine
@@ -27,13 +28,13 @@ def evaluate(engine: Engine, objective: Any, examples: list[Any], *, dist: Dist,
     owner = int(engine.owner)  # tp/pp: one rank per model replica counts
     loss_sum = count = 0.0
     metrics: dict[str, float] = {}
-    for batch in eval_batches(mine, batch_size, tokenizer.pad_token_id):
+    for batch in eval_batches(mine, batch_size, tokenizer.pad_token_id, pictures_of(tokenizer)):
         loss, sums = engine.inference(objective, batch)
         loss_sum += owner * float(loss)
         add_metrics(metrics, {k: owner * v for k, v in sums.items()})
         count += owner * objective.count(batch)
     for _ in range(lockstep_extra(engine, len(examples), batch_size)):
-        engine.inference(objective, collate(examples[:1], tokenizer.pad_token_id))  # ZeRO-3: match the other ranks' forwards
+        engine.inference(objective, collate(examples[:1], tokenizer.pad_token_id, pictures=pictures_of(tokenizer)))  # ZeRO-3: match the other ranks' forwards
     names = getattr(objective, "eval_metrics", objective.metrics)  # GRPO's rollout metrics have no evaluation value
     loss_sum, count, *values = dist.sum(loss_sum, count, *(metrics.get(k, 0.0) for k in names))
     out = {"eval_loss": loss_sum / max(count, 1)} | {f"eval_{k}": v / max(count, 1) for k, v in zip(names, values)}
@@ -103,11 +104,15 @@ def generate(model: Any, tokenizer: Any, examples: list[Example], *, batch_size:
     """
     model.eval()
     texts: list[str] = []
+    pictures = pictures_of(tokenizer)
     for i in range(0, len(examples), batch_size):
-        prompts = left_padded([e.input_ids[: e.prompt_len] for e in examples[i : i + batch_size]], tokenizer.pad_token_id)
+        rows = examples[i : i + batch_size]
+        prompts = left_padded([e.input_ids[: e.prompt_len] for e in rows], tokenizer.pad_token_id)
         ids, mask, width = prompts["input_ids"], prompts["attention_mask"], prompts["input_ids"].shape[1]
+        seen = {k: v.to(device) for k, v in pictures.batch([list(e.images) for e in rows], ids).items()} \
+            if pictures is not None and any(e.images for e in rows) else {}  # the prompts' images, as the model reads them
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                             synced_gpus=synced)
+                             synced_gpus=synced, **seen)
         texts += tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
     return texts

@@ -21,7 +21,7 @@ import torch
 from finetune import disk
 from finetune.data.templates import load_tokenizer  # noqa: F401 (the ranks' callers read it here)
 from finetune.rank.dist import import_deepspeed
-from finetune.methods.base import CAUSAL_LM, SCORED
+from finetune.methods.base import CAUSAL_LM, IMAGE_TEXT, SCORED
 from finetune.families import attention_limits, dora_experts, pick_attention, unmatched_targets
 from finetune.families.vision import vision_of
 from finetune.rank import vision
@@ -39,7 +39,7 @@ from finetune.config import (
 
 BASE_DIR = "base"  # RUN_DIR/base: the random-init base weights a PEFT adapter refers to
 
-PEFT_TASKS = {CAUSAL_LM: "CAUSAL_LM", SCORED: "SEQ_CLS"}
+PEFT_TASKS = {CAUSAL_LM: "CAUSAL_LM", IMAGE_TEXT: "CAUSAL_LM", SCORED: "SEQ_CLS"}
 """A method's model_class (finetune.methods.base.Method) -> PEFT's task_type for it: SEQ_CLS also trains and saves
 the classifier's score head (PEFT's modules_to_save), which a random init leaves untrained."""
 

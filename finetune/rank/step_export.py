@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from finetune.data.images import save_tokenizer
 from finetune.rank import checkpoint
 from finetune.config import CheckpointingConfig, Config, PeftMethod
 from finetune.rank.finished import Refusal
@@ -50,7 +51,7 @@ def converted(run_dir: Path, cfg: Config, step: int) -> Path:
 
     with adapter_save_kwargs(net) as kwargs:
         net.save_pretrained(out, **kwargs)
-    tokenizer.save_pretrained(out)
+    save_tokenizer(tokenizer, out)
     return out
 
 
@@ -84,8 +85,11 @@ def built(run_dir: Path, cfg: Config) -> tuple[Any, Any]:
     from finetune.config import PeftMethod
     from finetune.rank import model, vision
 
+    from finetune.data.images import pictures_of
+    from finetune.methods.base import built_as
+
     tokenizer = model.load_tokenizer(cfg.model)
-    model_class = methods.get(cfg.method.name).model_class
+    model_class = built_as(methods.get(cfg.method.name).model_class, pictures_of(tokenizer) is not None)
     net = model.load_model(cfg.model, tokenizer, attention="sdpa", peft=cfg.peft, compute_dtype=torch.float32, zero3=False,
                            run_dir=run_dir, is_main=False, barrier=lambda: None, model_class=model_class)
     _, kept = vision.freeze(net, cfg.model.freeze, adapters=cfg.peft.name != PeftMethod.none)  # as the run froze it

@@ -143,10 +143,11 @@ class Stream(IterableDataset):
     """The DataLoader worker's dataset: this rank's micro-batches of each step, from `first_step` at `start` on."""
 
     def __init__(self, streamed: Streamed, *, first_step: int, start: Position, stats: Stats, global_batch: int,
-                 micro_batch: int, dp_rank: int, dp_size: int, pad_id: int, pad_to: int | None, flat: bool) -> None:
+                 micro_batch: int, dp_rank: int, dp_size: int, pad_id: int, pad_to: int | None, flat: bool,
+                 pictures: Any = None) -> None:
         self.streamed, self.first_step, self.start, self.stats = streamed, first_step, start, stats
         self.global_batch, self.micro_batch, self.dp_rank, self.dp_size = global_batch, micro_batch, dp_rank, dp_size
-        self.pad_id, self.pad_to, self.flat = pad_id, pad_to, flat
+        self.pad_id, self.pad_to, self.flat, self.pictures = pad_id, pad_to, flat, pictures
 
     def __iter__(self) -> Iterator[Step | Failed]:
         per_rank = self.global_batch // self.dp_size
@@ -156,7 +157,8 @@ class Stream(IterableDataset):
                 batch = list(itertools.islice(examples, self.global_batch))  # the stream has no end: always whole
                 mine = [example for *_, example in batch[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]]
                 last, epoch, before, _ = batch[-1]
-                micro = [collate(mine[i : i + self.micro_batch], self.pad_id, self.pad_to, self.flat) for i in range(0, per_rank, self.micro_batch)]
+                micro = [collate(mine[i : i + self.micro_batch], self.pad_id, self.pad_to, self.flat, self.pictures)
+                         for i in range(0, per_rank, self.micro_batch)]
                 yield Step(step, micro, Position(last.row, last.skip + 1), epoch, before)
         except ConfigError as e:  # raised in the main process with its own message (a worker's exception would carry a traceback)
             yield Failed(str(e))
@@ -172,13 +174,14 @@ class StreamBatches:
     sources and interleave them, in an order that would depend on their number."""
 
     def __init__(self, streamed: Streamed, *, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int, pad_id: int,
-                 pad_to: int | None = None, flat: bool = False, resume_from: Path | None = None) -> None:
+                 pad_to: int | None = None, flat: bool = False, resume_from: Path | None = None, pictures: Any = None) -> None:
         state = read_state(resume_from) if resume_from is not None else {"step": 0, "row": 0, "skip": 0, "epoch": 0, "stats": {}}
         self.step, self.epoch_now = state["step"], state["epoch"]
         self.position, self.stats = Position(state["row"], state["skip"]), Stats(**state["stats"])
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the worker is forked after the tokenizer ran here: no threads in it
         dataset = Stream(streamed, first_step=self.step, start=self.position, stats=self.stats, global_batch=global_batch,
-                         micro_batch=micro_batch, dp_rank=dp_rank, dp_size=dp_size, pad_id=pad_id, pad_to=pad_to, flat=flat)
+                         micro_batch=micro_batch, dp_rank=dp_rank, dp_size=dp_size, pad_id=pad_id, pad_to=pad_to, flat=flat,
+                         pictures=pictures)
         loader = DataLoader(dataset, batch_size=None, num_workers=1, prefetch_factor=PREFETCH, collate_fn=_as_is,
                             generator=torch.Generator())  # the workers' seed is drawn from it, not from training's random stream
         self._steps = iter(loader)

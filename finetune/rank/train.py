@@ -23,11 +23,13 @@ from finetune import config, logs, methods, rundir, startup
 from finetune.data import steps
 from finetune.families import liger
 from finetune.methods import losses
+from finetune.methods.base import IMAGE_TEXT, built_as
 from finetune.rank import checkpoint, compiling, dist, engine, flops, heldout, loop, model, reference, varlen, vision
 from finetune.config import Config, ConfigError, Kernels, Logits, MemoryReport, MethodConfig, PeftConfig, PeftMethod, Precision, Strategy, uses_deepspeed
 from finetune.data import rows
 from finetune.rank import stream
 from finetune.data.batches import TrainBatches
+from finetune.data.images import pictures_of
 from finetune.data.pack import pack
 from finetune.data.examples import load_split
 from finetune.data.tokenize import IGNORE, Stats, rows_of
@@ -216,7 +218,8 @@ def run(cfg: Config, d: dist.Dist) -> None:
     phase("model")
     zero3 = model.zero3_context(deepspeed_config(cfg) if uses_deepspeed(cfg) else None)
     attention, attention_why = model.resolve_attention(cfg.model, cfg.precision.name, d.device)
-    model_class = methods.get(cfg.method.name).model_class  # a causal LM, or a scored model (method=reward)
+    # a causal LM (a vision-language model's image-text class), or a scored model (method=reward)
+    model_class = built_as(methods.get(cfg.method.name).model_class, pictures_of(tokenizer) is not None)
 
     def load(peft: PeftConfig) -> torch.nn.Module:
         loaded = model.load_model(cfg.model, tokenizer, attention=attention, peft=peft,
@@ -247,7 +250,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
         ref = reference.setup(cfg, engine=eng, dist=d, splits={"train": train_examples, "eval": eval_examples}, run_dir=run_dir,
                               resume_from=resume_from, load_model=lambda: load(base_peft), pad_id=tokenizer.pad_token_id)
     objective = objective_for(cfg, d, loaded.config, ref, chunked)
-    batches = make_batches(cfg, train_examples, eng, tokenizer.pad_token_id, resume_from)
+    batches = make_batches(cfg, train_examples, eng, tokenizer.pad_token_id, resume_from, pictures_of(tokenizer))
     phase("training")
     loop.STOP["defer"] = True  # from here a signal saves a checkpoint at the next step boundary
     train_and_export(cfg, d, eng=eng, net=net, objective=objective, batches=batches, examples=(train_examples, eval_examples),
@@ -394,11 +397,13 @@ def probe_batch(examples: Any) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-def make_batches(cfg: Config, examples: Any, eng: Engine, pad_id: int, resume_from: Path | None) -> Any:
+def make_batches(cfg: Config, examples: Any, eng: Engine, pad_id: int, resume_from: Path | None, pictures: Any = None) -> Any:
     """Step -> this rank's micro-batches: TrainBatches over the examples held, or StreamBatches over a stream
-    (whose DataLoader worker starts reading now, where the checkpoint says when resuming)."""
+    (whose DataLoader worker starts reading now, where the checkpoint says when resuming). `pictures`: a vision-language
+    model's processor, which makes its rows' image inputs as each micro-batch is made (off the step: the loop's
+    read-ahead)."""
     shape = {"global_batch": cfg.train.global_batch_size, "micro_batch": cfg.train.micro_batch_size, "dp_rank": eng.dp_rank,
-             "dp_size": eng.dp_size, "pad_id": pad_id,
+             "dp_size": eng.dp_size, "pad_id": pad_id, "pictures": pictures,
              "pad_to": cfg.data.max_length if cfg.parallelism.pp > 1 else None,  # a pipeline needs one shape
              "flat": rows.padding_free(cfg)[0]}
     if cfg.data.streaming:
@@ -501,7 +506,8 @@ def report(run_dir: Path, final: Path, result: dict[str, dict[str, float]], stat
     if (final / "adapter_config.json").is_file():
         print(f"adapter      {final}  (PEFT format; merged weights and a model card: python -m finetune.export {run_dir})")
     else:
-        print(f"checkpoint   {final}  ({model_class}.from_pretrained / AutoTokenizer.from_pretrained)")
+        loads = "AutoProcessor" if model_class == IMAGE_TEXT else "AutoTokenizer"  # a processor: its images' settings too
+        print(f"checkpoint   {final}  ({model_class}.from_pretrained / {loads}.from_pretrained)")
     written = [str(run_dir / logs.SINKS[name].output) for name in log.sinks if logs.SINKS[name].output]
     trackers = [name for name in log.sinks if name in logs.TRACKERS]
     print(f"metrics      {', '.join(written)}, loss curve {run_dir / 'loss.png'}" + (f"; {', '.join(trackers)}" if trackers else ""))

@@ -13,6 +13,7 @@ from finetune.disk import attention, config_source, local_config, model_config
 from finetune.families import COUNTED, config_value
 from finetune.families.structure import structure_problem
 from finetune.families.vision import vision_of
+from finetune.methods.base import built_as
 
 
 def validate_model(m: ModelConfig) -> None:
@@ -34,6 +35,7 @@ def validate_model(m: ModelConfig) -> None:
 
 
 MAPPINGS = {"AutoModelForCausalLM": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+            "AutoModelForImageTextToText": "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
             "AutoModelForSequenceClassification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"}
 """The model types each method's Auto class builds, as transformers lists them (transformers.models.auto.modeling_auto)."""
 
@@ -51,16 +53,21 @@ def validate_vision(cfg: Config) -> None:
             raise ConfigError(f"model.freeze={_listed(m.freeze)} names parts of a vision-language model, but {what} is a text model "
                               "(no vision_config): remove model.freeze")
         return
-    auto = methods.get(cfg.method.name).model_class
+    if cfg.data.packing:
+        from finetune.data.rows import UNPACKED_VISION
+
+        raise ConfigError(f"data.packing=true cannot run with model.path={m.path} ({vision.model_type}): {UNPACKED_VISION}: set "
+                          "data.packing=false")
+    auto = built_as(methods.get(cfg.method.name).model_class, True)
     from transformers.models.auto import modeling_auto  # imports torch (3-4 s): only for a vision-language model
 
     builds = getattr(modeling_auto, MAPPINGS[auto])
     if vision.model_type not in builds:
         image_text = sorted(set(builds) & set(modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES))
+        what = (f"of the image-text models, {auto} builds {', '.join(image_text)}" if image_text else
+                f"{auto} builds none of the image-text models")
         raise ConfigError(f"model.path={m.path} is a vision-language model (model_type={vision.model_type}: {vision.describe()}) "
-                          f"that transformers' {auto}, the class method={cfg.method.name} trains, cannot build, and training with "
-                          f"images is not built yet: of the image-text models, {auto} builds {', '.join(image_text)} (their "
-                          "language model trains on text rows; model.freeze chooses the frozen parts)")
+                          f"that transformers' {auto}, the class method={cfg.method.name} trains, cannot build: {what}")
 
 
 def _listed(values: list[str]) -> str:

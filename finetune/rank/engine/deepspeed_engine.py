@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch
 
+from finetune.data.images import save_tokenizer
 from finetune.config import Config, ConfigError, Precision
 from finetune.rank.dist import Dist, import_deepspeed
 from finetune.rank.engine.common import StepResult, add_metrics, autocast_dtype, build_scheduler, lora_b, loraplus_lr, param_groups
@@ -137,7 +138,7 @@ class DeepSpeedEngine:
         state = self.engine._zero3_consolidated_16bit_state_dict() if self.stage == 3 else None  # collective
         if self.dist.is_main:
             self.module.save_pretrained(path, state_dict=state)
-            tokenizer.save_pretrained(path)
+            save_tokenizer(tokenizer, path)
         self.dist.barrier()
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
+from finetune.data.images import save_tokenizer
 from finetune.rank import parallel
 from finetune.rank.context import ContextParallel
 from finetune.config import Config, ConfigError, Logits, PipeSchedule, Precision, Strategy
@@ -352,7 +353,7 @@ class MeshEngine:
             module = self.model if self.pp == 1 else self._whole_model()
             with no_deepspeed_probe():
                 module.save_pretrained(path, state_dict=full)
-            tokenizer.save_pretrained(path)
+            save_tokenizer(tokenizer, path)
         self.dist.barrier()
 
     def _whole_model(self) -> nn.Module:

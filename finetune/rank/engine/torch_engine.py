@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from finetune.data.images import save_tokenizer
 from finetune.config import Config, ConfigError, OptimConfig, Precision, PrecisionConfig, Strategy
 from finetune.families.vision import parts
 from finetune.rank.dist import Dist
@@ -174,7 +175,7 @@ class TorchEngine:
         if self.dist.is_main:
             with no_deepspeed_probe(), adapter_save_kwargs(self.module) as kwargs:
                 self.module.save_pretrained(path, **kwargs)
-            tokenizer.save_pretrained(path)
+            save_tokenizer(tokenizer, path)
         self.dist.barrier()
 
 

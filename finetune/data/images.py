@@ -1,0 +1,438 @@
+"""Images in rows, for a vision-language model (finetune.families.vision): how a row holds them, and its processor's part
+in tokenizing and batching them. No torch at import: the launcher checks every row with it.
+
+A row holds images in either of the forms people's datasets have:
+- content parts, as transformers' processors and chat templates take them: a message's `content` a list of
+  `{"type": "text", "text": ...}` and `{"type": "image", "image": PATH_OR_BYTES}` (also `"path"`, and `{"type":
+  "image_url", "image_url": {"url": PATH}}`, OpenAI's shape);
+- a top-level `images` list and `<image>` in the text where each goes, in order (the ShareGPT form LLaMA-Factory and
+  ms-swift read), in any conversational form (chat, sharegpt, alpaca, completion).
+An image is a path (relative to the data file: `anchor`), its encoded bytes, `{"bytes": ..., "path": ...}` (a
+`datasets` Image column undecoded), or a PIL image (decoded). Internally every message's text keeps `<image>`
+(`PLACEHOLDER`) where an image goes and the row's images in order; the chat template renders each as content parts
+(`as_parts`).
+
+The processor (`Pictures`) is the model's own (AutoProcessor's class, from the model directory), made to work without
+torchvision where transformers allows it (`load_processor`). It says how many tokens each image becomes
+(`Pictures.expand`, at tokenization: the token cache then keeps exact lengths and the image references), and turns a
+micro-batch's images into the model's inputs off the step (`Pictures.batch`, in collate: the loop's read-ahead thread).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import inspect
+from pathlib import Path
+from typing import Any
+
+from finetune.config import ConfigError
+
+PLACEHOLDER = "<image>"
+"""Where an image goes in a message's text (the ShareGPT form's placeholder, and the form every row is read into)."""
+PART_KEYS = ("image", "path", "url", "image_url")
+"""Where an image content part holds its image."""
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
+"""A processor's settings in a model directory (its chat template travels with the tokenizer)."""
+TOKEN_SIDE = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids", "cross_attention_mask")
+"""What a processor returns per token rather than per image: computed from the batch's own ids (`token_extras`)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows: where their images are
+
+
+def has_images(row: dict[str, Any]) -> bool:
+    """Whether a row holds images (a top-level `images` list, or image content parts)."""
+    if row.get("images"):
+        return True
+    return any(_is_image_part(p) for m in _turns(row) for p in (m.get("content") if isinstance(m.get("content"), list) else []))
+
+
+def _turns(row: dict[str, Any]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for key in ("messages", "prompt", "chosen", "rejected", "completion"):
+        value = row.get(key)
+        if isinstance(value, list):
+            out += [m for m in value if isinstance(m, dict)]
+        elif isinstance(value, dict):
+            out.append(value)
+    return out
+
+
+def _is_image_part(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") in ("image", "image_url")
+
+
+def part_text(content: Any, where: str, what: str, images: list[Any]) -> Any:
+    """A message's content as text with PLACEHOLDER where each image part was (appended to `images` in order); text
+    content as it is. Refused naming the part: a part of another type, an image part without its image."""
+    if not isinstance(content, list):
+        return content
+    text = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            text.append(part["text"])
+        elif kind in ("image", "image_url"):
+            value = next((part[k] for k in PART_KEYS if part.get(k) is not None), None)
+            if isinstance(value, dict) and isinstance(value.get("url"), str):  # OpenAI's {"image_url": {"url": ...}}
+                value = value["url"]
+            if value is None:
+                raise ConfigError(f"{where}: {what}.content[{i}] is an image part with no image (give it as \"image\": a path, "
+                                  "or the image's bytes)")
+            images.append(value)
+            text.append(PLACEHOLDER)
+        else:
+            raise ConfigError(f"{where}: {what}.content[{i}] must be {{type: text, text: ...}} or {{type: image, image: PATH}}, "
+                              f"got {part!r}")
+    return "".join(text)
+
+
+def row_images(row: dict[str, Any], where: str) -> list[Any]:
+    """The row's top-level `images` list (the ShareGPT form), [] when it has none."""
+    value = row.get("images")
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        value = [value]
+    return list(value)
+
+
+def check_count(texts: list[str], images: list[Any], where: str) -> None:
+    """Every image has its place in the text and every place its image (`<image>` placeholders or image parts)."""
+    places = sum(t.count(PLACEHOLDER) for t in texts)
+    if places != len(images):
+        raise ConfigError(f"{where}: the row has {len(images)} image(s) but its text has {places} {PLACEHOLDER} placeholder(s): "
+                          f"put one {PLACEHOLDER} where each image goes (in a user message), or fix the 'images' list")
+
+
+def anchor(row: dict[str, Any], base: Path) -> dict[str, Any]:
+    """The row with its relative image paths made absolute against `base` (the data file's directory)."""
+    def fix(value: Any) -> Any:
+        if isinstance(value, str) and not _is_url(value) and not Path(value).expanduser().is_absolute():
+            return str(base / value)
+        if isinstance(value, dict) and isinstance(value.get("path"), str) and value.get("bytes") is None:
+            return {**value, "path": fix(value["path"])}
+        return value
+
+    return kept_row(row, fix)
+
+
+def kept_row(row: dict[str, Any], fix: Any) -> dict[str, Any]:
+    """The row with `fix` applied to each image it holds (its `images` list, its messages' image parts)."""
+    if isinstance(row.get("images"), list):
+        row = {**row, "images": [fix(v) for v in row["images"]]}
+    elif isinstance(row.get("images"), str):
+        row = {**row, "images": [fix(row["images"])]}
+    for key in ("messages", "prompt", "chosen", "rejected", "completion"):
+        turns = row.get(key)
+        if isinstance(turns, list) and any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in turns):
+            row = {**row, key: [{**m, "content": [
+                {**p, **{k: fix(p[k]) for k in ("image", "path") if p.get(k) is not None}} if _is_image_part(p) else p
+                for p in m["content"]]}
+                if isinstance(m, dict) and isinstance(m.get("content"), list) else m for m in turns]}
+    return row
+
+
+def _is_url(value: str) -> bool:
+    return value.startswith(("http://", "https://", "data:"))
+
+
+def as_parts(text: str) -> Any:
+    """A message's text as the content parts chat templates render images from ({"type": "image"} where PLACEHOLDER is);
+    text without one as it is."""
+    if PLACEHOLDER not in text:
+        return text
+    parts: list[dict[str, Any]] = []
+    for i, piece in enumerate(text.split(PLACEHOLDER)):
+        if i:
+            parts.append({"type": "image"})
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return parts
+
+
+# ---------------------------------------------------------------------------------------------
+# Images: opened, checked, kept
+
+
+def describe(image: Any) -> str:
+    """An image as a refusal names it: its path, or what it is."""
+    if isinstance(image, str):
+        return image
+    if isinstance(image, dict):
+        return str(image.get("path") or "an image's bytes")
+    return "an image's bytes" if isinstance(image, (bytes, bytearray)) else f"a {type(image).__name__}"
+
+
+def open_image(image: Any, where: str) -> Any:
+    """The image as an RGB PIL image; refused in one line naming the row and the image: a missing or unreadable file,
+    a URL (download the images first: runs read local files), a value that is no image."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    if isinstance(image, dict):
+        image = image.get("bytes") or image.get("path")
+    if isinstance(image, str) and _is_url(image):
+        raise ConfigError(f"{where}: image {image[:80]} is a URL: finetune reads images from files or the data's own bytes; "
+                          "download them and give their paths (relative to the data file)")
+    if not isinstance(image, (str, bytes, bytearray)):
+        raise ConfigError(f"{where}: an image must be a path or the image's bytes, got {type(image).__name__}")
+    try:
+        opened = Image.open(io.BytesIO(image) if isinstance(image, (bytes, bytearray)) else Path(image).expanduser())
+        opened.load()
+        return opened.convert("RGB")
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: image {describe(image)} does not exist: fix the path (relative paths are read from the "
+                          "data file's directory)") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        raise ConfigError(f"{where}: image {describe(image)} cannot be read as an image ({str(e).splitlines()[0]}): "
+                          "replace the file, or remove it from the row") from None
+
+
+def check_image(image: Any, where: str) -> None:
+    """The launcher's check of a row's image: a path exists and is a file (its content is read when tokenizing)."""
+    if isinstance(image, str) and not _is_url(image):
+        path = Path(image).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"{where}: image {image} {'is a directory' if path.is_dir() else 'does not exist'}: fix the path "
+                              "(relative paths are read from the data file's directory)")
+    elif isinstance(image, str):
+        open_image(image, where)  # the URL refusal
+
+
+def kept(image: Any, store: Path) -> str:
+    """The image as a path the token cache keeps: a path as it is; bytes or a decoded image written once to `store`,
+    named by its content's hash."""
+    if isinstance(image, str):
+        return image
+    if isinstance(image, dict) and image.get("bytes") is None and isinstance(image.get("path"), str):
+        return image["path"]
+    if isinstance(image, dict):
+        image = image["bytes"]
+    if not isinstance(image, (bytes, bytearray)):
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        image = buffer.getvalue()
+    file = store / f"{hashlib.sha256(image).hexdigest()[:32]}.img"
+    if not file.exists():
+        store.mkdir(parents=True, exist_ok=True)
+        partial = file.with_suffix(f".{id(image)}.part")
+        partial.write_bytes(image)
+        partial.replace(file)
+    return str(file)
+
+
+# ---------------------------------------------------------------------------------------------
+# The processor
+
+
+def load_processor(source: str, revision: str | None = None, trust_remote_code: bool = False) -> Any:
+    """The model's own processor (the class AutoProcessor picks), for images only: where its class also takes a video
+    processor, which transformers builds only with torchvision, a subclass without one (images need none). A processor
+    that needs torchvision for images too (Mistral 3's Pixtral) is refused naming the package."""
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+    from transformers.utils import is_torchvision_available
+
+    config = AutoConfig.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
+    name = _declared_processor(source) or PROCESSOR_MAPPING_NAMES.get(config.model_type)
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    if cls is None:
+        raise ConfigError(f"model.path={source}: transformers has no processor for model_type={config.model_type} (it names "
+                          f"{name!r}), which reads its images: a vision-language model needs one")
+    if not is_torchvision_available() and "video_processor" in inspect.signature(cls.__init__).parameters:
+        cls = _without_video(cls)
+    try:
+        return cls.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
+    except ImportError as e:
+        if "orchvision" in str(e):
+            raise ConfigError(f"model.path={source}: {cls.__name__} (model_type={config.model_type}) needs torchvision to process "
+                              "images, which is not installed here: pip install torchvision (the build matching your torch: "
+                              "PyPI's wheel is CUDA torch's)") from None
+        raise ConfigError(f"model.path={source}: {cls.__name__} cannot be built: {str(e).splitlines()[0]}") from None
+    except OSError as e:
+        raise ConfigError(f"model.path={source}: could not load its processor ({cls.__name__}): {str(e).splitlines()[0]}: a "
+                          "vision-language model's directory holds its processor (processor_config.json or "
+                          "preprocessor_config.json)") from None
+
+
+def has_processor(source: str) -> bool:
+    """Whether a local model directory holds a processor's files."""
+    return any((Path(source).expanduser() / f).is_file() for f in ("processor_config.json", "preprocessor_config.json"))
+
+
+def _declared_processor(source: str) -> str | None:
+    """The processor class a local model directory's files name (as AutoProcessor reads them)."""
+    import json
+
+    for file in ("processor_config.json", "preprocessor_config.json"):
+        path = Path(source).expanduser() / file
+        if path.is_file():
+            name = json.loads(path.read_text()).get("processor_class")
+            if isinstance(name, str):
+                return name
+    return None
+
+
+_WITHOUT_VIDEO: dict[type, type] = {}
+
+
+def _without_video(cls: type) -> type:
+    """`cls` with no video processor: transformers' ProcessorMixin reads its attributes from __init__'s signature and
+    checks a video processor's class against one that exists only with torchvision (an AttributeError otherwise)."""
+    if cls not in _WITHOUT_VIDEO:
+        def __init__(self: Any, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None, **kw: Any) -> None:
+            cls.__init__(self, image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
+                         chat_template=chat_template, **kw)
+
+        _WITHOUT_VIDEO[cls] = type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__})
+    return _WITHOUT_VIDEO[cls]
+
+
+class Pictures:
+    """A vision-language model's processor as the data path uses it: what each image becomes in the text (`expand`) and
+    a micro-batch's images as the model's inputs (`batch`). Loaded on first use (the token cache's workers and the
+    stream's receive it pickled, without the processor)."""
+
+    def __init__(self, source: str, revision: str | None, trust_remote_code: bool, image_token_id: int | None,
+                 model_type: str) -> None:
+        self.source, self.revision, self.trust_remote_code = source, revision, trust_remote_code
+        self.image_token_id, self.model_type = image_token_id, model_type
+        self._processor: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_processor": None}
+
+    @property
+    def processor(self) -> Any:
+        if self._processor is None:
+            self._processor = load_processor(self.source, self.revision, self.trust_remote_code)
+            if not isinstance(getattr(self._processor, "image_token", None), str):
+                raise ConfigError(f"model.path={self.source}: its processor ({type(self._processor).__name__}) names no "
+                                  "image_token, the text it expands into each image's tokens: not supported")
+        return self._processor
+
+    @property
+    def token(self) -> str:
+        """What the processor expands, once per image, in the text (Qwen's <|image_pad|>, Gemma 3's <start_of_image>)."""
+        return str(self.processor.image_token)
+
+    def save(self, path: Any) -> None:
+        """The processor's files beside a model: the source model's own, copied as they are (so AutoProcessor loads them
+        wherever it loaded the source: a video processor's settings, which this process may not be able to build, kept),
+        or the processor as loaded when the source has none of them."""
+        import shutil
+
+        from transformers.utils import cached_file
+
+        copied = 0
+        for name in PROCESSOR_FILES:
+            found = cached_file(self.source, name, revision=self.revision, _raise_exceptions_for_missing_entries=False,
+                                _raise_exceptions_for_connection_errors=False)
+            if found and Path(found).resolve() != (Path(path) / name).resolve():
+                shutil.copyfile(found, Path(path) / name)
+                copied += 1
+            elif found:
+                copied += 1
+        if not copied and self.loads():
+            self.processor.save_pretrained(path)
+
+    def loads(self) -> bool:
+        """Whether its processor loads (a checkpoint without one trains on text rows; a row with an image then says why)."""
+        try:
+            return self.processor is not None
+        except ConfigError:
+            return False
+
+    def fingerprint(self) -> str:
+        """What decides the image tokens (the token cache's key): the processor's settings (none: text rows only)."""
+        return hashlib.sha256(self.processor.to_json_string().encode()).hexdigest() if self.loads() else "no processor"
+
+    def expand(self, image: Any, where: str) -> list[int]:
+        """The tokens one image becomes in the text, as the processor writes them for `token` (its count from the image's
+        size where the model's resolution is dynamic)."""
+        p = self.processor
+        out = p(text=[self.token], images=[[open_image(image, where)]], add_special_tokens=False)
+        bos = p.tokenizer.bos_token_id  # Mllama's processor adds one after a text's leading images: not the image's
+        return [t for t in out["input_ids"][0] if t != bos or self.token == p.tokenizer.bos_token]
+
+    def tokenize(self, texts: list[str], images: list[Any], where: str) -> list[list[int]]:
+        """Each text's tokens, each `token` in them replaced by its image's expansion (the images in order)."""
+        tokenizer = self.processor.tokenizer
+        found = sum(t.count(self.token) for t in texts)
+        if found != len(images):
+            raise ConfigError(f"{where}: the chat template writes {found} image token(s) ({self.token}) for the row's {len(images)} "
+                              "image(s): use a template that renders each {\"type\": \"image\"} part once (the model's own)")
+        queue = list(images)
+        out = []
+        for text in texts:
+            pieces = text.split(self.token)
+            ids = tokenizer(pieces, add_special_tokens=False)["input_ids"] if len(pieces) > 1 else \
+                tokenizer([text], add_special_tokens=False)["input_ids"]
+            row = list(ids[0])
+            for piece in ids[1:]:
+                row += self.expand(queue.pop(0), where) + list(piece)
+            out.append(row)
+        return out
+
+    def batch(self, images: list[list[Any]], ids: Any) -> dict[str, Any]:
+        """The model's image inputs for a micro-batch (`images`: each row's, in order; `ids`: its [rows, tokens] input
+        ids): what the processor returns for them (pixel values, grids, sizes, tiles), and the per-token inputs it
+        would return (`token_extras`) computed from `ids`."""
+        p = self.processor
+        opened = [[open_image(i, "a batch") for i in row] for row in images]
+        out = p(text=[self.token * len(row) for row in opened], images=opened, return_tensors="pt", padding=True)
+        batch = {k: v for k, v in out.items() if k not in TOKEN_SIDE}
+        return batch | self.token_extras(set(out), ids, [len(row) for row in opened], out)
+
+    def token_extras(self, keys: set[str], ids: Any, counts: list[int], out: Any) -> dict[str, Any]:
+        """The per-token inputs the processor returns (`keys`), for the batch's ids: which tokens are an image's
+        (token_type_ids, mm_token_type_ids: 1 there, 0 elsewhere), and Mllama's cross-attention mask (each text token
+        attends to the images before it)."""
+        extras: dict[str, Any] = {}
+        mask = (ids == self.image_token_id).long()
+        for key in keys & {"token_type_ids", "mm_token_type_ids"}:
+            extras[key] = mask
+        if "cross_attention_mask" in keys:
+            import torch
+            from transformers.models.mllama.processing_mllama import (convert_sparse_cross_attention_mask_to_dense,
+                                                                       get_cross_attention_token_mask)
+
+            sparse = [get_cross_attention_token_mask(row.tolist(), self.image_token_id) for row in ids]
+            dense = convert_sparse_cross_attention_mask_to_dense(sparse, num_tiles=_tiles(out, counts),
+                                                                 max_num_tiles=self.processor.image_processor.max_image_tiles,
+                                                                 length=ids.shape[1])
+            extras["cross_attention_mask"] = torch.from_numpy(dense)
+        return extras
+
+
+def _tiles(out: Any, counts: list[int]) -> list[list[int]]:
+    """Mllama's tiles per image, per row, from its aspect-ratio mask."""
+    mask = out["aspect_ratio_mask"]
+    return [[int(mask[r, i].sum()) for i in range(n)] for r, n in enumerate(counts)]
+
+
+def pictures_of(tokenizer: Any) -> Pictures | None:
+    """The processor a vision-language model's tokenizer carries (`attach`), or None for a text model."""
+    return getattr(tokenizer, "finetune_pictures", None)
+
+
+def attach(tokenizer: Any, pictures: Pictures | None) -> Any:
+    """The tokenizer carrying the model's processor, so that every path a row is tokenized and batched on (in memory,
+    the token cache's workers, a stream's worker, the ranks' batches) reads images the one way."""
+    tokenizer.finetune_pictures = pictures
+    return tokenizer
+
+
+def save_tokenizer(tokenizer: Any, path: Any) -> None:
+    """The tokenizer saved beside a model (final/, an export, a checkpoint's weights); a vision-language model's
+    processor too (its image processor's settings and processor_config.json: what AutoProcessor loads), the tokenizer
+    last, so that the chat template the run trained with is the one kept."""
+    pictures = pictures_of(tokenizer)
+    if pictures is not None:
+        pictures.save(path)
+    tokenizer.save_pretrained(path)

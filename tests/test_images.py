@@ -1,0 +1,282 @@
+"""Rows with images, for vision-language models (finetune/data/images.py): the forms a row holds them in, their tokens
+as the model's own processor writes them, the batch's image inputs, the refusals, the token cache, and a run through
+the real command line with generation and export after it. Tiny random-init models of seven classes with processors
+built here (tests/vision_models.py); images are random PNGs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import vision_models
+from conftest import run_cli, train_here, write_jsonl
+from finetune.config import ConfigError, DataConfig, ModelConfig
+
+torch = pytest.importorskip("torch")
+
+CLASSES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "llava", "mllama", "idefics3")
+SHORT = ["+recipe=quickstart_sft", "model=pretrained", "data.format=auto", "data.eval=null", "data.eval_size=4",
+         "launcher.nproc_per_node=1", "parallelism=single", "optim.warmup_steps=0", "train.micro_batch_size=2",
+         "train.global_batch_size=4", "train.eval_every=0"]
+
+
+@pytest.fixture(scope="module")
+def vlms(tmp_path_factory):
+    """Model directories (config, weights, tokenizer, processor with its chat template) of every tested class."""
+    root = tmp_path_factory.mktemp("vlms")
+    return {name: vision_models.save(name, root / name, with_processor=True) for name in (*CLASSES, "mistral3")}
+
+
+@pytest.fixture(scope="module")
+def pictures(tmp_path_factory):
+    """A data directory: images of several sizes under img/, rows that name them relative to the data file."""
+    root = tmp_path_factory.mktemp("images")
+    (root / "img").mkdir()
+    for i in range(12):
+        vision_models.image(root / "img" / f"{i}.png", 28 + 3 * i, i, 36 + 2 * i)
+    rows = [{"messages": [{"role": "user", "content": [{"type": "image", "image": f"img/{i}.png"},
+                                                       {"type": "text", "text": "what is it ?"}]},
+                          {"role": "assistant", "content": ["small", "big"][i % 2] + " ."}]} for i in range(12)]
+    write_jsonl(root / "train.jsonl", rows)
+    return root
+
+
+def _tokenized(path, rows, root, max_length=256, file="rows.jsonl"):
+    from finetune.data.examples import load_split
+    from finetune.data.templates import load_tokenizer
+
+    data = DataConfig(train=write_jsonl(root / file, rows), eval_size=0, max_length=max_length)
+    tok = load_tokenizer(ModelConfig(path=str(path)), data)
+    train, _, stats = load_split(data, tok, 0)
+    return tok, train, stats
+
+
+MIXED = [
+    {"images": ["img/1.png", "img/2.png"], "conversations": [
+        {"from": "human", "value": "<image> and <image> what ?"}, {"from": "gpt", "value": "yes it is big"}]},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is "}, {"type": "image", "image": "img/3.png"}]},
+                  {"role": "assistant", "content": "small ."},
+                  {"role": "user", "content": [{"type": "text", "text": "and this ? "}, {"type": "image", "path": "img/4.png"}]},
+                  {"role": "assistant", "content": "big ."}]},
+    {"instruction": "what is the answer ?", "output": "no"},
+]
+
+
+@pytest.mark.parametrize("name", CLASSES)
+def test_an_image_row_becomes_the_tokens_and_loss_the_models_own_processor_gives(vlms, pictures, name):
+    """Two images in one ShareGPT row: the token ids equal the processor's on the rendered conversation (each image
+    expanded as the class does: Qwen's grid of its size, Gemma 3's fixed 4 within its markers, Mllama's one token), no
+    image token carries a label, and the model's loss on our batch equals its loss on the processor's inputs."""
+    from PIL import Image
+
+    from finetune.data.batches import collate
+    from finetune.data.images import pictures_of
+    from finetune.data.tokenize import IGNORE
+    from transformers import AutoModelForImageTextToText
+
+    tok, train, _ = _tokenized(vlms[name], MIXED[:1], pictures)
+    (ex,) = train
+    proc = pictures_of(tok).processor
+    conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": " and "}, {"type": "image"},
+                                                 {"type": "text", "text": " what ?"}]}, {"role": "assistant", "content": "yes it is big"}]
+    images = [Image.open(pictures / "img" / f"{i}.png").convert("RGB") for i in (1, 2)]
+    ref = proc(text=[proc.apply_chat_template(conversation, tokenize=False)], images=[images], return_tensors="pt",
+               add_special_tokens=False)
+    want = ref["input_ids"][0].tolist()
+    if name == "mllama":  # its processor puts a BOS first, which our template (ChatML) does not write
+        assert want[0] == tok.bos_token_id
+        want = want[1:]
+        ref = {k: v[:, 1:] if k in ("input_ids", "attention_mask", "cross_attention_mask") else v for k, v in ref.items()}
+    assert ex.input_ids == want
+    image_token = vision_models.config(name)[0].image_token_id if name.startswith("qwen") or name == "idefics3" else \
+        vision_models.config(name)[0].image_token_index
+    assert ex.input_ids.count(image_token) > 0
+    assert all(label == IGNORE for t, label in zip(ex.input_ids, ex.labels) if t == image_token)
+    assert [tok.decode([t]) for t, label in zip(ex.input_ids, ex.labels) if label != IGNORE][:4] == ["yes", "it", "is", "big"]
+    batch = collate([ex], tok.pad_token_id, pictures=pictures_of(tok))
+    model = AutoModelForImageTextToText.from_pretrained(vlms[name]).eval()
+    labels = torch.tensor([ex.labels])
+    with torch.no_grad():
+        ours = model(**{k: v for k, v in batch.items() if k not in ("real_tokens", "labels")}, labels=batch["labels"]).loss
+        theirs = model(**{k: v for k, v in ref.items()}, labels=labels).loss
+    assert float(ours) == pytest.approx(float(theirs), abs=1e-6)
+
+
+@pytest.mark.parametrize("name", ("qwen2_vl", "gemma3", "mllama", "idefics3"))
+def test_a_batch_of_rows_with_and_without_images_scores_each_row_as_alone(vlms, pictures, name):
+    """Two images, one image in a later turn, none (a text row) in one micro-batch: each row's summed token loss is the
+    one it has in a batch of its own (the processor's image inputs laid out per row, the per-token inputs from the ids)."""
+    from finetune.data.batches import collate
+    from finetune.data.images import pictures_of
+    from finetune.methods.losses import token_loss_sum
+    from transformers import AutoModelForImageTextToText
+
+    tok, train, _ = _tokenized(vlms[name], MIXED, pictures)
+    assert [len(e.images) for e in train] == [2, 2, 0]
+    model = AutoModelForImageTextToText.from_pretrained(vlms[name]).eval()
+
+    def sums(examples):
+        batch = collate(examples, tok.pad_token_id, pictures=pictures_of(tok))
+        with torch.no_grad():
+            logits = model(**{k: v for k, v in batch.items() if k not in ("real_tokens", "labels")}).logits
+        return [float(token_loss_sum(logits[r : r + 1], batch["labels"][r : r + 1])) for r in range(len(examples))]
+
+    together = sums(train)
+    alone = [sums([e])[0] for e in train]
+    assert together == pytest.approx(alone, rel=1e-5)
+
+
+def test_the_image_changes_what_the_model_reads(vlms, pictures):
+    """Two rows alike but for their image: different losses (the pixels reach the model), equal text tokens."""
+    from finetune.data.batches import collate
+    from finetune.data.images import pictures_of
+    from transformers import AutoModelForImageTextToText
+
+    rows = [{"images": [f"img/{i}.png"], "messages": [{"role": "user", "content": "<image> what ?"},
+                                                     {"role": "assistant", "content": "big ."}]} for i in (4, 5)]
+    tok, train, _ = _tokenized(vlms["llava"], rows, pictures)
+    assert train[0].input_ids == train[1].input_ids and train[0].images != train[1].images
+    model = AutoModelForImageTextToText.from_pretrained(vlms["llava"]).eval()
+    with torch.no_grad():
+        losses = [float(model(**{k: v for k, v in collate([e], tok.pad_token_id, pictures=pictures_of(tok)).items()
+                                 if k != "real_tokens"}).loss) for e in train]
+    assert abs(losses[0] - losses[1]) > 1e-4
+
+
+def _refused(vlms, pictures, rows, name="llava"):
+    from finetune.data.examples import check
+
+    data = DataConfig(train=write_jsonl(pictures / "bad.jsonl", rows), eval_size=0, max_length=256)
+    with pytest.raises(ConfigError) as e:
+        check(data, "sft")
+        _tokenized(vlms[name], rows, pictures, file="bad.jsonl")
+    return str(e.value)
+
+
+def _chat(user, **extra):
+    return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": "yes ."}], **extra}
+
+
+def test_rows_that_cannot_be_read_are_refused_naming_file_and_line(vlms, pictures):
+    where = f"{pictures / 'bad.jsonl'}:1"
+    assert _refused(vlms, pictures, [_chat("<image> what ?", images=["img/nope.png"])]) == (
+        f"{where}: image {pictures / 'img' / 'nope.png'} does not exist: fix the path (relative paths are read from the data "
+        "file's directory)")
+    assert _refused(vlms, pictures, [_chat("<image> <image> what ?", images=["img/1.png"])]) == (
+        f"{where}: the row has 1 image(s) but its text has 2 <image> placeholder(s): put one <image> where each image goes "
+        "(in a user message), or fix the 'images' list")
+    assert _refused(vlms, pictures, [{"images": ["img/1.png"], "messages": [{"role": "user", "content": "what ?"},
+                                                                          {"role": "assistant", "content": "<image> yes"}]}]) == (
+        f"{where}: the assistant's message 1 holds an image (<image>): images go in the user's messages (the model reads "
+        "them; it writes text)")
+    both = {"messages": [{"role": "user", "content": [{"type": "image", "image": "img/1.png"}]},
+                         {"role": "assistant", "content": "yes"}], "images": ["img/2.png"]}
+    assert _refused(vlms, pictures, [both]) == (
+        f"{where}: the row gives images both as an 'images' list and as image parts in its messages: use one")
+    assert _refused(vlms, pictures, [_chat("<image> what ?", images=["https://example.com/a.png"])]).startswith(
+        f"{where}: image https://example.com/a.png is a URL: finetune reads images from files or the data's own bytes")
+    (pictures / "img" / "text.png").write_text("not an image")
+    assert _refused(vlms, pictures, [_chat("<image> what ?", images=["img/text.png"])]).startswith(
+        f"{where}: image {pictures / 'img' / 'text.png'} cannot be read as an image (cannot identify image file")
+
+
+def test_an_image_row_for_a_text_model_is_refused(pictures):
+    from finetune.config import ASSETS
+    from finetune.data.examples import load_split
+    from finetune.data.templates import load_tokenizer
+
+    data = DataConfig(train=write_jsonl(pictures / "text.jsonl", [_chat("<image> what ?", images=["img/1.png"])]),
+                      eval_size=0, max_length=64)
+    tok = load_tokenizer(ModelConfig(path=None, tokenizer=str(ASSETS / "tokenizer")), data)
+    with pytest.raises(ConfigError, match=r"text.jsonl:1: this row has 1 image\(s\), but the model is a text model \(its "
+                                          r"config.json has no vision_config\): train a vision-language model on it"):
+        load_split(data, tok, 0)
+
+
+def test_a_prompt_whose_images_do_not_fit_is_a_long_prompt_never_cut_inside_an_image(vlms, pictures):
+    """Qwen2-VL, an image in the second user turn: its 6 tokens (a 28x36 image resized to 56x84: a 2x3 grid) are
+    positions 12-17, after the first response (labelled from position 7): max_length 16 would cut inside the image, so the
+    row is dropped as a long prompt would be; a text row of the same turns is cut at 16 as usual. At 18 the image fits."""
+    turns = [{"role": "user", "content": "what ?"}, {"role": "assistant", "content": "yes"},
+             {"role": "user", "content": "<image>"}, {"role": "assistant", "content": "big ."}]
+    rows = [{"images": ["img/0.png"], "messages": turns}, {"messages": [*turns[:2], {**turns[2], "content": "it"}, turns[3]]}]
+    _, train, stats = _tokenized(vlms["qwen2_vl"], rows, pictures, max_length=16)
+    assert (stats["train"].dropped, stats["train"].shortest_dropped_prompt, stats["train"].truncated) == (1, 18, 1)
+    assert [e.images for e in train] == [()]
+    _, train, stats = _tokenized(vlms["qwen2_vl"], rows, pictures, max_length=18)
+    assert stats["train"].dropped == 0 and [len(e.images) for e in train] == [1, 0]
+    assert train[0].input_ids[12:18] == [train[0].input_ids[12]] * 6
+
+
+def test_images_kept_as_bytes_reach_the_token_cache_as_files(vlms, pictures, tmp_path):
+    """A dataset directory whose image column holds the images (datasets' Image feature, as hub datasets keep them): the
+    token cache keeps each image once as a file under its root, the examples name them, and the second load reads the
+    cache without tokenizing again."""
+    import datasets
+
+    from finetune.data import cache
+    from finetune.data.templates import load_tokenizer
+
+    ds = datasets.Dataset.from_dict(
+        {"images": [[str(pictures / "img" / f"{i}.png")] for i in range(4)],
+         "messages": [[{"role": "user", "content": "<image> what ?"}, {"role": "assistant", "content": "big ."}]] * 4},
+        features=datasets.Features({"images": datasets.Sequence(datasets.Image()),
+                                    "messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}]}))
+    ds.save_to_disk(str(tmp_path / "ds"))
+    data = DataConfig(train=str(tmp_path / "ds"), eval_size=0, max_length=128, cache_dir=str(tmp_path / "cache"))
+    tok = load_tokenizer(ModelConfig(path=str(vlms["gemma3"])), data)
+    said: list[str] = []
+    train, *_ = cache.load(data, tok, 0, "sft", builder=True, progress=False, say=said.append)
+    files = sorted((tmp_path / "cache" / cache.IMAGES).iterdir())
+    assert len(files) == 4 and sorted(e.images[0] for e in train) == [str(f) for f in files]
+    again, *_ = cache.load(data, tok, 0, "sft", builder=True, progress=False, say=said.append)
+    assert [e.input_ids for e in again] == [e.input_ids for e in train] and [e.images for e in again] == [e.images for e in train]
+    assert len(said) == 2 and said[1].startswith("data: cached tokens"), said
+
+
+def test_mistral3_without_torchvision_is_refused_naming_the_package(vlms, pictures):
+    assert _refused(vlms, pictures, [_chat("<image> what ?", images=["img/1.png"])], name="mistral3") == (
+        f"model.path={vlms['mistral3']}: PixtralProcessor (model_type=mistral3) needs torchvision to process images, which "
+        "is not installed here: pip install torchvision (the build matching your torch: PyPI's wheel is CUDA torch's)")
+
+
+def test_packing_is_refused_and_padding_free_stays_off_for_a_vision_language_model(vlms, compose, pictures):
+    from finetune.data.rows import padding_free
+
+    with pytest.raises(ConfigError, match=r"data.packing=true cannot run with model.path=.*\(qwen2_vl\): a vision-language "
+                                          r"model computes its image tokens' positions and masks per row"):
+        compose(["+recipe=quickstart_sft", "model=pretrained", f"model.path={vlms['qwen2_vl']}", "data.packing=true"])
+    cfg = compose(["+recipe=quickstart_sft", "model=pretrained", f"model.path={vlms['qwen2_vl']}", "train.micro_batch_size=4"])
+    assert padding_free(cfg) == (False, "padded: a vision-language model computes its image tokens' positions and masks per row "
+                                        "(Qwen-VL's M-RoPE, Gemma 3's bidirectional image attention, Mllama's cross-attention mask)")
+
+
+def test_images_train_through_the_cli_then_generate_and_export_read_them(vlms, pictures, tmp_path):
+    """The real command line, Qwen2-VL, rows with images relative to the data file (run from another directory): the
+    loss falls, final/ holds the processor's files; generate shows the model an image; export writes a model
+    AutoModelForImageTextToText loads with the same weights, and refuses GGUF for it."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    run = tmp_path / "run"
+    out = run_cli(*SHORT, f"model.path={vlms['qwen2_vl']}", f"data.train={pictures / 'train.jsonl'}", "train.max_steps=4",
+                  f"hydra.run.dir={run}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["after"]["eval_loss"] < summary["before"]["eval_loss"] - 0.3
+    assert (run / "final" / "processor_config.json").is_file()
+    assert "AutoModelForImageTextToText.from_pretrained / AutoProcessor.from_pretrained" in out.stdout
+    said = run_cli(str(run), "--prompt", "what is it ?", "--image", str(pictures / "img" / "1.png"), "--max-new-tokens", "3",
+                   cwd=tmp_path, module="finetune.generate")
+    assert said.returncode == 0 and said.stdout.strip(), said.stderr[-1500:]
+    gguf = run_cli(str(run), "--gguf", "q8_0", cwd=tmp_path, module="finetune.export")
+    assert gguf.returncode == 2 and gguf.stderr.strip().splitlines()[-1].startswith(
+        f"error: --gguf q8_0: {run} is a vision-language model (qwen2_vl): llama.cpp reads one as a text model's GGUF plus its "
+        "vision tower and projector in a separate mmproj file")
+    exported = run_cli(str(run), cwd=tmp_path, module="finetune.export")
+    assert exported.returncode == 0, exported.stderr[-1500:]
+    model = AutoModelForImageTextToText.from_pretrained(run / "export")
+    trained = load_file(run / "final" / "model.safetensors")
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in trained.items() if k in model.state_dict())
+    assert (run / "export" / "processor_config.json").is_file()
