@@ -73,6 +73,7 @@ def test_an_image_row_becomes_the_tokens_and_loss_the_models_own_processor_gives
     from finetune.data.batches import collate
     from finetune.data.images import pictures_of
     from finetune.data.tokenize import IGNORE
+    from finetune.methods.sft import SFT
     from transformers import AutoModelForImageTextToText
 
     tok, train, _ = _tokenized(vlms[name], MIXED[:1], pictures)
@@ -97,8 +98,9 @@ def test_an_image_row_becomes_the_tokens_and_loss_the_models_own_processor_gives
     batch = collate([ex], tok.pad_token_id, pictures=pictures_of(tok))
     model = AutoModelForImageTextToText.from_pretrained(vlms[name]).eval()
     labels = torch.tensor([ex.labels])
+    objective = SFT()  # what training computes: the summed token loss, the images passed by forward_aux
     with torch.no_grad():
-        ours = model(**{k: v for k, v in batch.items() if k not in ("real_tokens", "labels")}, labels=batch["labels"]).loss
+        ours = objective(model, batch)[0] / objective.count(batch)
         theirs = model(**{k: v for k, v in ref.items()}, labels=labels).loss
     assert float(ours) == pytest.approx(float(theirs), abs=1e-6)
 
@@ -109,6 +111,7 @@ def test_a_batch_of_rows_with_and_without_images_scores_each_row_as_alone(vlms, 
     one it has in a batch of its own (the processor's image inputs laid out per row, the per-token inputs from the ids)."""
     from finetune.data.batches import collate
     from finetune.data.images import pictures_of
+    from finetune.data.images import seen
     from finetune.methods.losses import token_loss_sum
     from transformers import AutoModelForImageTextToText
 
@@ -119,7 +122,7 @@ def test_a_batch_of_rows_with_and_without_images_scores_each_row_as_alone(vlms, 
     def sums(examples):
         batch = collate(examples, tok.pad_token_id, pictures=pictures_of(tok))
         with torch.no_grad():
-            logits = model(**{k: v for k, v in batch.items() if k not in ("real_tokens", "labels")}).logits
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **seen(batch)).logits
         return [float(token_loss_sum(logits[r : r + 1], batch["labels"][r : r + 1])) for r in range(len(examples))]
 
     together = sums(train)
@@ -127,10 +130,33 @@ def test_a_batch_of_rows_with_and_without_images_scores_each_row_as_alone(vlms, 
     assert together == pytest.approx(alone, rel=1e-5)
 
 
-def test_the_image_changes_what_the_model_reads(vlms, pictures):
-    """Two rows alike but for their image: different losses (the pixels reach the model), equal text tokens."""
+@pytest.mark.parametrize("name", CLASSES)
+def test_a_text_batch_runs_the_vision_tower_on_a_blank_image_without_changing_its_loss(vlms, pictures, name):
+    """Under FSDP2 and ZeRO every rank's micro-batch runs the vision tower (`Pictures.everywhere`): a batch of text rows
+    carries a blank image in its padding, and its loss and count are those of the batch without it."""
     from finetune.data.batches import collate
-    from finetune.data.images import pictures_of
+    from finetune.data.images import IN_BATCH, pictures_of
+    from finetune.methods.sft import SFT
+    from transformers import AutoModelForImageTextToText
+
+    tok, train, _ = _tokenized(vlms[name], [_chat("what ?"), _chat("what is the answer to it ?")], pictures)
+    model = AutoModelForImageTextToText.from_pretrained(vlms[name]).eval()
+    plain = collate(train, tok.pad_token_id, pictures=pictures_of(tok))
+    pictures_of(tok).everywhere = True
+    blank = collate(train, tok.pad_token_id, pictures=pictures_of(tok))
+    assert not any(k.startswith(IN_BATCH) for k in plain) and any(k.startswith(IN_BATCH) for k in blank)
+    assert blank["input_ids"].shape[1] > plain["input_ids"].shape[1]
+    with torch.no_grad():
+        assert float(SFT()(model, blank)[0]) == pytest.approx(float(SFT()(model, plain)[0]), rel=1e-5)
+    assert SFT().count(blank) == SFT().count(plain)
+
+
+def test_the_image_changes_what_the_model_reads(vlms, pictures):
+    """Two rows alike but for their image: equal text tokens, different training losses (the pixels reach the model
+    through the objective's forward); without the image inputs the two would score alike."""
+    from finetune.data.batches import collate
+    from finetune.data.images import IN_BATCH, pictures_of
+    from finetune.methods.sft import SFT
     from transformers import AutoModelForImageTextToText
 
     rows = [{"images": [f"img/{i}.png"], "messages": [{"role": "user", "content": "<image> what ?"},
@@ -138,10 +164,11 @@ def test_the_image_changes_what_the_model_reads(vlms, pictures):
     tok, train, _ = _tokenized(vlms["llava"], rows, pictures)
     assert train[0].input_ids == train[1].input_ids and train[0].images != train[1].images
     model = AutoModelForImageTextToText.from_pretrained(vlms["llava"]).eval()
+    batches = [collate([e], tok.pad_token_id, pictures=pictures_of(tok)) for e in train]
     with torch.no_grad():
-        losses = [float(model(**{k: v for k, v in collate([e], tok.pad_token_id, pictures=pictures_of(tok)).items()
-                                 if k != "real_tokens"}).loss) for e in train]
-    assert abs(losses[0] - losses[1]) > 1e-4
+        losses = [float(SFT()(model, b)[0]) for b in batches]
+        blind = [float(SFT()(model, {k: v for k, v in b.items() if not k.startswith(IN_BATCH)})[0]) for b in batches]
+    assert abs(losses[0] - losses[1]) > 1e-4 and blind[0] == blind[1]
 
 
 def _refused(vlms, pictures, rows, name="llava"):
@@ -280,3 +307,34 @@ def test_images_train_through_the_cli_then_generate_and_export_read_them(vlms, p
     trained = load_file(run / "final" / "model.safetensors")
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in trained.items() if k in model.state_dict())
     assert (run / "export" / "processor_config.json").is_file()
+
+
+@pytest.fixture(scope="module")
+def mixed_rows(pictures):
+    """Rows with one image, two images and none, in one file: a micro-batch of two ranks may hold images on one rank and
+    none on the other."""
+    rows = []
+    for i in range(12):
+        images = [f"img/{i}.png", f"img/{(i + 1) % 12}.png"][: i % 3]
+        rows.append({"images": images, "messages": [{"role": "user", "content": "<image>" * len(images) + " what is it ?"},
+                                                    {"role": "assistant", "content": ["small", "big"][i % 2] + " ."}]})
+    return write_jsonl(pictures / "mixed.jsonl", rows)
+
+
+@pytest.mark.parametrize("layout", [["parallelism=ddp"], ["parallelism=fsdp"], ["zero=stage2", "parallelism=ddp"],
+                                    ["zero=stage3", "parallelism=ddp"]], ids=["ddp", "fsdp", "zero2", "zero3"])
+def test_images_train_on_two_ranks_as_on_one(vlms, mixed_rows, tmp_path, layout):
+    """DDP, FSDP2, ZeRO-2 and ZeRO-3 on two ranks, rows with and without images: the eval loss one process reaches
+    (a rank whose micro-batch has no image still runs the vision tower, on none: the sharded layouts gather its
+    parameters on every rank)."""
+    from ranks import launch_here
+
+    common = [*SHORT[:2], f"model.path={vlms['qwen2_vl']}", f"data.train={mixed_rows}", *SHORT[2:5], "optim.warmup_steps=0",
+              "train.max_steps=3", "train.global_batch_size=4", "train.eval_every=0", "train.exact_match_samples=0"]
+    one = train_here([*common, "launcher.nproc_per_node=1", "parallelism=single", "train.micro_batch_size=4"], tmp_path / "one")
+    out = launch_here(*common, "launcher.nproc_per_node=2", "train.micro_batch_size=2", *layout, f"hydra.run.dir={tmp_path / 'two'}",
+                      cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, (out.stdout[-1500:], out.stderr[-1500:])
+    two = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert two["after"]["eval_loss"] == pytest.approx(one["after"]["eval_loss"], abs=2e-3)
+    assert two["after"]["eval_loss"] < two["before"]["eval_loss"] - 0.1

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
+from finetune.data.images import IN_BATCH
 from finetune.data.tokenize import IGNORE, Example
 
 if TYPE_CHECKING:
@@ -67,7 +68,9 @@ def collate(examples: list[Any], pad_id: int, width: int | None = None, flat: bo
     if any(e.images for e in examples):
         if pictures is None:
             raise ValueError("a batch with images needs the model's processor (finetune.data.images.Pictures)")
-        batch |= pictures.batch([list(e.images) for e in examples], ids)
+        batch |= {IN_BATCH + k: v for k, v in pictures.batch([list(e.images) for e in examples], ids).items()}
+    elif pictures is not None and pictures.everywhere:  # a layout whose ranks run the vision tower together
+        batch = pictures.with_blank(batch, pad_id)
     return batch
 
 

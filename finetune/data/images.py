@@ -32,6 +32,8 @@ PLACEHOLDER = "<image>"
 """Where an image goes in a message's text (the ShareGPT form's placeholder, and the form every row is read into)."""
 PART_KEYS = ("image", "path", "url", "image_url")
 """Where an image content part holds its image."""
+IN_BATCH = "image."
+"""The prefix of a micro-batch's image inputs (collate adds them; `seen` gives them to the model's forward)."""
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
 """A processor's settings in a model directory (its chat template travels with the tokenizer)."""
 TOKEN_SIDE = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids", "cross_attention_mask")
@@ -303,6 +305,11 @@ class Pictures:
         self.source, self.revision, self.trust_remote_code = source, revision, trust_remote_code
         self.image_token_id, self.model_type = image_token_id, model_type
         self._processor: Any = None
+        self.everywhere = False
+        """Every micro-batch runs the vision tower (`with_blank`): set on the ranks of a layout that gathers parameters
+        or reduces gradients per module on every rank (FSDP2, ZeRO), where one rank running the tower alone would wait
+        for the others in its collectives."""
+        self._blank: list[int] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_processor": None}
@@ -389,6 +396,32 @@ class Pictures:
         batch = {k: v for k, v in out.items() if k not in TOKEN_SIDE}
         return batch | self.token_extras(set(out), ids, [len(row) for row in opened], out)
 
+    def with_blank(self, batch: dict[str, Any], pad_id: int) -> dict[str, Any]:
+        """A micro-batch of text rows made to run the vision tower as one with images does, computing the same loss: a
+        blank image's tokens appended after the last row's end, in padding (no attention to them from any row, no
+        labels), with its image inputs. The batch is `blank_tokens` wider."""
+        import torch
+
+        from PIL import Image
+
+        from finetune.data.tokenize import IGNORE
+
+        blank = Image.new("RGB", (32, 32), (128, 128, 128))
+        if self._blank is None:
+            self._blank = self.expand(blank, "a blank image")
+        tokens = torch.tensor(self._blank)
+        rows, n = batch["input_ids"].shape[0], len(self._blank)
+
+        def wider(t: Any, fill: int) -> Any:
+            return torch.cat([t, torch.full((rows, n), fill, dtype=t.dtype)], dim=1)
+
+        out = dict(batch, input_ids=wider(batch["input_ids"], pad_id), labels=wider(batch["labels"], IGNORE))
+        out["input_ids"][-1, -n:] = tokens
+        if "attention_mask" in batch:
+            out["attention_mask"] = wider(batch["attention_mask"], 0)
+        inputs = self.batch([[] for _ in range(rows - 1)] + [[blank]], out["input_ids"])
+        return out | {IN_BATCH + k: v for k, v in inputs.items()}
+
     def token_extras(self, keys: set[str], ids: Any, counts: list[int], out: Any) -> dict[str, Any]:
         """The per-token inputs the processor returns (`keys`), for the batch's ids: which tokens are an image's
         (token_type_ids, mm_token_type_ids: 1 there, 0 elsewhere), and Mllama's cross-attention mask (each text token
@@ -414,6 +447,12 @@ def _tiles(out: Any, counts: list[int]) -> list[list[int]]:
     """Mllama's tiles per image, per row, from its aspect-ratio mask."""
     mask = out["aspect_ratio_mask"]
     return [[int(mask[r, i].sum()) for i in range(n)] for r, n in enumerate(counts)]
+
+
+def seen(batch: dict[str, Any]) -> dict[str, Any]:
+    """A micro-batch's image inputs as the model's forward takes them (pixel values, grids, sizes, per-token types): {}
+    for a batch of text rows."""
+    return {k[len(IN_BATCH):]: v for k, v in batch.items() if k.startswith(IN_BATCH)}
 
 
 def pictures_of(tokenizer: Any) -> Pictures | None:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from finetune.data.images import seen
 from finetune.data.tokenize import IGNORE
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ def forward_aux(model: Any, batch: dict[str, torch.Tensor], router: bool) -> tup
     """Logits, and with `router` the MoE's load-balancing loss (output_router_logits; None without)."""
     extra = {"output_router_logits": True} if router else {}
     out = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                position_ids=batch.get("position_ids"), use_cache=False, **extra)
+                position_ids=batch.get("position_ids"), use_cache=False, **extra, **seen(batch))  # a VLM's rows' images
     return out.logits, (out.aux_loss if router else None)
 
 

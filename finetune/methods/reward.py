@@ -122,8 +122,10 @@ class BradleyTerry:
         return batch["input_ids"].shape[0] // 2
 
     def __call__(self, model: Any, batch: dict[str, torch.Tensor]) -> Output:
+        from finetune.data.images import seen
+
         out = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), position_ids=batch.get("position_ids"),
-                    use_cache=False)
+                    use_cache=False, **seen(batch))
         return self.loss(out.logits, batch)
 
     def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> Output:
