@@ -338,3 +338,52 @@ def test_images_train_on_two_ranks_as_on_one(vlms, mixed_rows, tmp_path, layout)
     two = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert two["after"]["eval_loss"] == pytest.approx(one["after"]["eval_loss"], abs=2e-3)
     assert two["after"]["eval_loss"] < two["before"]["eval_loss"] - 0.1
+
+
+def test_preference_pairs_show_their_prompts_images_to_both_rows_and_dpo_trains_on_them(vlms, pictures, tmp_path):
+    """DPO pairs with images, in both preference forms (a prompt with an images list; whole conversations with image
+    parts): both rows show the prompt's images; a precomputed reference scores them with the images (two pairs alike
+    but for the image get different reference log-probs); DPO trains (its eval loss falls from log 2)."""
+    from finetune.data.batches import collate
+    from finetune.data.images import pictures_of
+    from finetune.data.templates import load_tokenizer
+    from finetune.data.examples import load_split
+    from finetune.rank.reference import LOGPS
+    from transformers import AutoModelForImageTextToText
+
+    rows = []
+    for i in range(8):
+        answers = ["big .", "small ."] if i % 2 else ["small .", "big ."]
+        if i % 2:
+            rows.append({"prompt": "<image> what is it ?", "images": [f"img/{i}.png"], "chosen": answers[0], "rejected": answers[1]})
+        else:
+            prompt = [{"role": "user", "content": [{"type": "image", "image": f"img/{i}.png"}, {"type": "text", "text": "what is it ?"}]}]
+            rows.append({"chosen": [*prompt, {"role": "assistant", "content": answers[0]}],
+                         "rejected": [*prompt, {"role": "assistant", "content": answers[1]}]})
+    data_file = write_jsonl(pictures / "pairs.jsonl", rows)
+    data = DataConfig(train=data_file, eval_size=0, max_length=128)
+    tok = load_tokenizer(ModelConfig(path=str(vlms["qwen2_vl"])), data)
+    pairs, _, _ = load_split(data, tok, 0, "dpo")
+    assert all(p.chosen.images == p.rejected.images and len(p.chosen.images) == 1 for p in pairs)
+    model = AutoModelForImageTextToText.from_pretrained(vlms["qwen2_vl"]).eval()
+    twin = [pairs[1], type(pairs[1])(*(type(r)(**{**vars(r), "images": pairs[3].chosen.images}) for r in pairs[1].rows))]
+    with torch.no_grad():
+        logps = LOGPS(model, collate(twin, tok.pad_token_id, pictures=pictures_of(tok)))
+    assert abs(float(logps[0] - logps[1])) > 1e-4
+    summary = train_here([*SHORT[:2], f"model.path={vlms['qwen2_vl']}", "method=dpo", f"data.train={data_file}", "data.format=auto",
+                          f"data.eval={data_file}", "data.eval_size=0", "optim.warmup_steps=0", "train.max_steps=8",
+                          "train.micro_batch_size=2", "train.global_batch_size=4", "train.eval_every=0", "train.exact_match_samples=0",
+                          "optim.lr=1e-3"], tmp_path / "dpo")
+    assert summary["before"]["eval_loss"] == pytest.approx(0.6931, abs=1e-3)
+    assert summary["after"]["eval_loss"] < summary["before"]["eval_loss"] - 0.05
+
+
+@pytest.mark.parametrize("method", ["kto", "grpo"])
+def test_methods_that_do_not_read_images_yet_refuse_an_image_row(vlms, pictures, method):
+    from finetune.data.examples import check
+
+    row = {**_chat("<image> what ?", images=["img/1.png"]), **({"label": True} if method == "kto" else {})}
+    data = DataConfig(train=write_jsonl(pictures / "method.jsonl", [row]), eval_size=0)
+    with pytest.raises(ConfigError, match=rf"method.jsonl:1: this row has images, and method={method} does not read rows with "
+                                          r"images yet: "):
+        check(data, method)

@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from finetune import methods
-from finetune.config import DataConfig
+from finetune.config import ConfigError, DataConfig
+from finetune.data.images import has_images
 from finetune.data.sources import Rows, all_sources, local_rows, split_rows
 from finetune.data.tokenize import Encoded, Stats, uses_chat_template
 from finetune.data.tools import uses_tools
@@ -30,6 +31,7 @@ def check(cfg: DataConfig, method: str) -> str | None:
     for s in all_sources(cfg):
         rows = local_rows(s, streamed=cfg.streaming and s.key.startswith("data.train"))
         for i, row in enumerate(rows.rows if rows is not None else []):
+            _reads_images(row, rows.where(i), method)
             check_row(row, cfg, rows.where(i))
             if first_tools is None and uses_tools(row):
                 first_tools = rows.where(i)
@@ -38,7 +40,15 @@ def check(cfg: DataConfig, method: str) -> str | None:
 
 def tokenize_row(row: dict[str, Any], where: str, tokenizer: Any, cfg: DataConfig, method: str, chat: bool) -> Encoded:
     """One row -> its examples no longer than cfg.max_length (see `tokenize`): the method's `encode`."""
+    _reads_images(row, where, method)
     return methods.get(method).encode(row, where, tokenizer, cfg, chat)
+
+
+def _reads_images(row: dict[str, Any], where: str, method: str) -> None:
+    """A row with images for a method that does not read them yet (its record's `images`): one line naming the row."""
+    why = methods.get(method).images
+    if why is not None and has_images(row):
+        raise ConfigError(f"{where}: this row has images, and method={method} does not read rows with images yet: {why}")
 
 
 def tokenize(rows: Rows, tokenizer: Any, cfg: DataConfig, key: str, method: str = "sft") -> tuple[list[Any], Stats]:

@@ -251,11 +251,12 @@ def images_of(row: dict[str, Any], messages: list[Message], where: str) -> list[
     what the model reads, not what it writes)."""
     listed = pictures.row_images(row, where)
     parts: list[Any] = []
-    for key in ("messages", "prompt", "chosen", "rejected", "completion"):
-        turns = row.get(key)
-        for i, m in enumerate(turns if isinstance(turns, list) else []):
-            if isinstance(m, dict) and isinstance(m.get("content"), list):
-                pictures.part_text(m["content"], where, f"{key}[{i}]", parts)
+    # where the prompt's messages are: a conversation, a pair's prompt, or (a pair of whole conversations) the chosen one,
+    # whose prompt the rejected one repeats
+    key = next((k for k in ("messages", "prompt", "chosen") if isinstance(row.get(k), list)), None)
+    for i, m in enumerate(row[key] if key else []):
+        if isinstance(m, dict) and isinstance(m.get("content"), list):
+            pictures.part_text(m["content"], where, f"{key}[{i}]", parts)
     if listed and parts:
         raise ConfigError(f"{where}: the row gives images both as an 'images' list and as image parts in its messages: use one")
     found = listed or parts

@@ -165,9 +165,11 @@ def encode(messages: list[Message], tokenizer: Any, chat_template: bool, last_on
 
 
 def encode_pair(prompt: list[Message], chosen: str, rejected: str, tokenizer: Any, chat_template: bool, *,
-                tools: templates.Tools = None, data: DataConfig | None = None, where: str = "a row") -> Pair:
+                tools: templates.Tools = None, data: DataConfig | None = None, where: str = "a row",
+                images: list[Any] | tuple[Any, ...] = ()) -> Pair:
+    """The prompt with each response, as two rows (`images`: the prompt's, in both)."""
     return Pair(*(encode([*prompt, {"role": "assistant", "content": text}], tokenizer, chat_template, last_only=True, tools=tools,
-                         data=data, where=where) for text in (chosen, rejected)))
+                         data=data, where=where, images=images) for text in (chosen, rejected)))
 
 
 @dataclass

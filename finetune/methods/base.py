@@ -166,6 +166,10 @@ class Method(Protocol):
     of the example: the token cache keeps them as float columns and gives them back to `join`; `Item.values`
     puts them in the batch. () for none."""
 
+    images: str | None
+    """None: its rows may show images (a vision-language model's: finetune.data.images), which every row of an example
+    shows. Else why they cannot, after "method=NAME does not read rows with images yet: "."""
+
     attached: bool
     """Its examples carry values computed on the ranks (a precomputed reference's log-probs): the token cache's
     rows are then read into objects once, not row by row from the memory map."""

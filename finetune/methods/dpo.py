@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from finetune.config import (METHOD_NAME, POSITIVE, Config, ConfigError, DataConfig, DataFormat, MethodConfig, PeftMethod, Reference,
                              Spelled, at_least, checked, in_range, unused)
-from finetune.data.forms import to_pair
+from finetune.data.forms import images_of, to_pair
+from finetune.data.images import check_image
 from finetune.data.tools import tools_of
 from finetune.data.tokenize import IGNORE, Encoded, Example, Pair, encode_pair, fit
 from finetune.methods.base import CAUSAL_LM, Output
@@ -74,16 +75,20 @@ class Dpo:
     split_tokens = ("the DPO loss needs each response's whole log-probability before it is computed, and each rank holds a "
                     "slice of the tokens; use parallelism.cp=1 (with checkpointing=full and logits=chunked for long pairs)")
     scalars = ()
+    images = None  # a pair's prompt shows them to both rows
     attached = True  # a precomputed reference's log-probs are attached to each pair on the ranks
     model_class = CAUSAL_LM
 
     def check_row(self, row: dict[str, Any], data: DataConfig, where: str) -> None:
-        to_pair(row, data.system_prompt, where, self.name)
+        for image in pair_images(row, to_pair(row, data.system_prompt, where, self.name), where):
+            check_image(image, where)
 
     def encode(self, row: dict[str, Any], where: str, tokenizer: Any, data: DataConfig, chat: bool) -> Encoded:
-        pair = encode_pair(*to_pair(row, data.system_prompt, where, self.name), tokenizer, chat, tools=tools_of(row, where), data=data,
-                           where=where)
+        prompt, chosen, rejected = to_pair(row, data.system_prompt, where, self.name)
+        pair = encode_pair(prompt, chosen, rejected, tokenizer, chat, tools=tools_of(row, where), data=data, where=where,
+                           images=pair_images(row, (prompt, chosen, rejected), where))
         return fit(pair, data, where)
+
 
     def join(self, rows: list[Example], scalars: dict[str, float]) -> Pair:
         return Pair(*rows)
@@ -124,6 +129,13 @@ def check_reference(cfg: Config) -> None:
 
 
 METHOD = Dpo()
+
+
+def pair_images(row: dict[str, Any], pair: tuple[list[Any], str, str], where: str) -> list[Any]:
+    """The images of a pair's prompt (a vision-language model's), which both rows show; refused in one line as for SFT
+    rows (finetune.data.forms.images_of), and in a response."""
+    prompt, chosen, rejected = pair
+    return images_of(row, [*prompt, *({"role": "assistant", "content": text} for text in (chosen, rejected))], where)
 
 
 class PairLoss:

@@ -105,6 +105,8 @@ class Grpo:
     split_tokens = ("the GRPO loss averages each completion's tokens, and each rank holds a slice of them; use parallelism.cp=1 "
                     "(with checkpointing=full for long completions)")
     scalars = ()
+    images = ("its rollouts sample from the prompts' tokens alone (the images would not reach the sampler): use method=sft "
+              "or dpo")
     attached = False
     model_class = CAUSAL_LM
 

@@ -95,6 +95,8 @@ class Kto:
     split_tokens = ("the KTO loss needs each response's whole log-probability before it is computed, and each rank holds a "
                     "slice of the tokens; use parallelism.cp=1 (with checkpointing=full and logits=chunked for long rows)")
     scalars = ("desirable",)
+    images = ("its mismatched rows are forwarded apart from the rows they pair with, and a micro-batch's image inputs "
+              "are made for its rows together: use method=dpo or sft")
     attached = True  # mismatched rows and a precomputed reference's log-probs are attached on the ranks
     model_class = CAUSAL_LM
 

@@ -55,6 +55,7 @@ class Reward:
     split_tokens = ("a reward model scores each row at its last token, which only one rank's slice of the tokens holds; use "
                     "parallelism.cp=1 (with checkpointing=full for long pairs)")
     attached = False
+    images = Dpo.images
     model_class = SCORED
 
     settle = Dpo.settle  # nothing added to a split

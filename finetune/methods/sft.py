@@ -42,6 +42,7 @@ class Sft:
     split_tokens = None
     scalars = ()
     attached = False
+    images = None
     model_class = CAUSAL_LM
 
     def check_row(self, row: dict[str, Any], data: DataConfig, where: str) -> None:

@@ -35,7 +35,7 @@ FILE = "reference_logps.pt"
 
 
 def setup(cfg: Config, *, engine: Engine, dist: Dist, splits: dict[str, list[Any]], run_dir: Path, resume_from: Path | None,
-          load_model: Callable[[], torch.nn.Module], pad_id: int) -> Callable[[Any, dict[str, torch.Tensor]], torch.Tensor] | None:
+          load_model: Callable[[], torch.nn.Module], pad_id: int, pictures: Any = None) -> Callable[[Any, dict[str, torch.Tensor]], torch.Tensor] | None:
     """Prepare the reference for `cfg.method`; returns what its objective calls for reference
     log-probs during training (None: they are in the batches, or the loss needs none)."""
     method = methods.get(cfg.method.name)
@@ -45,7 +45,7 @@ def setup(cfg: Config, *, engine: Engine, dist: Dist, splits: dict[str, list[Any
     if how == Reference.precomputed:
         saved = resume_from.parent.parent / FILE if resume_from is not None else None  # RUN_DIR/checkpoints/step_N
         precompute(engine, splits, dist=dist, path=run_dir / FILE, saved=saved, batch_size=cfg.train.eval_batch_size, pad_id=pad_id,
-                   method=method)
+                   method=method, pictures=pictures)
         return None
     if how == Reference.live:
         with torch.random.fork_rng(devices=[]):  # loading re-seeds; training's random stream (dropout) stays as it was
@@ -69,7 +69,7 @@ def adapter_disabled(policy: Any, batch: dict[str, torch.Tensor], per_token: boo
 
 
 def precompute(engine: Engine, splits: dict[str, list[Any]], *, dist: Dist, path: Path, saved: Path | None, batch_size: int,
-               pad_id: int, method: methods.Method) -> None:
+               pad_id: int, method: methods.Method, pictures: Any = None) -> None:
     """Attach reference log-probs to every example (one per row: a pair's chosen and rejected) and write them
     to `path`: computed now from the initial policy, or, when resuming, read from `saved` (refused if the data
     changed)."""
@@ -87,7 +87,7 @@ def precompute(engine: Engine, splits: dict[str, list[Any]], *, dist: Dist, path
                               f"{saved} (data or tokenizer changed since that run started); resume with the same data")
         values = state["values"]
     else:
-        values = {name: score(engine, pairs, dist=dist, batch_size=batch_size, pad_id=pad_id, rows=rows) for name, pairs in splits.items()}
+        values = {name: score(engine, pairs, dist=dist, batch_size=batch_size, pad_id=pad_id, rows=rows, pictures=pictures) for name, pairs in splits.items()}
     if dist.is_main and path != saved:
         torch.save({"fingerprint": fingerprint, "values": values}, path)
     for name, pairs in splits.items():
@@ -100,7 +100,8 @@ def precompute(engine: Engine, splits: dict[str, list[Any]], *, dist: Dist, path
 
 
 @torch.no_grad()
-def score(engine: Engine, pairs: list[Any], *, dist: Dist, batch_size: int, pad_id: int, rows: int = 2) -> torch.Tensor:
+def score(engine: Engine, pairs: list[Any], *, dist: Dist, batch_size: int, pad_id: int, rows: int = 2,
+          pictures: Any = None) -> torch.Tensor:
     """[N, rows] log-probs of each example's rows (a pair: chosen, rejected) by the model as it is now; each rank
     scores its share."""
     out = torch.zeros(len(pairs), rows, dtype=torch.float64)
@@ -109,11 +110,11 @@ def score(engine: Engine, pairs: list[Any], *, dist: Dist, batch_size: int, pad_
     mine = shard(list(range(len(pairs))), engine.dp_rank, engine.dp_size)
     for i in range(0, len(mine), batch_size):
         idx = mine[i : i + batch_size]
-        logps = engine.inference(LOGPS, collate([pairs[j] for j in idx], pad_id))
+        logps = engine.inference(LOGPS, collate([pairs[j] for j in idx], pad_id, pictures=pictures))
         if engine.owner:  # tp/pp: one rank per model replica contributes
             out[idx] = logps.double().cpu().view(rows, -1).T  # collate: row k of every example, k = 0, 1, ...
     for _ in range(lockstep_extra(engine, len(pairs), batch_size)):  # ZeRO-3/FSDP: as many forwards as the other ranks
-        engine.inference(LOGPS, collate(pairs[:1], pad_id))
+        engine.inference(LOGPS, collate(pairs[:1], pad_id, pictures=pictures))
     return dist.sum_tensor(out)
 
 
@@ -137,4 +138,5 @@ def _fingerprint(pairs: list[Any]) -> str:
     h = hashlib.sha256()
     for p in pairs:
         h.update(repr(tuple(tokens for row in rows_of(p) for tokens in (row.input_ids, row.labels))).encode())
+        h.update(repr([row.images for row in rows_of(p) if row.images]).encode())  # a vision-language model's images
     return h.hexdigest()

@@ -251,7 +251,8 @@ def run(cfg: Config, d: dist.Dist) -> None:
     base_peft = cfg.peft if cfg.peft.name == PeftMethod.qlora else PeftConfig()
     with compiling.eager():  # a precomputed reference is the policy's forward without gradients
         ref = reference.setup(cfg, engine=eng, dist=d, splits={"train": train_examples, "eval": eval_examples}, run_dir=run_dir,
-                              resume_from=resume_from, load_model=lambda: load(base_peft), pad_id=tokenizer.pad_token_id)
+                              resume_from=resume_from, load_model=lambda: load(base_peft), pad_id=tokenizer.pad_token_id,
+                              pictures=pictures)
     objective = objective_for(cfg, d, loaded.config, ref, chunked)
     batches = make_batches(cfg, train_examples, eng, tokenizer.pad_token_id, resume_from, pictures_of(tokenizer))
     phase("training")
