@@ -6,6 +6,7 @@ built here (tests/vision_models.py); images are random PNGs."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -254,7 +255,8 @@ def test_images_kept_as_bytes_reach_the_token_cache_as_files(vlms, pictures, tmp
     data = DataConfig(train=str(tmp_path / "ds"), eval_size=0, max_length=128, cache_dir=str(tmp_path / "cache"))
     tok = load_tokenizer(ModelConfig(path=str(vlms["gemma3"])), data)
     said: list[str] = []
-    train, *_ = cache.load(data, tok, 0, "sft", builder=True, progress=False, say=said.append)
+    train, _, stats, *_ = cache.load(data, tok, 0, "sft", builder=True, progress=False, say=said.append)
+    assert (stats["train"].images, stats["train"].image_tokens) == (4, 16)  # Gemma 3: 4 tokens per image
     files = sorted((tmp_path / "cache" / cache.IMAGES).iterdir())
     assert len(files) == 4 and sorted(e.images[0] for e in train) == [str(f) for f in files]
     again, *_ = cache.load(data, tok, 0, "sft", builder=True, progress=False, say=said.append)
@@ -294,6 +296,8 @@ def test_images_train_through_the_cli_then_generate_and_export_read_them(vlms, p
     assert summary["after"]["eval_loss"] < summary["before"]["eval_loss"] - 0.3
     assert (run / "final" / "processor_config.json").is_file()
     assert "AutoModelForImageTextToText.from_pretrained / AutoProcessor.from_pretrained" in out.stdout
+    assert re.search(r"data train: 8 rows, 0 responses truncated at max_length=64, 0 dropped \(prompt too long\), 8 images "
+                     r"\(\d+ image tokens, \d+ per image\)", out.stdout), out.stdout
     said = run_cli(str(run), "--prompt", "what is it ?", "--image", str(pictures / "img" / "1.png"), "--max-new-tokens", "3",
                    cwd=tmp_path, module="finetune.generate")
     assert said.returncode == 0 and said.stdout.strip(), said.stderr[-1500:]

@@ -209,7 +209,8 @@ def _features(method: str) -> datasets.Features:
     from datasets import Features, Sequence, Value
 
     ids = Sequence(Value("int32"))
-    common = {"kind": Value("int8"), "prompt": Value("int32"), "flags": Value("int8"), "thought": Value("int32")}
+    common = {"kind": Value("int8"), "prompt": Value("int32"), "flags": Value("int8"), "thought": Value("int32"),
+              "n_images": Value("int32"), "n_image_tokens": Value("int32")}
     m = methods.get(method)
     return Features({f"{c}{name}": ids for c in m.columns for name in ("input_ids", "labels")}
                     | {f"{c}prompt_len": Value("int32") for c in m.columns} | {f"{c}reference": Value("string") for c in m.columns}
@@ -237,6 +238,9 @@ def _encode_batch(batch: dict[str, list[Any]], indices: list[int], *, origin: Ro
 
 def _append(out: dict[str, list[Any]], item: Any, method: str, *, kind: int, prompt: int, flags: int, thought: int) -> None:
     out["thought"].append(thought)
+    first = rows_of(item)[0] if item is not None else None  # an example's rows show the same images
+    out["n_images"].append(len(first.images) if first is not None else 0)
+    out["n_image_tokens"].append(first.image_tokens if first is not None else 0)
     out["kind"].append(kind)
     out["prompt"].append(prompt)
     out["flags"].append(flags)
@@ -320,16 +324,18 @@ def tokenize_split(rows: Rows, tokenizer: Any, cfg: DataConfig, key: str, method
     finally:
         gc.unfreeze()
     columns = ds.data.table
-    kind, flags, prompt, thought = (columns.column(c).to_numpy() for c in ("kind", "flags", "prompt", "thought"))
+    kind, flags, prompt, thought, images, image_tokens = (columns.column(c).to_numpy() for c in (
+        "kind", "flags", "prompt", "thought", "n_images", "n_image_tokens"))
     dropped = kind == DROPPED
     stats = Stats(rows=count, sources=rows.note, truncated=int(((flags & TRUNCATED) > 0).sum()), split=int(((flags & SPLIT) > 0).sum()),
                   dropped=int(dropped.sum()), shortest_dropped_prompt=int(prompt[dropped].min()) if dropped.any() else 0,
                   reasoning=int((thought > 0).sum()), thought=int(thought.sum()),
-                  reasoning_mode=cfg.reasoning.value if thought.any() else Stats.reasoning_mode)
+                  reasoning_mode=cfg.reasoning.value if thought.any() else Stats.reasoning_mode,
+                  images=int(images.sum()), image_tokens=int(image_tokens.sum()))
     stats.check(key, rows.source, cfg.max_length, not dropped.all() and len(ds) > 0)
     if dropped.any():
         columns = columns.filter(pa.array(~dropped))
-    return columns.drop_columns(["kind", "prompt", "flags", "thought"]), stats
+    return columns.drop_columns(["kind", "prompt", "flags", "thought", "n_images", "n_image_tokens"]), stats
 
 
 class _bound:

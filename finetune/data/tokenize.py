@@ -75,6 +75,8 @@ class Example:
     images: tuple[Any, ...] = ()
     """Its images in order (a vision-language model's: paths, or bytes in memory), each already expanded to its tokens
     in `input_ids` (finetune.data.images.Pictures); the batch turns them into the model's pixel inputs."""
+    image_tokens: int = field(default=0, compare=False)
+    """How many of its tokens are its images' (the data line counts them)."""
     image_end: int = field(default=0, compare=False)
     """Where its last image's tokens end: `fit` never cuts an image (a prompt longer than this is a long prompt)."""
 
@@ -161,7 +163,7 @@ def encode(messages: list[Message], tokenizer: Any, chat_template: bool, last_on
     marks = [i for i, t in enumerate(ids) if t == pictures.image_token_id]
     labels = [IGNORE if t == pictures.image_token_id else label for t, label in zip(ids, labels)]
     return Example(ids, labels, prompt_len or 0, messages[-1]["content"], thought=thought, images=tuple(images),
-                   image_end=marks[-1] + 1 if marks else 0)
+                   image_tokens=len(marks), image_end=marks[-1] + 1 if marks else 0)
 
 
 def encode_pair(prompt: list[Message], chosen: str, rejected: str, tokenizer: Any, chat_template: bool, *,
@@ -183,8 +185,13 @@ class Stats:
     reasoning: int = 0  # rows with reasoning blocks
     thought: int = 0  # their tokens, `reasoning_mode`
     reasoning_mode: str = "keep"  # data.reasoning, once a row had reasoning
+    images: int = 0  # images in the kept examples (a vision-language model's rows)
+    image_tokens: int = 0  # the tokens they became
 
     def count(self, encoded: Encoded) -> None:
+        for item in encoded.items:  # an example's rows show the same images: its first row's
+            self.images += len(rows_of(item)[0].images)
+            self.image_tokens += rows_of(item)[0].image_tokens
         self.truncated += encoded.truncated
         self.split += encoded.split
         self.reasoning += encoded.thought > 0
@@ -211,6 +218,8 @@ class Stats:
             f"data {name}: {self.rows} rows, {self.truncated} responses truncated at max_length={max_length}, "
             f"{self.dropped} dropped (prompt too long)" + (f", {self.split} text rows split into max_length pieces" if self.split else "")
             + (f", {self.reasoning} rows with reasoning ({self.thought} tokens {THOUGHT[self.reasoning_mode]})" if self.reasoning else "")
+            + (f", {self.images} images ({self.image_tokens} image tokens, "
+               f"{self.image_tokens / self.images:.0f} per image)" if self.images else "")
             + (f"\n{self.sources}" if self.sources else "")
         )
 
