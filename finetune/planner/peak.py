@@ -187,8 +187,11 @@ def model_notes(arch: Arch, cfg: Config) -> list[str]:
     if arch.image_parts:
         frozen = frozen_parts(cfg.model.freeze, adapters=cfg.peft.name != PeftMethod.none)
         sizes = ", ".join(f"{part} {n:,}" for part, n in arch.image_parts)
+        tower = ("the frozen vision tower keeps no activations for backward" if "vision" in frozen else
+                 "the vision tower trains, and its own activations (per image patch, in each of its layers) are not counted "
+                 "here: measure a first step (train.memory_report)")
         notes.append(f"vision-language model ({sizes} parameters): frozen {', '.join(frozen) or 'nothing'} (model.freeze); "
-                     "rows are text, so the vision tower's activations are not counted")
+                     f"an image's tokens are counted as tokens of the language model's rows (data.max_length); {tower}")
     notes.append("attention: %s (%s)" % attention_kernel(arch, cfg))
     if several_per_row(cfg):  # finetune.rank.varlen, or flash-attn's variable-length kernel
         notes.append(f"rows: {several_per_row(cfg)}, each sample attended alone (no mask over the whole row)")
