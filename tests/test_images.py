@@ -382,15 +382,80 @@ def test_preference_pairs_show_their_prompts_images_to_both_rows_and_dpo_trains_
     assert summary["after"]["eval_loss"] < summary["before"]["eval_loss"] - 0.05
 
 
-@pytest.mark.parametrize("method", ["kto", "grpo"])
-def test_methods_that_do_not_read_images_yet_refuse_an_image_row(vlms, pictures, method):
-    from finetune.data.examples import check
+def test_kto_rows_and_their_mismatched_rows_show_their_prompts_images(vlms, pictures, tmp_path):
+    """KTO: each labelled row's mismatched row (its prompt, another row's response) shows its prompt's images; the two
+    row groups it forwards apart each carry their own image inputs (the loss of each equals that group collated alone);
+    KTO trains on them."""
+    from finetune.data.batches import collate
+    from finetune.data.examples import load_split
+    from finetune.data.images import apart, pictures_of, seen
+    from finetune.data.templates import load_tokenizer
+    from finetune import methods
+    from finetune.methods.sft import SFT
+    from transformers import AutoModelForImageTextToText
 
-    row = {**_chat("<image> what ?", images=["img/1.png"]), **({"label": True} if method == "kto" else {})}
-    data = DataConfig(train=write_jsonl(pictures / "method.jsonl", [row]), eval_size=0)
-    with pytest.raises(ConfigError, match=rf"method.jsonl:1: this row has images, and method={method} does not read rows with "
-                                          r"images yet: "):
-        check(data, method)
+    rows = [{**_chat("<image> what is it ?", images=[f"img/{i}.png"]), "label": bool(i % 2)} for i in range(8)]
+    data_file = write_jsonl(pictures / "labelled.jsonl", rows)
+    data = DataConfig(train=data_file, eval_size=0, max_length=128)
+    tok = load_tokenizer(ModelConfig(path=str(vlms["qwen2_vl"])), data)
+    train, _, _ = load_split(data, tok, 0, "kto")
+    train = methods.get("kto").settle(train, data, "data.train")
+    assert all(e.mismatched.images == e.row.images and e.mismatched.image_tokens == e.row.image_tokens for e in train)
+    batch = collate(train[:3], tok.pad_token_id, pictures=pictures_of(tok))
+    model = AutoModelForImageTextToText.from_pretrained(vlms["qwen2_vl"]).eval()
+    for group in (0, 1):
+        alone = collate([e.rows[group] for e in train[:3]], tok.pad_token_id, pictures=pictures_of(tok))
+        part = apart(batch, group, 3)
+        assert set(seen(part)) == set(seen(alone)) and all(torch.equal(seen(part)[k], seen(alone)[k]) for k in seen(alone))
+        with torch.no_grad():
+            width = alone["input_ids"].shape[1]
+            trimmed = {k: v[:, :width] if k in ("input_ids", "labels", "attention_mask", "image.mm_token_type_ids") else v
+                       for k, v in part.items()}
+            assert float(SFT()(model, trimmed)[0]) == pytest.approx(float(SFT()(model, alone)[0]), rel=1e-5)
+    summary = train_here([*SHORT[:2], f"model.path={vlms['qwen2_vl']}", "method=kto", f"data.train={data_file}", "data.format=auto",
+                          f"data.eval={data_file}", "data.eval_size=0", "optim.warmup_steps=0", "train.max_steps=4",
+                          "train.micro_batch_size=2", "train.global_batch_size=4", "train.eval_every=0",
+                          "train.exact_match_samples=0", "optim.lr=1e-3"], tmp_path / "kto")
+    assert summary["after"]["eval_loss"] < summary["before"]["eval_loss"]
+
+
+def test_grpo_samples_from_the_image_and_trains_each_completion_with_it(vlms, pictures, tmp_path, monkeypatch):
+    """GRPO with image prompts: the sampler is shown each prompt's image (its generate call gets the image inputs, a
+    prompt sampled as G rows of its own), each completion's training row shows its prompt's image, and the run trains;
+    vLLM (given tokens, not images) is refused for a vision-language model."""
+    from finetune.methods import grpo
+
+    calls: list[dict] = []
+    real = grpo.sample
+
+    def watched(engine, prompts, cfg, tokenizer, seed, vllm=None, images=None):
+        out = real(engine, prompts, cfg, tokenizer, seed, vllm, images)
+        calls.append({"prompts": len(prompts), "images": images, "completions": len(out)})
+        return out
+
+    monkeypatch.setattr(grpo, "sample", watched)
+    trained: list[dict] = []
+    scored = grpo.GRPO.scored
+
+    def kept(self, prompts, answers, completions, tokenizer, images=None):
+        batch = scored(self, prompts, answers, completions, tokenizer, images)
+        trained.append(batch)
+        return batch
+
+    monkeypatch.setattr(grpo.GRPO, "scored", kept)
+    common = [*SHORT[:2], f"model.path={vlms['qwen2_vl']}", f"data.train={pictures / 'train.jsonl'}", *SHORT[2:], "method=grpo",
+              "method.generations=2", "method.completion_tokens=4", "method.rewards=[similarity]", "train.max_steps=2",
+              "train.exact_match_samples=0"]
+    summary = train_here(common, tmp_path / "grpo")
+    assert summary["after"]["eval_loss"] != summary["before"]["eval_loss"]
+    assert calls and all(c["images"] and c["completions"] == 2 * c["prompts"] for c in calls)
+    assert all(len(b["image_refs"]) == b["input_ids"].shape[0] and "image.pixel_values" in b for b in trained)
+    assert [refs[0] for refs in trained[0]["image_refs"]][::2] == [refs[0] for refs in trained[0]["image_refs"]][1::2]
+    with pytest.raises(ConfigError, match=r"method.vllm=true with model.path=.*, a vision-language model: the vLLM sampler is "
+                                          r"given the prompts' tokens, not their images"):
+        from finetune.launcher.compose import preflight
+
+        preflight([*common, "method.vllm=true"])
 
 
 def test_activation_checkpointing_covers_both_towers_and_trains_as_without(vlms, pictures, tmp_path):
@@ -439,3 +504,16 @@ def test_adapters_train_the_language_model_on_images(vlms, pictures, tmp_path, p
     summary = train_here([*SHORT[:2], f"model.path={vlms['qwen2_vl']}", f"data.train={pictures / 'train.jsonl'}", *SHORT[2:],
                           "train.max_steps=3", "train.exact_match_samples=0", "optim.lr=1e-2", f"peft={peft}"], tmp_path / peft)
     assert summary["after"]["eval_loss"] < summary["before"]["eval_loss"] - 0.3
+
+
+def test_a_method_that_does_not_read_images_refuses_an_image_row_by_file_and_line(pictures, monkeypatch):
+    """Every method reads images today; a method record whose `images` says why it cannot (a new one) refuses an image row
+    before any rank starts, naming the row."""
+    from finetune import methods
+    from finetune.data.examples import check
+
+    monkeypatch.setattr(methods.get("sft"), "images", "its rows are text: use another method")
+    data = DataConfig(train=write_jsonl(pictures / "method.jsonl", [_chat("<image> what ?", images=["img/1.png"])]), eval_size=0)
+    with pytest.raises(ConfigError, match=r"method.jsonl:1: this row has images, and method=sft does not read rows with images "
+                                          r"yet: its rows are text: use another method$"):
+        check(data, "sft")

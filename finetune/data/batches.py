@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
-from finetune.data.images import IN_BATCH
+from finetune.data.images import APART, IN_BATCH, SHOWN, Shown
 from finetune.data.tokenize import IGNORE, Example
 
 if TYPE_CHECKING:
@@ -41,6 +41,11 @@ def collate(examples: list[Any], pad_id: int, width: int | None = None, flat: bo
     if not isinstance(examples[0], Example):  # an Item (finetune.methods.base): its rows and the values they carry
         rows = range(len(examples[0].rows))
         batch = collate([e.rows[k] for k in rows for e in examples], pad_id, width, pictures=pictures)
+        if len(rows) > 1 and any(k.startswith(IN_BATCH) for k in batch):  # each row group's own image inputs, for a method
+            n = len(examples)                                                 # that forwards them apart (images.apart)
+            for k in rows:
+                ids = batch["input_ids"][k * n : (k + 1) * n]
+                batch |= {f"{APART}{k}.{name}": v for name, v in pictures.batch([list(e.rows[k].images) for e in examples], ids).items()}
         values = [e.values() for e in examples]
         for name in values[0]:
             batch[name] = torch.tensor([v[name][k] for k in rows for v in values], dtype=torch.float64)
@@ -69,6 +74,7 @@ def collate(examples: list[Any], pad_id: int, width: int | None = None, flat: bo
         if pictures is None:
             raise ValueError("a batch with images needs the model's processor (finetune.data.images.Pictures)")
         batch |= {IN_BATCH + k: v for k, v in pictures.batch([list(e.images) for e in examples], ids).items()}
+        batch[SHOWN] = Shown(list(e.images) for e in examples)
     elif pictures is not None and pictures.everywhere:  # a layout whose ranks run the vision tower together
         batch = pictures.with_blank(batch, pad_id)
     return batch

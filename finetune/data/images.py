@@ -449,6 +449,31 @@ def _tiles(out: Any, counts: list[int]) -> list[list[int]]:
     return [[int(mask[r, i].sum()) for i in range(n)] for r, n in enumerate(counts)]
 
 
+APART = "image_rows"
+"""The prefix of the image inputs of one row group of a micro-batch of items (`apart`): `image_rows0.pixel_values`..."""
+
+
+def apart(batch: dict[str, Any], group: int, rows: int) -> dict[str, Any]:
+    """Rows [group x rows, (group + 1) x rows) of a micro-batch of items (finetune.data.batches.collate lays out row k of
+    every item, k = 0, 1, ...), with their own image inputs: what a method forwards apart (KTO's mismatched rows)."""
+    own = f"{APART}{group}."
+    out = {k: v[group * rows : (group + 1) * rows] for k, v in batch.items() if not k.startswith((IN_BATCH, APART))}
+    return out | {IN_BATCH + k[len(own):]: v for k, v in batch.items() if k.startswith(own)}
+
+
+SHOWN = "image_refs"
+"""A micro-batch's images themselves, each row's (`Shown`): what a method that makes rows of its own from a micro-batch
+(GRPO's completions of its prompts) shows them with."""
+
+
+class Shown(list):
+    """Each row's images (paths or bytes), travelling in a micro-batch beside its tensors: moving it to a device leaves
+    it as it is."""
+
+    def to(self, *args: Any, **kwargs: Any) -> Shown:
+        return self
+
+
 def seen(batch: dict[str, Any]) -> dict[str, Any]:
     """A micro-batch's image inputs as the model's forward takes them (pixel values, grids, sizes, per-token types): {}
     for a batch of text rows."""

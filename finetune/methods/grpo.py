@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from finetune.config import (METHOD_NAME, POSITIVE, SOME_NAMES, TEXT, Accepts, Config, ConfigError, DataConfig, DataFormat, Logits,
                              MethodConfig, Reference, at_least, checked, in_range, unused)
+from finetune.data.images import IN_BATCH, SHOWN, pictures_of, seen
 from finetune.data.tokenize import IGNORE, Encoded, Example
 from finetune.methods.base import CAUSAL_LM, Output, Sampling
 from finetune.methods.sft import METHOD as SFT_METHOD
@@ -105,8 +106,7 @@ class Grpo:
     split_tokens = ("the GRPO loss averages each completion's tokens, and each rank holds a slice of them; use parallelism.cp=1 "
                     "(with checkpointing=full for long completions)")
     scalars = ()
-    images = ("its rollouts sample from the prompts' tokens alone (the images would not reach the sampler): use method=sft "
-              "or dpo")
+    images = None  # its prompts' images: shown to the sampler, and to the policy with each completion
     attached = False
     model_class = CAUSAL_LM
 
@@ -152,6 +152,14 @@ class Grpo:
             raise ConfigError("logits=chunked with method=grpo is not supported: the GRPO loss needs each token's log-prob, which "
                               "the chunked head reduces per row; use logits=full")
         if m.vllm:
+            from finetune.disk import local_config
+            from finetune.families.vision import vision_of
+
+            whole = local_config(cfg.model, whole=True) if cfg.model.init is None else None
+            if whole and vision_of(whole) is not None:
+                raise ConfigError(f"method.vllm=true with model.path={cfg.model.path}, a vision-language model: the vLLM sampler "
+                                  "is given the prompts' tokens, not their images: set method.vllm=false (transformers' "
+                                  "generate samples from both)")
             vllm_rules(cfg)
         elif m.vllm_memory != GrpoConfig().vllm_memory:
             raise ConfigError(f"method.vllm_memory={m.vllm_memory:g} is set but method.vllm=false: it is the share of the GPU vLLM "
@@ -291,16 +299,20 @@ class GRPO:
             self.vllm.sync(engine)
         for k, mb in enumerate(micro_batches):
             prompts, answers = split_rows(mb)
-            completions = sample(engine, prompts, self.cfg, tokenizer, seed=(seed, step, engine.dp_rank, k), vllm=self.vllm)
-            batch = self.scored(prompts, answers, completions, tokenizer)
+            shown = mb.get(SHOWN)  # a vision-language model's prompts' images: sampled from, and trained with
+            completions = sample(engine, prompts, self.cfg, tokenizer, seed=(seed, step, engine.dp_rank, k), vllm=self.vllm,
+                                 images=shown)
+            batch = self.scored(prompts, answers, completions, tokenizer, shown)
             if mu > 1:  # the sampling policy's log-probs, for the ratio of the later updates (eval mode: no dropout)
                 batch["old_logps"] = engine.inference(token_logps, batch).detach().float().cpu()
             out.append(batch)
         self.buffer = out if mu > 1 else []
         return out, time.perf_counter() - tic
 
-    def scored(self, prompts: list[list[int]], answers: list[list[int]], completions: list[list[int]], tokenizer: Any) -> dict[str, torch.Tensor]:
-        """The training batch of the completions (prompt + completion, labels on the completion) and their advantages."""
+    def scored(self, prompts: list[list[int]], answers: list[list[int]], completions: list[list[int]], tokenizer: Any,
+               images: list[list[Any]] | None = None) -> dict[str, torch.Tensor]:
+        """The training batch of the completions (prompt + completion, labels on the completion) and their advantages;
+        each completion shows its prompt's `images`."""
         import torch
 
         from finetune.methods import rewards
@@ -313,9 +325,10 @@ class GRPO:
                    "completion_tokens": [len(c) for c in completions]}
         total, each = rewards.score(self.rewards or [], **columns)
         r = torch.tensor(total, dtype=torch.float32).view(-1, g)
-        examples = [Example(list(p) + list(c), [IGNORE] * len(p) + list(c), len(p), text)
-                    for p, group in zip(prompts, _groups(completions, g)) for c, text in zip(group, texts)]
-        batch = collate(examples, tokenizer.pad_token_id)
+        shown = images or [[] for _ in prompts]
+        examples = [Example(list(p) + list(c), [IGNORE] * len(p) + list(c), len(p), text, images=tuple(im))
+                    for p, im, group in zip(prompts, shown, _groups(completions, g)) for c, text in zip(group, texts)]
+        batch = collate(examples, tokenizer.pad_token_id, pictures=pictures_of(tokenizer))
         batch["advantages"] = group_advantages(r).view(-1)
         batch["sum_reward"] = r.view(-1)
         batch["sum_reward_std"] = r.std(dim=1, keepdim=True).expand_as(r).reshape(-1)
@@ -363,17 +376,24 @@ def split_rows(batch: dict[str, torch.Tensor]) -> tuple[list[list[int]], list[li
 
 
 def sample(engine: Any, prompts: list[list[int]], cfg: GrpoConfig, tokenizer: Any, seed: tuple[int, ...],
-           vllm: Any = None) -> list[list[int]]:
+           vllm: Any = None, images: list[list[Any]] | None = None) -> list[list[int]]:
     """G sampled completions of each prompt (adjacent), each cut after its first EOS (kept: it is labelled), through
     the engine (eval mode, its precision; generation synced across ranks where parameters are gathered), or through
-    vLLM's engine (a finetune.methods.vllm_rollout.VllmSampler, synced with the policy)."""
+    vLLM's engine (a finetune.methods.vllm_rollout.VllmSampler, synced with the policy). `images`: each prompt's (a
+    vision-language model's), shown to the sampler: each prompt is then sampled as G rows of its own."""
     import torch
 
     from finetune.data.batches import left_padded
 
     if vllm is not None:
         return [cut(row, tokenizer.eos_token_id) for row in vllm.sample(prompts, cfg, hash(seed) % 2**63)]
+    g = cfg.generations
+    showing = images is not None and any(images)
+    if showing:  # each prompt G times, with its images (a processor's image inputs do not repeat along the rows)
+        prompts, images = [p for p in prompts for _ in range(g)], [im for im in images for _ in range(g)]
     batch = left_padded(prompts, tokenizer.pad_token_id)
+    if showing:
+        batch |= {IN_BATCH + k: v for k, v in pictures_of(tokenizer).batch(images, batch["input_ids"]).items()}
     width = batch["input_ids"].shape[1]
     model = engine.generation_model
     device = next(model.parameters()).device
@@ -384,8 +404,8 @@ def sample(engine: Any, prompts: list[list[int]], cfg: GrpoConfig, tokenizer: An
             torch.manual_seed(hash(seed) % 2**63)
             return model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], do_sample=True,
                                   temperature=cfg.temperature, top_p=cfg.top_p, top_k=0, max_new_tokens=cfg.completion_tokens,
-                                  num_return_sequences=cfg.generations, pad_token_id=tokenizer.pad_token_id,
-                                  eos_token_id=tokenizer.eos_token_id, synced_gpus=engine.lockstep)
+                                  num_return_sequences=1 if showing else g, pad_token_id=tokenizer.pad_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, synced_gpus=engine.lockstep, **seen(batch))
 
     with torch.no_grad():
         out = engine.inference(generate, batch)

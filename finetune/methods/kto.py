@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from finetune.config import METHOD_NAME, POSITIVE, Config, ConfigError, DataConfig, DataFormat, MethodConfig, Reference, checked
-from finetune.data.forms import to_labelled
+from finetune.data.forms import images_of, to_labelled
+from finetune.data.images import apart, check_image
 from finetune.data.tools import tools_of
 from finetune.data.tokenize import IGNORE, Encoded, Example, encode, fit
 from finetune.methods.base import CAUSAL_LM, Output
@@ -78,7 +79,8 @@ class Labelled:
 def mismatched(row: Example, other: Example, max_length: int) -> Example:
     """`row`'s prompt with `other`'s response (labelled as the response was), cut to max_length."""
     p, q = row.prompt_len, other.prompt_len
-    return Example((row.input_ids[:p] + other.input_ids[q:])[:max_length], ([IGNORE] * p + other.labels[q:])[:max_length], p, other.reference)
+    return Example((row.input_ids[:p] + other.input_ids[q:])[:max_length], ([IGNORE] * p + other.labels[q:])[:max_length], p, other.reference,
+                   images=row.images, image_tokens=row.image_tokens, image_end=row.image_end)  # its prompt's images
 
 
 class Kto:
@@ -95,17 +97,19 @@ class Kto:
     split_tokens = ("the KTO loss needs each response's whole log-probability before it is computed, and each rank holds a "
                     "slice of the tokens; use parallelism.cp=1 (with checkpointing=full and logits=chunked for long rows)")
     scalars = ("desirable",)
-    images = ("its mismatched rows are forwarded apart from the rows they pair with, and a micro-batch's image inputs "
-              "are made for its rows together: use method=dpo or sft")
+    images = None  # a row's mismatched row shows its prompt's images
     attached = True  # mismatched rows and a precomputed reference's log-probs are attached on the ranks
     model_class = CAUSAL_LM
 
     def check_row(self, row: dict[str, Any], data: DataConfig, where: str) -> None:
-        to_labelled(row, data, where, self.name)
+        for messages, _ in to_labelled(row, data, where, self.name):
+            for image in images_of(row, messages, where):
+                check_image(image, where)
 
     def encode(self, row: dict[str, Any], where: str, tokenizer: Any, data: DataConfig, chat: bool) -> Encoded:
         tools = tools_of(row, where)
-        parts = [fit(Labelled(encode(messages, tokenizer, chat, last_only=True, tools=tools, data=data, where=where), good), data, where)
+        parts = [fit(Labelled(encode(messages, tokenizer, chat, last_only=True, tools=tools, data=data, where=where,
+                                     images=images_of(row, messages, where)), good), data, where)
                  for messages, good in to_labelled(row, data, where, self.name)]
         return Encoded([i for p in parts for i in p.items], truncated=any(p.truncated for p in parts),
                        dropped=parts[0].dropped if not any(p.items for p in parts) else None, thought=sum(p.thought for p in parts),
@@ -174,7 +178,7 @@ class KTO:
                 raise RuntimeError("KTO needs reference log-probs: precompute them or give a reference model")
             with torch.no_grad():
                 reference = self.reference(model, batch).float()
-        rows, others = ({k: v[:n] for k, v in batch.items()}, {k: v[n:] for k, v in batch.items()})
+        rows, others = apart(batch, 0, n), apart(batch, 1, n)  # forwarded apart: each with its rows' image inputs
         with torch.no_grad():
             other_logps = self.logps(model, others, router=False)[0]
         logps, aux, tied = self.logps(model, rows, router=self.router is not None)

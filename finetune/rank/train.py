@@ -218,6 +218,13 @@ def run(cfg: Config, d: dist.Dist) -> None:
         pictures.everywhere = True  # their ranks gather the vision tower's parameters (or reduce its gradients) together
     phase("data")
     train_examples, eval_examples, stats = load_data(cfg, tokenizer, d)
+    method = methods.get(cfg.method.name)
+    if pictures is not None and pictures.everywhere and stats["train"].images and (
+            method.no_grad_rows or method.sampling(cfg.method) is not None):
+        raise ConfigError(f"method={cfg.method.name} forwards some rows apart (its own samples, or rows without gradients), and under "
+                          f"{'FSDP2' if cfg.parallelism.strategy == Strategy.fsdp else 'DeepSpeed'} every rank must run the vision "
+                          "tower in each of those forwards, which a micro-batch without images cannot yet: train it with "
+                          "parallelism=ddp (no zero) or on one rank")
     phase("model")
     zero3 = model.zero3_context(deepspeed_config(cfg) if uses_deepspeed(cfg) else None)
     attention, attention_why = model.resolve_attention(cfg.model, cfg.precision.name, d.device)
