@@ -237,28 +237,36 @@ def test_a_prompt_whose_images_do_not_fit_is_a_long_prompt_never_cut_inside_an_i
     assert train[0].input_ids[12:18] == [train[0].input_ids[12]] * 6
 
 
-def test_images_kept_as_bytes_reach_the_token_cache_as_files(vlms, pictures, tmp_path):
-    """A dataset directory whose image column holds the images (datasets' Image feature, as hub datasets keep them): the
-    token cache keeps each image once as a file under its root, the examples name them, and the second load reads the
-    cache without tokenizing again."""
+@pytest.fixture(scope="module")
+def image_dataset(pictures, tmp_path_factory):
+    """A dataset directory whose image column holds the images themselves (datasets' Image feature, as hub datasets and
+    Parquet files keep them: bytes, decoded when read)."""
     import datasets
 
+    where = tmp_path_factory.mktemp("dataset") / "ds"
+    datasets.Dataset.from_dict(
+        {"images": [[str(pictures / "img" / f"{i}.png")] for i in range(8)],
+         "messages": [[{"role": "user", "content": "<image> what ?"}, {"role": "assistant", "content": ["big .", "small ."][i % 2]}]
+                      for i in range(8)]},
+        features=datasets.Features({"images": datasets.Sequence(datasets.Image()),
+                                    "messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}]}),
+    ).save_to_disk(str(where))
+    return where
+
+
+def test_images_kept_as_bytes_reach_the_token_cache_as_files(vlms, image_dataset, tmp_path):
+    """A dataset whose image column holds the images: the token cache keeps each image once as a file under its root,
+    the examples name them, and the second load reads the cache without tokenizing again."""
     from finetune.data import cache
     from finetune.data.templates import load_tokenizer
 
-    ds = datasets.Dataset.from_dict(
-        {"images": [[str(pictures / "img" / f"{i}.png")] for i in range(4)],
-         "messages": [[{"role": "user", "content": "<image> what ?"}, {"role": "assistant", "content": "big ."}]] * 4},
-        features=datasets.Features({"images": datasets.Sequence(datasets.Image()),
-                                    "messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}]}))
-    ds.save_to_disk(str(tmp_path / "ds"))
-    data = DataConfig(train=str(tmp_path / "ds"), eval_size=0, max_length=128, cache_dir=str(tmp_path / "cache"))
+    data = DataConfig(train=str(image_dataset), eval_size=0, max_length=128, cache_dir=str(tmp_path / "cache"))
     tok = load_tokenizer(ModelConfig(path=str(vlms["gemma3"])), data)
     said: list[str] = []
     train, _, stats, *_ = cache.load(data, tok, 0, "sft", builder=True, progress=False, say=said.append)
-    assert (stats["train"].images, stats["train"].image_tokens) == (4, 16)  # Gemma 3: 4 tokens per image
+    assert (stats["train"].images, stats["train"].image_tokens) == (8, 32)  # Gemma 3: 4 tokens per image
     files = sorted((tmp_path / "cache" / cache.IMAGES).iterdir())
-    assert len(files) == 4 and sorted(e.images[0] for e in train) == [str(f) for f in files]
+    assert len(files) == 8 and sorted(e.images[0] for e in train) == [str(f) for f in files]
     again, *_ = cache.load(data, tok, 0, "sft", builder=True, progress=False, say=said.append)
     assert [e.input_ids for e in again] == [e.input_ids for e in train] and [e.images for e in again] == [e.images for e in train]
     assert len(said) == 2 and said[1].startswith("data: cached tokens"), said
@@ -517,3 +525,17 @@ def test_a_method_that_does_not_read_images_refuses_an_image_row_by_file_and_lin
     with pytest.raises(ConfigError, match=r"method.jsonl:1: this row has images, and method=sft does not read rows with images "
                                           r"yet: its rows are text: use another method$"):
         check(data, "sft")
+
+
+def test_a_streamed_dataset_carries_its_images_inline(vlms, image_dataset, tmp_path):
+    """data.streaming=true over a dataset whose image column holds the images: each streamed row carries its images as
+    data URIs (rows travel as JSON text), the same pixels, and the run trains on them."""
+    from finetune.data.images import INLINE, open_image
+    from finetune.data.sources import parse_row, records
+
+    first = parse_row(next(records(str(image_dataset), "train", "data.train"))["row"], "row 0")
+    assert first["images"][0].startswith(INLINE)
+    assert open_image(first["images"][0], "row 0").size == (36, 28)
+    summary = train_here([*SHORT[:2], f"model.path={vlms['qwen2_vl']}", f"data.train={image_dataset}", "data.streaming=true",
+                          *SHORT[2:], "train.max_steps=2", "train.exact_match_samples=0"], tmp_path / "stream")
+    assert summary["after"]["eval_loss"] < summary["before"]["eval_loss"]

@@ -112,7 +112,8 @@ def check_count(texts: list[str], images: list[Any], where: str) -> None:
 def anchor(row: dict[str, Any], base: Path) -> dict[str, Any]:
     """The row with its relative image paths made absolute against `base` (the data file's directory)."""
     def fix(value: Any) -> Any:
-        if isinstance(value, str) and not _is_url(value) and not Path(value).expanduser().is_absolute():
+        if isinstance(value, str) and not _is_url(value) and not value.startswith(INLINE) and \
+                not Path(value).expanduser().is_absolute():
             return str(base / value)
         if isinstance(value, dict) and isinstance(value.get("path"), str) and value.get("bytes") is None:
             return {**value, "path": fix(value["path"])}
@@ -138,7 +139,32 @@ def kept_row(row: dict[str, Any], fix: Any) -> dict[str, Any]:
 
 
 def _is_url(value: str) -> bool:
-    return value.startswith(("http://", "https://", "data:"))
+    return value.startswith(("http://", "https://"))
+
+
+INLINE = "data:image;base64,"
+"""An image held in its row's text (a data URI): how a streamed row carries an image it held as bytes."""
+
+
+def inline(image: Any) -> Any:
+    """An image the row holds as bytes or decoded, as a data URI (a row that travels as JSON text: a stream's); a path as
+    it is."""
+    import base64
+
+    if isinstance(image, str) or (isinstance(image, dict) and image.get("bytes") is None):
+        return image
+    return INLINE + base64.b64encode(_encoded(image)).decode()
+
+
+def _encoded(image: Any) -> bytes:
+    """An image's encoded bytes (a decoded one written as PNG)."""
+    if isinstance(image, dict):
+        image = image["bytes"]
+    if isinstance(image, (bytes, bytearray)):
+        return bytes(image)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
 
 
 def as_parts(text: str) -> Any:
@@ -162,7 +188,7 @@ def as_parts(text: str) -> Any:
 def describe(image: Any) -> str:
     """An image as a refusal names it: its path, or what it is."""
     if isinstance(image, str):
-        return image
+        return "an image's bytes (inline)" if image.startswith(INLINE) else image
     if isinstance(image, dict):
         return str(image.get("path") or "an image's bytes")
     return "an image's bytes" if isinstance(image, (bytes, bytearray)) else f"a {type(image).__name__}"
@@ -177,6 +203,10 @@ def open_image(image: Any, where: str) -> Any:
         return image.convert("RGB")
     if isinstance(image, dict):
         image = image.get("bytes") or image.get("path")
+    if isinstance(image, str) and image.startswith(INLINE):
+        import base64
+
+        image = base64.b64decode(image[len(INLINE):])
     if isinstance(image, str) and _is_url(image):
         raise ConfigError(f"{where}: image {image[:80]} is a URL: finetune reads images from files or the data's own bytes; "
                           "download them and give their paths (relative to the data file)")
@@ -196,7 +226,7 @@ def open_image(image: Any, where: str) -> Any:
 
 def check_image(image: Any, where: str) -> None:
     """The launcher's check of a row's image: a path exists and is a file (its content is read when tokenizing)."""
-    if isinstance(image, str) and not _is_url(image):
+    if isinstance(image, str) and not _is_url(image) and not image.startswith(INLINE):
         path = Path(image).expanduser()
         if not path.is_file():
             raise ConfigError(f"{where}: image {image} {'is a directory' if path.is_dir() else 'does not exist'}: fix the path "
@@ -212,12 +242,7 @@ def kept(image: Any, store: Path) -> str:
         return image
     if isinstance(image, dict) and image.get("bytes") is None and isinstance(image.get("path"), str):
         return image["path"]
-    if isinstance(image, dict):
-        image = image["bytes"]
-    if not isinstance(image, (bytes, bytearray)):
-        buffer = io.BytesIO()
-        image.save(buffer, format="PNG")
-        image = buffer.getvalue()
+    image = _encoded(image)
     file = store / f"{hashlib.sha256(image).hexdigest()[:32]}.img"
     if not file.exists():
         store.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from finetune.config import ConfigError, DataConfig
-from finetune.data.images import anchor, has_images
+from finetune.data.images import anchor, has_images, inline, kept_row
 
 
 @dataclass
@@ -381,7 +381,7 @@ def records(source: str, split: str, key: str, start: int = 0, *, name: str | No
     elif path.is_file():
         found = ({"row": json.dumps(row), "where": f"{path} row {i}"} for i, row in enumerate(_read_json(path).rows))
     else:
-        found = ({"row": json.dumps(row, default=str), "where": f"{source} row {i}"}
+        found = ({"row": json.dumps(kept_row(row, inline) if has_images(row) else row, default=str), "where": f"{source} row {i}"}
                  for i, row in enumerate(_open_dataset(source, split, key, streaming=True, name=name, revision=revision)))
     if columns:
         found = ({"row": json.dumps(renamed(parse_row(r["row"], r["where"]), columns, r["where"], key), default=str),
