@@ -539,3 +539,16 @@ def test_a_streamed_dataset_carries_its_images_inline(vlms, image_dataset, tmp_p
     summary = train_here([*SHORT[:2], f"model.path={vlms['qwen2_vl']}", f"data.train={image_dataset}", "data.streaming=true",
                           *SHORT[2:], "train.max_steps=2", "train.exact_match_samples=0"], tmp_path / "stream")
     assert summary["after"]["eval_loss"] < summary["before"]["eval_loss"]
+
+
+def test_a_processor_whose_token_types_mean_something_else_is_refused(vlms, monkeypatch):
+    """Per-token types are computed from the ids as 1 on the image's tokens (Gemma 3's token_type_ids, Qwen's
+    mm_token_type_ids); a processor whose types mean something else (PaliGemma's prefix/suffix) is refused when it is
+    loaded. Here: Gemma 3's, checked against another token id than its image token."""
+    from finetune.data.images import Pictures
+
+    wrong = Pictures(str(vlms["gemma3"]), None, False, image_token_id=3, model_type="gemma3")
+    with pytest.raises(ConfigError, match=rf"^model.path={vlms['gemma3']}: its processor \(Gemma3Processor\) returns "
+                                          r"token_type_ids that are not 1 exactly on its image tokens \(id 3\), which is all "
+                                          r"finetune computes them as: model_type=gemma3 is not supported yet$"):
+        wrong.processor

@@ -346,7 +346,23 @@ class Pictures:
             if not isinstance(getattr(self._processor, "image_token", None), str):
                 raise ConfigError(f"model.path={self.source}: its processor ({type(self._processor).__name__}) names no "
                                   "image_token, the text it expands into each image's tokens: not supported")
+            self._check_token_types()
         return self._processor
+
+    def _check_token_types(self) -> None:
+        """The per-token inputs the processor returns mean what `token_extras` computes from the ids (1 on an image's
+        tokens): checked once on a probe, so a class whose types mean something else (PaliGemma's prefix and suffix)
+        is refused rather than trained with a wrong mask."""
+        from PIL import Image
+
+        p = self._processor
+        out = p(text=[f"a {p.image_token} b"], images=[[Image.new("RGB", (32, 32))]], add_special_tokens=False)
+        ids = list(out["input_ids"][0])
+        for key in ("token_type_ids", "mm_token_type_ids"):
+            if key in out and list(out[key][0]) != [int(t == self.image_token_id) for t in ids]:
+                raise ConfigError(f"model.path={self.source}: its processor ({type(p).__name__}) returns {key} that are not 1 "
+                                  f"exactly on its image tokens (id {self.image_token_id}), which is all finetune computes "
+                                  f"them as: model_type={self.model_type} is not supported yet")
 
     @property
     def token(self) -> str:
