@@ -1,6 +1,7 @@
 """The planner's parameter count against transformers' own build, for every model_type transformers can
 build as a causal LM (issue 27): each type finetune.families.COUNTED lists is counted within 0.1% of
-`AutoModelForCausalLM.from_config` (built on the meta device: no memory, no weights), with each config
+`AutoModelForCausalLM.from_config` (built on the meta device: no memory, no weights; a vision-language model's
+config, with a vision_config, as `AutoModelForImageTextToText`: what the ranks build, methods.base.built_as), with each config
 key its record reads flipped as well; every other type is counted from transformers' own build of its
 config.json (finetune.families.arch_from_build), within the same tolerance. A type whose tiny config
 transformers cannot build on CPU is skipped with transformers' reason.
@@ -25,9 +26,10 @@ from finetune.families import COUNTED, FAMILIES, Family
 from finetune.planner.counts import architecture
 
 transformers = pytest.importorskip("transformers")
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText  # noqa: E402
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
+from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,  # noqa: E402
+                                                    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
 CAUSAL = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -49,8 +51,10 @@ def built(model_type: str, extra: tuple[tuple[str, Any], ...] = ()) -> tuple[dic
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 config = AutoConfig.for_model(model_type, **{**keys, **dict(extra)})
+                image_text = getattr(config, "vision_config", None) is not None and \
+                    model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES  # the ranks' class (methods.base.built_as)
                 with torch.device("meta"):
-                    model = AutoModelForCausalLM.from_config(config)
+                    model = (AutoModelForImageTextToText if image_text else AutoModelForCausalLM).from_config(config)
         except Exception as e:  # noqa: BLE001 - transformers' reason, printed with the skip
             reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
             continue

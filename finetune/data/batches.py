@@ -76,7 +76,7 @@ def collate(examples: list[Any], pad_id: int, width: int | None = None, flat: bo
         batch |= {IN_BATCH + k: v for k, v in pictures.batch([list(e.images) for e in examples], ids).items()}
         batch[SHOWN] = Shown(list(e.images) for e in examples)
     elif pictures is not None and pictures.everywhere:  # a layout whose ranks run the vision tower together
-        batch = pictures.with_blank(batch, pad_id)
+        batch = pictures.with_blank(batch, pad_id, IGNORE)
     return batch
 
 

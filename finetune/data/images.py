@@ -437,15 +437,13 @@ class Pictures:
         batch = {k: v for k, v in out.items() if k not in TOKEN_SIDE}
         return batch | self.token_extras(set(out), ids, [len(row) for row in opened], out)
 
-    def with_blank(self, batch: dict[str, Any], pad_id: int) -> dict[str, Any]:
+    def with_blank(self, batch: dict[str, Any], pad_id: int, ignore: int) -> dict[str, Any]:
         """A micro-batch of text rows made to run the vision tower as one with images does, computing the same loss: a
         blank image's tokens appended after the last row's end, in padding (no attention to them from any row, no
-        labels), with its image inputs. The batch is `blank_tokens` wider."""
+        labels: `ignore`), with its image inputs. The batch is as many tokens wider."""
         import torch
 
         from PIL import Image
-
-        from finetune.data.tokenize import IGNORE
 
         blank = Image.new("RGB", (32, 32), (128, 128, 128))
         if self._blank is None:
@@ -456,7 +454,7 @@ class Pictures:
         def wider(t: Any, fill: int) -> Any:
             return torch.cat([t, torch.full((rows, n), fill, dtype=t.dtype)], dim=1)
 
-        out = dict(batch, input_ids=wider(batch["input_ids"], pad_id), labels=wider(batch["labels"], IGNORE))
+        out = dict(batch, input_ids=wider(batch["input_ids"], pad_id), labels=wider(batch["labels"], ignore))
         out["input_ids"][-1, -n:] = tokens
         if "attention_mask" in batch:
             out["attention_mask"] = wider(batch["attention_mask"], 0)

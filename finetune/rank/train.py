@@ -214,7 +214,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
     phase("tokenizer")
     tokenizer = model.load_tokenizer(cfg.model, cfg.data)
     pictures = pictures_of(tokenizer)
-    if pictures is not None and d.world_size > 1 and (uses_deepspeed(cfg) or cfg.parallelism.strategy == Strategy.fsdp):
+    if pictures is not None and pictures.loads() and d.world_size > 1 and (uses_deepspeed(cfg) or cfg.parallelism.strategy == Strategy.fsdp):
         pictures.everywhere = True  # their ranks gather the vision tower's parameters (or reduce its gradients) together
     phase("data")
     train_examples, eval_examples, stats = load_data(cfg, tokenizer, d)
