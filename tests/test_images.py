@@ -291,10 +291,16 @@ def test_packing_is_refused_and_padding_free_stays_off_for_a_vision_language_mod
 
 def test_images_train_through_the_cli_then_generate_and_export_read_them(vlms, pictures, tmp_path):
     """The real command line, Qwen2-VL, rows with images relative to the data file (run from another directory): the
-    loss falls, final/ holds the processor's files; generate shows the model an image; export writes a model
-    AutoModelForImageTextToText loads with the same weights, and refuses GGUF for it."""
+    loss falls, final/ holds the processor's files; generate shows the model an image (its prompt holds the image's
+    tokens); export writes a model AutoModelForImageTextToText loads with the same weights, and refuses GGUF for it."""
+    import argparse
+
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
+
+    from finetune.rank.export import check
+    from finetune.rank.finished import Refusal, locate
+    from finetune.rank.generate import Chat
 
     run = tmp_path / "run"
     out = run_cli(*SHORT, f"model.path={vlms['qwen2_vl']}", f"data.train={pictures / 'train.jsonl'}", "train.max_steps=4",
@@ -306,15 +312,16 @@ def test_images_train_through_the_cli_then_generate_and_export_read_them(vlms, p
     assert "AutoModelForImageTextToText.from_pretrained / AutoProcessor.from_pretrained" in out.stdout
     assert re.search(r"data train: 8 rows, 0 responses truncated at max_length=64, 0 dropped \(prompt too long\), 8 images "
                      r"\(\d+ image tokens, \d+ per image\)", out.stdout), out.stdout
-    said = run_cli(str(run), "--prompt", "what is it ?", "--image", str(pictures / "img" / "1.png"), "--max-new-tokens", "3",
-                   cwd=tmp_path, module="finetune.generate")
-    assert said.returncode == 0 and said.stdout.strip(), said.stderr[-1500:]
-    gguf = run_cli(str(run), "--gguf", "q8_0", cwd=tmp_path, module="finetune.export")
-    assert gguf.returncode == 2 and gguf.stderr.strip().splitlines()[-1].startswith(
-        f"error: --gguf q8_0: {run} is a vision-language model (qwen2_vl): llama.cpp reads one as a text model's GGUF plus its "
-        "vision tower and projector in a separate mmproj file")
-    exported = run_cli(str(run), cwd=tmp_path, module="finetune.export")
-    assert exported.returncode == 0, exported.stderr[-1500:]
+    chat = Chat(locate(str(run)), argparse.Namespace(system=None, max_new_tokens=3, temperature=0.0, top_p=1.0, seed=0, dtype="fp32"))
+    prompt, shown = chat.prompt([{"role": "user", "content": "<image> what is it ?"}], images=[str(pictures / "img" / "1.png")])
+    assert shown == (str(pictures / "img" / "1.png"),) and prompt.count(vision_models.config("qwen2_vl")[0].image_token_id) > 1
+    assert chat.reply([{"role": "user", "content": "<image> what is it ?"}], images=[str(pictures / "img" / "1.png")]) is not None
+    with pytest.raises(Refusal, match=rf"^--gguf q8_0: {run} is a vision-language model \(qwen2_vl\): llama.cpp reads one as a "
+                                      "text model's GGUF plus its vision tower and projector in a separate mmproj file"):
+        check(locate(str(run), need_run=True), argparse.Namespace(gguf="q8_0", push_to_hub=None))
+    from finetune.rank.export import main as export  # the export command's own code, in this process
+
+    assert export([str(run)]) == 0
     model = AutoModelForImageTextToText.from_pretrained(run / "export")
     trained = load_file(run / "final" / "model.safetensors")
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in trained.items() if k in model.state_dict())
@@ -333,18 +340,28 @@ def mixed_rows(pictures):
     return write_jsonl(pictures / "mixed.jsonl", rows)
 
 
+def _two_ranks_common(vlms, mixed_rows) -> list[str]:
+    return [*SHORT[:2], f"model.path={vlms['qwen2_vl']}", f"data.train={mixed_rows}", *SHORT[2:5], "optim.warmup_steps=0",
+            "train.max_steps=3", "train.global_batch_size=4", "train.eval_every=0", "train.exact_match_samples=0"]
+
+
+@pytest.fixture(scope="module")
+def one_process(vlms, mixed_rows, tmp_path_factory):
+    """The run the two-rank layouts follow: one process, the whole global batch in one micro-batch."""
+    return train_here([*_two_ranks_common(vlms, mixed_rows), "launcher.nproc_per_node=1", "parallelism=single",
+                       "train.micro_batch_size=4"], tmp_path_factory.mktemp("one"))
+
+
 @pytest.mark.parametrize("layout", [["parallelism=ddp"], ["parallelism=fsdp"], ["zero=stage2", "parallelism=ddp"],
                                     ["zero=stage3", "parallelism=ddp"]], ids=["ddp", "fsdp", "zero2", "zero3"])
-def test_images_train_on_two_ranks_as_on_one(vlms, mixed_rows, tmp_path, layout):
+def test_images_train_on_two_ranks_as_on_one(vlms, mixed_rows, one_process, tmp_path, layout):
     """DDP, FSDP2, ZeRO-2 and ZeRO-3 on two ranks, rows with and without images: the eval loss one process reaches
     (a rank whose micro-batch has no image still runs the vision tower, on none: the sharded layouts gather its
     parameters on every rank)."""
     from ranks import launch_here
 
-    common = [*SHORT[:2], f"model.path={vlms['qwen2_vl']}", f"data.train={mixed_rows}", *SHORT[2:5], "optim.warmup_steps=0",
-              "train.max_steps=3", "train.global_batch_size=4", "train.eval_every=0", "train.exact_match_samples=0"]
-    one = train_here([*common, "launcher.nproc_per_node=1", "parallelism=single", "train.micro_batch_size=4"], tmp_path / "one")
-    out = launch_here(*common, "launcher.nproc_per_node=2", "train.micro_batch_size=2", *layout, f"hydra.run.dir={tmp_path / 'two'}",
+    one = one_process
+    out = launch_here(*_two_ranks_common(vlms, mixed_rows), "launcher.nproc_per_node=2", "train.micro_batch_size=2", *layout, f"hydra.run.dir={tmp_path / 'two'}",
                       cwd=tmp_path, timeout=300)
     assert out.returncode == 0, (out.stdout[-1500:], out.stderr[-1500:])
     two = json.loads((tmp_path / "two" / "summary.json").read_text())
