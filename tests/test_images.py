@@ -569,3 +569,11 @@ def test_a_processor_whose_token_types_mean_something_else_is_refused(vlms, monk
                                           r"token_type_ids that are not 1 exactly on its image tokens \(id 3\), which is all "
                                           r"finetune computes them as: model_type=gemma3 is not supported yet$"):
         wrong.processor
+
+
+def test_a_text_row_that_spells_the_image_token_is_refused(vlms, pictures):
+    """LLaVA's image token is the text `<image>`: a row without images whose text holds it would reach the model as an
+    image token with no image (transformers stops on the count); refused naming the row."""
+    with pytest.raises(ConfigError, match=r"rows.jsonl:1: the row's text holds the model's image token \(<image>, id \d+\) but "
+                                          r"the row has no images: give the image"):
+        _tokenized(vlms["llava"], [_chat("what is <image> ?")], pictures)

@@ -159,6 +159,12 @@ def encode(messages: list[Message], tokenizer: Any, chat_template: bool, last_on
         ids += piece
         labels += piece if on and not is_thought else [IGNORE] * len(piece)
     if pictures is None:
+        shows = pictures_of(tokenizer)  # a vision-language model's text row: its text must not spell an image's token
+        if shows is not None and shows.image_token_id in ids:
+            token = tokenizer.convert_ids_to_tokens(shows.image_token_id)
+            raise ConfigError(f"{where}: the row's text holds the model's image token ({token}, id {shows.image_token_id}) but the "
+                              f"row has no images: give the image (an 'images' list with {PLACEHOLDER} where it goes, or an "
+                              "image part), or remove the token from the text")
         return Example(ids, labels, prompt_len or 0, messages[-1]["content"], thought=thought)
     marks = [i for i, t in enumerate(ids) if t == pictures.image_token_id]
     labels = [IGNORE if t == pictures.image_token_id else label for t, label in zip(ids, labels)]
