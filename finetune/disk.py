@@ -17,6 +17,7 @@ from typing import Any
 
 from finetune.config import AttnImpl, Config, ConfigError, Device, ModelConfig, Precision
 from finetune.families import attention_limits, pick_attention
+from finetune.families.vision import Vision, vision_of
 
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 """Single-file weights; a sharded checkpoint has WEIGHT.index.json naming its shards instead."""
@@ -72,6 +73,13 @@ def local_config(cfg: ModelConfig, whole: bool = False) -> dict[str, Any] | None
     if cfg.architecture and cfg.init is None:
         return dict(cfg.architecture)
     return None
+
+
+def local_vision(cfg: ModelConfig) -> Vision | None:
+    """The vision-language model a local config.json (or model.architecture) describes (finetune.families.vision); None
+    for a text model, a model.init, or a hub id this machine cannot read."""
+    whole = local_config(cfg, whole=True) if cfg.init is None else None
+    return vision_of(whole) if whole else None
 
 
 def model_config(cfg: ModelConfig) -> dict[str, Any] | None:

@@ -249,7 +249,7 @@ def images_of(row: dict[str, Any], messages: list[Message], where: str) -> list[
     `to_messages`): its top-level `images` list, or its messages' image parts. Refused in one line naming the row: both
     forms at once, a count of images that differs from their places, an image in an assistant's message (images are
     what the model reads, not what it writes)."""
-    listed = pictures.row_images(row, where)
+    listed = pictures.row_images(row)
     parts: list[Any] = []
     # where the prompt's messages are: a conversation, a pair's prompt, or (a pair of whole conversations) the chosen one,
     # whose prompt the rejected one repeats

@@ -36,6 +36,9 @@ IN_BATCH = "image."
 """The prefix of a micro-batch's image inputs (collate adds them; `seen` gives them to the model's forward)."""
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
 """A processor's settings in a model directory (its chat template travels with the tokenizer)."""
+TURN_KEYS = ("messages", "prompt", "chosen", "rejected", "completion")
+"""Where a row's messages are, in the forms that hold them (a conversation, a pair's prompt and responses, KTO's
+completion)."""
 TOKEN_SIDE = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids", "cross_attention_mask")
 """What a processor returns per token rather than per image: computed from the batch's own ids (`token_extras`)."""
 
@@ -53,7 +56,7 @@ def has_images(row: dict[str, Any]) -> bool:
 
 def _turns(row: dict[str, Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    for key in ("messages", "prompt", "chosen", "rejected", "completion"):
+    for key in TURN_KEYS:
         value = row.get(key)
         if isinstance(value, list):
             out += [m for m in value if isinstance(m, dict)]
@@ -91,7 +94,7 @@ def part_text(content: Any, where: str, what: str, images: list[Any]) -> Any:
     return "".join(text)
 
 
-def row_images(row: dict[str, Any], where: str) -> list[Any]:
+def row_images(row: dict[str, Any]) -> list[Any]:
     """The row's top-level `images` list (the ShareGPT form), [] when it has none."""
     value = row.get("images")
     if value is None:
@@ -128,7 +131,7 @@ def kept_row(row: dict[str, Any], fix: Any) -> dict[str, Any]:
         row = {**row, "images": [fix(v) for v in row["images"]]}
     elif isinstance(row.get("images"), str):
         row = {**row, "images": [fix(row["images"])]}
-    for key in ("messages", "prompt", "chosen", "rejected", "completion"):
+    for key in TURN_KEYS:
         turns = row.get(key)
         if isinstance(turns, list) and any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in turns):
             row = {**row, key: [{**m, "content": [

@@ -14,11 +14,9 @@ UNPACKED_VISION = ("a vision-language model computes its image tokens' positions
 
 def vision_model(cfg: Config) -> bool:
     """Whether the run's model is a vision-language one, as its local config.json says (finetune.families.vision)."""
-    from finetune.disk import local_config
-    from finetune.families.vision import vision_of
+    from finetune.disk import local_vision
 
-    whole = local_config(cfg.model, whole=True) if cfg.model.init is None else None
-    return bool(whole) and vision_of(whole) is not None
+    return local_vision(cfg.model) is not None
 
 
 def padding_free(cfg: Config) -> tuple[bool, str]:

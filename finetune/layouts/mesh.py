@@ -9,15 +9,13 @@ from typing import Any
 
 from finetune import methods
 from finetune.config import Checkpointing, Config, ConfigError, ParallelismConfig, PeftMethod, Precision, Reference
-from finetune.disk import local_config, model_config
+from finetune.disk import local_vision, model_config
 from finetune.families import FAMILIES, router_loss_split
-from finetune.families.vision import vision_of
 
 
 def _no_vision(cfg: Config, layout: str) -> None:
     """tp, pp and cp follow the language model's plans; a vision-language model's tower and projector have none here."""
-    whole = local_config(cfg.model, whole=True) if cfg.model.init is None else None
-    vision = vision_of(whole) if whole else None
+    vision = local_vision(cfg.model)
     if vision is not None:
         raise ConfigError(f"{layout} is not supported for a vision-language model (model_type={vision.model_type}): its "
                           "tensor-parallel, pipeline and context-parallel plans cover the language model, not the vision "

@@ -152,11 +152,9 @@ class Grpo:
             raise ConfigError("logits=chunked with method=grpo is not supported: the GRPO loss needs each token's log-prob, which "
                               "the chunked head reduces per row; use logits=full")
         if m.vllm:
-            from finetune.disk import local_config
-            from finetune.families.vision import vision_of
+            from finetune.disk import local_vision
 
-            whole = local_config(cfg.model, whole=True) if cfg.model.init is None else None
-            if whole and vision_of(whole) is not None:
+            if local_vision(cfg.model) is not None:
                 raise ConfigError(f"method.vllm=true with model.path={cfg.model.path}, a vision-language model: the vLLM sampler "
                                   "is given the prompts' tokens, not their images: set method.vllm=false (transformers' "
                                   "generate samples from both)")
