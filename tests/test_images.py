@@ -577,3 +577,27 @@ def test_a_text_row_that_spells_the_image_token_is_refused(vlms, pictures):
     with pytest.raises(ConfigError, match=r"rows.jsonl:1: the row's text holds the model's image token \(<image>, id \d+\) but "
                                           r"the row has no images: give the image"):
         _tokenized(vlms["llava"], [_chat("what is <image> ?")], pictures)
+
+
+def test_generate_image_without_a_prompt_is_refused(capsys):
+    from finetune.rank.generate import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["some/run", "--image", "a.png"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == "error: --image goes with --prompt (a .jsonl --file row holds its own images)"
+
+
+def test_kto_with_images_under_zero_on_two_ranks_is_refused_with_the_reason(vlms, pictures, tmp_path):
+    from ranks import launch_here
+
+    rows = [{**_chat("<image> what is it ?", images=[f"img/{i}.png"]), "label": bool(i % 2)} for i in range(8)]
+    out = launch_here(*SHORT[:2], f"model.path={vlms['qwen2_vl']}", "method=kto", f"data.train={write_jsonl(pictures / 'k.jsonl', rows)}",
+                      *SHORT[2:5], "launcher.nproc_per_node=2", "zero=stage2", "parallelism=ddp", "train.max_steps=1", "optim.warmup_steps=0",
+                      "train.micro_batch_size=2", "train.global_batch_size=4", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path,
+                      timeout=300)
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines()[-1] == (
+        "error: data: method=kto forwards some rows apart (its own samples, or rows without gradients), and under DeepSpeed "
+        "every rank must run the vision tower in each of those forwards, which a micro-batch without images cannot yet: train "
+        "it with parallelism=ddp (no zero) or on one rank"), out.stderr[-1500:]
