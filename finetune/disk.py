@@ -147,7 +147,8 @@ def check_model_dir(m: ModelConfig) -> dict[str, Any] | None:
     if not (whole.get("model_type") or whole.get("architectures")):
         raise ConfigError(f"model.path: {path / 'config.json'} names no model_type (nor architectures): it is not a transformers "
                           "model config; download the model's own config.json")
-    check_weights(m.path, path)
+    if not m.from_scratch:
+        check_weights(m.path, path)
     return arch
 
 
@@ -167,7 +168,8 @@ def check_weights(key_value: str, path: Path) -> None:
         shards = sorted({path / shard for shard in weight_map.values()})
     if not shards:
         raise ConfigError(f"model.path={key_value} holds no weights (no {', '.join(WEIGHTS)} or their .index.json; it has: "
-                          f"{listing(path)}): copy the weight files in, or point model.path at the complete model directory")
+                          f"{listing(path)}): copy the weight files in, point model.path at the complete model directory, or "
+                          "set model.from_scratch=true to train its architecture from random weights")
     for shard in shards:
         problem = safetensors_problem(shard) if shard.suffix == ".safetensors" else None
         if problem:

@@ -166,6 +166,85 @@ def make_family_tokenizers(out: Path) -> None:
         make_tokenizer(out / template.stem, template.read_text())
 
 
+VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+"""Qwen2-VL's image tokens, added to the shipped vocabulary for the tiny vision-language model."""
+
+VLM_TEMPLATE = (
+    "{% for m in messages %}"
+    "{{ '<|' + m['role'] + '|>' }}"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% else %}{{ '\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+"""The quickstart template, with an image content part written as Qwen2-VL writes it (its processor expands
+<|image_pad|> to one token per 28x28 pixels)."""
+
+IMAGE_SIDE = 56  # 2 x 2 tokens of 28 x 28 pixels: one per quadrant
+
+
+def make_tiny_vlm(out: Path) -> None:
+    """finetune/assets/models/tiny_vlm/: a Qwen2-VL architecture (a 2-layer vision tower and a 2-layer language model of
+    the quickstart's size), the shipped vocabulary with Qwen's image tokens, and its image processor (PIL: no
+    torchvision). No weights: model.from_scratch builds them (random, seed 0)."""
+    import transformers as T
+
+    from finetune.data.images import _without_video
+
+    make_tokenizer(out, VLM_TEMPLATE)
+    tok = T.AutoTokenizer.from_pretrained(out)
+    tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS}, replace_extra_special_tokens=False)
+    ids = tok.convert_tokens_to_ids
+    text = dict(vocab_size=len(tok), hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]})  # head_dim 32 / 2
+    config = T.Qwen2VLConfig(text_config=text, vision_config=dict(depth=2, embed_dim=64, hidden_size=128, num_heads=4, mlp_ratio=2,
+                                                                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+                             image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+                             vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+                             tie_word_embeddings=False)
+    config.save_pretrained(out)
+    pixels = IMAGE_SIDE * IMAGE_SIDE
+    images = T.Qwen2VLImageProcessorPil(patch_size=14, merge_size=2, temporal_patch_size=2,
+                                        size={"shortest_edge": pixels, "longest_edge": pixels})
+    _without_video(T.Qwen2VLProcessor)(image_processor=images, tokenizer=tok, chat_template=VLM_TEMPLATE).save_pretrained(out)
+
+
+COLORS = {"red": (220, 30, 30), "green": (30, 170, 50), "blue": (40, 60, 220), "yellow": (235, 200, 20)}
+PLACES = ("top left", "top right", "bottom left", "bottom right")
+
+
+def make_image_rows(rng: random.Random, n: int, out: Path, split: str) -> list[dict]:
+    """`n` pictures of a coloured square in one quadrant of a grey-speckled field (finetune/assets/data/quickstart_vlm/images/),
+    each asked about twice: its colour, and where it is. The text alone cannot tell (chance: 1 in 4)."""
+    from PIL import Image, ImageDraw
+
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(n):
+        color, place = rng.choice(list(COLORS)), rng.randrange(4)
+        image = Image.new("RGB", (IMAGE_SIDE, IMAGE_SIDE), (235, 235, 235))
+        draw = ImageDraw.Draw(image)
+        for _ in range(12):  # specks, so that no two pictures are the same
+            x, y = rng.randrange(IMAGE_SIDE), rng.randrange(IMAGE_SIDE)
+            draw.point((x, y), fill=(rng.randrange(150, 235),) * 3)
+        half, side = IMAGE_SIDE // 2, rng.randrange(16, 27)
+        x0 = (place % 2) * half + rng.randrange(0, half - side + 1)
+        y0 = (place // 2) * half + rng.randrange(0, half - side + 1)
+        shade = tuple(min(255, max(0, c + rng.randrange(-20, 21))) for c in COLORS[color])
+        draw.rectangle((x0, y0, x0 + side - 1, y0 + side - 1), fill=shade)
+        name = f"images/{split}_{i:03d}.png"
+        image.save(out / name, optimize=True)
+        for question, answer in (("What color is the square?", color), ("Where is the square?", PLACES[place])):
+            rows.append({"messages": [{"role": "user", "content": [{"type": "image", "image": name}, {"type": "text", "text": question}]},
+                                      {"role": "assistant", "content": answer}]})
+    rng.shuffle(rows)
+    return rows
+
+
 def main() -> None:
     make_tokenizer(ASSETS / "tokenizer")
     make_family_tokenizers(ASSETS / "tokenizers")
@@ -190,6 +269,13 @@ def main() -> None:
             with open(path, "w") as f:
                 for row in out:
                     f.write(json.dumps(row) + "\n")
+    make_tiny_vlm(ASSETS / "models" / "tiny_vlm")
+    pictures, image_rng = ASSETS / "data" / "quickstart_vlm", random.Random(3)
+    pictures.mkdir(parents=True, exist_ok=True)
+    for split, n in (("eval", 32), ("train", 256)):
+        with open(pictures / f"{split}.jsonl", "w") as f:
+            for row in make_image_rows(image_rng, n, pictures, split):
+                f.write(json.dumps(row) + "\n")
     print(f"wrote {ASSETS}")
 
 

@@ -107,6 +107,12 @@ def test_accumulation_is_derived_from_global_batch(compose):
          "train.global_batch_size=2 is smaller than the data-parallel size 4: every rank needs at least one sample per step"),
         (["model.path=/x"],
          "model.path='/x' and model.init are both set: choose one (model.init=null to load weights)"),
+        (["model.from_scratch=true"],
+         "model.from_scratch=true builds model.path's config.json with random weights, and model.path is null: set model.path (a "
+         "directory or hub id with a config.json), or use model.init for a random-init text model"),
+        (["model=tiny_vlm", "model.recipe_if_missing=quickstart_sft"],
+         "model.from_scratch=true with model.recipe_if_missing=quickstart_sft: the recipe would train the weights that from_scratch "
+         "does not read: remove one of them"),
         (["data.max_length=1024"],
          "data.max_length=1024 exceeds model.init.max_position_embeddings=512: lower one or raise the other"),
         (["train.max_steps=0"], "train.max_steps=0 must be at least 1"),

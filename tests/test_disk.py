@@ -88,8 +88,9 @@ def test_a_saved_model_dry_runs_without_importing_torch(saved_model, tmp_path):
     ("no_model_type", [], "model.path: {d}/config.json names no model_type (nor architectures): it is not a transformers model "
                           "config; download the model's own config.json"),
     ("no_weights", [], "model.path={d} holds no weights (no model.safetensors, pytorch_model.bin or their .index.json; it has: "
-                       "chat_template.jinja, config.json, tokenizer.json, tokenizer_config.json): copy the weight files in, or "
-                       "point model.path at the complete model directory"),
+                       "chat_template.jinja, config.json, tokenizer.json, tokenizer_config.json): copy the weight files in, point "
+                       "model.path at the complete model directory, or set model.from_scratch=true to train its architecture "
+                       "from random weights"),
     ("missing_shards", [], "model.path: {d}/model.safetensors.index.json names 2 shard file(s) that are not in {d} (the first: "
                            "model-00002-of-00003.safetensors): finish the download, or point model.path at the complete copy"),
     ("no_weight_map", [], "model.path: {d}/pytorch_model.bin.index.json has no weight_map (parameter -> shard file): download it again"),

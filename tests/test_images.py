@@ -289,33 +289,78 @@ def test_packing_is_refused_and_padding_free_stays_off_for_a_vision_language_mod
                                         "(Qwen-VL's M-RoPE, Gemma 3's bidirectional image attention, Mllama's cross-attention mask)")
 
 
-def test_images_train_through_the_cli_then_generate_and_export_read_them(vlms, pictures, tmp_path):
-    """The real command line, Qwen2-VL, rows with images relative to the data file (run from another directory): the
-    loss falls, final/ holds the processor's files; generate shows the model an image (its prompt holds the image's
-    tokens); export writes a model AutoModelForImageTextToText loads with the same weights, and refuses GGUF for it."""
+@pytest.fixture(scope="module")
+def quickstart_vlm(tmp_path_factory):
+    """The shipped image quickstart as a user runs it (+recipe=quickstart_vlm: 2 ranks, 600 steps), from a directory that
+    is not the data's (its rows name their images relative to the data file)."""
+    tmp = tmp_path_factory.mktemp("quickstart_vlm")
+    out = run_cli("+recipe=quickstart_vlm", "train.progress_bar=false", f"hydra.run.dir={tmp / 'run'}", cwd=tmp)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return tmp / "run", out
+
+
+def _exact_match(final, rows_file) -> float:
+    """The framework's own exact match (greedy, as the training loop scores it) of `final` on a file's rows."""
+    from transformers import AutoModelForImageTextToText
+
+    from finetune.data.examples import load_split
+    from finetune.data.templates import load_tokenizer
+    from finetune.rank.heldout import exact_match
+
+    tok = load_tokenizer(ModelConfig(path=str(final)))
+    rows, _, _ = load_split(DataConfig(train=str(rows_file), eval_size=0, format="chat", max_length=64), tok, 0)
+    model = AutoModelForImageTextToText.from_pretrained(final)
+    return exact_match(model, tok, rows, batch_size=32, max_new_tokens=16, device=torch.device("cpu")) / len(rows)
+
+
+def test_the_image_quickstart_learns_from_the_pictures_far_above_a_blank_picture(quickstart_vlm, tmp_path):
+    """+recipe=quickstart_vlm: a Qwen2-VL built from random weights (model.from_scratch) answers a square's colour and
+    place; the same model shown a blank picture in place of each image answers near chance (1 in 4). The data line counts
+    the images; final/ is what AutoModelForImageTextToText and the processor load."""
+    from finetune.config.fields import ASSETS
+
+    run, out = quickstart_vlm
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["after"]["exact_match"] >= 0.85, summary
+    assert "data train: 512 rows, 0 responses truncated at max_length=64, 0 dropped (prompt too long), 512 images (2048 image " \
+           "tokens, 4 per image)" in out.stdout, out.stdout
+    assert "AutoModelForImageTextToText.from_pretrained / AutoProcessor.from_pretrained" in out.stdout
+    assert (run / "final" / "processor_config.json").is_file()
+    data = ASSETS / "data" / "quickstart_vlm"
+    assert _exact_match(run / "final", data / "eval.jsonl") == pytest.approx(summary["after"]["exact_match"])
+    from PIL import Image
+
+    Image.new("RGB", (56, 56), (235, 235, 235)).save(tmp_path / "blank.png")  # the pictures' background, no square
+    blank = [json.loads(line) for line in (data / "eval.jsonl").read_text().splitlines()]
+    for row in blank:
+        row["messages"][0]["content"][0]["image"] = str(tmp_path / "blank.png")
+    control = _exact_match(run / "final", write_jsonl(tmp_path / "blank.jsonl", blank))
+    assert control <= 0.35 and summary["after"]["exact_match"] - control >= 0.5, (control, summary)
+
+
+def test_images_train_through_the_cli_then_generate_and_export_read_them(quickstart_vlm):
+    """After the image quickstart: generate shows the model an image (its prompt holds the image's tokens) and answers
+    from it; export writes a model AutoModelForImageTextToText loads with the trained weights and the processor's files,
+    and refuses GGUF for it."""
     import argparse
 
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
 
+    from finetune.config.fields import ASSETS
     from finetune.rank.export import check
     from finetune.rank.finished import Refusal, locate
     from finetune.rank.generate import Chat
 
-    run = tmp_path / "run"
-    out = run_cli(*SHORT, f"model.path={vlms['qwen2_vl']}", f"data.train={pictures / 'train.jsonl'}", "train.max_steps=4",
-                  f"hydra.run.dir={run}", cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-2000:]
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["after"]["eval_loss"] < summary["before"]["eval_loss"] - 0.3
-    assert (run / "final" / "processor_config.json").is_file()
-    assert "AutoModelForImageTextToText.from_pretrained / AutoProcessor.from_pretrained" in out.stdout
-    assert re.search(r"data train: 8 rows, 0 responses truncated at max_length=64, 0 dropped \(prompt too long\), 8 images "
-                     r"\(\d+ image tokens, \d+ per image\)", out.stdout), out.stdout
-    chat = Chat(locate(str(run)), argparse.Namespace(system=None, max_new_tokens=3, temperature=0.0, top_p=1.0, seed=0, dtype="fp32"))
-    prompt, shown = chat.prompt([{"role": "user", "content": "<image> what is it ?"}], images=[str(pictures / "img" / "1.png")])
-    assert shown == (str(pictures / "img" / "1.png"),) and prompt.count(vision_models.config("qwen2_vl")[0].image_token_id) > 1
-    assert chat.reply([{"role": "user", "content": "<image> what is it ?"}], images=[str(pictures / "img" / "1.png")]) is not None
+    run, _ = quickstart_vlm
+    row = json.loads((ASSETS / "data" / "quickstart_vlm" / "eval.jsonl").read_text().splitlines()[0])
+    picture, question = (str(ASSETS / "data" / "quickstart_vlm" / row["messages"][0]["content"][0]["image"]),
+                         row["messages"][0]["content"][1]["text"])
+    chat = Chat(locate(str(run)), argparse.Namespace(system=None, max_new_tokens=12, temperature=0.0, top_p=1.0, seed=0, dtype="fp32"))
+    prompt, shown = chat.prompt([{"role": "user", "content": f"<image>{question}"}], images=[picture])
+    config = json.loads((run / "final" / "config.json").read_text())
+    assert shown == (picture,) and prompt.count(config["image_token_id"]) == 4
+    assert chat.reply([{"role": "user", "content": f"<image>{question}"}], images=[picture]) == row["messages"][1]["content"]
     with pytest.raises(Refusal, match=rf"^--gguf q8_0: {run} is a vision-language model \(qwen2_vl\): llama.cpp reads one as a "
                                       "text model's GGUF plus its vision tower and projector in a separate mmproj file"):
         check(locate(str(run), need_run=True), argparse.Namespace(gguf="q8_0", push_to_hub=None))
@@ -326,6 +371,25 @@ def test_images_train_through_the_cli_then_generate_and_export_read_them(vlms, p
     trained = load_file(run / "final" / "model.safetensors")
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in trained.items() if k in model.state_dict())
     assert (run / "export" / "processor_config.json").is_file()
+    card = (run / "export" / "README.md").read_text()
+    assert "pipeline_tag: image-text-to-text" in card and "base_model" not in card.split("---")[1]
+    assert f"Fine-tuned with finetune from random weights (seed 0) in the architecture of `{ASSETS}/models/tiny_vlm`'s config.json" in card
+
+
+def test_from_scratch_qlora_writes_its_base_whole_with_the_processor(tmp_path):
+    """model.from_scratch: the shipped tiny_vlm directory holds a config, a tokenizer and a processor, no weights. An
+    adapter's base (RUN_DIR/base) is the built model written whole, the processor's files with it, and QLoRA loads its
+    4-bit language model from there; the adapter names it as its base."""
+    from finetune.config.fields import ASSETS
+
+    assert not any((ASSETS / "models" / "tiny_vlm").glob("*.safetensors"))
+    summary = train_here(["+recipe=quickstart_vlm", "parallelism=single", "launcher.nproc_per_node=1", "train.max_steps=2",
+                          "optim.warmup_steps=0", "train.eval_every=0", "train.exact_match_samples=0", "peft=qlora"], tmp_path / "run")
+    assert summary["after"]["eval_loss"] < summary["before"]["eval_loss"]
+    base = tmp_path / "run" / "base"
+    assert (base / "model.safetensors").is_file() and (base / "processor_config.json").is_file()
+    adapter = json.loads((tmp_path / "run" / "final" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str(base)
 
 
 @pytest.fixture(scope="module")

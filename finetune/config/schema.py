@@ -195,6 +195,10 @@ class ModelConfig:
     """Hub revision (branch, tag or commit) for `path` and `tokenizer`."""
     trust_remote_code: bool = False
     """Let `transformers` run model/tokenizer code that ships with a hub repository."""
+    from_scratch: bool = False
+    """Random weights built from `path`'s config.json (seed 0, the same on every rank), with its tokenizer and processor:
+    no weight file is read (LLaMA-Factory's train_from_scratch). Any model type, a vision-language one included; for a
+    text architecture given key by key, use model.init."""
     recipe_if_missing: str | None = checked(TEXT, None)
     """When `path` is a local directory that does not exist yet: the recipe whose run makes it
     (run first, in `path`'s parent directory, which must be RUN_DIR/final of that run)."""

@@ -200,11 +200,12 @@ def card(run: Finished, tokenizer: Any, *, dtype: str, gguf: Path | None) -> Any
     assert cfg is not None and run_dir is not None
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
     base = cfg.model.path
-    hub_base = base if base and not Path(base).expanduser().exists() else None
+    hub_base = base if base and not cfg.model.from_scratch and not Path(base).expanduser().exists() else None
     data = data_fingerprints(cfg, tokenizer)
     hub_data = [e["hub"] for e in data["sources"].values() if "hub" in e]
     tags = ["finetune", cfg.method.name, *([cfg.peft.name.value] if cfg.peft.name != PeftMethod.none else []), *(["gguf"] if gguf else [])]
-    meta = ModelCardData(base_model=hub_base, datasets=hub_data or None, library_name="transformers", pipeline_tag="text-generation",
+    meta = ModelCardData(base_model=hub_base, datasets=hub_data or None, library_name="transformers",
+                         pipeline_tag="image-text-to-text" if run.model_class == IMAGE_TEXT else "text-generation",
                          tags=tags)
     lines = [f"# {run_dir.name}", "",
              f"Fine-tuned with finetune from {_base_words(cfg)}; method `{cfg.method.name}`"
@@ -226,6 +227,8 @@ def card(run: Finished, tokenizer: Any, *, dtype: str, gguf: Path | None) -> Any
 
 
 def _base_words(cfg: Config) -> str:
+    if cfg.model.path and cfg.model.from_scratch:
+        return f"random weights (seed 0) in the architecture of `{cfg.model.path}`'s config.json"
     if cfg.model.path:
         return f"`{cfg.model.path}`" + (f" (revision {cfg.model.revision})" if cfg.model.revision else "")
     init = cfg.model.init

@@ -20,6 +20,7 @@ import torch
 
 from finetune import disk
 from finetune.data.templates import load_tokenizer  # noqa: F401 (the ranks' callers read it here)
+from finetune.data.images import save_tokenizer
 from finetune.rank.dist import import_deepspeed
 from finetune.methods.base import CAUSAL_LM, IMAGE_TEXT, SCORED
 from finetune.families import attention_limits, dora_experts, pick_attention, unmatched_targets
@@ -112,14 +113,10 @@ def load_model(cfg: ModelConfig, tokenizer: Any, *, attention: str, peft: PeftCo
 
     auto, head = getattr(transformers, model_class), head_config(model_class, tokenizer)
     path = cfg.path
-    if path is None:
-        assert cfg.init is not None
-        arch = {k: v for k, v in vars(cfg.init).items() if k not in ("model_type", "seed", "vocab_size")}
-        config = AutoConfig.for_model(cfg.init.model_type, vocab_size=cfg.init.vocab_size or len(tokenizer),
-                                      **{"pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
-                                         "eos_token_id": tokenizer.eos_token_id} | arch | head)
-        torch.manual_seed(cfg.init.seed)  # every rank builds the same initial weights
-        with unbuildable(model_class, cfg.init.model_type):
+    if path is None or cfg.from_scratch:
+        config, seed, what = _random_config(cfg, tokenizer, head)
+        torch.manual_seed(seed)  # every rank builds the same initial weights
+        with unbuildable(model_class, what):
             model = auto.from_config(config, attn_implementation=attention, dtype=torch.float32)  # same init in every precision
         if peft.name == PeftMethod.none:
             return model
@@ -127,7 +124,7 @@ def load_model(cfg: ModelConfig, tokenizer: Any, *, attention: str, peft: PeftCo
         with _gathered(model, zero3):  # under ZeRO-3 each rank holds a shard: gather to write it whole
             if is_main:
                 model.save_pretrained(path)
-                tokenizer.save_pretrained(path)
+                save_tokenizer(tokenizer, path)  # a vision-language model's processor files too (QLoRA reloads from here)
         barrier()
         if peft.name != PeftMethod.qlora:
             model.name_or_path = model.config._name_or_path = path  # recorded in adapter_config.json
@@ -166,6 +163,27 @@ def load_model(cfg: ModelConfig, tokenizer: Any, *, attention: str, peft: PeftCo
         damaged = [f"{f} ({why})" for f in sorted(local.glob("*.safetensors")) if (why := disk.safetensors_problem(f))]
         which = damaged[0] if damaged else f"a weight file ({str(e).splitlines()[0]})"
         raise ConfigError(f"model.path={path!r}: {which} is damaged or incomplete: copy or download the model again") from None
+
+
+def _random_config(cfg: ModelConfig, tokenizer: Any, head: dict[str, Any]) -> tuple[Any, int, str]:
+    """(the transformers config, the seed, what it is for messages) of a random-init model: model.init's keys with the
+    tokenizer's vocabulary and special tokens, or model.path's own config.json (model.from_scratch, seed 0)."""
+    from transformers import AutoConfig
+
+    if cfg.init is None:
+        assert cfg.path is not None
+        try:
+            config = AutoConfig.from_pretrained(cfg.path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"model.path={cfg.path!r}: could not load its config: {str(e).splitlines()[0]}") from None
+        for key, value in head.items():
+            setattr(config, key, value)
+        return config, 0, cfg.path
+    arch = {k: v for k, v in vars(cfg.init).items() if k not in ("model_type", "seed", "vocab_size")}
+    config = AutoConfig.for_model(cfg.init.model_type, vocab_size=cfg.init.vocab_size or len(tokenizer),
+                                  **{"pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
+                                     "eos_token_id": tokenizer.eos_token_id} | arch | head)
+    return config, cfg.init.seed, cfg.init.model_type
 
 
 def head_config(model_class: str, tokenizer: Any) -> dict[str, Any]:

@@ -22,6 +22,12 @@ def validate_model(m: ModelConfig) -> None:
         raise ConfigError("model: set model.path (hub id or local directory) or model.init (random-init architecture)")
     if m.path is not None and m.init is not None:
         raise ConfigError(f"model.path={m.path!r} and model.init are both set: choose one (model.init=null to load weights)")
+    if m.from_scratch and m.path is None:
+        raise ConfigError("model.from_scratch=true builds model.path's config.json with random weights, and model.path is null: set "
+                          "model.path (a directory or hub id with a config.json), or use model.init for a random-init text model")
+    if m.from_scratch and m.recipe_if_missing is not None:
+        raise ConfigError(f"model.from_scratch=true with model.recipe_if_missing={m.recipe_if_missing}: the recipe would train the "
+                          "weights that from_scratch does not read: remove one of them")
     if m.recipe_if_missing is not None and (m.path is None or Path(m.path).name != "final"):
         raise ConfigError(
             f"model.recipe_if_missing={m.recipe_if_missing} makes model.path by running that recipe, so model.path must be "
