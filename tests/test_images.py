@@ -392,6 +392,25 @@ def test_from_scratch_qlora_writes_its_base_whole_with_the_processor(tmp_path):
     assert adapter["base_model_name_or_path"] == str(base)
 
 
+def test_the_plan_reads_image_rows_and_is_within_15_percent_of_the_measured_peak(tmp_path):
+    """The launcher's plan reads the rows with their images (each image's tokens as the processor counts them: the
+    longest batch, not data.max_length), and on the image quickstart's model (its vision tower frozen, model.freeze's
+    default) the planned peak is within 15% of the one MemTracker measures in the first steps."""
+    from finetune.data.lengths import Longest, longest_batch
+    from finetune.launcher.compose import preflight
+    from finetune.planner.records import compare
+
+    common = ["+recipe=quickstart_vlm", "parallelism=single", "launcher.nproc_per_node=1"]
+    longest = longest_batch(preflight(common))
+    assert isinstance(longest, Longest) and longest.width == 42, longest  # 4 image tokens + <|vision_start|>/<|vision_end|> + text
+    train_here([*common, "train.max_steps=2", "optim.warmup_steps=0", "train.eval_every=0", "train.exact_match_samples=0",
+                "data.eval=null", "data.eval_size=0", "train.memory_report=categories"], tmp_path / "run")
+    rows = {name: (planned, measured) for name, planned, measured in compare(tmp_path / "run")}
+    for part in ("weights", "gradients", "optimizer"):  # the frozen tower: weights only
+        assert rows[part][0] == pytest.approx(rows[part][1], rel=0.01), part
+    assert rows["peak"][0] == pytest.approx(rows["peak"][1], rel=0.15), rows
+
+
 @pytest.fixture(scope="module")
 def mixed_rows(pictures):
     """Rows with one image, two images and none, in one file: a micro-batch of two ranks may hold images on one rank and

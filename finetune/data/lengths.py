@@ -97,6 +97,20 @@ class LightTokenizer:
                                      documents=None, **{k: v for k, v in self.special.items() if v is not None})
 
 
+def light_tokenizer(model: ModelConfig, files: dict[str, Path]) -> LightTokenizer:
+    """The launcher's tokenizer for `model`; a local vision-language model's carries its processor (finetune.data.images:
+    each image's tokens are the processor's to count, and the token cache keys them), which imports transformers."""
+    from finetune.disk import local_vision
+
+    tokenizer = LightTokenizer(files)
+    if local_vision(model) is not None:
+        from finetune.data.images import attach
+        from finetune.data.templates import pictures_for
+
+        attach(tokenizer, pictures_for(model))
+    return tokenizer
+
+
 def _compile(template: str) -> Any:
     """transformers' template environment: sandboxed, trim_blocks/lstrip_blocks, loop controls, its
     tojson, raise_exception and strftime_now, and `{% generation %}` blocks rendered as their body."""
@@ -203,7 +217,7 @@ def _from_cache(cfg: Config, files: dict[str, Path]) -> Longest | None:
     from finetune.data import cache
 
     try:
-        entry = cache.find(cfg.data, override(LightTokenizer(files), cfg.data), cfg.method.name, cfg.train.seed)
+        entry = cache.find(cfg.data, override(light_tokenizer(cfg.model, files), cfg.data), cfg.method.name, cfg.train.seed)
     except Exception:  # noqa: BLE001 - the tokenizer this light reader cannot read: tokenize below, which says why
         return None
     if entry is None:
@@ -231,7 +245,7 @@ def longest_batch(cfg: Config) -> Longest | str:
         return cached
     try:
         rows = split_rows(replace(cfg.data, eval=None) if cfg.data.eval is not None else cfg.data, cfg.train.seed)[0]
-        examples, _ = tokenize(rows, override(LightTokenizer(files), cfg.data), cfg.data, "data.train", cfg.method.name)
+        examples, _ = tokenize(rows, override(light_tokenizer(cfg.model, files), cfg.data), cfg.data, "data.train", cfg.method.name)
     except ConfigError as e:  # the launcher names data mistakes itself
         return f"data.train could not be read ({e})"
     except Exception as e:  # a tokenizer or template this light reader cannot handle

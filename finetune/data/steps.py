@@ -20,7 +20,7 @@ from typing import Callable
 from finetune import methods
 from finetune.config import Config, ConfigError
 from finetune.data.batches import epoch_steps
-from finetune.data.lengths import LightTokenizer, row_lengths, tokenizer_files
+from finetune.data.lengths import LightTokenizer, light_tokenizer, row_lengths, tokenizer_files
 
 
 def resolve(cfg: Config, say: Callable[[str], None]) -> None:
@@ -50,7 +50,7 @@ def count_examples(cfg: Config) -> tuple[int, str]:
                           f"{cfg.model.tokenizer or cfg.model.path} has no tokenizer.json here (its directory or the Hugging "
                           "Face cache): download it once, or set train.max_steps instead")
     try:
-        tokenizer = LightTokenizer(files)
+        tokenizer = light_tokenizer(cfg.model, files)
     except Exception as e:  # noqa: BLE001 - a tokenizer this light reader cannot read
         raise ConfigError(f"train.epochs={cfg.train.epochs:g}: the tokenizer could not be read without transformers to count "
                           f"data.train's examples ({type(e).__name__}): set train.max_steps instead") from None
