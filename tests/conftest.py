@@ -183,6 +183,10 @@ def launch_ranks(args: tuple[str, ...] | list[str], module: str = "finetune.laun
         return 1
     if "launcher.dry_run=true" in args:  # prints the launch, starts nothing (composing to find out costs 0.25 s)
         return 0
+    from hydra._internal.utils import get_args_parser
+
+    if get_args_parser().parse_known_args(list(args))[1]:  # a flag Hydra's parser refuses: the launch ends before any rank
+        return 0
     from finetune.launcher.compose import preflight, sweep_trials
     from finetune.config import ConfigError
 
