@@ -29,9 +29,9 @@ def cli_error(tmp_path, *args: str) -> str:
         (["optim.lr=fast"], "error: optim.lr=fast must be a number"),
         (["train.max_steps=1.5"], "error: train.max_steps=1.5 must be an integer"),
         (["data.format=xml"], "error: data.format=xml must be one of auto, alpaca, chat, sharegpt, completion, text, preference"),
-        (["model=tinyy"], "error: unknown model option 'tinyy' (did you mean 'tiny'?); available: gemma2_9b, llama3_1_70b, llama3_1_8b, llama3_2_1b, mistral_7b_v0_3, mixtral_8x7b, olmo2_7b, phi3_5_mini, pretrained, qwen2_5_7b, qwen3_30b_a3b, qwen3_8b, tiny"),
+        (["model=tinyy"], "error: unknown model option 'tinyy' (did you mean 'tiny'?); available: gemma2_9b, llama3_1_70b, llama3_1_8b, llama3_2_1b, mistral_7b_v0_3, mixtral_8x7b, olmo2_7b, phi3_5_mini, pretrained, qwen2_5_7b, qwen3_30b_a3b, qwen3_8b, tiny, tiny_vlm"),
         (["parallelism=dp"], "error: unknown parallelism option 'dp' (did you mean 'ddp'?); available: cp2, cp4, cp8, ddp, fsdp, fsdp_offload, pp2, pp2_interleaved, pp4, single, tp2, tp2_pp2, tp4, tp8, tp8_pp16"),
-        (["+recipe=quickstart"], "error: unknown recipe 'quickstart' (did you mean 'quickstart_sft'?); available: llama3_70b_qlora_80g, llama3_70b_qlora_fsdp_2x24g, llama3_8b_full_zero3_8x80g, llama3_8b_lora_80g, llama3_8b_qlora_24g, long_context, long_context_cpu, optuna_quickstart, quickstart_dpo, quickstart_grpo, quickstart_kto, quickstart_orpo, quickstart_reward, quickstart_sft, qwen3_moe_lora_zero3_8x80g, zero3_offload_fp16 "
+        (["+recipe=quickstart"], "error: unknown recipe 'quickstart' (did you mean 'quickstart_vlm'?); available: llama3_70b_qlora_80g, llama3_70b_qlora_fsdp_2x24g, llama3_8b_full_zero3_8x80g, llama3_8b_lora_80g, llama3_8b_qlora_24g, long_context, long_context_cpu, optuna_quickstart, quickstart_dpo, quickstart_grpo, quickstart_kto, quickstart_orpo, quickstart_reward, quickstart_sft, quickstart_vlm, qwen3_moe_lora_zero3_8x80g, zero3_offload_fp16 "
                                    "(a recipe of your own: --config-dir DIR with DIR/recipe/quickstart.yaml)"),
         (["data=jsonl"], "error: 'data.train' has no value and needs one: set it in the recipe or on the command line (data.train=...)"),
         (["data.train=/nowhere/train.jsonl"], "error: data.train: no such file or directory: /nowhere/train.jsonl"),

@@ -6,7 +6,6 @@ built here (tests/vision_models.py); images are random PNGs."""
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 
@@ -392,23 +391,38 @@ def test_from_scratch_qlora_writes_its_base_whole_with_the_processor(tmp_path):
     assert adapter["base_model_name_or_path"] == str(base)
 
 
-def test_the_plan_reads_image_rows_and_is_within_15_percent_of_the_measured_peak(tmp_path):
+def test_the_plan_reads_image_rows_and_is_within_15_percent_of_the_measured_peak(tmp_path, monkeypatch):
     """The launcher's plan reads the rows with their images (each image's tokens as the processor counts them: the
-    longest batch, not data.max_length), and on the image quickstart's model (its vision tower frozen, model.freeze's
-    default) the planned peak is within 15% of the one MemTracker measures in the first steps."""
+    longest batch, not data.max_length; the most image tokens a micro-batch holds), and on the image quickstart's model
+    the planned peak is within 15% of the one MemTracker measures in the first steps, with the vision tower frozen
+    (model.freeze's default: weights only) and training (its blocks' activations per patch: what training it adds is
+    what the planner adds, within 25%)."""
     from finetune.data.lengths import Longest, longest_batch
     from finetune.launcher.compose import preflight
+    from finetune.planner.peak import plan
     from finetune.planner.records import compare
 
-    common = ["+recipe=quickstart_vlm", "parallelism=single", "launcher.nproc_per_node=1"]
+    common = ["+recipe=quickstart_vlm", "parallelism=single", "launcher.nproc_per_node=1", f"data.cache_dir={tmp_path / 'cache'}",
+              "data.eval=null", "data.eval_size=0", "train.exact_match_samples=0", "train.eval_every=0"]
     longest = longest_batch(preflight(common))
     assert isinstance(longest, Longest) and longest.width == 42, longest  # 4 image tokens + <|vision_start|>/<|vision_end|> + text
-    train_here([*common, "train.max_steps=2", "optim.warmup_steps=0", "train.eval_every=0", "train.exact_match_samples=0",
-                "data.eval=null", "data.eval_size=0", "train.memory_report=categories"], tmp_path / "run")
-    rows = {name: (planned, measured) for name, planned, measured in compare(tmp_path / "run")}
-    for part in ("weights", "gradients", "optimizer"):  # the frozen tower: weights only
-        assert rows[part][0] == pytest.approx(rows[part][1], rel=0.01), part
-    assert rows["peak"][0] == pytest.approx(rows["peak"][1], rel=0.15), rows
+    assert (longest.image_tokens, longest.pixels_per_token) == (16 * 4, 4 * 3 * 2 * 14 * 14)  # 16 rows; 4 patches per token
+    runs = {}
+    for name, freeze in (("frozen", []), ("trained", ["model.freeze=[]"])):
+        train_here([*common, *freeze, "train.max_steps=2", "optim.warmup_steps=0", "train.memory_report=categories"], tmp_path / name)
+        runs[name] = rows = {part: (planned, measured) for part, planned, measured in compare(tmp_path / name)}
+        for part in ("weights", "gradients", "optimizer"):  # the frozen tower: weights only
+            assert rows[part][0] == pytest.approx(rows[part][1], rel=0.01), (name, part)
+        assert rows["peak"][0] == pytest.approx(rows["peak"][1], rel=0.15), (name, rows)
+    from finetune.data import lengths
+
+    monkeypatch.setattr(lengths, "tokenize", None)  # read again from the token cache the runs wrote (its columns), not the rows
+    assert longest_batch(preflight(common)) == longest
+    # the training tower's activations (its blocks', per image patch): what training it adds, planned and measured
+    (planned, measured), (was_planned, was_measured) = runs["trained"]["activations"], runs["frozen"]["activations"]
+    assert planned - was_planned == pytest.approx(measured - was_measured, rel=0.25), runs
+    assert "the vision tower trains: its blocks' activations are counted per image patch" in " ".join(
+        plan(preflight([*common, "model.freeze=[]"]), longest).notes)
 
 
 @pytest.fixture(scope="module")
@@ -592,6 +606,17 @@ def test_activation_checkpointing_covers_both_towers_and_trains_as_without(vlms,
     assert bf16["after"]["eval_loss"] == pytest.approx(plain["after"]["eval_loss"], abs=0.05)
 
 
+@pytest.mark.parametrize("name", [c for c in CLASSES if c != "qwen2_vl"])  # qwen2_vl: the image quickstart
+def test_every_class_trains_on_images_and_its_exact_match_reads_them(vlms, pictures, tmp_path, name):
+    """Each class, composed as the command line composes it and trained by the rank's own code: the eval loss on rows with
+    images falls in 3 steps, and exact match generates from the prompts with their images."""
+    summary = train_here([*SHORT[:2], f"model.path={vlms[name]}", f"data.train={pictures / 'train.jsonl'}", *SHORT[2:],
+                          "train.max_steps=3", "train.exact_match_samples=4", "train.max_new_tokens=2", "optim.lr=1e-2"],
+                         tmp_path / name)
+    assert summary["after"]["eval_loss"] < summary["before"]["eval_loss"] - 0.3, summary
+    assert "exact_match" in summary["after"]
+
+
 @pytest.mark.parametrize("peft", ["lora", "qlora"])
 def test_adapters_train_the_language_model_on_images(vlms, pictures, tmp_path, peft):
     """LoRA and QLoRA (the language model in 4 bits, the tower and projector as they are) on rows with images: PEFT's
@@ -671,16 +696,39 @@ def test_generate_image_without_a_prompt_is_refused(capsys):
     assert capsys.readouterr().err.strip() == "error: --image goes with --prompt (a .jsonl --file row holds its own images)"
 
 
-def test_kto_with_images_under_zero_on_two_ranks_is_refused_with_the_reason(vlms, pictures, tmp_path):
+@pytest.fixture(scope="module")
+def some_images(pictures):
+    """Labelled rows, a third of them with an image: micro-batches (and KTO's row groups) of text rows next to ones with
+    images, on one rank and not the other."""
+    rows = [{"messages": [{"role": "user", "content": ("<image>" if i % 3 == 0 else "") + " what is it ?"},
+                          {"role": "assistant", "content": ["small", "big"][i % 2] + " ."}],
+             "images": [f"img/{i}.png"] if i % 3 == 0 else []} for i in range(12)]
+    return {"grpo": write_jsonl(pictures / "some_images.jsonl", rows),
+            "kto": write_jsonl(pictures / "some_images_labelled.jsonl", [{**r, "label": bool(i % 2)} for i, r in enumerate(rows)])}
+
+
+@pytest.mark.parametrize("method,layout", [("kto", "zero3"), ("kto", "fsdp"), ("grpo", "zero3"), ("grpo", "fsdp")])
+def test_kto_and_grpo_with_images_under_sharded_layouts(vlms, some_images, tmp_path, method, layout):
+    """KTO (its rows and mismatched rows forwarded apart) and GRPO (sampling in lockstep, then training its completions)
+    under FSDP2 and ZeRO-3 on two ranks, with rows with and without images: a forward with no image on one rank runs the
+    vision tower on a blank one, as the other rank's does (a row group's blank in padding; a generation's blank in a row
+    of its own, its output dropped), so every collective matches. KTO reaches the eval loss DDP (no blank) reaches;
+    GRPO trains and scores exact match by generation, both with and without images."""
     from ranks import launch_here
 
-    rows = [{**_chat("<image> what is it ?", images=[f"img/{i}.png"]), "label": bool(i % 2)} for i in range(8)]
-    out = launch_here(*SHORT[:2], f"model.path={vlms['qwen2_vl']}", "method=kto", f"data.train={write_jsonl(pictures / 'k.jsonl', rows)}",
-                      *SHORT[2:5], "launcher.nproc_per_node=2", "zero=stage2", "parallelism=ddp", "train.max_steps=1", "optim.warmup_steps=0",
-                      "train.micro_batch_size=2", "train.global_batch_size=4", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path,
-                      timeout=300)
-    assert out.returncode != 0
-    assert out.stderr.strip().splitlines()[-1] == (
-        "error: data: method=kto forwards some rows apart (its own samples, or rows without gradients), and under DeepSpeed "
-        "every rank must run the vision tower in each of those forwards, which a micro-batch without images cannot yet: train "
-        "it with parallelism=ddp (no zero) or on one rank"), out.stderr[-1500:]
+    extra = {"kto": ["method=kto"], "grpo": ["method=grpo", "method.generations=2", "method.completion_tokens=4",
+                                             "method.rewards=[similarity]", "train.exact_match_samples=6"]}[method]
+    common = [*SHORT[:2], f"model.path={vlms['qwen2_vl']}", f"data.train={some_images[method]}", *SHORT[2:5], *extra, "optim.warmup_steps=0",
+              "train.max_steps=2", "train.micro_batch_size=2", "train.global_batch_size=4", "train.eval_every=0",
+              "launcher.nproc_per_node=2", "optim.lr=1e-3", "data.eval_size=6"]
+    sharded = {"zero3": ["zero=stage3", "parallelism=ddp"], "fsdp": ["parallelism=fsdp"]}[layout]
+    out = launch_here(*common, *sharded, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, (out.stdout[-1500:], out.stderr[-1500:])
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    if method == "grpo":
+        assert "exact_match" in summary["after"] and summary["after"]["eval_loss"] != summary["before"]["eval_loss"]
+        return
+    ddp = launch_here(*common, "parallelism=ddp", f"hydra.run.dir={tmp_path / 'ddp'}", cwd=tmp_path, timeout=300)
+    assert ddp.returncode == 0, ddp.stderr[-1500:]
+    assert summary["after"]["eval_loss"] == pytest.approx(json.loads((tmp_path / "ddp" / "summary.json").read_text())["after"]["eval_loss"],
+                                                          abs=2e-3)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 
 def collate(examples: list[Any], pad_id: int, width: int | None = None, flat: bool = False,
-            pictures: Any = None) -> dict[str, torch.Tensor]:
+            pictures: Any = None, blank: bool = True) -> dict[str, torch.Tensor]:
     """Right-pad to the longest example; padding carries no loss. `flat`: the examples end to end in one row
     instead (padding-free, `flat_row`).
 
@@ -39,13 +39,19 @@ def collate(examples: list[Any], pad_id: int, width: int | None = None, flat: bo
     import torch  # here, not at the top: the planner reads lengths through this module without torch
 
     if not isinstance(examples[0], Example):  # an Item (finetune.methods.base): its rows and the values they carry
-        rows = range(len(examples[0].rows))
-        batch = collate([e.rows[k] for k in rows for e in examples], pad_id, width, pictures=pictures)
+        rows, n = range(len(examples[0].rows)), len(examples)
+        batch = collate([e.rows[k] for k in rows for e in examples], pad_id, width, pictures=pictures, blank=False)
+        shown = [[list(e.rows[k].images) for e in examples] for k in rows]  # each row group's images
+        empty = [k for k in rows if not any(shown[k])]
+        if pictures is not None and pictures.everywhere and empty:  # every group's forward runs the vision tower: the
+            batch = pictures.with_blanks(batch, [(k + 1) * n - 1 for k in empty], pad_id, IGNORE)  # empty ones' on a blank
+            for k in empty:
+                shown[k][-1] = [pictures.blank]
+            batch |= {IN_BATCH + name: v for name, v in pictures.batch([im for group in shown for im in group], batch["input_ids"]).items()}
         if len(rows) > 1 and any(k.startswith(IN_BATCH) for k in batch):  # each row group's own image inputs, for a method
-            n = len(examples)                                                 # that forwards them apart (images.apart)
-            for k in rows:
+            for k in rows:                                                    # that forwards them apart (images.apart)
                 ids = batch["input_ids"][k * n : (k + 1) * n]
-                batch |= {f"{APART}{k}.{name}": v for name, v in pictures.batch([list(e.rows[k].images) for e in examples], ids).items()}
+                batch |= {f"{APART}{k}.{name}": v for name, v in pictures.batch(shown[k], ids).items()}
         values = [e.values() for e in examples]
         for name in values[0]:
             batch[name] = torch.tensor([v[name][k] for k in rows for v in values], dtype=torch.float64)
@@ -75,7 +81,7 @@ def collate(examples: list[Any], pad_id: int, width: int | None = None, flat: bo
             raise ValueError("a batch with images needs the model's processor (finetune.data.images.Pictures)")
         batch |= {IN_BATCH + k: v for k, v in pictures.batch([list(e.images) for e in examples], ids).items()}
         batch[SHOWN] = Shown(list(e.images) for e in examples)
-    elif pictures is not None and pictures.everywhere:  # a layout whose ranks run the vision tower together
+    elif pictures is not None and pictures.everywhere and blank:  # a layout whose ranks run the vision tower together
         batch = pictures.with_blank(batch, pad_id, IGNORE)
     return batch
 

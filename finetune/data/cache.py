@@ -152,6 +152,18 @@ class Examples(Sequence):
         return sum(_labelled(table.column(c).combine_chunks())
                    for c in (f"{prefix}labels" for prefix in self.columns))
 
+    def image_tokens(self, token_id: int | None) -> np.ndarray:
+        """Each row's tokens that are `token_id` (a vision-language model's image token), both sides of a pair summed
+        (finetune.data.lengths.row_image_tokens), from the columns."""
+        total = np.zeros(len(self), dtype=np.int64)
+        for column in (f"{prefix}input_ids" for prefix in self.columns):
+            ids = self.table.column(column).combine_chunks()
+            hits = np.concatenate([[0], np.cumsum(_numpy(ids.flatten()) == token_id)])
+            offsets = _numpy(ids.offsets)
+            offsets = offsets - offsets[0]  # flatten() starts at the first row's values
+            total += hits[offsets[1:]] - hits[offsets[:-1]]
+        return total
+
     def tokens(self) -> int:
         import pyarrow.compute as pc
 

@@ -338,6 +338,7 @@ class Pictures:
         or reduces gradients per module on every rank (FSDP2, ZeRO), where one rank running the tower alone would wait
         for the others in its collectives."""
         self._blank: list[int] | None = None
+        self._pixels: float | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_processor": None}
@@ -440,29 +441,70 @@ class Pictures:
         batch = {k: v for k, v in out.items() if k not in TOKEN_SIDE}
         return batch | self.token_extras(set(out), ids, [len(row) for row in opened], out)
 
-    def with_blank(self, batch: dict[str, Any], pad_id: int, ignore: int) -> dict[str, Any]:
-        """A micro-batch of text rows made to run the vision tower as one with images does, computing the same loss: a
-        blank image's tokens appended after the last row's end, in padding (no attention to them from any row, no
-        labels: `ignore`), with its image inputs. The batch is as many tokens wider."""
-        import torch
-
+    @property
+    def blank(self) -> Any:
+        """The blank image (mid grey) a rank shows where it has none and the layout runs the vision tower on every rank."""
         from PIL import Image
 
-        blank = Image.new("RGB", (32, 32), (128, 128, 128))
+        return Image.new("RGB", (32, 32), (128, 128, 128))
+
+    def blank_tokens(self) -> list[int]:
+        """The blank image's tokens, as its processor writes them."""
         if self._blank is None:
-            self._blank = self.expand(blank, "a blank image")
-        tokens = torch.tensor(self._blank)
-        rows, n = batch["input_ids"].shape[0], len(self._blank)
+            self._blank = self.expand(self.blank, "a blank image")
+        return self._blank
+
+    def with_blanks(self, batch: dict[str, Any], rows: list[int], pad_id: int, ignore: int) -> dict[str, Any]:
+        """The batch one blank image's tokens wider, with those tokens after the end of each of `rows`, in padding (no
+        attention to them from any row, no labels: `ignore`); the image inputs are the caller's to make (`batch`)."""
+        import torch
+
+        tokens = torch.tensor(self.blank_tokens())
+        count, n = batch["input_ids"].shape[0], len(tokens)
 
         def wider(t: Any, fill: int) -> Any:
-            return torch.cat([t, torch.full((rows, n), fill, dtype=t.dtype)], dim=1)
+            return torch.cat([t, torch.full((count, n), fill, dtype=t.dtype)], dim=1)
 
         out = dict(batch, input_ids=wider(batch["input_ids"], pad_id), labels=wider(batch["labels"], ignore))
-        out["input_ids"][-1, -n:] = tokens
+        for row in rows:
+            out["input_ids"][row, -n:] = tokens
         if "attention_mask" in batch:
             out["attention_mask"] = wider(batch["attention_mask"], 0)
-        inputs = self.batch([[] for _ in range(rows - 1)] + [[blank]], out["input_ids"])
+        return out
+
+    def with_blank(self, batch: dict[str, Any], pad_id: int, ignore: int) -> dict[str, Any]:
+        """A micro-batch of text rows made to run the vision tower as one with images does, computing the same loss: a
+        blank image after the last row's end, in padding (`with_blanks`), with its image inputs."""
+        rows = batch["input_ids"].shape[0]
+        out = self.with_blanks(batch, [rows - 1], pad_id, ignore)
+        inputs = self.batch([[] for _ in range(rows - 1)] + [[self.blank]], out["input_ids"])
         return out | {IN_BATCH + k: v for k, v in inputs.items()}
+
+    def generated_never(self) -> list[int]:
+        """The tokens an image is written with (its placeholder and markers): a generation must not write them, since the
+        model would then meet an image token without its image (GRPO trains on its samples; transformers refuses a
+        count of image tokens that differs from the images')."""
+        return sorted({*self.blank_tokens(), *([self.image_token_id] if self.image_token_id is not None else [])})
+
+    def pixels_per_token(self) -> float:
+        """The pixel values the processor makes per image token (a blank image's: the same for any image of a class whose
+        token count follows its size, as Qwen-VL's does), which the planner turns into the vision tower's patches."""
+        import torch
+
+        if self._pixels is None:
+            tokens = self.blank_tokens()
+            count = sum(t == self.image_token_id for t in tokens) or len(tokens)
+            values = self.batch([[self.blank]], torch.tensor([tokens])).get("pixel_values")
+            self._pixels = float(values.numel()) / count if values is not None else 0.0
+        return self._pixels
+
+    def blank_row(self, prompts: list[list[int]], images: list[list[Any]]) -> tuple[list[list[int]], list[list[Any]]]:
+        """Prompts to generate from, and their images, with one more row of the blank image alone where none of them
+        shows one and the layout runs the vision tower on every rank (`everywhere`): generation's first forward then runs
+        it as the other ranks' do. The caller drops that row's output."""
+        if not self.everywhere or any(images):
+            return prompts, images
+        return [*prompts, self.blank_tokens()], [*images, [self.blank]]
 
     def token_extras(self, keys: set[str], ids: Any, counts: list[int], out: Any) -> dict[str, Any]:
         """The per-token inputs the processor returns (`keys`), for the batch's ids: which tokens are an image's

@@ -34,6 +34,7 @@ from finetune.data.batches import epoch_steps
 from finetune.data.pack import first_fit
 from finetune.data.sources import sources, split_rows
 from finetune.data.examples import tokenize
+from finetune.data.images import pictures_of
 from finetune.data.templates import check_tools, override
 from finetune.data.tokenize import IGNORE, rows_of, uses_chat_template
 
@@ -49,6 +50,11 @@ class Longest:
     labelled: int | None = None
     """The most labelled tokens one micro-batch holds (what logits=chunked puts through the output layer; None: at most
     every token)."""
+    image_tokens: int | None = None
+    """The most image tokens one micro-batch holds (a vision-language model's rows; None: not read)."""
+    pixels_per_token: float = 0.0
+    """The pixel values the processor makes per image token (finetune.data.images.Pictures.pixels_per_token): with the
+    tower's patch size, how many patches the vision tower runs on."""
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -197,16 +203,28 @@ def row_labelled(examples: list[Any]) -> list[int]:
     return [sum(count(row) for row in rows_of(e)) for e in examples]
 
 
-def longest_of(lengths: list[int], cfg: Config, labelled: list[int] | None = None) -> Longest:
-    """The longest batch among the rows the run's steps reach (and at most how many labelled tokens a
-    micro-batch of them holds: its rows' most, micro_batch_size times)."""
+def longest_of(lengths: list[int], cfg: Config, labelled: list[int] | None = None, pictures: Any = None,
+               images: Any = None) -> Longest:
+    """The longest batch among the rows the run's steps reach (and at most how many labelled tokens, and image tokens,
+    a micro-batch of them holds: its rows' most, micro_batch_size times). `pictures`, `images`: a vision-language
+    model's processor and each row's image tokens (`row_image_tokens`)."""
     seen = seen_rows(len(lengths), cfg)
     width = max(lengths[i] for i in seen)
     most = cfg.train.micro_batch_size * max(labelled[i] for i in seen) if labelled else None
     what = "packed rows" if cfg.data.packing else "rows"
     scope = f"all {len(lengths):,} {what} of data.train" if len(seen) == len(lengths) else \
         f"the {len(seen):,} {what} of data.train its {steps_of(cfg, len(lengths))} steps reach, of {len(lengths):,}"
-    return Longest(width, f"the longest of {scope}", most)
+    if pictures is None or images is None or not pictures.loads():
+        return Longest(width, f"the longest of {scope}", most)
+    return Longest(width, f"the longest of {scope}", most, cfg.train.micro_batch_size * int(max(images[i] for i in seen)),
+                   pictures.pixels_per_token())
+
+
+def row_image_tokens(examples: Any, token_id: int | None) -> Any:
+    """Image tokens of each training example (of all its rows: a pair's two show the prompt's images twice)."""
+    if hasattr(examples, "image_tokens"):  # the token cache's columns
+        return examples.image_tokens(token_id)
+    return [sum(row.image_tokens for row in rows_of(e)) for e in examples]
 
 
 def _from_cache(cfg: Config, files: dict[str, Path]) -> Longest | None:
@@ -217,13 +235,16 @@ def _from_cache(cfg: Config, files: dict[str, Path]) -> Longest | None:
     from finetune.data import cache
 
     try:
-        entry = cache.find(cfg.data, override(light_tokenizer(cfg.model, files), cfg.data), cfg.method.name, cfg.train.seed)
+        tokenizer = override(light_tokenizer(cfg.model, files), cfg.data)
+        entry = cache.find(cfg.data, tokenizer, cfg.method.name, cfg.train.seed)
     except Exception:  # noqa: BLE001 - the tokenizer this light reader cannot read: tokenize below, which says why
         return None
     if entry is None:
         return None
     train = cache.open_split(entry / "train.arrow", cfg.method.name)  # packed already when data.packing
-    return longest_of(train.lengths().tolist(), cfg, train.labelled().tolist())
+    pictures = pictures_of(tokenizer)
+    return longest_of(train.lengths().tolist(), cfg, train.labelled().tolist(), pictures,
+                      row_image_tokens(train, pictures.image_token_id) if pictures is not None else None)
 
 
 STREAMED = "data.streaming=true: a stream's lengths are known only as the run reads it"
@@ -245,7 +266,8 @@ def longest_batch(cfg: Config) -> Longest | str:
         return cached
     try:
         rows = split_rows(replace(cfg.data, eval=None) if cfg.data.eval is not None else cfg.data, cfg.train.seed)[0]
-        examples, _ = tokenize(rows, override(light_tokenizer(cfg.model, files), cfg.data), cfg.data, "data.train", cfg.method.name)
+        tokenizer = override(light_tokenizer(cfg.model, files), cfg.data)
+        examples, _ = tokenize(rows, tokenizer, cfg.data, "data.train", cfg.method.name)
     except ConfigError as e:  # the launcher names data mistakes itself
         return f"data.train could not be read ({e})"
     except Exception as e:  # a tokenizer or template this light reader cannot handle
@@ -254,7 +276,8 @@ def longest_batch(cfg: Config) -> Longest | str:
     if cfg.data.packing and methods.get(cfg.method.name).unpacked is None:
         packed = first_fit(lengths, cfg.data.max_length, cfg.train.seed)
         lengths, labelled = [sum(lengths[i] for i in row) for row in packed], [sum(labelled[i] for i in row) for row in packed]
-    return longest_of(lengths, cfg, labelled)
+    pictures = pictures_of(tokenizer)  # packing is refused for a vision-language model: its rows are the examples
+    return longest_of(lengths, cfg, labelled, pictures, row_image_tokens(examples, None) if pictures is not None else None)
 
 
 def check_tools_template(cfg: Config, where: str | None) -> None:

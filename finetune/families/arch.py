@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 from typing import Any, Callable
 
 from finetune.config import ConfigError
@@ -325,13 +326,39 @@ def _built(key: str) -> Arch | str:
         return next((arch[k] for k in keys if isinstance(arch.get(k), (int, float, str)) and not isinstance(arch.get(k), bool)),
                     default)
 
+    tower, patch_input = _tower(found.vision, (torch.nn.Linear, Conv1D)) if found.vision is not None else (None, 0)
     return Arch(model_type=model_type, hidden_size=h, num_hidden_layers=len(blocks), num_attention_heads=heads,
                 num_key_value_heads=kv, head_dim=head_dim, vocab_size=vocab, tie_word_embeddings=tied, layers=blocks,
                 final_norm=rest, head_bias=head_bias, known=False, attention=attention_limits(arch),
                 act=str(first("hidden_act", "hidden_activation", "activation_function", default="silu")),
                 attention_dropout=float(first("attention_dropout", "attn_pdrop", default=0.0)),
                 residual_dropout=float(first("resid_pdrop", default=0.0)),
-                image_parts=tuple((part, found.count(part)) for part in ("vision", "projector", "language")) if found.vision is not None else ())
+                image_parts=tuple((part, found.count(part)) for part in ("vision", "projector", "language")) if found.vision is not None else (),
+                tower=tower, patch_input=patch_input)
+
+
+def _tower(vision: Any, linear_types: tuple[type, ...]) -> tuple[Arch | None, int]:
+    """A built vision tower as the planner counts its activations: its largest stack of blocks read as the language
+    model's are (`_block`), and the pixel values its patch embedding reads per patch (its first convolution's kernel, or
+    its first linear's input); (None, 0) where it has no stack of blocks."""
+    import torch
+
+    lists = [m for m in vision.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    if not lists:
+        return None, 0
+    stack = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+    first = next((m for m in stack[0].modules() if isinstance(m, linear_types)), None)
+    if first is None:
+        return None, 0
+    h = int(first.weight.shape[1] if first.weight.dim() == 2 and not hasattr(first, "nf") else first.weight.shape[0])
+    blocks = tuple(_block(layer, h, {}, linear_types, set()) for layer in stack)
+    conv = next((m for m in vision.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Conv3d))), None)
+    patch = math.prod(conv.weight.shape[1:]) if conv is not None else int(first.weight.shape[-1])
+    heads = next((int(getattr(m, k)) for m in stack[0].modules() for k in ("num_heads", "num_attention_heads")
+                  if isinstance(getattr(m, k, None), int)), 1)
+    return Arch(model_type="vision_tower", hidden_size=h, num_hidden_layers=len(blocks), num_attention_heads=heads,
+                num_key_value_heads=heads, head_dim=max(h // heads, 1), vocab_size=0, tie_word_embeddings=False, layers=blocks,
+                final_norm=0, known=False, act="gelu"), int(patch)
 
 
 def _block(layer: Any, h: int, arch: dict[str, Any], linear_types: tuple[type, ...], seen: set[int]) -> Block:

@@ -106,6 +106,11 @@ class Arch:
     image_parts: tuple[tuple[str, int], ...] = ()
     """A vision-language model's parts (finetune.families.vision.parts): (vision, projector, language) with their
     parameters; model.freeze chooses which are frozen. The tower and the projector are counted in `final_norm`'s rest."""
+    tower: Arch | None = field(default=None, compare=False, hash=False)
+    """A vision-language model's vision tower as a stack of blocks (read off the meta build as the language model's
+    are): for the activations it keeps when it trains, per image patch."""
+    patch_input: int = 0
+    """The pixel values one patch is (the tower's patch embedding reads channels x frames x patch x patch of them)."""
 
     @property
     def kv_dim(self) -> int:

@@ -385,14 +385,20 @@ def sample(engine: Any, prompts: list[list[int]], cfg: GrpoConfig, tokenizer: An
 
     if vllm is not None:
         return [cut(row, tokenizer.eos_token_id) for row in vllm.sample(prompts, cfg, hash(seed) % 2**63)]
-    g = cfg.generations
-    showing = images is not None and any(images)
-    if showing:  # each prompt G times, with its images (a processor's image inputs do not repeat along the rows)
-        prompts, images = [p for p in prompts for _ in range(g)], [im for im in images for _ in range(g)]
+    g, rows, pictures = cfg.generations, len(prompts) * cfg.generations, pictures_of(tokenizer)
+    showing, shown = False, []
+    if pictures is not None:  # each prompt G times with its images (a processor's image inputs do not repeat along the
+        # rows); a layout whose ranks run the vision tower together: one more row, a blank image's, where none shows one
+        repeated, shown = pictures.blank_row([p for p in prompts for _ in range(g)],
+                                             [im for im in (images or [[] for _ in prompts]) for _ in range(g)])
+        showing = any(shown)
+        if showing:
+            prompts = repeated
     batch = left_padded(prompts, tokenizer.pad_token_id)
     if showing:
-        batch |= {IN_BATCH + k: v for k, v in pictures_of(tokenizer).batch(images, batch["input_ids"]).items()}
+        batch |= {IN_BATCH + k: v for k, v in pictures.batch(shown, batch["input_ids"]).items()}
     width = batch["input_ids"].shape[1]
+    never = {"suppress_tokens": pictures.generated_never()} if pictures is not None and pictures.loads() else {}
     model = engine.generation_model
     device = next(model.parameters()).device
     devices = [device] if device.type == "cuda" else []
@@ -403,11 +409,11 @@ def sample(engine: Any, prompts: list[list[int]], cfg: GrpoConfig, tokenizer: An
             return model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], do_sample=True,
                                   temperature=cfg.temperature, top_p=cfg.top_p, top_k=0, max_new_tokens=cfg.completion_tokens,
                                   num_return_sequences=1 if showing else g, pad_token_id=tokenizer.pad_token_id,
-                                  eos_token_id=tokenizer.eos_token_id, synced_gpus=engine.lockstep, **seen(batch))
+                                  eos_token_id=tokenizer.eos_token_id, synced_gpus=engine.lockstep, **seen(batch), **never)
 
     with torch.no_grad():
         out = engine.inference(generate, batch)
-    return [cut(row, tokenizer.eos_token_id) for row in out[:, width:].tolist()]
+    return [cut(row, tokenizer.eos_token_id) for row in out[:rows, width:].tolist()]  # without a blank image's row
 
 
 def cut(row: list[int], eos: int) -> list[int]:

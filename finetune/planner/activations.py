@@ -292,6 +292,23 @@ def activation_bytes(arch: Arch, cfg: Config, layers: int, in_flight: int, seq: 
                        cpu=offloaded)
 
 
+def tower_bytes(arch: Arch, cfg: Config, patches: float) -> float:
+    """What a training vision tower (Arch.tower, read off the meta build) keeps for backward while the language model's
+    backward runs, for `patches` image patches: each of its blocks' saved tensors counted as the language model's are
+    (block_activation_bytes, with the patches for tokens; under checkpointing, which covers the tower's blocks too, each
+    block keeps its input), and under autocast the 16-bit copy of the pixel values its patch embedding saves (in fp32 it
+    saves the batch's own tensor). Measured on the image quickstart's Qwen2-VL: 2.2 MiB counted, 2.2 MiB more than with
+    the tower frozen (tests/test_images.py)."""
+    tower, d = arch.tower, dtypes(cfg)
+    if tower is None or patches <= 0:
+        return 0.0
+    seq = int(patches)
+    block = max(block_activation_bytes(tower, cfg, seq, seq, b) for b in set(tower.layers))
+    every = {Checkpointing.none: 0, Checkpointing.offload: 0, Checkpointing.full: 1}.get(cfg.checkpointing.name, cfg.checkpointing.every)
+    kept = [patches * tower.hidden_size * d.module if every and j % every == 0 else block for j in range(tower.num_hidden_layers)]
+    return (patches * arch.patch_input * d.compute if d.autocast else 0.0) + sum(kept)
+
+
 def head_bytes(arch: Arch, cfg: Config, tokens: int) -> float:
     """What the model saves outside its blocks: the final norm (norm_bytes), lm_head's input (when lm_head
     trains: a 16-bit cast under autocast, else the norm's output) and, under autocast, its 16-bit

@@ -11,7 +11,7 @@ whose state is measured on a probe step: finetune/optimizers/), well under a sec
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from finetune import methods, optimizers
 from finetune.config import Config, Offload, PeftMethod, Precision, Reference, StateDtype, Strategy
@@ -21,7 +21,7 @@ from finetune.data.lengths import Longest
 from finetune.data.rows import several_per_row
 from finetune.layouts import engine_kind, layouts_of, resolve
 from finetune.methods.base import SCORED, Sampling
-from finetune.planner.activations import Activations, activation_bytes, dtypes
+from finetune.planner.activations import Activations, activation_bytes, dtypes, tower_bytes
 from finetune.planner.counts import (CPU_OVERHEAD_BYTES, GIB, GPU_OVERHEAD_BYTES, Counts, architecture, attention_kernel,
                                      count_params, engine_state_bytes, module_bytes, moe_notes, optimizer_kind, state_bytes,
                                      trainable_shapes, trainable_split)
@@ -188,8 +188,10 @@ def model_notes(arch: Arch, cfg: Config) -> list[str]:
         frozen = frozen_parts(cfg.model.freeze, adapters=cfg.peft.name != PeftMethod.none)
         sizes = ", ".join(f"{part} {n:,}" for part, n in arch.image_parts)
         tower = ("the frozen vision tower keeps no activations for backward" if "vision" in frozen else
-                 "the vision tower trains, and its own activations (per image patch, in each of its layers) are not counted "
-                 "here: measure a first step (train.memory_report)")
+                 "the vision tower trains: its blocks' activations are counted per image patch (the most image tokens a "
+                 "micro-batch of the data holds, as patches), where the data's images were read" if arch.tower is not None else
+                 "the vision tower trains, and its activations are not counted (no stack of blocks found in it): measure a "
+                 "first step (train.memory_report)")
         notes.append(f"vision-language model ({sizes} parameters): frozen {', '.join(frozen) or 'nothing'} (model.freeze); "
                      f"an image's tokens are counted as tokens of the language model's rows (data.max_length); {tower}")
     notes.append("attention: %s (%s)" % attention_kernel(arch, cfg))
@@ -272,11 +274,25 @@ def activations_through_backward(arch: Arch, cfg: Config, counts: Counts, s: Sta
         block_grads = head_grads = 0.0
     acts = activation_bytes(arch, cfg, w.layers, w.in_flight, seq, w.tokens, block_grads, head_grads, moves=on_gpu, masked=masked,
                             labelled=w.labelled, exchange=w.exchange)
+    tower = tower_bytes(arch, cfg, patches(arch, cfg, longest))  # held until the tower's own backward, the last
+    if tower:
+        acts = replace(acts, stored=acts.stored + tower, blocks=acts.blocks + tower, filled=acts.filled + tower)
     # the worst moment of backward: the loss's own backward (everything saved, and its buffers), or
     # inside the blocks (the gradients filled in by then)
     backward = s.buckets + resident + max(acts.stored + acts.loss, acts.filled)
     s.grads += s.buckets
     return acts, backward
+
+
+def patches(arch: Arch, cfg: Config, longest: Longest | None) -> float:
+    """The image patches a micro-batch's training vision tower runs on: its image tokens (the most one micro-batch holds,
+    read from the data) x the pixel values the processor makes per token / the pixel values of one patch. 0 where the
+    tower is frozen (model.freeze) or the data's images were not read."""
+    adapters = cfg.peft.name != PeftMethod.none
+    if arch.tower is None or "vision" in frozen_parts(cfg.model.freeze, adapters) or longest is None or not longest.image_tokens \
+            or not arch.patch_input:
+        return 0.0
+    return longest.image_tokens * longest.pixels_per_token / arch.patch_input
 
 
 def step_temp(arch: Arch, cfg: Config, counts: Counts, s: States, on_gpu: bool) -> float:

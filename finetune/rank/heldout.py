@@ -105,14 +105,18 @@ def generate(model: Any, tokenizer: Any, examples: list[Example], *, batch_size:
     model.eval()
     texts: list[str] = []
     pictures = pictures_of(tokenizer)
+    never = {"suppress_tokens": pictures.generated_never()} if pictures is not None and pictures.loads() else {}
     for i in range(0, len(examples), batch_size):
         rows = examples[i : i + batch_size]
-        prompts = left_padded([e.input_ids[: e.prompt_len] for e in rows], tokenizer.pad_token_id)
-        ids, mask, width = prompts["input_ids"], prompts["attention_mask"], prompts["input_ids"].shape[1]
-        seen = {k: v.to(device) for k, v in pictures.batch([list(e.images) for e in rows], ids).items()} \
-            if pictures is not None and any(e.images for e in rows) else {}  # the prompts' images, as the model reads them
+        prompts, shown = [e.input_ids[: e.prompt_len] for e in rows], [list(e.images) for e in rows]
+        if pictures is not None:  # a layout whose ranks run the vision tower together: a blank image's row where none shows one
+            prompts, shown = pictures.blank_row(prompts, shown)
+        batch = left_padded(prompts, tokenizer.pad_token_id)
+        ids, mask, width = batch["input_ids"], batch["attention_mask"], batch["input_ids"].shape[1]
+        seen = {k: v.to(device) for k, v in pictures.batch(shown, ids).items()} \
+            if pictures is not None and any(shown) else {}  # the prompts' images, as the model reads them
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                             synced_gpus=synced, **seen)
-        texts += tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+                             synced_gpus=synced, **seen, **never)
+        texts += tokenizer.batch_decode(out[: len(rows), width:], skip_special_tokens=True)
     return texts

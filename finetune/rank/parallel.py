@@ -244,19 +244,27 @@ def _transformers_styles(block: nn.Module, tp_mesh: Any, entries: list[tuple[str
 
 
 def fully_shard(model: nn.Module, dp_mesh: Any, *, reshard_after_forward: bool, offload: bool) -> None:
-    """FSDP2: each decoder block is one unit (gathered for its forward/backward), then the root: the transformers model
-    itself, inside any PEFT wrapper (which holds no parameters of its own). The root's forward gathers what lies outside
+    """FSDP2: each decoder block is one unit (gathered for its forward/backward), a vision-language model's projector and
+    vision tower, then the root: the transformers model itself, inside any PEFT wrapper (which holds no parameters of its
+    own). The root's forward gathers what lies outside
     the blocks (embeddings, final norm, head), and `generate` calls the inner model's forward, not the wrapper's: rooted
     at the wrapper, generation under LoRA met the embedding still sharded."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
     from torch.distributed.fsdp import fully_shard as shard
     from transformers.modeling_layers import GradientCheckpointingLayer
 
+    from finetune.families.vision import parts
+
     kwargs = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward,
               "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()}
     for block in [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]:
         shard(block, **kwargs)
-    shard(model.get_base_model() if hasattr(model, "get_base_model") else model, **kwargs)
+    root = model.get_base_model() if hasattr(model, "get_base_model") else model
+    found = parts(root)  # a vision-language model's generate runs them before its first forward (get_image_features),
+    for part in (found.projector, found.vision):  # outside the root's: units of their own, the projector (inside
+        if part is not None:                      # Qwen's tower) first
+            shard(part, **kwargs)
+    shard(root, **kwargs)
     keep_quant_states(model, dp_mesh.device_type)
 
 

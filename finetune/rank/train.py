@@ -218,13 +218,6 @@ def run(cfg: Config, d: dist.Dist) -> None:
         pictures.everywhere = True  # their ranks gather the vision tower's parameters (or reduce its gradients) together
     phase("data")
     train_examples, eval_examples, stats = load_data(cfg, tokenizer, d)
-    method = methods.get(cfg.method.name)
-    if pictures is not None and pictures.everywhere and stats["train"].images and (
-            method.no_grad_rows or method.sampling(cfg.method) is not None):
-        raise ConfigError(f"method={cfg.method.name} forwards some rows apart (its own samples, or rows without gradients), and under "
-                          f"{'FSDP2' if cfg.parallelism.strategy == Strategy.fsdp else 'DeepSpeed'} every rank must run the vision "
-                          "tower in each of those forwards, which a micro-batch without images cannot yet: train it with "
-                          "parallelism=ddp (no zero) or on one rank")
     phase("model")
     zero3 = model.zero3_context(deepspeed_config(cfg) if uses_deepspeed(cfg) else None)
     attention, attention_why = model.resolve_attention(cfg.model, cfg.precision.name, d.device)
@@ -338,7 +331,7 @@ def train_and_export(cfg: Config, d: dist.Dist, *, eng: Engine, net: Any, object
     with log:  # the trackers end their runs after the run's last file (report), or marked failed if this raises
         predicted = None
         if d.is_main:  # the planner's prediction for this config, beside what the probe measures (python -m finetune.plan)
-            predicted = planned(cfg, batches, train_examples)
+            predicted = planned(cfg, batches, train_examples, tokenizer)
             if isinstance(predicted, str):
                 print(f"memory plan: not recorded ({predicted})")
             else:
@@ -429,11 +422,11 @@ def build_objective(method: MethodConfig, reference: Any = None, router: losses.
     return methods.get(method.name).objective(method, reference, router, head)
 
 
-def planned(cfg: Config, batches: Any, examples: Any) -> dict[str, float] | str:
+def planned(cfg: Config, batches: Any, examples: Any, tokenizer: Any) -> dict[str, float] | str:
     """The plan record: at the widest of the micro-batches the memory probe measures (rank 0's first
     loop.MEMORY_STEPS steps), for the comparison; and the peak planned at the longest batch of the whole run.
     A stream is read once, in order, by the loop: planned at data.max_length (an upper bound)."""
-    from finetune.data.lengths import STREAMED, Longest, longest_of, row_labelled, row_lengths
+    from finetune.data.lengths import STREAMED, Longest, longest_of, row_image_tokens, row_labelled, row_lengths
 
     if cfg.data.streaming:
         return records.record(cfg, Longest(None, STREAMED))
@@ -441,11 +434,15 @@ def planned(cfg: Config, batches: Any, examples: Any) -> dict[str, float] | str:
     per_row = cfg.train.micro_batch_size if batches.flat else 1  # a padding-free micro-batch: its tokens per row it holds
     widest = max(-(-mb["input_ids"].shape[1] // per_row) for mb in measured)
     labelled = max(int((mb["labels"][:, 1:] != IGNORE).sum()) for mb in measured)
+    pictures = pictures_of(tokenizer)
+    shown = (max(int((mb["input_ids"] == pictures.image_token_id).sum()) for mb in measured), pictures.pixels_per_token()) \
+        if pictures is not None and pictures.loads() else (None, 0.0)
     predicted = records.record(cfg, Longest(widest, f"the widest micro-batch of the first {loop.MEMORY_STEPS} steps, which "
-                                                    "the memory probe measures", labelled))
+                                                    "the memory probe measures", labelled, *shown))
     if isinstance(predicted, str):
         return predicted
-    run = plan(cfg, longest_of(row_lengths(examples), cfg, row_labelled(examples)))
+    run = plan(cfg, longest_of(row_lengths(examples), cfg, row_labelled(examples), pictures,
+                               row_image_tokens(examples, pictures.image_token_id) if pictures is not None else None))
     return predicted | {"plan_run_width": run.width, "plan_run_peak_mib": (run.total - run.overhead) / records.MIB}
 
 
