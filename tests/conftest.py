@@ -211,6 +211,37 @@ def run_cli(*args: str, cwd: Path, timeout: int = 600, module: str = "finetune.l
         return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def launch_in_process(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`run_cli(*ARGS, cwd=CWD)` for a launch that the launcher refuses or only prints (a dry run): the launcher's own
+    `main` in this process, its stdout and stderr captured and its exit code returned as the CLI's, without the 3-4 s of
+    a Python start-up that imports everything. An exception that escapes it is written to stderr as Python would."""
+    import contextlib
+    import io
+    import traceback
+
+    from finetune.launcher.launch import main
+
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    argv, here, env = sys.argv, os.getcwd(), dict(os.environ)
+    sys.argv = ["finetune.launch", *args]
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main()
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except Exception:  # noqa: BLE001 - the traceback a user would see
+                traceback.print_exc()
+                code = 1
+    finally:
+        sys.argv = argv
+        os.chdir(here)
+        os.environ.clear()
+        os.environ.update(env)
+    return subprocess.CompletedProcess(["finetune.launch", *args], code, out.getvalue(), err.getvalue())
+
+
 def config_keys(model_type: str) -> set[str]:
     """The keys transformers' config class for model_type takes by name: its fields and its attribute_map's aliases."""
     import dataclasses

@@ -1,9 +1,11 @@
-"""A campaign of user mistakes, each through the real command line.
+"""A campaign of user mistakes, each through the launcher's command line.
 
 Every case must end with a non-zero exit, no Python traceback anywhere in what the user sees
 (stdout and stderr), and a last line `error: ...` that names the key, the file or the rank to look at.
-Most are dry runs (everything the launcher can know before a rank starts); the mistakes only a rank
-can see, and those about earlier runs' directories, are short real launches. Of the mistakes only a rank can see, one
+Most are dry runs (everything the launcher can know before a rank starts): a few of them as a user runs them, in a
+process of their own (THROUGH_THE_CLI), the others through the launcher's `main` in the test's process (the same code
+and output, without a Python start-up each); the mistakes only a rank can see, and those about earlier runs'
+directories, are short real launches. Of the mistakes only a rank can see, one
 goes through the CLI here (RELAYED: the launcher repeats the rank's line as its last, as tests/test_errors.py's do on two
 ranks); the others are the ranks' part (tests/ranks.py's launch_here: the same rank code, its error.txt as the last line).
 
@@ -33,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import last_line, run_cli, tiny_model
+from conftest import last_line, launch_in_process, run_cli, tiny_model
 from ranks import launch_here
 
 QUICK = ["+recipe=quickstart_sft"]
@@ -259,6 +261,13 @@ CASES: list[tuple[str, list[str], str, bool]] = [
 RELAYED = ("peft_dotted_target_not_in_model",)
 """The rank-found mistake launched through the CLI here (the module's docstring says why only one)."""
 
+THROUGH_THE_CLI = ("group_without_plus", "unknown_flag", "missing_config_dir", "sweep_value_out_of_range", "unknown_recipe",
+                   "model_without_weights", "data_relative_path", "hostfile_missing")
+"""Dry runs that run as a user runs them, `python -m finetune.launch` in a process of its own: the command line's own
+flags and grammar, a sweep, one mistake of each kind. The other dry runs run the launcher's `main` in the test's process
+(conftest.launch_in_process: the same code, its output and exit code, without a Python start-up each); a case that is
+not a dry run always has a process of its own."""
+
 
 def test_the_campaign_is_wide():
     """At least 60 distinct mistakes, across every group."""
@@ -275,8 +284,10 @@ def test_a_mistake_is_one_line_naming_what_to_fix(ws, tmp_path, request, args, n
         args.append(f"hydra.sweep.dir={tmp_path / 'sweep'}")
     if real and request.node.callspec.id not in RELAYED:
         out = launch_here(*args, cwd=tmp_path, timeout=300)
-    else:
+    elif real or "launcher.dry_run=true" not in args or request.node.callspec.id in THROUGH_THE_CLI:
         out = run_cli(*args, cwd=tmp_path, timeout=300 if real else 60)
+    else:  # a dry run: the launcher starts nothing, whatever it finds
+        out = launch_in_process(*args, cwd=tmp_path)
     shown = out.stdout + out.stderr
     assert out.returncode != 0, shown[-3000:]
     assert "Traceback" not in shown, shown[-3000:]
