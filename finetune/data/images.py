@@ -480,11 +480,6 @@ class Pictures:
         inputs = self.batch([[] for _ in range(rows - 1)] + [[self.blank]], out["input_ids"])
         return out | {IN_BATCH + k: v for k, v in inputs.items()}
 
-    def generated_never(self) -> list[int]:
-        """The tokens an image is written with (its placeholder and markers): a generation must not write them, since the
-        model would then meet an image token without its image (GRPO trains on its samples; transformers refuses a
-        count of image tokens that differs from the images')."""
-        return sorted({*self.blank_tokens(), *([self.image_token_id] if self.image_token_id is not None else [])})
 
     def pixels_per_token(self) -> float:
         """The pixel values the processor makes per image token (a blank image's: the same for any image of a class whose
@@ -562,6 +557,17 @@ def seen(batch: dict[str, Any]) -> dict[str, Any]:
     """A micro-batch's image inputs as the model's forward takes them (pixel values, grids, sizes, per-token types): {}
     for a batch of text rows."""
     return {k[len(IN_BATCH):]: v for k, v in batch.items() if k.startswith(IN_BATCH)}
+
+
+def never_written(tokenizer: Any) -> dict[str, Any]:
+    """generate's keyword for a vision-language model's tokenizer: the tokens an image is written with (its placeholder
+    and markers) suppressed, since the model would then meet an image token without its image (GRPO trains on its
+    samples; transformers refuses a count of image tokens that differs from the images'); {} for a text model."""
+    pictures = pictures_of(tokenizer)
+    if pictures is None or not pictures.loads():
+        return {}
+    image = [pictures.image_token_id] if pictures.image_token_id is not None else []
+    return {"suppress_tokens": sorted({*pictures.blank_tokens(), *image})}
 
 
 def pictures_of(tokenizer: Any) -> Pictures | None:

@@ -277,7 +277,8 @@ def longest_batch(cfg: Config) -> Longest | str:
         packed = first_fit(lengths, cfg.data.max_length, cfg.train.seed)
         lengths, labelled = [sum(lengths[i] for i in row) for row in packed], [sum(labelled[i] for i in row) for row in packed]
     pictures = pictures_of(tokenizer)  # packing is refused for a vision-language model: its rows are the examples
-    return longest_of(lengths, cfg, labelled, pictures, row_image_tokens(examples, None) if pictures is not None else None)
+    return longest_of(lengths, cfg, labelled, pictures,
+                      row_image_tokens(examples, pictures.image_token_id) if pictures is not None else None)
 
 
 def check_tools_template(cfg: Config, where: str | None) -> None:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from finetune.config import (METHOD_NAME, POSITIVE, SOME_NAMES, TEXT, Accepts, Config, ConfigError, DataConfig, DataFormat, Logits,
                              MethodConfig, Reference, at_least, checked, in_range, unused)
-from finetune.data.images import IN_BATCH, SHOWN, pictures_of, seen
+from finetune.data.images import IN_BATCH, SHOWN, never_written, pictures_of, seen
 from finetune.data.tokenize import IGNORE, Encoded, Example
 from finetune.methods.base import CAUSAL_LM, Output, Sampling
 from finetune.methods.sft import METHOD as SFT_METHOD
@@ -398,7 +398,7 @@ def sample(engine: Any, prompts: list[list[int]], cfg: GrpoConfig, tokenizer: An
     if showing:
         batch |= {IN_BATCH + k: v for k, v in pictures.batch(shown, batch["input_ids"]).items()}
     width = batch["input_ids"].shape[1]
-    never = {"suppress_tokens": pictures.generated_never()} if pictures is not None and pictures.loads() else {}
+    never = never_written(tokenizer)
     model = engine.generation_model
     device = next(model.parameters()).device
     devices = [device] if device.type == "cuda" else []

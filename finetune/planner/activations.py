@@ -231,6 +231,13 @@ class Activations:
         return max(self.stored + self.logits_grad, self.blocks)
 
 
+def recompute_every(cfg: Config) -> int:
+    """Every how many blocks one keeps only its input (recomputed in backward): 0 for none and offload, 1 for full,
+    checkpointing.every for selective."""
+    ck = cfg.checkpointing
+    return {Checkpointing.none: 0, Checkpointing.offload: 0, Checkpointing.full: 1}.get(ck.name, ck.every)
+
+
 def activation_bytes(arch: Arch, cfg: Config, layers: int, in_flight: int, seq: int, tokens: int,
                      block_grads: float = 0.0, head_grads: float = 0.0, moves: bool = True, masked: bool = False,
                      labelled: int | None = None, exchange: float = 0.0) -> Activations:
@@ -257,7 +264,7 @@ def activation_bytes(arch: Arch, cfg: Config, layers: int, in_flight: int, seq: 
         kept = [0.0] * layers
         offloaded = layers * block * in_flight
     else:
-        every = {Checkpointing.none: 0, Checkpointing.offload: 0, Checkpointing.full: 1}.get(ck.name, ck.every)
+        every = recompute_every(cfg)
         kept = [layer_input if every and j % every == 0 else block for j in range(layers)]
         offloaded = 0.0
     earlier = sum(kept) * (in_flight - 1)  # pipeline micro-batches waiting for their backward
@@ -304,7 +311,7 @@ def tower_bytes(arch: Arch, cfg: Config, patches: float) -> float:
         return 0.0
     seq = int(patches)
     block = max(block_activation_bytes(tower, cfg, seq, seq, b) for b in set(tower.layers))
-    every = {Checkpointing.none: 0, Checkpointing.offload: 0, Checkpointing.full: 1}.get(cfg.checkpointing.name, cfg.checkpointing.every)
+    every = recompute_every(cfg)
     kept = [patches * tower.hidden_size * d.module if every and j % every == 0 else block for j in range(tower.num_hidden_layers)]
     return (patches * arch.patch_input * d.compute if d.autocast else 0.0) + sum(kept)
 

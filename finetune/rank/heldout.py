@@ -10,7 +10,7 @@ import torch
 
 from finetune.config import TrainConfig
 from finetune.data.batches import collate, eval_batches, for_generation, left_padded, shard
-from finetune.data.images import pictures_of
+from finetune.data.images import never_written, pictures_of
 from finetune.data.tokenize import Example
 from finetune.rank.dist import Dist
 from finetune.rank.engine.base import Engine
@@ -105,7 +105,7 @@ def generate(model: Any, tokenizer: Any, examples: list[Example], *, batch_size:
     model.eval()
     texts: list[str] = []
     pictures = pictures_of(tokenizer)
-    never = {"suppress_tokens": pictures.generated_never()} if pictures is not None and pictures.loads() else {}
+    never = never_written(tokenizer)
     for i in range(0, len(examples), batch_size):
         rows = examples[i : i + batch_size]
         prompts, shown = [e.input_ids[: e.prompt_len] for e in rows], [list(e.images) for e in rows]

@@ -246,9 +246,9 @@ def _transformers_styles(block: nn.Module, tp_mesh: Any, entries: list[tuple[str
 def fully_shard(model: nn.Module, dp_mesh: Any, *, reshard_after_forward: bool, offload: bool) -> None:
     """FSDP2: each decoder block is one unit (gathered for its forward/backward), a vision-language model's projector and
     vision tower, then the root: the transformers model itself, inside any PEFT wrapper (which holds no parameters of its
-    own). The root's forward gathers what lies outside
-    the blocks (embeddings, final norm, head), and `generate` calls the inner model's forward, not the wrapper's: rooted
-    at the wrapper, generation under LoRA met the embedding still sharded."""
+    own). The root's forward gathers what lies outside the blocks (embeddings, final norm, head), and `generate` calls
+    the inner model's forward, not the wrapper's: rooted at the wrapper, generation under LoRA met the embedding still
+    sharded."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
     from torch.distributed.fsdp import fully_shard as shard
     from transformers.modeling_layers import GradientCheckpointingLayer
