@@ -1,10 +1,11 @@
 """Rows with images, for vision-language models (finetune/data/images.py): the forms a row holds them in, their tokens
 as the model's own processor writes them, the batch's image inputs, the refusals, the token cache, and a run through
-the real command line with generation and export after it. Tiny random-init models of seven classes with processors
+the real command line with generation and export after it. Tiny random-init models of eight classes with processors
 built here (tests/vision_models.py); images are random PNGs."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -15,7 +16,7 @@ from finetune.config import ConfigError, DataConfig, ModelConfig
 
 torch = pytest.importorskip("torch")
 
-CLASSES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "llava", "mllama", "idefics3")
+CLASSES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "llava", "mllama", "idefics3", "mistral3")
 SHORT = ["+recipe=quickstart_sft", "model=pretrained", "data.format=auto", "data.eval=null", "data.eval_size=4",
          "launcher.nproc_per_node=1", "parallelism=single", "optim.warmup_steps=0", "train.micro_batch_size=2",
          "train.global_batch_size=4", "train.eval_every=0"]
@@ -25,7 +26,7 @@ SHORT = ["+recipe=quickstart_sft", "model=pretrained", "data.format=auto", "data
 def vlms(tmp_path_factory):
     """Model directories (config, weights, tokenizer, processor with its chat template) of every tested class."""
     root = tmp_path_factory.mktemp("vlms")
-    return {name: vision_models.save(name, root / name, with_processor=True) for name in (*CLASSES, "mistral3")}
+    return {name: vision_models.save(name, root / name, with_processor=True) for name in CLASSES}
 
 
 @pytest.fixture(scope="module")
@@ -271,21 +272,95 @@ def test_images_kept_as_bytes_reach_the_token_cache_as_files(vlms, image_dataset
     assert len(said) == 2 and said[1].startswith("data: cached tokens"), said
 
 
-def test_mistral3_without_torchvision_is_refused_naming_the_package(vlms, pictures):
+def test_a_processor_that_needs_torchvision_is_refused_naming_the_package(vlms, pictures, monkeypatch):
+    """Mistral 3's PixtralProcessor, which transformers hides without torchvision, loads (its PIL image processor); a
+    processor that needs torchvision for images is refused naming the package."""
+    import transformers
+
+    from finetune.data import images
+
+    assert images.load_processor(str(vlms["mistral3"])).image_processor.__class__.__name__ == "PixtralImageProcessorPil"
+    monkeypatch.setattr(images, "_processor_class", lambda name: getattr(transformers, name))
     assert _refused(vlms, pictures, [_chat("<image> what ?", images=["img/1.png"])], name="mistral3") == (
         f"model.path={vlms['mistral3']}: PixtralProcessor (model_type=mistral3) needs torchvision to process images, which "
         "is not installed here: pip install torchvision (the build matching your torch: PyPI's wheel is CUDA torch's)")
 
 
-def test_packing_is_refused_and_padding_free_stays_off_for_a_vision_language_model(vlms, compose, pictures):
+@pytest.mark.parametrize("name", ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "idefics3", "mistral3"))
+def test_rows_of_several_samples_with_images_score_each_sample_as_alone(vlms, pictures, name):
+    """Padding-free (the micro-batch's samples end to end in one row, with a blank image's sample after them, as under
+    FSDP2 and ZeRO): each sample's summed token loss is the one it has in the padded batch, its attention one sample at a
+    time (finetune.rank.varlen, the vision tower's own left as it was) and, for M-RoPE classes, its 3-D positions computed
+    alone (finetune.rank.vision.rope_per_sample: without them the Qwen-VL rows score otherwise)."""
+    from finetune.data.batches import collate
+    from finetune.data.images import pictures_of, seen
+    from finetune.methods.losses import token_loss_sum
+    from finetune.rank import varlen, vision
+    from transformers import AutoModelForImageTextToText
+
+    tok, train, _ = _tokenized(vlms[name], [MIXED[0], MIXED[2], MIXED[1]], pictures)
+    model = AutoModelForImageTextToText.from_pretrained(vlms[name]).eval()
+    tower = model.config.vision_config._attn_implementation
+    padded = collate(train, tok.pad_token_id, pictures=pictures_of(tok))
+    with torch.no_grad():
+        logits = model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"], **seen(padded)).logits
+    alone = [float(token_loss_sum(logits[r : r + 1], padded["labels"][r : r + 1])) for r in range(len(train))]
+
+    def flat_sums():
+        pictures_of(tok).everywhere = True
+        try:
+            flat = collate(train, tok.pad_token_id, flat=True, pictures=pictures_of(tok))
+        finally:
+            pictures_of(tok).everywhere = False
+        assert flat["input_ids"].shape[0] == 1 and flat["position_ids"].shape == flat["input_ids"].shape
+        with torch.no_grad():
+            logits = model(input_ids=flat["input_ids"], position_ids=flat["position_ids"], **seen(flat)).logits
+        cut = [0, *itertools.accumulate(len(e.input_ids) for e in train)]
+        return [float(token_loss_sum(logits[:, a:b], flat["labels"][:, a:b])) for a, b in zip(cut, cut[1:])]
+
+    varlen.Varlen(model)
+    if name.startswith("qwen"):
+        assert flat_sums() != pytest.approx(alone, rel=1e-6)  # 1-D positions over the images: not the model's reading
+    assert vision.rope_per_sample(model) == name.startswith("qwen")
+    assert flat_sums() == pytest.approx(alone, rel=1e-6)
+    assert model.config.vision_config._attn_implementation == tower
+
+
+@pytest.mark.parametrize("name,extra", [("qwen2_vl", ["peft=lora", "optim.lr=1e-2"]), ("llava", [])], ids=["qwen2_vl-lora", "llava"])
+def test_padding_free_and_packed_rows_with_images_train_through_the_cli(vlms, mixed_rows, tmp_path, name, extra):
+    """A vision-language run is padding-free by default (it was padded): the eval loss of the padded run, exactly (with
+    LoRA's wrapper around the model too); packed rows through the token cache carry each sample's images and train."""
+    common = [*_two_ranks_common(vlms, mixed_rows)[:2], f"model.path={vlms[name]}", *_two_ranks_common(vlms, mixed_rows)[3:],
+              "launcher.nproc_per_node=1", "parallelism=single", "train.micro_batch_size=4", *extra]
+    padded = train_here([*common, "data.padding_free=false"], tmp_path / "padded")
+    free = train_here(common, tmp_path / "free")
+    assert json.loads((tmp_path / "free" / "summary.json").read_text()) == free
+    assert free["after"]["eval_loss"] == pytest.approx(padded["after"]["eval_loss"], rel=1e-6)
+    assert (tmp_path / "free" / "config.yaml").read_text().count("padding_free: null") == 1
+    packed = train_here([*common, "data.packing=true", "data.max_length=128", "train.micro_batch_size=1",
+                         "train.global_batch_size=1", "data.cache=true", f"data.cache_dir={tmp_path / 'cache'}"], tmp_path / "packed")
+    assert packed["after"]["eval_loss"] < packed["before"]["eval_loss"] - 0.1
+
+
+def test_rows_of_several_samples_are_refused_where_an_image_reaches_across_the_row(vlms, compose):
+    """Gemma 3's image tokens attend to each other both ways and Mllama's text reaches its images by cross-attention, both
+    masked over the whole row: packing is refused and padding-free stays off, each saying why."""
     from finetune.data.rows import padding_free
 
-    with pytest.raises(ConfigError, match=r"data.packing=true cannot run with model.path=.*\(qwen2_vl\): a vision-language "
-                                          r"model computes its image tokens' positions and masks per row"):
-        compose(["+recipe=quickstart_sft", "model=pretrained", f"model.path={vlms['qwen2_vl']}", "data.packing=true"])
-    cfg = compose(["+recipe=quickstart_sft", "model=pretrained", f"model.path={vlms['qwen2_vl']}", "train.micro_batch_size=4"])
-    assert padding_free(cfg) == (False, "padded: a vision-language model computes its image tokens' positions and masks per row "
-                                        "(Qwen-VL's M-RoPE, Gemma 3's bidirectional image attention, Mllama's cross-attention mask)")
+    gemma = ("its image tokens' attention is shaped over the whole row by token_type_ids (Gemma 3's and 4's images attend to "
+             "each other both ways), which attention one sample at a time, causal, does not keep")
+    mllama = ("its text reads the images through cross-attention, masked over the whole row (cross_attention_mask), which does "
+              "not keep an image with its own sample")
+    for name, why in (("gemma3", gemma), ("mllama", mllama)):
+        base = ["+recipe=quickstart_sft", "model=pretrained", f"model.path={vlms[name]}"]
+        with pytest.raises(ConfigError) as e:
+            compose([*base, "data.packing=true"])
+        assert str(e.value) == f"data.packing=true cannot run with model.path={vlms[name]} ({name}): {why}: set data.packing=false"
+        with pytest.raises(ConfigError) as e:
+            compose([*base, "data.padding_free=true"])
+        assert str(e.value) == (f"data.padding_free=true cannot run here: model.path={vlms[name]} ({name}): {why}: set "
+                                "data.padding_free=false (or null)")
+        assert padding_free(compose([*base, "train.micro_batch_size=4"])) == (False, f"padded: model.path={vlms[name]} ({name}): {why}")
 
 
 @pytest.fixture(scope="module")

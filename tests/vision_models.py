@@ -166,6 +166,12 @@ def processor(name: str, tok: Any) -> Any:
         ip = T.Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": side},
                                          max_image_size={"longest_edge": side})
         return T.Idefics3Processor(image_processor=ip, tokenizer=tok, image_seq_len=4, chat_template=template("<image>"))
+    if name == "mistral3":  # transformers hides PixtralProcessor without torchvision: the class finetune loads instead
+        from finetune.data.images import _processor_class
+
+        ip = T.PixtralImageProcessorPil(size={"longest_edge": side}, patch_size={"height": 14, "width": 14})
+        return _processor_class("PixtralProcessor")(image_processor=ip, tokenizer=tok, patch_size=14, spatial_merge_size=2,
+                                                    chat_template=template("[IMG]"))
     raise KeyError(name)
 
 
@@ -176,16 +182,7 @@ def save(name: str, where: Path, with_processor: bool = False) -> Path:
     build(name).save_pretrained(where)
     tok.save_pretrained(where)
     if with_processor:
-        if name == "mistral3":  # Pixtral's processor needs torchvision: its files as the hub has them
-            import json
-
-            import transformers as T
-
-            T.PixtralImageProcessorPil(size={"longest_edge": 56}, patch_size={"height": 14, "width": 14}).save_pretrained(where)
-            (where / "processor_config.json").write_text(json.dumps({"processor_class": "PixtralProcessor", "patch_size": 14,
-                                                                     "spatial_merge_size": 2}))
-        else:
-            processor(name, tok).save_pretrained(where)
+        processor(name, tok).save_pretrained(where)  # Pixtral's names its image processor PixtralImageProcessor, as the hub's
     return where
 
 

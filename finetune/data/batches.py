@@ -57,7 +57,7 @@ def collate(examples: list[Any], pad_id: int, width: int | None = None, flat: bo
             batch[name] = torch.tensor([v[name][k] for k in rows for v in values], dtype=torch.float64)
         return batch
     if flat:
-        return flat_row(examples)
+        return with_images(flat_row(examples), [[im for e in examples for im in e.images]], pictures, pad_id, blank)
     width = width or max(len(e.input_ids) for e in examples)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
@@ -76,12 +76,19 @@ def collate(examples: list[Any], pad_id: int, width: int | None = None, flat: bo
             pos[row, n:] = torch.arange(width - n)  # the padding tail is a separate "sample"
         batch["position_ids"] = pos
         labels[starts(pos)] = IGNORE  # a sample's first token is predicted by the sample before's last: no loss
-    if any(e.images for e in examples):
+    return with_images(batch, [list(e.images) for e in examples], pictures, pad_id, blank)
+
+
+def with_images(batch: dict[str, Any], images: list[list[Any]], pictures: Any, pad_id: int, blank: bool) -> dict[str, Any]:
+    """A micro-batch of rows with the model's image inputs for each row's `images` (in the order its tokens show them),
+    and the images themselves (`SHOWN`); a batch without any, under a layout whose ranks run the vision tower together
+    (`blank`), runs it on a blank image."""
+    if any(images):
         if pictures is None:
             raise ValueError("a batch with images needs the model's processor (finetune.data.images.Pictures)")
-        batch |= {IN_BATCH + k: v for k, v in pictures.batch([list(e.images) for e in examples], ids).items()}
-        batch[SHOWN] = Shown(list(e.images) for e in examples)
-    elif pictures is not None and pictures.everywhere and blank:  # a layout whose ranks run the vision tower together
+        batch |= {IN_BATCH + k: v for k, v in pictures.batch(images, batch["input_ids"]).items()}
+        batch[SHOWN] = Shown(images)
+    elif pictures is not None and pictures.everywhere and blank:
         batch = pictures.with_blank(batch, pad_id, IGNORE)
     return batch
 

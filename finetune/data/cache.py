@@ -385,6 +385,10 @@ def pack_split(table: pa.Table, max_length: int, seed: int) -> pa.Table:
     packed = pa.table({"input_ids": column(ids.values.to_numpy()[gather]), "labels": column(labels.values.to_numpy()[gather]),
                        "prompt_len": pa.array(np.zeros(n, np.int32)), "reference": pa.array([""] * n, pa.string()),
                        "position_ids": column(position)})
+    if "images" in table.column_names:  # a vision-language model's rows: each packed row shows its samples' images in order
+        images = table.column("images").to_pylist()
+        packed = packed.append_column("images", pa.array([[im for i in row for im in images[i]] for row in rows],
+                                                         pa.list_(pa.string())))
     return packed
 
 

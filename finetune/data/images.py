@@ -261,8 +261,10 @@ def kept(image: Any, store: Path) -> str:
 
 def load_processor(source: str, revision: str | None = None, trust_remote_code: bool = False) -> Any:
     """The model's own processor (the class AutoProcessor picks), for images only: where its class also takes a video
-    processor, which transformers builds only with torchvision, a subclass without one (images need none). A processor
-    that needs torchvision for images too (Mistral 3's Pixtral) is refused naming the package."""
+    processor, which transformers builds only with torchvision, a subclass without one (images need none); where
+    transformers hides the class itself for want of torchvision, the class with PIL image processing
+    (`_processor_class`: Mistral 3's Pixtral). A processor that needs torchvision for images too is refused naming the
+    package."""
     import transformers
     from transformers import AutoConfig
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
@@ -270,7 +272,7 @@ def load_processor(source: str, revision: str | None = None, trust_remote_code: 
 
     config = AutoConfig.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
     name = _declared_processor(source) or PROCESSOR_MAPPING_NAMES.get(config.model_type)
-    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    cls = _processor_class(name) if isinstance(name, str) else None
     if cls is None:
         raise ConfigError(f"model.path={source}: transformers has no processor for model_type={config.model_type} (it names "
                           f"{name!r}), which reads its images: a vision-language model needs one")
@@ -288,6 +290,39 @@ def load_processor(source: str, revision: str | None = None, trust_remote_code: 
         raise ConfigError(f"model.path={source}: could not load its processor ({cls.__name__}): {str(e).splitlines()[0]}: a "
                           "vision-language model's directory holds its processor (processor_config.json or "
                           "preprocessor_config.json)") from None
+
+
+def _processor_class(name: str) -> Any:
+    """transformers' processor class `name`. Where transformers hides it for want of torchvision although it reads
+    images without it (Mistral 3's PixtralProcessor: its module imports the torchvision image processor's module for a
+    helper its PIL twin has too), the class itself, its module imported with each torchvision image processor's module
+    of the model's package replaced by its PIL twin (image_processing_pil_*), which AutoImageProcessor picks here anyway.
+    Anything else that needs torchvision stays hidden (its refusal names the package)."""
+    import importlib
+    import pkgutil
+    import sys
+
+    import transformers
+    from transformers.utils.import_utils import DummyObject
+
+    cls = getattr(transformers, name, None)
+    where = getattr(transformers, "_class_to_module", {}).get(name)
+    if not isinstance(cls, DummyObject) or list(getattr(cls, "_backends", ())) != ["torchvision"] or where is None:
+        return cls
+    package = importlib.import_module(f"transformers.{where.rsplit('.', 1)[0]}")
+    found = {m.name for m in pkgutil.iter_modules(package.__path__)}
+    twins = {f"{package.__name__}.{m}": f"{package.__name__}.image_processing_pil_{m[len('image_processing_'):]}" for m in found
+             if m.startswith("image_processing_") and f"image_processing_pil_{m[len('image_processing_'):]}" in found}
+    added = [m for m in twins if m not in sys.modules]
+    try:
+        for module in added:
+            sys.modules[module] = importlib.import_module(twins[module])
+        return getattr(importlib.import_module(f"transformers.{where}"), name)
+    except ImportError:
+        return cls
+    finally:
+        for module in added:  # the torchvision modules themselves still fail to import, as they should
+            sys.modules.pop(module, None)
 
 
 def has_processor(source: str) -> bool:
@@ -456,7 +491,8 @@ class Pictures:
 
     def with_blanks(self, batch: dict[str, Any], rows: list[int], pad_id: int, ignore: int) -> dict[str, Any]:
         """The batch one blank image's tokens wider, with those tokens after the end of each of `rows`, in padding (no
-        attention to them from any row, no labels: `ignore`); the image inputs are the caller's to make (`batch`)."""
+        attention to them from any row, no labels: `ignore`; a sample of their own in rows of several); the image inputs
+        are the caller's to make (`batch`)."""
         import torch
 
         tokens = torch.tensor(self.blank_tokens())
@@ -470,6 +506,8 @@ class Pictures:
             out["input_ids"][row, -n:] = tokens
         if "attention_mask" in batch:
             out["attention_mask"] = wider(batch["attention_mask"], 0)
+        if "position_ids" in batch:  # rows of several samples (packed, padding-free): the blank is a sample of its own
+            out["position_ids"] = torch.cat([batch["position_ids"], torch.arange(n).expand(count, n)], dim=1)
         return out
 
     def with_blank(self, batch: dict[str, Any], pad_id: int, ignore: int) -> dict[str, Any]:

@@ -50,7 +50,8 @@ def first_fit(lengths: list[int], max_length: int, seed: int | Sequence[int]) ->
 def pack(examples: list[Example], max_length: int, seed: int | Sequence[int]) -> list[Example]:
     """Several samples per row of at most `max_length` tokens (first fit, in a seeded order).
 
-    Each sample keeps its own labels and positions; nothing crosses sample boundaries.
+    Each sample keeps its own labels, positions and images (in order: a vision-language model's rows); nothing crosses
+    sample boundaries.
     """
     rows = [[examples[i] for i in row] for row in first_fit([len(e.input_ids) for e in examples], max_length, seed)]
     return [
@@ -60,6 +61,7 @@ def pack(examples: list[Example], max_length: int, seed: int | Sequence[int]) ->
             prompt_len=0,
             reference="",
             position_ids=[p for e in row for p in range(len(e.input_ids))],
+            images=tuple(image for e in row for image in e.images),
         )
         for row in rows
     ]

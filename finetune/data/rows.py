@@ -1,5 +1,5 @@
 """What lays several samples in one training row, read by both sides: the launcher's rules and planner, the ranks'
-batches. Derived from the config alone; no torch.
+batches. Derived from the config alone; no torch (but for a vision-language model, whose class transformers names).
 """
 
 from __future__ import annotations
@@ -8,15 +8,42 @@ from finetune import methods
 from finetune.config import Config, ConfigError
 
 
-UNPACKED_VISION = ("a vision-language model computes its image tokens' positions and masks per row (Qwen-VL's M-RoPE, Gemma 3's "
-                   "bidirectional image attention, Mllama's cross-attention mask)")
-
-
-def vision_model(cfg: Config) -> bool:
-    """Whether the run's model is a vision-language one, as its local config.json says (finetune.families.vision)."""
+def vision_unpacked(cfg: Config) -> str | None:
+    """Why the run's vision-language model cannot hold several samples in a row (`unpacked`), as its local config.json
+    names its class; None for a text model, or one whose samples each attend alone."""
     from finetune.disk import local_vision
 
-    return local_vision(cfg.model) is not None
+    vision = local_vision(cfg.model)
+    if vision is None:
+        return None
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES  # torch: a VLM only
+
+    import transformers
+
+    cls = getattr(transformers, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(vision.model_type, ""), None)
+    why = unpacked(cls) if cls is not None else None
+    return f"model.path={cfg.model.path} ({vision.model_type}): {why}" if why else None
+
+
+def unpacked(cls: type) -> str | None:
+    """Why an image-text class cannot take rows of several samples (packed, padding-free), read from what its forward
+    takes; None where each sample's attention and positions can be computed alone: causal attention over 1-D positions
+    (finetune.rank.varlen: LLaVA, Mistral 3, Idefics3), or M-RoPE's 3-D positions per sample by the class's own
+    get_rope_index (finetune.rank.vision.rope_per_sample: the Qwen-VL family, GLM-4V)."""
+    import inspect
+    import sys
+
+    takes = set(inspect.signature(cls.forward).parameters)
+    if "cross_attention_mask" in takes:
+        return ("its text reads the images through cross-attention, masked over the whole row (cross_attention_mask), "
+                "which does not keep an image with its own sample")
+    rope = any(callable(getattr(c, "get_rope_index", None)) for c in vars(sys.modules[cls.__module__]).values()
+               if isinstance(c, type))
+    types = sorted(takes & {"token_type_ids", "mm_token_type_ids"})
+    if types and not rope:
+        return (f"its image tokens' attention is shaped over the whole row by {types[-1]} (Gemma 3's and 4's images attend "
+                "to each other both ways), which attention one sample at a time, causal, does not keep")
+    return None
 
 
 def padding_free(cfg: Config) -> tuple[bool, str]:
@@ -26,7 +53,7 @@ def padding_free(cfg: Config) -> tuple[bool, str]:
     why_not = methods.get(cfg.method.name).unpacked or (
         f"parallelism.pp={p.pp} sends every micro-batch through the stages at one shape (data.max_length)" if p.pp > 1 else
         f"parallelism.cp={p.cp} splits each row's tokens over ranks and masks the whole row" if p.cp > 1 else
-        UNPACKED_VISION if vision_model(cfg) else None)
+        vision_unpacked(cfg))
     if asked is False:
         return False, "data.padding_free=false"
     if why_not is not None:

@@ -273,6 +273,12 @@ def prepare_model(cfg: Config, d: dist.Dist, loaded: torch.nn.Module, attention:
         if cfg.parallelism.cp > 1:
             raise ConfigError(router_loss_split(f"parallelism.cp={cfg.parallelism.cp}"))
     several = rows.several_per_row(cfg)
+    if several and vision.parts(loaded).vision is not None:  # a hub id's class, which the launcher could not read
+        if (why := rows.unpacked(type(loaded))) is not None:
+            raise ConfigError(f"{several} cannot run with {loaded.config.model_type}: {why}: set data.packing=false and "
+                              "data.padding_free=false")
+        if vision.rope_per_sample(loaded):
+            attention_why += "; M-RoPE positions per sample (finetune.rank.vision)"
     if several and attention in varlen.KERNELS:  # rows of several samples, attended one sample at a time
         varlen.Varlen(loaded)
         attention_why += f"; {several}: {attention} per sample (finetune.rank.varlen)"

@@ -65,14 +65,20 @@ class Varlen:
         self.name = f"{NAME}_{self.inner}_{next(_MODELS)}"  # the registry is global: one key per model
         AttentionInterface.register(self.name, self.attention)
         AttentionMaskInterface.register(self.name, self.mask)
-        self.config._attn_implementation = self.name
+        others = {k: getattr(self.config, k) for k in getattr(self.config, "sub_configs", {}) if k != "text_config"}
+        self.config._attn_implementation = self.name  # transformers sets it on the sub-configs too
         for sub in (getattr(self.config, "text_config", None),):  # a multimodal wrapper's text model reads its own
-            if sub is not None and getattr(sub, "_attn_implementation", None) == self.inner:
+            if sub is not None and getattr(sub, "_attn_implementation", None) in (self.inner, self.name):
                 sub._attn_implementation = self.name
+        for sub in others.values():  # a vision tower's attention is over its patches, not the rows' samples: its own
+            if sub is not None and getattr(sub, "_attn_implementation", None) == self.name:
+                sub._attn_implementation = self.inner
         model.register_forward_pre_hook(self._forward_begins, with_kwargs=True)
 
     def _forward_begins(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         positions = kwargs.get("position_ids")
+        if positions is not None and positions.dim() == 3:  # M-RoPE's [4, B, S]: the text positions first (vision.rope)
+            positions = positions[0]
         self.positions = positions
         self.lengths = None
         if positions is not None and positions.dim() == 2:

@@ -60,10 +60,10 @@ def validate_vision(cfg: Config) -> None:
                               "(no vision_config): remove model.freeze")
         return
     if cfg.data.packing:
-        from finetune.data.rows import UNPACKED_VISION
+        from finetune.data.rows import vision_unpacked
 
-        raise ConfigError(f"data.packing=true cannot run with model.path={m.path} ({vision.model_type}): {UNPACKED_VISION}: set "
-                          "data.packing=false")
+        if (why := vision_unpacked(cfg)) is not None:
+            raise ConfigError(f"data.packing=true cannot run with {why}: set data.packing=false")
     auto = built_as(methods.get(cfg.method.name).model_class, True)
     from transformers.models.auto import modeling_auto  # imports torch (3-4 s): only for a vision-language model
 
