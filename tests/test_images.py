@@ -272,6 +272,39 @@ def test_images_kept_as_bytes_reach_the_token_cache_as_files(vlms, image_dataset
     assert len(said) == 2 and said[1].startswith("data: cached tokens"), said
 
 
+def test_an_image_changed_in_place_gets_its_rows_tokenized_again(vlms, tmp_path):
+    """Qwen-VL's tokens per image follow its size: an image file replaced by a bigger one under the same path gives the
+    cache's rows the tokens the new picture takes (not the old entry's), and the next load reads that entry."""
+    import shutil
+
+    from finetune.data import cache
+    from finetune.data.examples import load_split
+    from finetune.data.templates import load_tokenizer
+
+    model = shutil.copytree(vlms["qwen2_vl"], tmp_path / "model")  # images of up to 112 x 112 pixels, not 56 x 56
+    settings = json.loads((model / "processor_config.json").read_text())
+    settings["image_processor"]["size"]["longest_edge"] = 112 * 112
+    (model / "processor_config.json").write_text(json.dumps(settings))
+    (tmp_path / "img").mkdir()
+    for i in range(2):
+        vision_models.image(tmp_path / "img" / f"{i}.png", 56, i)
+    rows = write_jsonl(tmp_path / "rows.jsonl", [_chat("<image> what ?", images=[f"img/{i}.png"]) for i in range(2)])
+    data = DataConfig(train=rows, eval_size=0, max_length=256, cache_dir=str(tmp_path / "cache"))
+    tok = load_tokenizer(ModelConfig(path=str(model)), data)
+    said: list[str] = []
+    before, *_ = cache.load(data, tok, 0, "sft", builder=True, progress=False, say=said.append)
+    vision_models.image(tmp_path / "big.png", 112, 5)
+    shutil.copyfile(tmp_path / "big.png", tmp_path / "img" / "1.png")
+    after, _, stats, _, entry = cache.load(data, tok, 0, "sft", builder=True, progress=False, say=said.append)
+    fresh, _, _ = load_split(DataConfig(train=rows, eval_size=0, max_length=256, cache=False), tok, 0)
+    assert [len(e.input_ids) for e in after] == [len(e.input_ids) for e in fresh]
+    assert len(after[1].input_ids) > len(before[1].input_ids) and after[0].input_ids == before[0].input_ids
+    assert said[1] == (f"data: 1 image(s) changed since their rows' tokens were cached ({tmp_path / 'img' / '1.png'}): the rows' "
+                       f"tokens again, cached at {entry}"), said
+    again = cache.load(data, tok, 0, "sft", builder=True, progress=False, say=said.append)
+    assert again[-1] == entry and said[-1].startswith(f"data: cached tokens {entry}"), said
+
+
 def test_a_processor_that_needs_torchvision_is_refused_naming_the_package(vlms, pictures, monkeypatch):
     """Mistral 3's PixtralProcessor, which transformers hides without torchvision, loads (its PIL image processor); a
     processor that needs torchvision for images is refused naming the package."""

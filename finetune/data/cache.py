@@ -3,7 +3,10 @@
 The key is a hash of everything that changes the tokens (`key_inputs`): the source files' content (a
 hub dataset: its `datasets` fingerprint) and each source's subset, split, revision and column map, the tokenizer (its whole tokenizer.json and chat template),
 the data settings (form, template, system prompt, max_length, long prompts, packing, the held-out eval
-rows), the method, and the seed where it matters (held-out rows, packing). Under `data.cache_dir`
+rows), the method, and the seed where it matters (held-out rows, packing). The image files a vision-language model's
+rows name are not read for the key (a million of them would be read at every start): the entry records each one's size
+and modification time, and a load that finds one changed uses an entry of its own, keyed by the changed files
+(`entry`): an image replaced in place is tokenized again (its token count follows its size). Under `data.cache_dir`
 (default ~/.cache/finetune/tokens) the directory KEY/ holds `train.arrow` and `eval.arrow` (Arrow IPC
 files) and `meta.json` (the counts the run prints). It is written under a temporary
 name and renamed into place when complete, so a reader never sees half of one, and two processes
@@ -193,8 +196,20 @@ def _labelled(labels: Any) -> np.ndarray:
 
 def find(cfg: DataConfig, tokenizer: Any, method: str, seed: int) -> Path | None:
     """The cache entry of these inputs, if one is complete."""
-    target = root(cfg) / key_of(key_inputs(cfg, tokenizer, method, seed))
+    _, target, _ = entry(cfg, tokenizer, method, seed)
     return target if (target / META).is_file() else None
+
+
+def entry(cfg: DataConfig, tokenizer: Any, method: str, seed: int) -> tuple[dict[str, Any], Path, list[str]]:
+    """(the key's inputs, the entry's directory, the images changed since): where the entry of these inputs made from
+    rows whose image files changed in place since (`changed_images`) is one of its own, its key the changed files'."""
+    inputs = key_inputs(cfg, tokenizer, method, seed)
+    target = root(cfg) / key_of(inputs)
+    changed = changed_images(target) if (target / META).is_file() else []
+    if changed:  # the same rows, other pictures: other tokens where the resolution is dynamic
+        inputs |= {"images": hashlib.sha256(json.dumps(_stamps(changed)).encode()).hexdigest()}
+        target = root(cfg) / key_of(inputs)
+    return inputs, target, changed
 
 
 def open_split(path: Path, method: str = "sft") -> Examples:
@@ -411,6 +426,7 @@ def build(cfg: DataConfig, tokenizer: Any, method: str, seed: int, target: Path,
                                                            num_proc=num_proc, progress=progress, scratch=scratch,
                                                            store=target.parent / IMAGES)
         samples = splits["train"].num_rows
+        images = _image_stamps(splits.values())
         if cfg.packing and methods.get(method).unpacked is None:
             splits["train"] = pack_split(splits["train"], cfg.max_length, seed)
         for name, table in splits.items():
@@ -422,7 +438,7 @@ def build(cfg: DataConfig, tokenizer: Any, method: str, seed: int, target: Path,
         shutil.rmtree(temporary, ignore_errors=True)
         raise
     meta = {"inputs": inputs, "stats": {k: vars(s) for k, s in stats.items()}, "samples": samples,
-            "rows": counts, "seconds": round(time.perf_counter() - started, 3)}
+            "rows": counts, "seconds": round(time.perf_counter() - started, 3), "images": images}
     (temporary / META).write_text(json.dumps(meta, indent=1) + "\n")
     try:
         os.rename(temporary, target)
@@ -446,9 +462,11 @@ def load(cfg: DataConfig, tokenizer: Any, seed: int, method: str, *, builder: bo
          say: Callable[[str], None], wait_s: float = 0.5) -> tuple[Any, Any, dict[str, Stats], int, Path]:
     """The run's train and eval examples from the cache, built first if missing by the `builder` (local rank 0;
     the others wait for it). Returns (train, eval, counts, samples before packing, the cache entry)."""
-    inputs = key_inputs(cfg, tokenizer, method, seed)
+    inputs, target, changed = entry(cfg, tokenizer, method, seed)
     base = root(cfg)
-    target = base / key_of(inputs)
+    if changed:
+        say(f"data: {len(changed)} image(s) changed since their rows' tokens were cached ({changed[0]}"
+            f"{', ...' if len(changed) > 1 else ''}): the rows' tokens again, cached at {target}")
     if not (target / META).is_file():
         if builder:
             try:
@@ -475,6 +493,32 @@ def load(cfg: DataConfig, tokenizer: Any, seed: int, method: str, *, builder: bo
         train, evals = list(train), list(evals)
     stats = {k: Stats(**v) for k, v in meta["stats"].items()}
     return train, evals, stats, meta["samples"], target
+
+
+def _image_stamps(tables: Any) -> dict[str, list[int]]:
+    """Each image file the tokenized rows name, with its size and modification time (what a later run compares: an
+    image changed in place changes its tokens where the model's resolution is dynamic, Qwen-VL's)."""
+    paths = {image for table in tables for column in table.column_names if column.endswith("images")
+             for row in table.column(column).to_pylist() for image in row or ()}
+    return _stamps(sorted(paths))
+
+
+def _stamps(paths: list[str]) -> dict[str, list[int]]:
+    out = {}
+    for path in paths:
+        try:
+            st = os.stat(path)
+            out[path] = [st.st_size, st.st_mtime_ns]
+        except OSError:
+            out[path] = [-1, -1]
+    return out
+
+
+def changed_images(entry: Path) -> list[str]:
+    """The images a cache entry's rows name whose file changed (or went) since it was made: one stat per image."""
+    made = json.loads((entry / META).read_text()).get("images") or {}
+    now = _stamps(list(made))
+    return [path for path, stamp in made.items() if now[path] != stamp]
 
 
 def describe(train: Any, evals: Any) -> str:
