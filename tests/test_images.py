@@ -1,6 +1,6 @@
 """Rows with images, for vision-language models (finetune/data/images.py): the forms a row holds them in, their tokens
 as the model's own processor writes them, the batch's image inputs, the refusals, the token cache, and a run through
-the real command line with generation and export after it. Tiny random-init models of eight classes with processors
+the real command line with generation and export after it. Tiny random-init models of eleven classes with processors
 built here (tests/vision_models.py); images are random PNGs."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from finetune.config import ConfigError, DataConfig, ModelConfig
 
 torch = pytest.importorskip("torch")
 
-CLASSES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "llava", "mllama", "idefics3", "mistral3")
+CLASSES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "llava", "llava_next", "mllama", "idefics3", "smolvlm", "internvl",
+           "mistral3")
 SHORT = ["+recipe=quickstart_sft", "model=pretrained", "data.format=auto", "data.eval=null", "data.eval_size=4",
          "launcher.nproc_per_node=1", "parallelism=single", "optim.warmup_steps=0", "train.micro_batch_size=2",
          "train.global_batch_size=4", "train.eval_every=0"]
@@ -83,7 +84,8 @@ def test_an_image_row_becomes_the_tokens_and_loss_the_models_own_processor_gives
     conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": " and "}, {"type": "image"},
                                                  {"type": "text", "text": " what ?"}]}, {"role": "assistant", "content": "yes it is big"}]
     images = [Image.open(pictures / "img" / f"{i}.png").convert("RGB") for i in (1, 2)]
-    ref = proc(text=[proc.apply_chat_template(conversation, tokenize=False)], images=[images], return_tensors="pt",
+    text = proc.tokenizer.apply_chat_template(conversation, chat_template=proc.chat_template, tokenize=False)  # SmolVLM's
+    ref = proc(text=[text], images=[images], return_tensors="pt",  # own apply_chat_template reads its video processor
                add_special_tokens=False)
     want = ref["input_ids"][0].tolist()
     if name == "mllama":  # its processor puts a BOS first, which our template (ChatML) does not write
@@ -91,8 +93,8 @@ def test_an_image_row_becomes_the_tokens_and_loss_the_models_own_processor_gives
         want = want[1:]
         ref = {k: v[:, 1:] if k in ("input_ids", "attention_mask", "cross_attention_mask") else v for k, v in ref.items()}
     assert ex.input_ids == want
-    image_token = vision_models.config(name)[0].image_token_id if name.startswith("qwen") or name == "idefics3" else \
-        vision_models.config(name)[0].image_token_index
+    config = vision_models.config(name)[0]
+    image_token = config.image_token_id if hasattr(config, "image_token_id") else config.image_token_index
     assert ex.input_ids.count(image_token) > 0
     assert all(label == IGNORE for t, label in zip(ex.input_ids, ex.labels) if t == image_token)
     assert [tok.decode([t]) for t, label in zip(ex.input_ids, ex.labels) if label != IGNORE][:4] == ["yes", "it", "is", "big"]
@@ -319,7 +321,8 @@ def test_a_processor_that_needs_torchvision_is_refused_naming_the_package(vlms, 
         "is not installed here: pip install torchvision (the build matching your torch: PyPI's wheel is CUDA torch's)")
 
 
-@pytest.mark.parametrize("name", ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "idefics3", "mistral3"))
+@pytest.mark.parametrize("name", ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "idefics3", "smolvlm", "internvl",
+                                  "mistral3"))
 def test_rows_of_several_samples_with_images_score_each_sample_as_alone(vlms, pictures, name):
     """Padding-free (the micro-batch's samples end to end in one row, with a blank image's sample after them, as under
     FSDP2 and ZeRO): each sample's summed token loss is the one it has in the padded batch, its attention one sample at a
@@ -359,7 +362,8 @@ def test_rows_of_several_samples_with_images_score_each_sample_as_alone(vlms, pi
     assert model.config.vision_config._attn_implementation == tower
 
 
-@pytest.mark.parametrize("name,extra", [("qwen2_vl", ["peft=lora", "optim.lr=1e-2"]), ("llava", [])], ids=["qwen2_vl-lora", "llava"])
+@pytest.mark.parametrize("name,extra", [("qwen2_vl", ["peft=lora", "peft.dropout=0", "optim.lr=1e-2"]), ("llava", [])],
+                         ids=["qwen2_vl-lora", "llava"])  # no dropout: its masks follow the batch's shape
 def test_padding_free_and_packed_rows_with_images_train_through_the_cli(vlms, mixed_rows, tmp_path, name, extra):
     """A vision-language run is padding-free by default (it was padded): the eval loss of the padded run, exactly (with
     LoRA's wrapper around the model too); packed rows through the token cache carry each sample's images and train."""

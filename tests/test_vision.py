@@ -34,8 +34,8 @@ def test_the_config_says_what_it_is(name):
     config, tok = vision_models.config(name)
     v = vision_of(config.to_dict())
     assert v is not None and v.model_type == name
-    token = {"gemma3": "<image_soft_token>", "llava": "<image>", "mllama": "<|image|>", "mistral3": "[IMG]",
-             "idefics3": "<image>"}.get(name, "<|image_pad|>")
+    token = {"gemma3": "<image_soft_token>", "llava": "<image>", "llava_next": "<image>", "mllama": "<|image|>",
+             "mistral3": "[IMG]", "idefics3": "<image>", "smolvlm": "<image>", "internvl": "<IMG_CONTEXT>"}.get(name, "<|image_pad|>")
     assert v.image_token_id == tok.convert_tokens_to_ids(token)
     assert v.text["hidden_size"] == 64 and v.vision
     assert v.cross_attention == (name == "mllama")

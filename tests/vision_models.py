@@ -89,6 +89,12 @@ def config(name: str) -> tuple[Any, Any]:
                              vision_config=dict(model_type="clip_vision_model", projection_dim=H, **_vit(28, 14)),
                              image_token_index=tok.image_token_id, vision_feature_layer=-2,
                              vision_feature_select_strategy="default"), tok
+    if name == "llava_next":  # LLaVA's successor: each image a base view and tiles of the best grid ("anyres")
+        tok = tokenizer(specials={"image_token": "<image>"})
+        return T.LlavaNextConfig(text_config=dict(model_type="llama", **_text()),
+                                 vision_config=dict(model_type="clip_vision_model", projection_dim=H, **_vit(28, 14)),
+                                 image_token_index=tok.image_token_id, vision_feature_layer=-2,
+                                 vision_feature_select_strategy="default", image_grid_pinpoints=PINPOINTS), tok
     if name == "mllama":
         tok = tokenizer(bos="<|begin_of_text|>", eos="<|eot_id|>", pad="<|finetune_right_pad_id|>", extra=("<|image|>",))
         return T.MllamaConfig(text_config=_text(num_hidden_layers=3, cross_attention_layers=[1], bos_token_id=tok.bos_token_id,
@@ -103,15 +109,27 @@ def config(name: str) -> tuple[Any, Any]:
                                 vision_config=dict(model_type="pixtral", head_dim=16, **_vit(56, 14)),
                                 image_token_index=tok.convert_tokens_to_ids("[IMG]"), spatial_merge_size=2,
                                 vision_feature_layer=-1), tok
-    if name == "idefics3":
+    if name == "internvl":  # a Qwen2 language model; InternVL's processor names its image tokens through the tokenizer
+        tok = tokenizer(extra=("<img>", "</img>", "<IMG_CONTEXT>", "<video>"),
+                        specials={"start_image_token": "<img>", "end_image_token": "</img>",
+                                  "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"})
+        return T.InternVLConfig(text_config=dict(model_type="qwen2", **_text()),
+                                vision_config=dict(hidden_size=H, intermediate_size=128, num_hidden_layers=2,
+                                                   num_attention_heads=4, image_size=[28, 28], patch_size=[14, 14]),
+                                image_token_id=tok.convert_tokens_to_ids("<IMG_CONTEXT>"), downsample_ratio=0.5,
+                                vision_feature_layer=-1, vision_feature_select_strategy="default"), tok
+    if name in ("idefics3", "smolvlm"):  # SmolVLM: Idefics3's architecture, a processor of its own (num2words)
         tok = tokenizer(extra=("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"))
-        return T.Idefics3Config(text_config=dict(model_type="llama", **_text()), vision_config=_vit(32, 8),
+        return (T.SmolVLMConfig if name == "smolvlm" else T.Idefics3Config)(text_config=dict(model_type="llama", **_text()), vision_config=_vit(32, 8),
                                 image_token_id=tok.convert_tokens_to_ids("<image>"), scale_factor=2,
                                 pad_token_id=tok.pad_token_id), tok
     raise KeyError(name)
 
 
-NAMES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "llava", "mllama", "mistral3", "idefics3")
+NAMES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "llava", "llava_next", "mllama", "mistral3", "idefics3", "smolvlm",
+         "internvl")
+PINPOINTS = [[28, 56], [56, 28], [56, 56]]
+"""LLaVA-NeXT's grids of tiles (its image_grid_pinpoints), in pixels."""
 
 
 def build(name: str) -> Any:
@@ -133,8 +151,8 @@ def template(image: str) -> str:
             "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
-IMAGE_SIDE = {"qwen2_vl": 56, "qwen2_5_vl": 56, "qwen3_vl": 64, "gemma3": 32, "llava": 28, "mllama": 28, "idefics3": 32,
-              "mistral3": 56}
+IMAGE_SIDE = {"qwen2_vl": 56, "qwen2_5_vl": 56, "qwen3_vl": 64, "gemma3": 32, "llava": 28, "llava_next": 28, "mllama": 28,
+              "idefics3": 32, "smolvlm": 32, "internvl": 28, "mistral3": 56}
 """The image size each tiny processor resizes to."""
 
 
@@ -159,6 +177,11 @@ def processor(name: str, tok: Any) -> Any:
         ip = T.LlavaImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
         return T.LlavaProcessor(image_processor=ip, tokenizer=tok, patch_size=14, vision_feature_select_strategy="default",
                                 num_additional_image_tokens=1, chat_template=template("<image>"))
+    if name == "llava_next":
+        ip = T.LlavaNextImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side},
+                                          image_grid_pinpoints=PINPOINTS)
+        return T.LlavaNextProcessor(image_processor=ip, tokenizer=tok, patch_size=14, vision_feature_select_strategy="default",
+                                    num_additional_image_tokens=1, chat_template=template("<image>"))
     if name == "mllama":
         return T.MllamaProcessor(image_processor=T.MllamaImageProcessorPil(size={"height": side, "width": side}, max_image_tiles=4),
                                  tokenizer=tok, chat_template=template("<|image|>"))
@@ -166,6 +189,15 @@ def processor(name: str, tok: Any) -> Any:
         ip = T.Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": side},
                                          max_image_size={"longest_edge": side})
         return T.Idefics3Processor(image_processor=ip, tokenizer=tok, image_seq_len=4, chat_template=template("<image>"))
+    if name == "internvl":  # one 28 x 28 view per image (no tiles): 4 patches, merged to 1 token
+        ip = T.GotOcr2ImageProcessorPil(size={"height": side, "width": side}, crop_to_patches=False)
+        return _without_video(T.InternVLProcessor)(image_processor=ip, tokenizer=tok, image_seq_length=1,
+                                                   chat_template=template("<IMG_CONTEXT>"))
+    if name == "smolvlm":  # it takes a video processor too, which needs torchvision: built without one, as finetune does
+        ip = T.SmolVLMImageProcessorPil(do_image_splitting=False, size={"longest_edge": side},
+                                        max_image_size={"longest_edge": side})
+        return _without_video(T.SmolVLMProcessor)(image_processor=ip, tokenizer=tok, image_seq_len=4,
+                                                  chat_template=template("<image>"))
     if name == "mistral3":  # transformers hides PixtralProcessor without torchvision: the class finetune loads instead
         from finetune.data.images import _processor_class
 

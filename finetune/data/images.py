@@ -348,13 +348,19 @@ _WITHOUT_VIDEO: dict[type, type] = {}
 
 def _without_video(cls: type) -> type:
     """`cls` with no video processor: transformers' ProcessorMixin reads its attributes from __init__'s signature and
-    checks a video processor's class against one that exists only with torchvision (an AttributeError otherwise)."""
+    checks a video processor's class against one that exists only with torchvision (an AttributeError otherwise). Its
+    own settings (SmolVLM's image_seq_len, InternVL's image_seq_length) are read from its files by the names of
+    __init__'s arguments (its code's variable names), so the subclass's __init__ takes the same ones, less the video
+    processor's."""
     if cls not in _WITHOUT_VIDEO:
-        def __init__(self: Any, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None, **kw: Any) -> None:
-            cls.__init__(self, image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
-                         chat_template=chat_template, **kw)
-
-        _WITHOUT_VIDEO[cls] = type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__})
+        taken = {name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()
+                 if name not in ("self", "video_processor") and p.kind is p.POSITIONAL_OR_KEYWORD}
+        defaults = {name: None if value is inspect.Parameter.empty else value for name, value in taken.items()}
+        source = (f"def __init__(self, {''.join(f'{n}=_defaults[{n!r}], ' for n in taken)}**kwargs):\n"
+                  f"    _cls.__init__(self, {''.join(f'{n}={n}, ' for n in taken)}video_processor=None, **kwargs)\n")
+        namespace: dict[str, Any] = {"_cls": cls, "_defaults": defaults}
+        exec(source, namespace)  # a function whose arguments are named as the class's
+        _WITHOUT_VIDEO[cls] = type(cls.__name__, (cls,), {"__init__": namespace["__init__"], "__module__": cls.__module__})
     return _WITHOUT_VIDEO[cls]
 
 

@@ -80,14 +80,19 @@ class Parts:
     vision: Any
     projector: Any
     language: Any
+    loose: tuple[Any, ...] = ()
+    """Parameters the model holds outside the three parts and its output head (LLaVA-NeXT's image_newline, the embedding
+    it lays after each row of an image's tiles): the projector's, the bridge from the images to the text they belong to."""
 
     def named(self, part: str) -> list[Any]:
-        """The parameters of one part (vision, projector, language): the vision tower's without the projector inside it."""
+        """The parameters of one part (vision, projector, language): the vision tower's without the projector inside it,
+        the projector's with the loose ones."""
         module = getattr(self, part)
+        loose = list(self.loose) if part == "projector" else []
         if module is None:
-            return []
+            return loose
         inside = {id(p) for p in self.projector.parameters()} if part == "vision" and self.projector is not None else set()
-        return [p for p in module.parameters() if id(p) not in inside]
+        return [p for p in module.parameters() if id(p) not in inside] + loose
 
     def count(self, part: str) -> int:
         """Its parameters (a ZeRO-3 partitioned one counted whole: ds_numel)."""
@@ -115,7 +120,11 @@ def parts(model: Any) -> Parts:
     if vision is not None and (language is None or _within(language, vision)):
         vision = None
     projector = None
+    loose: tuple[Any, ...] = ()
     if vision is not None:
         projector = next((m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in PROJECTORS
                           and not (language is not None and _within(m, language))), None)
-    return Parts(vision, projector, language)
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        found = {id(p) for m in (vision, projector, language, head) if m is not None for p in m.parameters()}
+        loose = tuple(p for p in model.parameters() if id(p) not in found)
+    return Parts(vision, projector, language, loose)
