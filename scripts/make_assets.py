@@ -191,7 +191,7 @@ def make_tiny_vlm(out: Path) -> None:
     torchvision). No weights: model.from_scratch builds them (random, seed 0)."""
     import transformers as T
 
-    from finetune.data.images import _without_video
+    from finetune.data.processors import _without_video
 
     make_tokenizer(out, VLM_TEMPLATE)
     tok = T.AutoTokenizer.from_pretrained(out)

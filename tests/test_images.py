@@ -312,10 +312,10 @@ def test_a_processor_that_needs_torchvision_is_refused_naming_the_package(vlms, 
     processor that needs torchvision for images is refused naming the package."""
     import transformers
 
-    from finetune.data import images
+    from finetune.data import processors
 
-    assert images.load_processor(str(vlms["mistral3"])).image_processor.__class__.__name__ == "PixtralImageProcessorPil"
-    monkeypatch.setattr(images, "_processor_class", lambda name: getattr(transformers, name))
+    assert processors.load_processor(str(vlms["mistral3"])).image_processor.__class__.__name__ == "PixtralImageProcessorPil"
+    monkeypatch.setattr(processors, "_processor_class", lambda name: getattr(transformers, name))
     assert _refused(vlms, pictures, [_chat("<image> what ?", images=["img/1.png"])], name="mistral3") == (
         f"model.path={vlms['mistral3']}: PixtralProcessor (model_type=mistral3) needs torchvision to process images, which "
         "is not installed here: pip install torchvision (the build matching your torch: PyPI's wheel is CUDA torch's)")

@@ -160,7 +160,7 @@ def processor(name: str, tok: Any) -> Any:
     """The tiny `name` model's processor (its image processor's PIL class: no torchvision), with a chat template."""
     import transformers as T
 
-    from finetune.data.images import _without_video
+    from finetune.data.processors import _without_video
 
     side = IMAGE_SIDE[name]
     if name.startswith("qwen"):
@@ -199,7 +199,7 @@ def processor(name: str, tok: Any) -> Any:
         return _without_video(T.SmolVLMProcessor)(image_processor=ip, tokenizer=tok, image_seq_len=4,
                                                   chat_template=template("<image>"))
     if name == "mistral3":  # transformers hides PixtralProcessor without torchvision: the class finetune loads instead
-        from finetune.data.images import _processor_class
+        from finetune.data.processors import _processor_class
 
         ip = T.PixtralImageProcessorPil(size={"longest_edge": side}, patch_size={"height": 14, "width": 14})
         return _processor_class("PixtralProcessor")(image_processor=ip, tokenizer=tok, patch_size=14, spatial_merge_size=2,

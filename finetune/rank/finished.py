@@ -65,7 +65,8 @@ class Finished:
     def pictures(self) -> Any:
         """A vision-language model's processor (finetune.data.images.Pictures): final/'s (the run saves it with the
         tokenizer), else its base model's."""
-        from finetune.data.images import Pictures, has_processor
+        from finetune.data.images import Pictures
+        from finetune.data.processors import has_processor
         from finetune.families.vision import vision_of
 
         source = next((s for s in (self.model, self.base) if s and has_processor(s)), self.base or self.model)
