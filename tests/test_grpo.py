@@ -113,7 +113,7 @@ def test_a_fault_in_the_users_reward_function_names_the_function_and_its_line(tm
 
 
 @pytest.mark.parametrize("kw,message", [
-    ({"rewards": ["nope"]}, "method.rewards: nope is not a reward: use exact_match, similarity, format, length, a function as "
+    ({"rewards": ["nope"]}, "method.rewards: nope is not a reward: use exact_match, similarity, format, length, overlong, a function as "
                             "package.module:function, or reward:PATH (a reward model trained with method=reward)"),
     ({"rewards": ["format"]}, "method.rewards: format needs method.format_pattern (the regular expression a well-formed completion "
                               "matches), e.g. method.format_pattern='<answer>.*</answer>'"),
@@ -170,7 +170,8 @@ def test_rules(compose):
     base = ["method=grpo"]
     for overrides, message in [
         (["method.gamma=0.5"], "method.gamma: not a key of method=grpo; its keys are name, beta, reference, generations, "
-         "completion_tokens, temperature, top_p, epsilon, updates_per_rollout, rewards, reward_weights, format_pattern, vllm, vllm_memory"),
+         "completion_tokens, temperature, top_p, epsilon, epsilon_high, loss_type, scale_rewards, importance_sampling_level, "
+         "mask_truncated_completions, overlong_buffer, updates_per_rollout, rewards, reward_weights, format_pattern, vllm, vllm_memory"),
         (["method.reference=live"], "method.reference=live has no effect with method=grpo and method.beta=0 (no KL term, no reference): "
                                     "remove it or change the option"),
         (["method.beta=0.04", "method.reference=precomputed"], "method.reference=precomputed cannot score GRPO's completions, which are "
@@ -184,7 +185,7 @@ def test_rules(compose):
         (["method.updates_per_rollout=2", "train.save_every=3"], "train.save_every=3 is not a multiple of "
          "method.updates_per_rollout=2: a checkpoint must fall between rollouts (the sampled completions are not saved); use "
          "train.save_every=2"),
-        (["method.rewards=[nope]"], "method.rewards: nope is not a reward: use exact_match, similarity, format, length, a function as "
+        (["method.rewards=[nope]"], "method.rewards: nope is not a reward: use exact_match, similarity, format, length, overlong, a function as "
                                     "package.module:function, or reward:PATH (a reward model trained with method=reward)"),
     ]:
         with pytest.raises(ConfigError) as e:

@@ -55,7 +55,8 @@ def test_a_config_without_a_method_name_is_refused(tmp_path):
      "method.generations: not a key of method=dpo; its keys are name, loss, beta, gamma, label_smoothing, sft_weight, reference"),
     (["method=grpo", "method.generatons=4"],
      "method.generatons: not a key of method=grpo (did you mean 'generations'?); its keys are name, beta, reference, generations, "
-     "completion_tokens, temperature, top_p, epsilon, updates_per_rollout, rewards, reward_weights, format_pattern, vllm, vllm_memory"),
+     "completion_tokens, temperature, top_p, epsilon, epsilon_high, loss_type, scale_rewards, importance_sampling_level, "
+         "mask_truncated_completions, overlong_buffer, updates_per_rollout, rewards, reward_weights, format_pattern, vllm, vllm_memory"),
     (["method=sft", "method.beta=0.1"], "method.beta: not a key of method=sft; its keys are name"),
 ])
 def test_a_key_of_another_method_is_refused_naming_the_methods_keys(compose, overrides, message):

@@ -23,7 +23,11 @@ value; its gradient is A_i grad log pi); with mu > 1 the rollout's completions t
 were sampled with (`old_logps`, kept by `rollout`), and the clip acts from the second.
 
 The loss averages each completion's tokens, then sums over completions; the loop divides by the completions of the
-global batch (so every prompt's group weighs the same). Generation runs through the engine (`generation_model`,
+global batch (so every prompt's group weighs the same). What later papers changed is each an option (`grpo_loss`,
+`group_advantages`; docs/grpo.md names the published recipe of each combination): the tokens' weighing
+(`method.loss_type`: bnpo, Dr. GRPO's constant, DAPO's token-level mean), the advantage's scale (`method.scale_rewards`:
+the batch's std, or none as in Dr. GRPO), DAPO's clip-higher (`method.epsilon_high`), GSPO's sequence-level ratio
+(`method.importance_sampling_level`), DAPO's masking of truncated completions and its soft overlong reward. Generation runs through the engine (`generation_model`,
 synced across ranks where parameters are gathered collectively: FSDP2, ZeRO-3) before the step, or through a vLLM
 engine on each rank with method.vllm (finetune.methods.vllm_rollout, the policy's weights loaded into it first); its
 time is reported apart (`generation_s`). Evaluation scores the rows' own responses (their per-token cross-entropy as
@@ -34,9 +38,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, fields
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from finetune.config import (METHOD_NAME, POSITIVE, SOME_NAMES, TEXT, Accepts, Config, ConfigError, DataConfig, DataFormat, Logits,
+from finetune.config import (METHOD_NAME, POSITIVE, SOME_NAMES, TEXT, Accepts, Config, ConfigError, DataConfig, DataFormat, Logits, Spelled,
                              MethodConfig, Reference, at_least, checked, in_range, unused)
 from finetune.data.images import IN_BATCH, SHOWN, never_written, pictures_of, seen
 from finetune.data.tokenize import IGNORE, Encoded, Example
@@ -45,6 +50,24 @@ from finetune.methods.sft import METHOD as SFT_METHOD
 
 if TYPE_CHECKING:
     import torch
+
+class GrpoLoss(str, Enum, metaclass=Spelled):
+    grpo = "grpo"
+    bnpo = "bnpo"
+    dr_grpo = "dr_grpo"
+    dapo = "dapo"
+
+
+class RewardScale(str, Enum, metaclass=Spelled):
+    group = "group"
+    batch = "batch"
+    none = "none"
+
+
+class RatioLevel(str, Enum, metaclass=Spelled):
+    token = "token"
+    sequence = "sequence"
+
 
 @dataclass
 class GrpoConfig(MethodConfig):
@@ -68,7 +91,28 @@ class GrpoConfig(MethodConfig):
     top_p: float = checked(in_range(0, 1), 1.0)
     """Nucleus sampling's probability mass (1: the whole distribution)."""
     epsilon: float = checked(in_range(0, 1, hi_open=True), 0.2)
-    """The policy ratio's clip range [1 - epsilon, 1 + epsilon] (PPO's; DeepSeekMath's 0.2)."""
+    """The policy ratio's clip range [1 - epsilon, 1 + epsilon] (PPO's; DeepSeekMath's 0.2). It acts from a rollout's
+    second update (method.updates_per_rollout > 1): the first trains at ratio 1."""
+    epsilon_high: float | None = checked(POSITIVE, None)
+    """The clip range's upper side, 1 + epsilon_high (DAPO's clip-higher: 0.28 beside epsilon 0.2, room for unlikely
+    tokens to rise); null: epsilon."""
+    loss_type: GrpoLoss = GrpoLoss.grpo
+    """How the token terms are weighed: grpo (each completion's tokens averaged, every completion weighing the same:
+    DeepSeekMath), bnpo (each micro-batch's tokens averaged), dr_grpo (each completion's tokens summed over
+    completion_tokens, a constant: Dr. GRPO), dapo (every token of the global batch weighing the same: DAPO)."""
+    scale_rewards: RewardScale = RewardScale.group
+    """What an advantage, its reward minus its group's mean, is divided by: its group's reward std (group: DeepSeekMath),
+    the global batch's (batch), or nothing (none: Dr. GRPO, whose paper shows the std favours groups of near-equal
+    rewards)."""
+    importance_sampling_level: RatioLevel = RatioLevel.token
+    """token: each token's own policy ratio (PPO's); sequence: one ratio per completion, the geometric mean of its
+    tokens' (GSPO, for mixture-of-experts policies whose token ratios are noisy; its paper clips with epsilon 3e-4 and
+    epsilon_high 4e-4). Like the clip, it acts from a rollout's second update."""
+    mask_truncated_completions: bool = False
+    """Completions cut at completion_tokens before their EOS carry no loss (DAPO): a cut answer is not judged."""
+    overlong_buffer: int | None = checked(POSITIVE, None)
+    """The `overlong` reward's soft zone: a completion longer than completion_tokens - overlong_buffer tokens loses up to 1
+    linearly, -1 at the limit (DAPO's soft overlong punishment)."""
     updates_per_rollout: int = checked(at_least(1), 1)
     """Optimizer steps on each rollout (mu; TRL's num_iterations): the completions sampled at step k train steps
     k .. k + mu - 1 against the log-probs they were sampled with (the clipped ratio); those steps' own prompts are not
@@ -76,7 +120,8 @@ class GrpoConfig(MethodConfig):
     rewards: list[str] = checked(SOME_NAMES, factory=lambda: ["exact_match"])
     """The reward functions, summed with `reward_weights`: built-in exact_match (1 when the completion equals the row's
     response, stripped), similarity (partial credit: difflib's matched-character ratio with the response), format (1
-    when the completion matches `format_pattern`), length (minus the completion's tokens over completion_tokens), or a
+    when the completion matches `format_pattern`), length (minus the completion's tokens over completion_tokens), overlong
+    (0, then down to -1 over the last `overlong_buffer` tokens before completion_tokens: DAPO's), or a
     Python function `package.module:function` (finetune.methods.rewards says how it is called), or `reward:PATH`: a
     reward model this project trained (method=reward), scoring prompt + completion."""
     reward_weights: list[float] | None = checked(Accepts("a list of numbers", lambda v: len(v) > 0, ("[]",)), None)
@@ -145,6 +190,23 @@ class Grpo:
             raise ConfigError(f"method=grpo with parallelism.pp={cfg.parallelism.pp} is not supported: pipeline stages cannot "
                               "generate the completions (no rank holds the whole model); use fsdp, zero or tp")
         mu = m.updates_per_rollout
+        if mu == 1:
+            ratio = ("epsilon", "epsilon_high", "importance_sampling_level")
+            unused(m, "method", tuple(f.name for f in fields(m) if f.name not in ratio),
+                   "with method.updates_per_rollout=1: each rollout trains once, at policy ratio 1, where neither the clip "
+                   "nor the ratio's level acts (set method.updates_per_rollout=2 or more)")
+        if m.epsilon_high is not None and m.epsilon_high < m.epsilon:
+            raise ConfigError(f"method.epsilon_high={m.epsilon_high:g} is below method.epsilon={m.epsilon:g}: it is the clip's upper "
+                              "side, raised above the lower one (DAPO: 0.28 beside 0.2); drop it or raise it")
+        if ("overlong" in m.rewards) != (m.overlong_buffer is not None):
+            raise ConfigError("method.rewards has overlong but method.overlong_buffer is not set: the tokens before "
+                              "completion_tokens where the penalty starts (DAPO: a quarter of it), e.g. "
+                              f"method.overlong_buffer={max(1, m.completion_tokens // 4)}" if m.overlong_buffer is None else
+                              f"method.overlong_buffer={m.overlong_buffer} has no effect without the overlong reward: add overlong "
+                              "to method.rewards or remove it")
+        if m.overlong_buffer is not None and m.overlong_buffer > m.completion_tokens:
+            raise ConfigError(f"method.overlong_buffer={m.overlong_buffer} is longer than method.completion_tokens="
+                              f"{m.completion_tokens}: the soft zone ends at the limit; use at most {m.completion_tokens}")
         if mu > 1 and cfg.train.save_every % mu:
             raise ConfigError(f"train.save_every={cfg.train.save_every} is not a multiple of method.updates_per_rollout={mu}: a checkpoint "
                               f"must fall between rollouts (the sampled completions are not saved); use train.save_every={mu * max(1, cfg.train.save_every // mu)}")
@@ -237,7 +299,14 @@ class GRPO:
         self.eval_metrics = (router.metric,) if router else ()  # evaluation scores the rows' own responses: no rollout
 
     def count(self, batch: dict[str, torch.Tensor]) -> int:
-        """Completions in a rollout batch (rows with labels in an evaluation batch)."""
+        """Completions in a rollout batch (rows with labels in an evaluation batch); under loss_type=dapo the completion
+        tokens that carry the loss: the loop divides the global batch's summed loss by it."""
+        if self.cfg.loss_type == GrpoLoss.dapo and "advantages" in batch:
+            return int(completion_mask(batch).sum())
+        return int(batch["input_ids"].shape[0])
+
+    def metric_count(self, batch: dict[str, torch.Tensor]) -> int:
+        """What the metrics (rewards, KL) are averaged over: completions."""
         return int(batch["input_ids"].shape[0])
 
     def __call__(self, model: Any, batch: dict[str, torch.Tensor]) -> Output:
@@ -248,17 +317,18 @@ class GRPO:
         logits, aux = forward_aux(model, batch, self.router is not None)
         logps = logits_token_logps(logits, batch["labels"])
         mask = (batch["labels"][:, 1:] != IGNORE).float()
-        tokens = mask.sum(-1).clamp(min=1)
         if "advantages" not in batch:  # evaluation: the rows' own responses' cross-entropy, per token, summed over rows
-            loss = (-(logps * mask).sum(-1) / tokens).sum()
+            loss = (-(logps * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum()
             out: Output = (loss, {})
         else:
             reference = None
             if self.cfg.beta > 0:
                 with torch.no_grad():
                     reference = self.reference(model, batch, per_token=True).float()
-            loss, kl = grpo_loss(logps, batch["advantages"].float(), mask, self.cfg.epsilon, self.cfg.beta, reference,
-                                 batch.get("old_logps"))
+            c = self.cfg
+            loss, kl = grpo_loss(logps, batch["advantages"].float(), completion_mask(batch), c.epsilon, c.beta, reference,
+                                 batch.get("old_logps"), epsilon_high=c.epsilon_high, level=c.importance_sampling_level,
+                                 loss_type=c.loss_type, max_tokens=c.completion_tokens)
             sums = {k[len("sum_"):]: v.sum() for k, v in batch.items() if k.startswith("sum_")}
             out = (loss, {**sums, "kl": kl, "completion_tokens": mask.sum()})
         if self.router is not None:
@@ -304,6 +374,10 @@ class GRPO:
             if mu > 1:  # the sampling policy's log-probs, for the ratio of the later updates (eval mode: no dropout)
                 batch["old_logps"] = engine.inference(token_logps, batch).detach().float().cpu()
             out.append(batch)
+        if self.cfg.scale_rewards == RewardScale.batch:  # the global batch's reward std, over every rank's completions
+            std = batch_std([b["sum_reward"] for b in out], engine)
+            for b in out:
+                b["advantages"] = group_advantages(b["sum_reward"].view(-1, self.cfg.generations), RewardScale.batch, std).view(-1)
         self.buffer = out if mu > 1 else []
         return out, time.perf_counter() - tic
 
@@ -327,7 +401,9 @@ class GRPO:
         examples = [Example(list(p) + list(c), [IGNORE] * len(p) + list(c), len(p), text, images=tuple(im))
                     for p, im, group in zip(prompts, shown, _groups(completions, g)) for c, text in zip(group, texts)]
         batch = collate(examples, tokenizer.pad_token_id, pictures=pictures_of(tokenizer))
-        batch["advantages"] = group_advantages(r).view(-1)
+        batch["advantages"] = group_advantages(r, self.cfg.scale_rewards, r.std()).view(-1)  # batch: `rollout` divides anew
+        if self.cfg.mask_truncated_completions:  # cut before their EOS: no loss
+            batch["kept"] = torch.tensor([float(tokenizer.eos_token_id in c) for c in completions])
         batch["sum_reward"] = r.view(-1)
         batch["sum_reward_std"] = r.std(dim=1, keepdim=True).expand_as(r).reshape(-1)
         for name, values in each.items():
@@ -339,28 +415,80 @@ def _groups(items: list[Any], g: int) -> list[list[Any]]:
     return [items[i : i + g] for i in range(0, len(items), g)]
 
 
-def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
-    """(r - mean) / (std + 1e-4) within each row (a prompt's group of G rewards); std is the sample's (G - 1)."""
-    return (rewards - rewards.mean(dim=1, keepdim=True)) / (rewards.std(dim=1, keepdim=True) + 1e-4)
+def group_advantages(rewards: torch.Tensor, scale: RewardScale = RewardScale.group, std: Any = None) -> torch.Tensor:
+    """Each reward minus its group's mean (a row of `rewards`: a prompt's G completions), divided by its group's std
+    (group), by `std`, the global batch's (batch), or by nothing (none); a std is the sample's (n - 1), plus 1e-4."""
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    if scale == RewardScale.none:
+        return centred
+    return centred / ((rewards.std(dim=1, keepdim=True) if scale == RewardScale.group else std) + 1e-4)
+
+
+def batch_std(rewards: list[torch.Tensor], engine: Any) -> float:
+    """The sample std of every reward of the global batch: this rank's (`rewards`) with every other data-parallel
+    replica's (one rank per replica counts: `engine.owner`), summed across ranks in one collective."""
+    import torch
+    import torch.distributed as td
+
+    r = torch.cat([t.double().view(-1) for t in rewards])
+    moments = torch.stack([torch.tensor(float(r.numel()), dtype=torch.float64), r.sum(), (r * r).sum()]) * float(engine.owner)
+    if td.is_available() and td.is_initialized() and td.get_world_size() > 1:
+        device = torch.device("cuda", torch.cuda.current_device()) if td.get_backend() == "nccl" else torch.device("cpu")
+        moments = moments.to(device)
+        td.all_reduce(moments)
+        moments = moments.cpu()
+    n, total, squares = moments.tolist()
+    return max((squares - total * total / n) / max(n - 1, 1), 0.0) ** 0.5
+
+
+def completion_mask(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[rows, tokens - 1]: 1 where a token of a completion carries the loss (its label; under mask_truncated_completions,
+    only in a completion that ended with its EOS)."""
+    mask = (batch["labels"][:, 1:] != IGNORE).float()
+    return mask * batch["kept"][:, None].to(mask) if "kept" in batch else mask
 
 
 def grpo_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, epsilon: float, beta: float,
-              reference: torch.Tensor | None, old_logps: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the summed per-completion loss, the summed per-completion mean KL) of N completions' per-token log-probs
-    (N x T, 0 where `mask` is 0); `old_logps` None: the policy sampled them (one update per rollout: rho = 1)."""
+              reference: torch.Tensor | None, old_logps: torch.Tensor | None = None, *, epsilon_high: float | None = None,
+              level: RatioLevel = RatioLevel.token, loss_type: GrpoLoss = GrpoLoss.grpo,
+              max_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the loss summed as the loop normalises it, the summed per-completion mean KL) of N completions' per-token
+    log-probs (N x T, 0 where `mask` is 0); `old_logps` None: the policy sampled them (one update per rollout: rho = 1).
+
+    The ratio per token, or per completion (level=sequence: GSPO, Zheng et al. 2025, arXiv:2507.18071, eq. 7:
+    s_i = exp(1/|o_i| sum_t log rho_it)), clipped to [1 - epsilon, 1 + epsilon_high] (DAPO's clip-higher, Yu et al.
+    2025, arXiv:2503.14476, eq. 10). The token terms l_it summed by `loss_type` over this micro-batch's N completions
+    (the loop then divides by `count`, summed over the global batch):
+    grpo:    sum_i 1/|o_i| sum_t l_it              count: completions (DeepSeekMath, arXiv:2402.03300, eq. 3)
+    bnpo:    N / sum_i |o_i| * sum_i sum_t l_it    count: completions (this micro-batch's token mean: TRL's bnpo)
+    dr_grpo: 1/max_tokens * sum_i sum_t l_it       count: completions (Dr. GRPO, Liu et al. 2025, arXiv:2503.20783)
+    dapo:    sum_i sum_t l_it                      count: the global batch's tokens (DAPO eq. 10's 1 / sum_i |o_i|)"""
     import torch
 
     old = logps.detach() if old_logps is None else old_logps
-    ratio = torch.exp(logps - old)
+    log_ratio = logps - old
+    if level == RatioLevel.sequence:
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1))[:, None]
+    ratio = torch.exp(log_ratio)
     a = advantages[:, None]
-    surrogate = torch.minimum(ratio * a, torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * a)
+    high = epsilon if epsilon_high is None else epsilon_high
+    surrogate = torch.minimum(ratio * a, torch.clamp(ratio, 1 - epsilon, 1 + high) * a)
     kl = torch.zeros_like(logps)
     if reference is not None:
         delta = reference - logps
         kl = torch.exp(delta) - delta - 1
     per_token = -(surrogate - beta * kl)
     tokens = mask.sum(-1).clamp(min=1)
-    return ((per_token * mask).sum(-1) / tokens).sum(), ((kl.detach() * mask).sum(-1) / tokens).sum()
+    summed = (per_token * mask).sum(-1)
+    if loss_type == GrpoLoss.grpo:
+        loss = (summed / tokens).sum()
+    elif loss_type == GrpoLoss.bnpo:
+        loss = summed.sum() / mask.sum().clamp(min=1) * mask.shape[0]
+    elif loss_type == GrpoLoss.dr_grpo:
+        loss = summed.sum() / float(max_tokens or mask.shape[1])
+    else:
+        loss = summed.sum()
+    return loss, ((kl.detach() * mask).sum(-1) / tokens).sum()
 
 
 def split_rows(batch: dict[str, torch.Tensor]) -> tuple[list[list[int]], list[list[int]]]:

@@ -13,8 +13,10 @@ and returns one number per completion (TRL's convention: a function takes **kwar
 use). Built-in: `exact_match` (1.0 when the completion equals the answer, both stripped), `similarity` (partial
 credit: difflib's matched-character ratio of the two, 1.0 when equal), `format` (1.0 when the
 completion, stripped, matches `method.format_pattern` whole), `length` (-completion_tokens / method.completion_tokens,
-a penalty for long answers). `package.module:function` imports a function; `reward:PATH` scores prompt + completion
-with the sequence classifier at PATH (a method=reward run directory or its final/).
+a penalty for long answers), `overlong` (DAPO's soft overlong punishment: 0, then down to -1 over the last
+`method.overlong_buffer` tokens before method.completion_tokens). `package.module:function` imports a function;
+`reward:PATH` scores prompt + completion with the sequence classifier at PATH (a method=reward run directory or its
+final/).
 
 No torch at import: the launcher resolves every reward before launch, so a misspelt function is one line.
 """
@@ -67,6 +69,15 @@ def length_penalty(limit: int) -> RewardFn:
     return length
 
 
+def overlong_penalty(limit: int, buffer: int) -> RewardFn:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476, eq. 13), L_max = `limit`, L_cache = `buffer`:
+    0 up to L_max - L_cache tokens, then ((L_max - L_cache) - |o|) / L_cache, down to -1 at L_max."""
+    def overlong(*, completion_tokens: list[int], **_: Any) -> list[float]:
+        return [min(0.0, ((limit - buffer) - n) / buffer) if n <= limit else -1.0 for n in completion_tokens]
+
+    return overlong
+
+
 def resolve(method: MethodConfig, *, load_models: bool = False) -> list[Reward]:
     """method.rewards as functions with their weights; one line naming the key for anything that is not one.
     `load_models`: a reward model is loaded now (a rank); otherwise its directory is only checked (the launcher)."""
@@ -93,10 +104,12 @@ def function(name: str, method: MethodConfig, load_models: bool) -> RewardFn:
             raise ConfigError(f"method.format_pattern={method.format_pattern!r} is not a regular expression: {e}") from None
     if name == "length":
         return length_penalty(method.completion_tokens)
+    if name == "overlong":  # method.overlong_buffer: checked with the method's rules
+        return overlong_penalty(method.completion_tokens, method.overlong_buffer)
     if name.startswith("reward:"):
         return reward_model(name.removeprefix("reward:"), key, load_models)
     if ":" not in name:
-        raise ConfigError(f"{key} is not a reward: use exact_match, similarity, format, length, a function as package.module:function, "
+        raise ConfigError(f"{key} is not a reward: use exact_match, similarity, format, length, overlong, a function as package.module:function, "
                           "or reward:PATH (a reward model trained with method=reward)")
     module_name, _, attr = name.partition(":")
     try:

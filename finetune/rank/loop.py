@@ -115,7 +115,7 @@ def train(cfg: TrainConfig, *, engine: Engine, objective: Any, batches: TrainBat
         generated = 0.0
         if online:  # GRPO: the data's micro-batches hold prompts; the objective samples and scores the rows it trains on
             micro_batches, generated = objective.rollout(engine, micro_batches, step=step, tokenizer=tokenizer, seed=cfg.seed)
-        count, local_tokens, local_slots = _counts(engine, objective, micro_batches, dist)
+        count, units, local_tokens, local_slots = _counts(engine, objective, micro_batches, dist)
 
         measured = probe is not None and step < first + MEMORY_STEPS
         out, seconds, compiled = _timed_step(engine, objective, micro_batches, count, cfg=cfg, probe=probe if measured else None)
@@ -138,7 +138,7 @@ def train(cfg: TrainConfig, *, engine: Engine, objective: Any, batches: TrainBat
                    "epoch": batches.epoch(step), "elapsed_s": time.perf_counter() - start,
                    **({"compile_s": compiled} if cfg.compile else {}),
                    **({"generation_s": generated} if online else {}),  # apart from step_s
-                   **{k: v / count for k, v in zip(names, sums)}}
+                   **{k: v / units for k, v in zip(names, sums)}}
         if flops_per_token and peak_flops:  # achieved model FLOPs over the dense peak of all ranks
             metrics["mfu"] = tokens * flops_per_token / seconds / (peak_flops * dist.world_size)
         metrics |= _scaled(out)
@@ -197,14 +197,18 @@ def _evaluate(cfg: TrainConfig, step: int, final: bool, *, engine: Engine, objec
     return metrics
 
 
-def _counts(engine: Engine, objective: Any, micro_batches: list[dict[str, Any]], dist: Dist) -> tuple[float, int, int]:
-    """(the loss units of the whole global batch: the normaliser, this rank's non-pad tokens, its token slots)."""
+def _counts(engine: Engine, objective: Any, micro_batches: list[dict[str, Any]], dist: Dist) -> tuple[float, float, int, int]:
+    """(the loss units of the whole global batch: the normaliser, the units its metrics are averaged over (an objective's
+    `metric_count` where its loss has other units: GRPO's dapo divides by tokens, its rewards by completions), this
+    rank's non-pad tokens, its token slots). A global batch without a unit (every completion masked) divides by 1."""
     owner = int(engine.owner)  # tp/pp: one rank per model replica counts its data
+    per = getattr(objective, "metric_count", objective.count)
     local_count = owner * sum(objective.count(mb) for mb in micro_batches)
+    local_units = owner * sum(per(mb) for mb in micro_batches)
     local_tokens = owner * sum(int(mb["real_tokens"].sum()) for mb in micro_batches)
     local_slots = owner * sum(mb["input_ids"].numel() for mb in micro_batches)
-    (count,) = dist.sum(local_count)
-    return count, local_tokens, local_slots
+    count, units = dist.sum(local_count, local_units)
+    return max(count, 1.0), max(units, 1.0), local_tokens, local_slots
 
 
 def _timed_step(engine: Engine, objective: Any, micro_batches: list[dict[str, Any]], count: float, *, cfg: TrainConfig,
