@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import inspect
 import re
 import sys
@@ -81,13 +82,16 @@ def docstrings(cls: type) -> tuple[str, dict[str, str]]:
     """(the class's own docstring, field name -> the docstring right under it), whitespace collapsed.
 
     Read from the source: at runtime field docstrings are gone, and a dataclass without a
-    docstring gets its signature as `__doc__`."""
+    docstring gets its signature as `__doc__`. A field inherited (GrpoConfig's from OnlineConfig) has its base's,
+    unless the class declares it again with its own."""
+    docs: dict[str, str] = {}
+    for base in reversed([c for c in cls.__mro__ if dataclasses.is_dataclass(c)]):
+        node = ast.parse(textwrap.dedent(inspect.getsource(base))).body[0]
+        for stmt, after in zip(node.body, node.body[1:]):
+            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(after, ast.Expr)
+                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+                docs[stmt.target.id] = " ".join(after.value.value.split())
     node = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
-    docs = {}
-    for stmt, after in zip(node.body, node.body[1:]):
-        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(after, ast.Expr)
-                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
-            docs[stmt.target.id] = " ".join(after.value.value.split())
     return " ".join((ast.get_docstring(node) or "").split()), docs
 
 

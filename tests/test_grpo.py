@@ -15,7 +15,8 @@ import torch
 
 from finetune.config import ConfigError, MethodConfig
 from finetune.data.tokenize import IGNORE
-from finetune.methods.grpo import GRPO, group_advantages, grpo_loss, sample, split_rows
+from finetune.methods.grpo import GRPO, group_advantages, grpo_loss
+from finetune.methods.online import sample, split_rows
 from finetune.methods import rewards
 from finetune.methods.grpo import GrpoConfig
 
@@ -170,8 +171,9 @@ def test_rules(compose):
     base = ["method=grpo"]
     for overrides, message in [
         (["method.gamma=0.5"], "method.gamma: not a key of method=grpo; its keys are name, beta, reference, generations, "
-         "completion_tokens, temperature, top_p, epsilon, epsilon_high, loss_type, scale_rewards, importance_sampling_level, "
-         "mask_truncated_completions, overlong_buffer, updates_per_rollout, rewards, reward_weights, format_pattern, vllm, vllm_memory"),
+         "completion_tokens, temperature, top_p, mask_truncated_completions, overlong_buffer, dynamic_sampling, sampling_rounds, "
+         "rewards, reward_weights, format_pattern, vllm, vllm_memory, epsilon, epsilon_high, loss_type, scale_rewards, "
+         "importance_sampling_level, updates_per_rollout"),
         (["method.reference=live"], "method.reference=live has no effect with method=grpo and method.beta=0 (no KL term, no reference): "
                                     "remove it or change the option"),
         (["method.beta=0.04", "method.reference=precomputed"], "method.reference=precomputed cannot score GRPO's completions, which are "
@@ -271,7 +273,10 @@ def test_a_text_row_has_no_prompt_to_answer(tmp_path):
 
 LAYOUTS = {"fsdp": ["parallelism=fsdp"], "fsdp-lora": ["parallelism=fsdp", "peft=lora"],
            "zero3-lora-adapter_disabled": ["zero=stage3", "peft=lora", "method.beta=0.04", "method.reference=adapter_disabled"],
-           "zero2-qlora-adapter_disabled": ["zero=stage2", "peft=qlora", "method.beta=0.04", "method.reference=adapter_disabled"]}
+           "zero2-qlora-adapter_disabled": ["zero=stage2", "peft=qlora", "method.beta=0.04", "method.reference=adapter_disabled"],
+           # RLOO with the KL in its reward and dynamic sampling: its refills' rounds agreed across ranks sampling in lockstep
+           "fsdp-rloo-dynamic": ["parallelism=fsdp", "method=rloo", "method.beta=0.04", "method.reference=live",
+                                 "method.dynamic_sampling=true", "method.sampling_rounds=3"]}
 
 
 @pytest.fixture(scope="module")
@@ -287,9 +292,11 @@ def layout_run(tmp_path_factory):
                 if vllm:
                     mp.setenv("PYTHONPATH", f"{STANDIN}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
                 launch = run_cli if vllm else launch_here  # the stand-in is found on PYTHONPATH by a new process
-                out = launch("+recipe=quickstart_sft", "method=grpo", "method.rewards=[length]", "method.generations=4",
+                method = next((o for o in LAYOUTS[name] if o.startswith("method=")), "method=grpo")
+                out = launch("+recipe=quickstart_sft", method, "method.rewards=[length]", "method.generations=4",
                              "method.completion_tokens=12", "train.max_steps=3", "optim.warmup_steps=1", "train.micro_batch_size=2",
-                             "train.global_batch_size=4", "train.exact_match_samples=4", "train.progress_bar=false", *LAYOUTS[name],
+                             "train.global_batch_size=4", "train.exact_match_samples=4", "train.progress_bar=false",
+                             *(o for o in LAYOUTS[name] if o != method),
                              *(["method.vllm=true"] if vllm else []), f"hydra.run.dir={where / 'run'}", cwd=where)
             assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
             runs[name, vllm] = where / "run"
@@ -307,6 +314,9 @@ def test_sharded_layouts_generate_in_lockstep_and_train(name, layout_run):
     assert [m["step"] for m in train] == [1, 2, 3] and all(1 <= m["completion_tokens"] <= 12 for m in train)
     assert all(m["reward"] == pytest.approx(m["rewards/length"]) for m in train)
     assert any(m["grad_norm"] > 0 for m in train) and "exact_match" in [m for m in read_metrics(run) if m["kind"] == "eval"][-1]
+    if "method.dynamic_sampling=true" in LAYOUTS[name]:  # every step's rounds logged; equal groups train only when they ran out
+        assert all(1 <= m["sampling_rounds"] <= 3 and (m["equal_trained"] == 0 or m["sampling_rounds"] == 3) for m in train)
+        assert train[0]["kl"] == 0.0 and train[-1]["kl"] != 0.0  # RLOO's KL in the reward: the policy leaves the reference
 
 
 @pytest.mark.slow
@@ -323,19 +333,20 @@ def test_vllm_sampling_follows_the_generate_run_when_its_weights_are_the_policys
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mu", [1, 2])
-def test_resume_samples_the_same_completions_and_continues_the_trajectory(mu, tmp_path):
+@pytest.mark.parametrize("mu,extra", [(1, []), (2, []), (1, ["method.dynamic_sampling=true"])])
+def test_resume_samples_the_same_completions_and_continues_the_trajectory(mu, extra, tmp_path):
     """mu = method.updates_per_rollout: with 2, steps 1-2 train on step 1's completions (the second against the log-probs
-    they were sampled with: a ratio other than 1), steps 3-4 on step 3's; the checkpoint of step 2 falls between."""
+    they were sampled with: a ratio other than 1), steps 3-4 on step 3's; the checkpoint of step 2 falls between. With
+    dynamic sampling the refills are drawn again as they were (seeded by the step and round)."""
     common = ["+recipe=quickstart_sft", "method=grpo", "method.rewards=[length]", "method.generations=4", "method.completion_tokens=12",
-              f"method.updates_per_rollout={mu}",
+              f"method.updates_per_rollout={mu}", *extra,
               "parallelism=single", "launcher.nproc_per_node=1", "train.max_steps=4", "optim.warmup_steps=1", "train.micro_batch_size=2",
               "train.global_batch_size=2", "train.exact_match_samples=0", "train.eval_every=0", "train.progress_bar=false", "train.save_every=2"]
     full = launch_here(*common, f"hydra.run.dir={tmp_path / 'full'}", cwd=tmp_path)
     assert full.returncode == 0, full.stderr[-3000:]
     resumed = launch_here(*common, f"train.resume={tmp_path / 'full/checkpoints/step_2'}", f"hydra.run.dir={tmp_path / 'resumed'}", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    keys = ("loss", "grad_norm", "reward", "completion_tokens")
+    keys = ("loss", "grad_norm", "reward", "completion_tokens") + (("sampling_rounds", "equal_groups") if extra else ())
     rows = {name: [{k: m[k] for k in keys} for m in read_metrics(tmp_path / name) if m["kind"] == "train"] for name in ("full", "resumed")}
     assert len(rows["resumed"]) == 2 and rows["resumed"] == rows["full"][2:]  # the same completions, rewards and update
     assert any(r["grad_norm"] > 0 for r in rows["full"][2:])
@@ -459,7 +470,7 @@ def test_vllm_draws_each_prompts_samples_from_streams_of_their_own(monkeypatch):
 
 def test_vllm_is_refused_where_it_cannot_run(compose, monkeypatch):
     """Not installed; layouts whose weights a vLLM engine cannot take whole (tp), a 4-bit base, DoRA; its memory share without it."""
-    from finetune.methods.grpo import vllm_rules
+    from finetune.methods.online import vllm_rules
 
     base = ["+recipe=quickstart_sft", "method=grpo"]
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
@@ -530,7 +541,7 @@ def test_a_vllm_built_for_another_torch_is_refused_before_launch(monkeypatch):
     replace the tested versions, or left beside them they do not run. Its package metadata says which: one line."""
     from importlib import metadata
 
-    from finetune.methods import grpo
+    from finetune.methods import online as grpo
 
     installed = {"vllm": "0.33.0", "torch": "2.13.0+cpu", "transformers": "5.24.0"}
     pins = ["transformers<5.21.0,>=5.16.1", "torch==2.14.0", "torchaudio==2.11.0", "pytest; extra == 'test'"]

@@ -10,8 +10,8 @@ import pytest
 
 from finetune.config import ConfigError
 from finetune.methods import rewards
-from finetune.methods.grpo import (GRPO, GrpoConfig, GrpoLoss, RatioLevel, RewardScale, batch_std, completion_mask,
-                                   group_advantages, grpo_loss)
+from finetune.methods.grpo import GRPO, GrpoConfig, GrpoLoss, RatioLevel, RewardScale, group_advantages, grpo_loss
+from finetune.methods.online import batch_std, completion_mask
 
 from conftest import train_here
 
@@ -201,3 +201,113 @@ def test_a_dapo_run_trains_through_the_ranks_code(tmp_path):
     assert [r["step"] for r in train] == [1, 2] and all(-1.0 <= r["rewards/overlong"] <= 0.0 for r in train)
     assert all(r["grad_norm"] > 0 for r in train) and train[1]["loss"] != train[0]["loss"]
     assert summary["after"]["eval_loss"] != summary["before"]["eval_loss"]
+
+
+# dynamic sampling: prompt [1, x, 7] with x even gets G equal completions (the length reward equal: no gradient), odd x
+# completions of different lengths
+def _prompts(*xs):
+    from finetune.data.batches import collate
+    from finetune.data.tokenize import Example
+
+    return collate([Example([1, x, 7, 9], [-100, -100, -100, 9], 3, "") for x in xs], 0)
+
+
+def _rollout(tok, monkeypatch, *, dynamic=True, rounds=4, refills=((6, 5), (7, 9), (11,))):
+    from types import SimpleNamespace
+
+    from finetune.methods import online
+
+    seeds, asked = [], []
+
+    def sample(engine, prompts, cfg, tokenizer, seed, vllm=None, images=None):
+        seeds.append(seed)
+        eos = tokenizer.eos_token_id
+        return [[5, eos] if p[1] % 2 == 0 else [5] * (i + 1) + [eos] for p in prompts for i in range(cfg.generations)]
+
+    def refill(round):
+        asked.append(round)
+        return [_prompts(*refills[round - 1])]
+
+    monkeypatch.setattr(online, "sample", sample)
+    cfg = GrpoConfig(generations=2, completion_tokens=8, rewards=["length"], dynamic_sampling=dynamic,
+                     **({"sampling_rounds": rounds} if dynamic else {}))
+    objective = GRPO(cfg)
+    objective.rewards = rewards.resolve(cfg)
+    out, _ = objective.rollout(SimpleNamespace(dp_rank=0), [_prompts(2, 4), _prompts(3)], step=5, tokenizer=tok, seed=11,
+                               refill=refill)
+    return out, seeds, asked
+
+
+def _xs(batch):
+    return batch["input_ids"][::2, 1].tolist()  # each group's prompt (G = 2 rows each)
+
+
+def test_dynamic_sampling_drops_equal_groups_and_refills_from_fresh_prompts(tok, monkeypatch):
+    """Groups whose rewards are all equal are dropped, prompts drawn anew (refill) sampled until the step's 3 groups
+    have distinct rewards; the micro-batches keep their sizes (2 and 1 prompts); the refills' samples are seeded by their
+    round; the metrics count the rounds, the equal share of what was sampled, and of what trains."""
+    out, seeds, asked = _rollout(tok, monkeypatch)
+    assert [_xs(b) for b in out] == [[3, 5], [7]] and asked == [1, 2]  # round 2 filled it: the third refill not drawn
+    assert seeds == [(11, 5, 0, 0), (11, 5, 0, 1), (11, 5, 0, 0, 1), (11, 5, 0, 0, 2)]
+    assert all(b["advantages"].abs().min() > 0.5 for b in out)  # every trained group has a gradient
+    for b in out:
+        rows = b["input_ids"].shape[0]
+        assert b["sum_sampling_rounds"].tolist() == [3.0] * rows
+        assert b["sum_equal_groups"].tolist() == pytest.approx([3 / 7] * rows)  # 2, 4 and 6 of the 7 sampled groups
+        assert b["sum_equal_trained"].tolist() == [0.0] * rows
+
+
+def test_dynamic_sampling_fills_with_equal_groups_when_its_rounds_are_spent(tok, monkeypatch):
+    out, _, asked = _rollout(tok, monkeypatch, rounds=2)
+    assert [_xs(b) for b in out] == [[3, 5], [2]] and asked == [1]  # short of one group after 2 rounds: an equal one fills it
+    assert out[1]["sum_equal_trained"].tolist() == [1.0, 1.0] and out[1]["advantages"].tolist() == [0.0, 0.0]
+    assert out[0]["sum_sampling_rounds"].tolist() == [2.0] * 4
+
+
+def test_without_dynamic_sampling_the_equal_groups_train_and_are_counted(tok, monkeypatch):
+    out, seeds, asked = _rollout(tok, monkeypatch, dynamic=False)
+    assert [_xs(b) for b in out] == [[2, 4], [3]] and asked == [] and len(seeds) == 2
+    assert out[0]["sum_equal_groups"].tolist() == pytest.approx([2 / 3] * 4) and "sum_sampling_rounds" not in out[0]
+    assert GRPO(GrpoConfig()).metrics[-1] == "equal_groups"
+
+
+def test_refills_are_drawn_from_the_whole_dataset_by_seed_step_and_round():
+    from finetune.data.batches import TrainBatches
+    from finetune.data.tokenize import Example
+
+    examples = [Example([1, i, 7, 9], [-100, -100, -100, 9], 3, "") for i in range(40)]
+
+    def drawn(rank, step, round, seed=0):
+        b = TrainBatches(examples, global_batch=8, micro_batch=2, dp_rank=rank, dp_size=2, seed=seed, pad_id=0)
+        return [x for mb in b.refill(step, round) for x in mb["input_ids"][:, 1].tolist()]
+
+    both = drawn(0, 3, 1) + drawn(1, 3, 1)
+    assert len(set(both)) == 8  # one draw without replacement, split between the ranks
+    assert drawn(0, 3, 1) == drawn(0, 3, 1) and drawn(0, 3, 2) != drawn(0, 3, 1) and drawn(0, 4, 1) != drawn(0, 3, 1)
+    assert drawn(0, 3, 1, seed=1) != drawn(0, 3, 1)
+
+
+def test_dynamic_sampling_rules(compose):
+    base = ["+recipe=quickstart_sft", "method=grpo"]
+    with pytest.raises(ConfigError, match=r"^method.sampling_rounds=3 has no effect without method.dynamic_sampling=true \(the "
+                                          r"rounds are its refills\): remove it or change the option$"):
+        compose([*base, "method.sampling_rounds=3"])
+    with pytest.raises(ConfigError, match=r"^method.dynamic_sampling=true with data.streaming=true is not supported: the refills "
+                                          r"draw prompts at random from the whole dataset"):
+        compose([*base, "method.dynamic_sampling=true", "data.streaming=true"])
+
+
+def test_dynamic_sampling_runs_through_the_loop(tmp_path):
+    """Through the rank's loop (its refill: TrainBatches.refill): the metrics say how many rounds each step took, and a
+    step trains equal groups only when its rounds were spent."""
+    train_here(["+recipe=quickstart_sft", "method=grpo", "method.rewards=[length]", "method.generations=2",
+                "method.completion_tokens=3", "method.dynamic_sampling=true", "method.sampling_rounds=3", "parallelism=single",
+                "launcher.nproc_per_node=1", "train.max_steps=2", "optim.warmup_steps=0", "train.micro_batch_size=2", "train.global_batch_size=2",
+                "train.exact_match_samples=0", "train.eval_every=0", "data.eval_size=4", "data.eval=null"], tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r.get("kind") == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:
+        assert r["sampling_rounds"] in (1.0, 2.0, 3.0) and 0.0 <= r["equal_groups"] <= 1.0
+        assert r["equal_trained"] == 0.0 or r["sampling_rounds"] == 3.0
+    assert any(r["sampling_rounds"] > 1 for r in train)  # 3-token completions of a random model: equal lengths are common

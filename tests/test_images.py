@@ -659,26 +659,26 @@ def test_grpo_samples_from_the_image_and_trains_each_completion_with_it(vlms, pi
     """GRPO with image prompts: the sampler is shown each prompt's image (its generate call gets the image inputs, a
     prompt sampled as G rows of its own), each completion's training row shows its prompt's image, and the run trains;
     vLLM (given tokens, not images) is refused for a vision-language model."""
-    from finetune.methods import grpo
+    from finetune.methods import online
 
     calls: list[dict] = []
-    real = grpo.sample
+    real = online.sample
 
     def watched(engine, prompts, cfg, tokenizer, seed, vllm=None, images=None):
         out = real(engine, prompts, cfg, tokenizer, seed, vllm, images)
         calls.append({"prompts": len(prompts), "images": images, "completions": len(out)})
         return out
 
-    monkeypatch.setattr(grpo, "sample", watched)
+    monkeypatch.setattr(online, "sample", watched)
     trained: list[dict] = []
-    scored = grpo.GRPO.scored
+    batch_of = online.Online.batch_of
 
-    def kept(self, prompts, answers, completions, tokenizer, images=None):
-        batch = scored(self, prompts, answers, completions, tokenizer, images)
+    def kept(self, groups, tokenizer):
+        batch = batch_of(self, groups, tokenizer)
         trained.append(batch)
         return batch
 
-    monkeypatch.setattr(grpo.GRPO, "scored", kept)
+    monkeypatch.setattr(online.Online, "batch_of", kept)
     common = [*SHORT[:2], f"model.path={vlms['qwen2_vl']}", f"data.train={pictures / 'train.jsonl'}", *SHORT[2:], "method=grpo",
               "method.generations=2", "method.completion_tokens=4", "method.rewards=[similarity]", "train.max_steps=2",
               "train.exact_match_samples=0"]

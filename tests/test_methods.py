@@ -35,7 +35,7 @@ def test_every_method_has_a_record_its_config_and_a_group_option():
 def test_an_unknown_method_is_refused_naming_the_methods():
     with pytest.raises(ConfigError) as e:
         methods.get("dop")
-    assert str(e.value) == ("method.name=dop must be one of sft, dpo, kto, orpo, reward, grpo (did you mean 'dpo'?) (choose the "
+    assert str(e.value) == ("method.name=dop must be one of sft, dpo, kto, orpo, reward, grpo, rloo (did you mean 'dpo'?) (choose the "
                             "method with method=NAME)")
 
 
@@ -47,7 +47,7 @@ def test_a_config_without_a_method_name_is_refused(tmp_path):
     path.write_text("method: {beta: 0.1}\n")
     with pytest.raises(ConfigError) as e:
         load(path)
-    assert str(e.value) == "method.name is missing: choose the method with method=NAME (one of sft, dpo, kto, orpo, reward, grpo)"
+    assert str(e.value) == "method.name is missing: choose the method with method=NAME (one of sft, dpo, kto, orpo, reward, grpo, rloo)"
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -55,8 +55,9 @@ def test_a_config_without_a_method_name_is_refused(tmp_path):
      "method.generations: not a key of method=dpo; its keys are name, loss, beta, gamma, label_smoothing, sft_weight, reference"),
     (["method=grpo", "method.generatons=4"],
      "method.generatons: not a key of method=grpo (did you mean 'generations'?); its keys are name, beta, reference, generations, "
-     "completion_tokens, temperature, top_p, epsilon, epsilon_high, loss_type, scale_rewards, importance_sampling_level, "
-         "mask_truncated_completions, overlong_buffer, updates_per_rollout, rewards, reward_weights, format_pattern, vllm, vllm_memory"),
+     "completion_tokens, temperature, top_p, mask_truncated_completions, overlong_buffer, dynamic_sampling, sampling_rounds, "
+         "rewards, reward_weights, format_pattern, vllm, vllm_memory, epsilon, epsilon_high, loss_type, scale_rewards, "
+         "importance_sampling_level, updates_per_rollout"),
     (["method=sft", "method.beta=0.1"], "method.beta: not a key of method=sft; its keys are name"),
 ])
 def test_a_key_of_another_method_is_refused_naming_the_methods_keys(compose, overrides, message):

@@ -226,8 +226,8 @@ class MethodConfig:
     unknown key, refused naming the method's keys."""
 
     name: str = checked(METHOD_NAME, "sft")
-    """The training method, chosen with method=NAME (which brings its keys): sft, dpo, kto, orpo, reward, grpo
-    (finetune.methods.METHODS)."""
+    """The training method, chosen with method=NAME (which brings its keys): sft, dpo, kto, orpo, reward, grpo,
+    rloo (finetune.methods.METHODS)."""
 
 
 def method_schema(name: Any) -> type[MethodConfig]:

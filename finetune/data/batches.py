@@ -150,7 +150,17 @@ class TrainBatches:
         return self._perm[epoch]
 
     def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
-        idx = self.indices(step)
+        return self._collated(self.indices(step))
+
+    def refill(self, step: int, round: int) -> list[dict[str, torch.Tensor]]:
+        """This rank's micro-batches of a global batch of prompts drawn anew for `step` (0-based), its refill `round`
+        (1, 2, ...: an online method's dynamic sampling): drawn at random from the whole dataset (without replacement
+        where it is large enough), a function of (seed, step, round) and so the same after a restart."""
+        n, per_rank = len(self.examples), self.global_batch // self.dp_size
+        drawn = np.random.default_rng([self.seed, step, round, 1]).choice(n, size=self.global_batch, replace=self.global_batch > n)
+        return self._collated([int(i) for i in drawn[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]])
+
+    def _collated(self, idx: list[int]) -> list[dict[str, torch.Tensor]]:
         chunks = [idx[i : i + self.micro_batch] for i in range(0, len(idx), self.micro_batch)]
         return [collate([self.examples[i] for i in chunk], self.pad_id, self.pad_to, self.flat, self.pictures) for chunk in chunks]
 

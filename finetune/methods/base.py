@@ -15,7 +15,7 @@ rejected rows, with their reference log-probs). A batch lays out row k of every 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 from finetune.config import Config, DataConfig, DataFormat, MethodConfig, Reference
 
@@ -98,9 +98,10 @@ class OnlineObjective(Objective, Protocol):
     """The longest prompt it samples after (data.max_length; a rank sets it before training): a sampler's context."""
 
     def rollout(self, engine: Any, micro_batches: list[dict[str, Any]], *, step: int, tokenizer: Any,
-                seed: int) -> tuple[list[dict[str, Any]], float]:
+                seed: int, refill: Callable[[int], list[dict[str, Any]]] | None = None) -> tuple[list[dict[str, Any]], float]:
         """The rows this step trains on, made from the data's micro-batches, which hold its prompts (finetune.rank.loop
-        calls it before each step); and the seconds generation took."""
+        calls it before each step); and the seconds generation took. `refill(round)`: more micro-batches of prompts,
+        drawn anew for this step (`TrainBatches.refill`; None for a stream)."""
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""GRPO's completions sampled by vLLM (method.vllm=true): an engine on each rank beside training ("colocated", as
+"""An online method's completions (GRPO's, RLOO's) sampled by vLLM (method.vllm=true): an engine on each rank beside training ("colocated", as
 TRL's vllm_mode=colocate), holding method.vllm_memory of the GPU for its weights and KV cache.
 
 vLLM is built once per rank from the policy's config and tokenizer (written to a temporary directory) with dummy

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import select
@@ -114,7 +115,9 @@ def train(cfg: TrainConfig, *, engine: Engine, objective: Any, batches: TrainBat
         micro_batches, waited = ahead.get(step - 1)
         generated = 0.0
         if online:  # GRPO: the data's micro-batches hold prompts; the objective samples and scores the rows it trains on
-            micro_batches, generated = objective.rollout(engine, micro_batches, step=step, tokenizer=tokenizer, seed=cfg.seed)
+            refill = getattr(batches, "refill", None)  # prompts drawn anew (dynamic sampling; a stream has none: refused)
+            micro_batches, generated = objective.rollout(engine, micro_batches, step=step, tokenizer=tokenizer, seed=cfg.seed,
+                                                         refill=functools.partial(refill, step - 1) if refill else None)
         count, units, local_tokens, local_slots = _counts(engine, objective, micro_batches, dist)
 
         measured = probe is not None and step < first + MEMORY_STEPS

@@ -1,0 +1,490 @@
+"""What the online methods share (method=grpo, method=rloo: finetune/methods/grpo.py, rloo.py): settings, rules, and the
+rollout that turns a step's prompts into the rows it trains on.
+
+Each step, for every prompt q of the batch (a row of any SFT form: its conversation without the last response) the
+current policy samples G = `method.generations` completions o_1..o_G (`method.temperature`, `method.top_p`, at most
+`method.completion_tokens` tokens, seeded by (train.seed, step, rank, micro-batch): a resumed run samples the same ones)
+through the engine (`generation_model`, synced across ranks where parameters are gathered collectively: FSDP2, ZeRO-3),
+or through a vLLM engine on each rank with method.vllm (finetune.methods.vllm_rollout). The rewards
+(finetune.methods.rewards) score each completion, r_i = sum_k w_k R_k(q, o_i); the method turns a group's rewards into
+advantages (GRPO: their z-score; RLOO: each minus the mean of the others) and its loss into a gradient.
+
+Dynamic sampling (`method.dynamic_sampling`: DAPO, Yu et al. 2025, arXiv:2503.14476, section 3.2): a group whose
+rewards are all equal has advantage 0 everywhere and so no gradient (only its share of the normaliser). Such groups are
+dropped and the step samples again, from prompts drawn anew from the dataset (`TrainBatches.refill`, seeded by
+(train.seed, step, round): a resumed run draws the same), until every rank holds as many groups with distinct rewards
+as the step had prompts, or `method.sampling_rounds` rounds are spent; then the batch is filled with equal groups (as
+without the option: the metric `equal_trained` says how much of it). Every rank runs the same rounds (one collective
+per round), so layouts that generate in lockstep (FSDP2, ZeRO-3) stay in step. Metrics: `equal_groups` (of the groups
+sampled, the fraction with equal rewards: logged always, it is what the option removes), `sampling_rounds`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Callable
+
+from finetune.config import (POSITIVE, SOME_NAMES, TEXT, Accepts, Config, ConfigError, DataConfig, DataFormat, Logits,
+                             MethodConfig, Reference, at_least, checked, in_range, unused)
+from finetune.data.images import IN_BATCH, SHOWN, never_written, pictures_of, seen
+from finetune.data.tokenize import IGNORE, Encoded, Example
+from finetune.methods.base import CAUSAL_LM, Output, Sampling
+from finetune.methods.sft import METHOD as SFT_METHOD
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class OnlineConfig(MethodConfig):
+    """The keys every online method has: what is sampled, how it is scored, and by what."""
+
+    beta: float = checked(at_least(0), 0.0)
+    """The weight of the KL to the reference; 0: no KL term and no reference model (TRL's default since DAPO/Dr. GRPO)."""
+    reference: Reference = Reference.precomputed
+    """With beta > 0, where the reference log-probs come from: live (a frozen copy of the initial model) or
+    adapter_disabled (with peft); precomputed cannot score completions sampled while training."""
+    generations: int = checked(at_least(2), 8)
+    """Completions sampled per prompt (the group G)."""
+    completion_tokens: int = checked(POSITIVE, 64)
+    """The most tokens a sampled completion has (generation stops at the EOS token or here)."""
+    temperature: float = checked(POSITIVE, 1.0)
+    """The sampling temperature of the completions."""
+    top_p: float = checked(in_range(0, 1), 1.0)
+    """Nucleus sampling's probability mass (1: the whole distribution)."""
+    mask_truncated_completions: bool = False
+    """Completions cut at completion_tokens before their EOS carry no loss (DAPO): a cut answer is not judged."""
+    overlong_buffer: int | None = checked(POSITIVE, None)
+    """The `overlong` reward's soft zone: a completion longer than completion_tokens - overlong_buffer tokens loses up to 1
+    linearly, -1 at the limit (DAPO's soft overlong punishment)."""
+    dynamic_sampling: bool = False
+    """Drop the groups whose rewards are all equal (no gradient) and sample again from prompts drawn anew, until each rank
+    has as many groups with distinct rewards as prompts, or sampling_rounds are spent (DAPO's dynamic sampling)."""
+    sampling_rounds: int = checked(at_least(2), 4)
+    """With dynamic_sampling: the most rounds of sampling in a step (DAPO's max_num_gen_batches); short after them, the
+    batch is filled with equal groups (the metric equal_trained)."""
+    rewards: list[str] = checked(SOME_NAMES, factory=lambda: ["exact_match"])
+    """The reward functions, summed with `reward_weights`: built-in exact_match (1 when the completion equals the row's
+    response, stripped), similarity (partial credit: difflib's matched-character ratio with the response), format (1
+    when the completion matches `format_pattern`), length (minus the completion's tokens over completion_tokens), overlong
+    (0, then down to -1 over the last `overlong_buffer` tokens before completion_tokens: DAPO's), or a
+    Python function `package.module:function` (finetune.methods.rewards says how it is called), or `reward:PATH`: a
+    reward model this project trained (method=reward), scoring prompt + completion."""
+    reward_weights: list[float] | None = checked(Accepts("a list of numbers", lambda v: len(v) > 0, ("[]",)), None)
+    """One weight per entry of `rewards` (null: 1 each)."""
+    format_pattern: str | None = checked(TEXT, None)
+    """The regular expression the `format` reward matches each whole completion against (Python's re.fullmatch, DOTALL)."""
+    vllm: bool = False
+    """Sample the completions with vLLM (`pip install vllm`) instead of transformers' generate: an engine on each rank
+    beside training (colocated), the policy's weights (gathered, any adapter merged in) loaded into it before each
+    rollout."""
+    vllm_memory: float = checked(in_range(0.05, 0.95), 0.3)
+    """With vllm: the fraction of the GPU's memory vLLM takes for its weights and KV cache (its gpu_memory_utilization);
+    training gets the rest."""
+
+
+class OnlineMethod:
+    """What the records of the online methods share (finetune.methods.base.Method); a subclass names itself, its config
+    and its objective."""
+
+    name: str
+    forms = (DataFormat.alpaca, DataFormat.chat, DataFormat.sharegpt, DataFormat.completion)
+    unit = "prompt"
+    columns = ("",)
+    rows_per_example = 1  # x method.generations completions, each a row with gradients (`sampling`)
+    no_grad_rows = 0
+    scalars = ()
+    images = None  # its prompts' images: shown to the sampler, and to the policy with each completion
+    attached = False
+    model_class = CAUSAL_LM
+
+    @property
+    def unpacked(self) -> str:
+        return f"method={self.name} samples each prompt's completions as rows of their own"
+
+    @property
+    def split_tokens(self) -> str:
+        return (f"the {self.name.upper()} loss weighs each completion's tokens together, and each rank would hold a slice of them; "
+                "use parallelism.cp=1 (with checkpointing=full for long completions)")
+
+    def check_row(self, row: dict[str, Any], data: DataConfig, where: str) -> None:
+        SFT_METHOD.check_row(row, data, where)
+
+    def encode(self, row: dict[str, Any], where: str, tokenizer: Any, data: DataConfig, chat: bool) -> Encoded:
+        return SFT_METHOD.encode(row, where, tokenizer, data, chat)
+
+    def join(self, rows: list[Example], scalars: dict[str, float]) -> Example:
+        return rows[0]
+
+    def settle(self, examples: list[Any], data: DataConfig, key: str) -> list[Any]:
+        return examples
+
+    def sampling(self, cfg: OnlineConfig) -> Sampling:
+        return Sampling(cfg.generations, cfg.completion_tokens, "vllm" if cfg.vllm else "generate", cfg.vllm_memory if cfg.vllm else 0.0)
+
+    def reference(self, cfg: OnlineConfig) -> Reference | None:
+        return cfg.reference if cfg.beta > 0 else None
+
+    def validate(self, cfg: Config) -> None:
+        """The rules every online method has (a subclass adds its own)."""
+        from finetune.methods import rewards
+
+        m, name = cfg.method, f"method={self.name}"
+        if m.beta == 0:
+            unused(m, "method", tuple(f.name for f in fields(m) if f.name != "reference"),
+                   f"with {name} and method.beta=0 (no KL term, no reference)")
+        elif m.reference == Reference.precomputed:
+            raise ConfigError(f"method.reference=precomputed cannot score {self.name.upper()}'s completions, which are sampled while "
+                              "training: use method.reference=live (or adapter_disabled with peft), or method.beta=0 (no KL term)")
+        if not m.dynamic_sampling:
+            unused(m, "method", tuple(f.name for f in fields(m) if f.name != "sampling_rounds"),
+                   "without method.dynamic_sampling=true (the rounds are its refills)")
+        elif cfg.data.streaming:
+            raise ConfigError("method.dynamic_sampling=true with data.streaming=true is not supported: the refills draw prompts at "
+                              "random from the whole dataset, which a stream does not hold; use data.streaming=false")
+        if cfg.data.format == DataFormat.text:
+            raise ConfigError(f"{name} samples a response to each row's prompt, and data.format=text rows have none: use alpaca, "
+                              "chat, sharegpt or completion rows")
+        if cfg.parallelism.pp > 1:
+            raise ConfigError(f"{name} with parallelism.pp={cfg.parallelism.pp} is not supported: pipeline stages cannot "
+                              "generate the completions (no rank holds the whole model); use fsdp, zero or tp")
+        if ("overlong" in m.rewards) != (m.overlong_buffer is not None):
+            raise ConfigError("method.rewards has overlong but method.overlong_buffer is not set: the tokens before "
+                              "completion_tokens where the penalty starts (DAPO: a quarter of it), e.g. "
+                              f"method.overlong_buffer={max(1, m.completion_tokens // 4)}" if m.overlong_buffer is None else
+                              f"method.overlong_buffer={m.overlong_buffer} has no effect without the overlong reward: add overlong "
+                              "to method.rewards or remove it")
+        if m.overlong_buffer is not None and m.overlong_buffer > m.completion_tokens:
+            raise ConfigError(f"method.overlong_buffer={m.overlong_buffer} is longer than method.completion_tokens="
+                              f"{m.completion_tokens}: the soft zone ends at the limit; use at most {m.completion_tokens}")
+        if cfg.logits.name == Logits.chunked:
+            raise ConfigError(f"logits=chunked with {name} is not supported: the {self.name.upper()} loss needs each token's log-prob, which "
+                              "the chunked head reduces per row; use logits=full")
+        if m.vllm:
+            from finetune.disk import local_vision
+
+            if local_vision(cfg.model) is not None:
+                raise ConfigError(f"method.vllm=true with model.path={cfg.model.path}, a vision-language model: the vLLM sampler "
+                                  "is given the prompts' tokens, not their images: set method.vllm=false (transformers' "
+                                  "generate samples from both)")
+            vllm_rules(cfg)
+        elif m.vllm_memory != OnlineConfig().vllm_memory:
+            raise ConfigError(f"method.vllm_memory={m.vllm_memory:g} is set but method.vllm=false: it is the share of the GPU vLLM "
+                              "takes; set method.vllm=true or drop it")
+        rewards.resolve(m)
+
+
+def vllm_mismatch() -> str | None:
+    """What the installed vLLM requires of torch and transformers that this environment does not have (vLLM's releases
+    pin their own torch: 0.33.0 needs torch==2.14.0 and transformers<5.21), as `vLLM V needs NAME SPEC, but this
+    environment has NAME W`; None when they agree, or vLLM has no package metadata (a source checkout)."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    try:
+        version, required = metadata.version("vllm"), metadata.requires("vllm") or []
+    except metadata.PackageNotFoundError:
+        return None
+    for text in required:
+        req = Requirement(text)
+        if req.name not in ("torch", "transformers") or (req.marker is not None and not req.marker.evaluate({"extra": ""})):
+            continue
+        try:
+            have = metadata.version(req.name)
+        except metadata.PackageNotFoundError:
+            continue
+        if not req.specifier.contains(have, prereleases=True):
+            return f"vLLM {version} needs {req.name}{req.specifier}, but this environment has {req.name} {have}"
+    return None
+
+
+def vllm_rules(cfg: Config) -> None:
+    """method.vllm=true: vLLM installed, and a layout whose weights it can load whole (finetune.methods.vllm_rollout)."""
+    import importlib.util
+
+    from finetune.config import PeftMethod
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError("method.vllm=true: vLLM is not installed here: pip install vllm (its wheels are built for CUDA GPUs), or "
+                          "drop method.vllm to sample with transformers' generate")
+    mismatch = vllm_mismatch()
+    if mismatch:
+        raise ConfigError(f"method.vllm=true: {mismatch}, so vLLM and this training would not run on the versions either was "
+                          "built for: install vLLM in a virtualenv of its own (docs/grpo.md, vLLM), not into this one")
+    p = cfg.parallelism
+    if p.tp > 1 or p.cp > 1:
+        raise ConfigError(f"method.vllm=true with parallelism.tp={p.tp} cp={p.cp} is not supported: each rank's vLLM engine holds "
+                          "the whole model and its own process group would cut across the model's; use fsdp or zero (gathered "
+                          "for vLLM), or method.vllm=false")
+    if cfg.peft.name == PeftMethod.qlora:
+        raise ConfigError("method.vllm=true with peft=qlora is not supported: vLLM would load the 4-bit base dequantized and merged "
+                          "at every step; use peft=lora, or method.vllm=false (generate runs on the 4-bit model)")
+    if cfg.peft.name == PeftMethod.dora:
+        raise ConfigError("method.vllm=true with peft=dora is not supported: a DoRA weight is not W + its delta (its magnitude "
+                          "rescales it); use peft=lora, or method.vllm=false")
+
+
+@dataclass
+class Group:
+    """A prompt's G sampled completions and their rewards."""
+
+    prompt: list[int]
+    answer: list[int]
+    images: tuple[Any, ...]
+    completions: list[list[int]]
+    rewards: list[float]  # the weighted sum per completion
+    each: dict[str, list[float]]  # each reward's own values
+    equal: bool = field(init=False)  # every reward the same: advantage 0, no gradient
+
+    def __post_init__(self) -> None:
+        self.equal = max(self.rewards) == min(self.rewards)
+
+
+class Online:
+    """An online method's objective: its rollout (this class) and its loss (a subclass: `advantages`, `__call__`)."""
+
+    updates = 1  # optimizer steps per rollout (GRPO's method.updates_per_rollout)
+
+    def __init__(self, cfg: OnlineConfig, reference: Any = None, router: Any = None) -> None:
+        self.cfg, self.reference, self.router = cfg, reference, router
+        self.rewards: list[Any] | None = None  # resolved (reward models loaded) at the first rollout
+        self.rollout_every = self.updates  # the loop stops on a signal only after a rollout's last update
+        self.buffer: list[dict[str, torch.Tensor]] = []  # the rollout the next updates train on
+        self.vllm: Any = None  # method.vllm: the rank's VllmSampler, built at the first rollout
+        self.prompt_tokens: int | None = None  # the longest prompt (data.max_length, set by finetune.train): vLLM's context
+        names = [f"rewards/{name}" for name in cfg.rewards]
+        sampled = ("equal_groups",) + (("equal_trained", "sampling_rounds") if cfg.dynamic_sampling else ())
+        self.metrics = ("reward", "reward_std", *names, "kl", "completion_tokens", *sampled) + ((router.metric,) if router else ())
+        self.eval_metrics = (router.metric,) if router else ()  # evaluation scores the rows' own responses: no rollout
+
+    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        """[prompts, G] rewards -> their advantages."""
+        raise NotImplementedError
+
+    def finished(self, engine: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A scored rollout batch, completed on the rank before it trains (GRPO: the sampler's log-probs; RLOO: the KL in
+        the reward)."""
+        return batch
+
+    def rescaled(self, engine: Any, batches: list[dict[str, torch.Tensor]]) -> None:
+        """The rank's whole rollout, once made (GRPO's scale_rewards=batch divides by the global batch's std)."""
+
+    def count(self, batch: dict[str, torch.Tensor]) -> int:
+        """Completions in a rollout batch (rows with labels in an evaluation batch): the loop divides the global batch's
+        summed loss by their sum."""
+        return int(batch["input_ids"].shape[0])
+
+    def metric_count(self, batch: dict[str, torch.Tensor]) -> int:
+        """What the metrics (rewards, KL) are averaged over: completions."""
+        return int(batch["input_ids"].shape[0])
+
+    def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> Output:
+        raise NotImplementedError(f"method={self.cfg.name} does not run under pipeline parallel (refused before launch)")
+
+    def rows_loss(self, logps: torch.Tensor, batch: dict[str, torch.Tensor]) -> Output:
+        raise NotImplementedError(f"method={self.cfg.name} does not run with logits=chunked (refused before launch)")
+
+    def rollout(self, engine: Any, micro_batches: list[dict[str, torch.Tensor]], *, step: int, tokenizer: Any, seed: int,
+                refill: Callable[[int], list[dict[str, torch.Tensor]]] | None = None) -> tuple[list[dict[str, torch.Tensor]], float]:
+        """Each micro-batch of prompts -> a batch of its G completions per prompt, with their advantages and rewards
+        (columns `sum_<metric>`, summed by the loss into its metrics); and the seconds it took. `refill(round)`: micro-batches
+        of prompts drawn anew (dynamic sampling). With mu = `updates` > 1 the first step of every mu samples; the next
+        mu - 1 steps train on the same completions, their prompts unread."""
+        from finetune.methods import rewards
+
+        mu = self.updates
+        if (step - 1) % mu and self.buffer:
+            return self.buffer, 0.0
+        if (step - 1) % mu:
+            raise RuntimeError(f"step {step} is inside a rollout of method.updates_per_rollout={mu} steps, whose completions are gone "
+                               "(a checkpoint falls between rollouts: train.save_every is a multiple of it)")
+        if self.rewards is None:
+            self.rewards = rewards.resolve(self.cfg, load_models=True)
+        tic = time.perf_counter()
+        if self.cfg.vllm:
+            if self.vllm is None:
+                from finetune.methods.vllm_rollout import VllmSampler
+
+                self.vllm = VllmSampler(engine, tokenizer, self.cfg, prompt_tokens=self.prompt_tokens)
+            self.vllm.sync(engine)
+        sizes = [int(mb["input_ids"].shape[0]) for mb in micro_batches]  # prompts: a row each (never packed: `unpacked`)
+        groups: list[Group] = []
+        for k, mb in enumerate(micro_batches):
+            groups += self.sampled(engine, mb, tokenizer, seed=(seed, step, engine.dp_rank, k))
+        wanted, rounds, equal, sampled = sum(sizes), 1, sum(g.equal for g in groups), len(groups)
+        if self.cfg.dynamic_sampling:
+            kept = [g for g in groups if not g.equal]
+            dropped = [g for g in groups if g.equal]
+            while rounds < self.cfg.sampling_rounds and world_max(float(len(kept) < wanted), engine) > 0:
+                if refill is None:
+                    raise RuntimeError("method.dynamic_sampling: the loop gave no refill (a streamed dataset is refused before launch)")
+                for k, mb in enumerate(refill(rounds)):
+                    for g in self.sampled(engine, mb, tokenizer, seed=(seed, step, engine.dp_rank, k, rounds)):
+                        (dropped if g.equal else kept).append(g)
+                rounds += 1
+            equal, sampled = len(dropped), len(kept) + len(dropped)
+            groups = kept[:wanted] + dropped[: max(wanted - len(kept), 0)]
+        out, start = [], 0
+        for n in sizes:
+            batch = self.batch_of(groups[start : start + n], tokenizer)
+            start += n
+            rows = batch["input_ids"].shape[0]
+            batch["sum_equal_groups"] = torch_full(rows, equal / max(sampled, 1))
+            if self.cfg.dynamic_sampling:
+                batch["sum_sampling_rounds"] = torch_full(rows, float(rounds))
+            out.append(self.finished(engine, batch))
+        self.rescaled(engine, out)
+        self.buffer = out if mu > 1 else []
+        return out, time.perf_counter() - tic
+
+    def sampled(self, engine: Any, mb: dict[str, torch.Tensor], tokenizer: Any, seed: tuple[int, ...]) -> list[Group]:
+        """A micro-batch of prompts -> each prompt's group: its G completions, sampled, and their rewards."""
+        prompts, answers = split_rows(mb)
+        shown = mb.get(SHOWN)  # a vision-language model's prompts' images: sampled from, and trained with
+        completions = sample(engine, prompts, self.cfg, tokenizer, seed=seed, vllm=self.vllm, images=shown)
+        return self.grouped(prompts, answers, completions, tokenizer, shown)
+
+    def grouped(self, prompts: list[list[int]], answers: list[list[int]], completions: list[list[int]], tokenizer: Any,
+                images: list[list[Any]] | None = None) -> list[Group]:
+        """The prompts' groups of `completions` (G adjacent per prompt), scored by the rewards."""
+        from finetune.methods import rewards
+
+        g = self.cfg.generations
+        columns = {"prompts": [p for p in tokenizer.batch_decode(prompts, skip_special_tokens=True) for _ in range(g)],
+                   "completions": tokenizer.batch_decode(completions, skip_special_tokens=True),
+                   "answers": [a for a in tokenizer.batch_decode(answers, skip_special_tokens=True) for _ in range(g)],
+                   "completion_tokens": [len(c) for c in completions]}
+        total, each = rewards.score(self.rewards or [], **columns)
+        shown = images or [[] for _ in prompts]
+        return [Group(list(p), list(a), tuple(im), completions[i * g : (i + 1) * g], total[i * g : (i + 1) * g],
+                      {name: values[i * g : (i + 1) * g] for name, values in each.items()})
+                for i, (p, a, im) in enumerate(zip(prompts, answers, shown))]
+
+    def batch_of(self, groups: list[Group], tokenizer: Any) -> dict[str, torch.Tensor]:
+        """The training batch of the groups' completions (prompt + completion, labels on the completion), with their
+        advantages; each completion shows its prompt's images."""
+        import torch
+
+        from finetune.data.batches import collate
+
+        examples = [Example(g.prompt + list(c), [IGNORE] * len(g.prompt) + list(c), len(g.prompt), "", images=g.images)
+                    for g in groups for c in g.completions]
+        batch = collate(examples, tokenizer.pad_token_id, pictures=pictures_of(tokenizer))
+        r = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
+        batch["advantages"] = self.advantages(r).reshape(-1)
+        if self.cfg.mask_truncated_completions:  # cut before their EOS: no loss
+            batch["kept"] = torch.tensor([float(tokenizer.eos_token_id in c) for g in groups for c in g.completions])
+        batch["sum_reward"] = r.view(-1)
+        batch["sum_reward_std"] = r.std(dim=1, keepdim=True).expand_as(r).reshape(-1)
+        batch["sum_equal_trained"] = torch.tensor([float(g.equal) for g in groups for _ in g.completions])
+        for name in self.cfg.rewards:
+            batch[f"sum_rewards/{name}"] = torch.tensor([v for g in groups for v in g.each[name]], dtype=torch.float32)
+        return batch
+
+    def scored(self, prompts: list[list[int]], answers: list[list[int]], completions: list[list[int]], tokenizer: Any,
+               images: list[list[Any]] | None = None) -> dict[str, torch.Tensor]:
+        """The training batch of `completions` (G adjacent per prompt), scored."""
+        return self.batch_of(self.grouped(prompts, answers, completions, tokenizer, images), tokenizer)
+
+
+def torch_full(rows: int, value: float) -> torch.Tensor:
+    import torch
+
+    return torch.full((rows,), value, dtype=torch.float32)
+
+
+def world_max(value: float, engine: Any) -> float:
+    """The largest `value` over every rank (one collective; this rank's where there is no process group)."""
+    import torch
+
+    return float(_all_reduce(torch.tensor([value], dtype=torch.float64), max_=True)[0])
+
+
+def _all_reduce(t: torch.Tensor, max_: bool = False) -> torch.Tensor:
+    import torch
+    import torch.distributed as td
+
+    if td.is_available() and td.is_initialized() and td.get_world_size() > 1:
+        device = torch.device("cuda", torch.cuda.current_device()) if td.get_backend() == "nccl" else torch.device("cpu")
+        t = t.to(device)
+        td.all_reduce(t, op=td.ReduceOp.MAX if max_ else td.ReduceOp.SUM)
+        t = t.cpu()
+    return t
+
+
+def batch_std(rewards: list[torch.Tensor], engine: Any) -> float:
+    """The sample std of every reward of the global batch: this rank's (`rewards`) with every other data-parallel
+    replica's (one rank per replica counts: `engine.owner`), summed across ranks in one collective."""
+    import torch
+
+    r = torch.cat([t.double().view(-1) for t in rewards])
+    moments = torch.stack([torch.tensor(float(r.numel()), dtype=torch.float64), r.sum(), (r * r).sum()]) * float(engine.owner)
+    n, total, squares = _all_reduce(moments).tolist()
+    return max((squares - total * total / n) / max(n - 1, 1), 0.0) ** 0.5
+
+
+def completion_mask(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[rows, tokens - 1]: 1 where a token of a completion carries the loss (its label; under mask_truncated_completions,
+    only in a completion that ended with its EOS)."""
+    mask = (batch["labels"][:, 1:] != IGNORE).float()
+    return mask * batch["kept"][:, None].to(mask) if "kept" in batch else mask
+
+
+def split_rows(batch: dict[str, torch.Tensor]) -> tuple[list[list[int]], list[list[int]]]:
+    """Each row's prompt (the tokens before its first label) and its response (the labelled tokens)."""
+    prompts, answers = [], []
+    for ids, labels in zip(batch["input_ids"].tolist(), batch["labels"].tolist()):
+        first = next(i for i, t in enumerate(labels) if t != IGNORE)
+        prompts.append(ids[:first])
+        answers.append([t for t in labels if t != IGNORE])
+    return prompts, answers
+
+
+def sample(engine: Any, prompts: list[list[int]], cfg: OnlineConfig, tokenizer: Any, seed: tuple[int, ...],
+           vllm: Any = None, images: list[list[Any]] | None = None) -> list[list[int]]:
+    """G sampled completions of each prompt (adjacent), each cut after its first EOS (kept: it is labelled), through
+    the engine (eval mode, its precision; generation synced across ranks where parameters are gathered), or through
+    vLLM's engine (a finetune.methods.vllm_rollout.VllmSampler, synced with the policy). `images`: each prompt's (a
+    vision-language model's), shown to the sampler: each prompt is then sampled as G rows of its own."""
+    import torch
+
+    from finetune.data.batches import left_padded
+
+    if vllm is not None:
+        return [cut(row, tokenizer.eos_token_id) for row in vllm.sample(prompts, cfg, hash(seed) % 2**63)]
+    g, rows, pictures = cfg.generations, len(prompts) * cfg.generations, pictures_of(tokenizer)
+    showing, shown = False, []
+    if pictures is not None:  # each prompt G times with its images (a processor's image inputs do not repeat along the
+        # rows); a layout whose ranks run the vision tower together: one more row, a blank image's, where none shows one
+        repeated, shown = pictures.blank_row([p for p in prompts for _ in range(g)],
+                                             [im for im in (images or [[] for _ in prompts]) for _ in range(g)])
+        showing = any(shown)
+        if showing:
+            prompts = repeated
+    batch = left_padded(prompts, tokenizer.pad_token_id)
+    if showing:
+        batch |= {IN_BATCH + k: v for k, v in pictures.batch(shown, batch["input_ids"]).items()}
+    width = batch["input_ids"].shape[1]
+    never = never_written(tokenizer)
+    model = engine.generation_model
+    device = next(model.parameters()).device
+    devices = [device] if device.type == "cuda" else []
+
+    def generate(_: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(hash(seed) % 2**63)
+            return model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], do_sample=True,
+                                  temperature=cfg.temperature, top_p=cfg.top_p, top_k=0, max_new_tokens=cfg.completion_tokens,
+                                  num_return_sequences=1 if showing else g, pad_token_id=tokenizer.pad_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, synced_gpus=engine.lockstep, **seen(batch), **never)
+
+    with torch.no_grad():
+        out = engine.inference(generate, batch)
+    return [cut(row, tokenizer.eos_token_id) for row in out[:rows, width:].tolist()]  # without a blank image's row
+
+
+def cut(row: list[int], eos: int) -> list[int]:
+    """A sampled row up to its first EOS, which is kept (the padding after it dropped)."""
+    return row[: row.index(eos) + 1] if eos in row else row
