@@ -120,11 +120,11 @@ def test_overlong_reward_is_dapos_soft_punishment():
 
 @pytest.mark.parametrize("overrides,message", [
     (["method.epsilon_high=0.28"], "method.epsilon_high=0.28 has no effect with method.updates_per_rollout=1: each rollout trains "
-     "once, at policy ratio 1, where neither the clip nor the ratio's level acts (set method.updates_per_rollout=2 or more): "
+     "once, at policy ratio 1, where neither the clip nor the ratio's level acts (set method.updates_per_rollout=2 or more, or method.async_generation=true): "
      "remove it or change the option"),
     (["method.importance_sampling_level=sequence"], "method.importance_sampling_level=sequence has no effect with "
      "method.updates_per_rollout=1: each rollout trains once, at policy ratio 1, where neither the clip nor the ratio's level "
-     "acts (set method.updates_per_rollout=2 or more): remove it or change the option"),
+     "acts (set method.updates_per_rollout=2 or more, or method.async_generation=true): remove it or change the option"),
     (["method.updates_per_rollout=2", "method.epsilon_high=0.1"], "method.epsilon_high=0.1 is below method.epsilon=0.2: it is "
      "the clip's upper side, raised above the lower one (DAPO: 0.28 beside 0.2); drop it or raise it"),
     (["method.rewards=[overlong]"], "method.rewards has overlong but method.overlong_buffer is not set: the tokens before "
@@ -219,7 +219,7 @@ def _rollout(tok, monkeypatch, *, dynamic=True, rounds=4, refills=((6, 5), (7, 9
 
     seeds, asked = [], []
 
-    def sample(engine, prompts, cfg, tokenizer, seed, vllm=None, images=None):
+    def sample(engine, prompts, cfg, tokenizer, seed, vllm=None, images=None, private=False):
         seeds.append(seed)
         eos = tokenizer.eos_token_id
         return [[5, eos] if p[1] % 2 == 0 else [5] * (i + 1) + [eos] for p in prompts for i in range(cfg.generations)]

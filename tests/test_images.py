@@ -664,8 +664,8 @@ def test_grpo_samples_from_the_image_and_trains_each_completion_with_it(vlms, pi
     calls: list[dict] = []
     real = online.sample
 
-    def watched(engine, prompts, cfg, tokenizer, seed, vllm=None, images=None):
-        out = real(engine, prompts, cfg, tokenizer, seed, vllm, images)
+    def watched(engine, prompts, cfg, tokenizer, seed, vllm=None, images=None, private=False):
+        out = real(engine, prompts, cfg, tokenizer, seed, vllm, images, private)
         calls.append({"prompts": len(prompts), "images": images, "completions": len(out)})
         return out
 

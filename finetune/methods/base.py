@@ -98,10 +98,21 @@ class OnlineObjective(Objective, Protocol):
     """The longest prompt it samples after (data.max_length; a rank sets it before training): a sampler's context."""
 
     def rollout(self, engine: Any, micro_batches: list[dict[str, Any]], *, step: int, tokenizer: Any,
-                seed: int, refill: Callable[[int], list[dict[str, Any]]] | None = None) -> tuple[list[dict[str, Any]], float]:
+                seed: int, refill: Callable[[int], list[dict[str, Any]]] | None = None,
+                ahead: Callable[[], list[dict[str, Any]]] | None = None) -> tuple[list[dict[str, Any]], float]:
         """The rows this step trains on, made from the data's micro-batches, which hold its prompts (finetune.rank.loop
         calls it before each step); and the seconds generation took. `refill(round)`: more micro-batches of prompts,
-        drawn anew for this step (`TrainBatches.refill`; None for a stream)."""
+        drawn anew for this step (`TrainBatches.refill`; None for a stream); `ahead()`: the next step's (None at the last
+        step, or for a stream)."""
+
+    def save_ahead(self, directory: Any, rank: int) -> None:
+        """A checkpoint's: what it sampled for the next step, if anything (method.async_generation)."""
+
+    def restore_ahead(self, engine: Any, directory: Any, rank: int) -> None:
+        """A resumed run's: what the checkpoint kept for the next step."""
+
+    def close(self) -> None:
+        """The end of training: a background sampler's thread stops."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +124,8 @@ class Sampling:
     completion_tokens: int
     """The most tokens one completion has."""
     sampler: str = "generate"
-    """What samples: transformers' generate (a KV cache freed before the step), or vllm (an engine beside training)."""
+    """What samples: transformers' generate (a KV cache freed before the step), vllm (an engine beside training), or
+    background (generate by a copy of the policy, during the step: method.async_generation)."""
     reserved: float = 0.0
     """The share of the GPU a sampler beside training holds through the run (vLLM's gpu_memory_utilization)."""
 

@@ -99,6 +99,10 @@ class GrpoConfig(OnlineConfig):
     """Optimizer steps on each rollout (mu; TRL's num_iterations): the completions sampled at step k train steps
     k .. k + mu - 1 against the log-probs they were sampled with (the clipped ratio); those steps' own prompts are not
     read. train.save_every must be a multiple of it (a checkpoint falls between rollouts)."""
+    async_generation: bool = False
+    """Sample the next step's rollout while this step trains, in a thread, by a copy of the policy refreshed every step:
+    one step off-policy, corrected by the clipped ratio to the sampler's log-probs (finetune.methods.background). Single
+    process or DDP; the copy's weights are counted by the planner."""
 
 
 class Grpo(OnlineMethod):
@@ -111,11 +115,13 @@ class Grpo(OnlineMethod):
         super().validate(cfg)
         m = cfg.method
         mu = m.updates_per_rollout
-        if mu == 1:
+        if m.async_generation:
+            async_rules(cfg)
+        elif mu == 1:
             ratio = ("epsilon", "epsilon_high", "importance_sampling_level")
             unused(m, "method", tuple(f.name for f in fields(m) if f.name not in ratio),
                    "with method.updates_per_rollout=1: each rollout trains once, at policy ratio 1, where neither the clip "
-                   "nor the ratio's level acts (set method.updates_per_rollout=2 or more)")
+                   "nor the ratio's level acts (set method.updates_per_rollout=2 or more, or method.async_generation=true)")
         if m.epsilon_high is not None and m.epsilon_high < m.epsilon:
             raise ConfigError(f"method.epsilon_high={m.epsilon_high:g} is below method.epsilon={m.epsilon:g}: it is the clip's upper "
                               "side, raised above the lower one (DAPO: 0.28 beside 0.2); drop it or raise it")
@@ -130,12 +136,36 @@ class Grpo(OnlineMethod):
 METHOD = Grpo()
 
 
+def async_rules(cfg: Config) -> None:
+    """method.async_generation=true: a layout where each rank holds the whole model and the sampler's thread needs no
+    collective (finetune.methods.background)."""
+    from finetune.layouts import engine_kind
+
+    m, why = cfg.method, "method.async_generation=true"
+    if engine_kind(cfg) != "torch":
+        raise ConfigError(f"{why} runs on parallelism=single or ddp: its sampler is a whole copy of the policy on each rank, "
+                          "sampling in a thread while the step trains, and sharded weights (fsdp, tp, zero) are gathered by "
+                          "collectives the step's own would interleave with; use parallelism=ddp, or drop it")
+    for key, on, reason in (("vllm", m.vllm, "vLLM's server mode, where a sampler on devices of its own belongs, is not built"),
+                            ("dynamic_sampling", m.dynamic_sampling, "its refills' rounds are agreed across ranks by a collective, "
+                             "which the sampler's thread cannot join while the step trains"),
+                            ("updates_per_rollout", m.updates_per_rollout > 1, "a rollout sampled ahead trains once")):
+        if on:
+            raise ConfigError(f"{why} with method.{key}={getattr(m, key) if key == 'updates_per_rollout' else 'true'} is not "
+                              f"supported: {reason}; drop one of them")
+    if cfg.data.streaming:
+        raise ConfigError(f"{why} with data.streaming=true is not supported: the next step's prompts are read while this step "
+                          "trains, and a stream serves each step once, in order; use data.streaming=false")
+
+
 class GRPO(Online):
     """The GRPO loss over a rollout batch (`rollout` makes it from a batch of prompts before each step)."""
 
     def __init__(self, cfg: GrpoConfig, reference: Any = None, router: Any = None) -> None:
         self.updates = cfg.updates_per_rollout
         super().__init__(cfg, reference, router)
+        if self.updates > 1 or self.overlapped:  # the ratio can leave 1: the share of tokens the clip holds
+            self.metrics += ("clipped",)
 
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         return group_advantages(rewards, self.cfg.scale_rewards, rewards.std())  # batch: `rescaled` divides anew
@@ -143,7 +173,8 @@ class GRPO(Online):
     def finished(self, engine: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         from finetune.methods.losses import token_logps
 
-        if self.updates > 1:  # the sampling policy's log-probs, for the ratio of the later updates (eval mode: no dropout)
+        if self.updates > 1 or self.overlapped:  # the sampling policy's log-probs (`engine`: the background sampler's copy,
+            # method.async_generation), for the ratio of the later updates (eval mode: no dropout)
             batch["old_logps"] = engine.inference(token_logps, batch).detach().float().cpu()
         return batch
 
@@ -182,6 +213,8 @@ class GRPO(Online):
                                  loss_type=c.loss_type, max_tokens=c.completion_tokens)
             sums = {k[len("sum_"):]: v.sum() for k, v in batch.items() if k.startswith("sum_")}
             out = (loss, {**sums, "kl": kl, "completion_tokens": mask.sum()})
+            if "old_logps" in batch:
+                out[1]["clipped"] = clipped(logps.detach(), batch["old_logps"], completion_mask(batch), c)
         if self.router is not None:
             return self.router.apply(out[0], out[1], aux, self.count(batch))
         return out
@@ -194,6 +227,17 @@ def group_advantages(rewards: torch.Tensor, scale: RewardScale = RewardScale.gro
     if scale == RewardScale.none:
         return centred
     return centred / ((rewards.std(dim=1, keepdim=True) if scale == RewardScale.group else std) + 1e-4)
+
+
+def clipped(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, cfg: GrpoConfig) -> torch.Tensor:
+    """Per completion, the share of its tokens whose ratio to the sampler is outside [1 - epsilon, 1 + epsilon_high]
+    (where the clip may hold the gradient at 0; TRL's clip_ratio), summed over completions."""
+    import torch
+
+    ratio = torch.exp(logps - old_logps.to(logps))
+    high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
+    out = ((ratio < 1 - cfg.epsilon) | (ratio > 1 + high)).float() * mask
+    return (out.sum(-1) / mask.sum(-1).clamp(min=1)).sum()
 
 
 def grpo_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, epsilon: float, beta: float,

@@ -121,7 +121,8 @@ class OnlineMethod:
         return examples
 
     def sampling(self, cfg: OnlineConfig) -> Sampling:
-        return Sampling(cfg.generations, cfg.completion_tokens, "vllm" if cfg.vllm else "generate", cfg.vllm_memory if cfg.vllm else 0.0)
+        sampler = "vllm" if cfg.vllm else "background" if getattr(cfg, "async_generation", False) else "generate"
+        return Sampling(cfg.generations, cfg.completion_tokens, sampler, cfg.vllm_memory if cfg.vllm else 0.0)
 
     def reference(self, cfg: OnlineConfig) -> Reference | None:
         return cfg.reference if cfg.beta > 0 else None
@@ -254,8 +255,11 @@ class Online:
         self.buffer: list[dict[str, torch.Tensor]] = []  # the rollout the next updates train on
         self.vllm: Any = None  # method.vllm: the rank's VllmSampler, built at the first rollout
         self.prompt_tokens: int | None = None  # the longest prompt (data.max_length, set by finetune.train): vLLM's context
+        self.overlapped = bool(getattr(cfg, "async_generation", False))  # the next rollout sampled while this step trains
+        self.background: Any = None  # then its finetune.methods.background.Background, built at the first rollout
         names = [f"rewards/{name}" for name in cfg.rewards]
-        sampled = ("equal_groups",) + (("equal_trained", "sampling_rounds") if cfg.dynamic_sampling else ())
+        sampled = (("equal_groups",) + (("equal_trained", "sampling_rounds") if cfg.dynamic_sampling else ())
+                   + (("sampling_s",) if self.overlapped else ()))
         self.metrics = ("reward", "reward_std", *names, "kl", "completion_tokens", *sampled) + ((router.metric,) if router else ())
         self.eval_metrics = (router.metric,) if router else ()  # evaluation scores the rows' own responses: no rollout
 
@@ -287,11 +291,14 @@ class Online:
         raise NotImplementedError(f"method={self.cfg.name} does not run with logits=chunked (refused before launch)")
 
     def rollout(self, engine: Any, micro_batches: list[dict[str, torch.Tensor]], *, step: int, tokenizer: Any, seed: int,
-                refill: Callable[[int], list[dict[str, torch.Tensor]]] | None = None) -> tuple[list[dict[str, torch.Tensor]], float]:
+                refill: Callable[[int], list[dict[str, torch.Tensor]]] | None = None,
+                ahead: Callable[[], list[dict[str, torch.Tensor]]] | None = None) -> tuple[list[dict[str, torch.Tensor]], float]:
         """Each micro-batch of prompts -> a batch of its G completions per prompt, with their advantages and rewards
-        (columns `sum_<metric>`, summed by the loss into its metrics); and the seconds it took. `refill(round)`: micro-batches
-        of prompts drawn anew (dynamic sampling). With mu = `updates` > 1 the first step of every mu samples; the next
-        mu - 1 steps train on the same completions, their prompts unread."""
+        (columns `sum_<metric>`, summed by the loss into its metrics); and the seconds this rank spent on it here.
+        `refill(round)`: micro-batches of prompts drawn anew (dynamic sampling). `ahead()`: the next step's micro-batches
+        (method.async_generation samples them in the background while this step trains; None at the last step). With
+        mu = `updates` > 1 the first step of every mu samples; the next mu - 1 steps train on the same completions,
+        their prompts unread."""
         from finetune.methods import rewards
 
         mu = self.updates
@@ -309,10 +316,53 @@ class Online:
 
                 self.vllm = VllmSampler(engine, tokenizer, self.cfg, prompt_tokens=self.prompt_tokens)
             self.vllm.sync(engine)
+        if not self.overlapped:
+            out = self.made(engine, micro_batches, step=step, tokenizer=tokenizer, seed=seed, refill=refill)
+        else:
+            bg = self.started(engine)
+            out = bg.take(step)
+            if out is None:  # the first step (or one resumed without a rollout saved ahead): sampled now, by the copy
+                bg.sampler.refresh()
+                bg.submit(step, lambda sampler: self.made(sampler, micro_batches, step=step, tokenizer=tokenizer, seed=seed))
+                out = bg.take(step)
+            if ahead is not None and bg.lag:  # the next step's, sampled by the policy as it is now while this step trains
+                upcoming = ahead()
+                bg.sampler.refresh()
+                bg.submit(step + 1, lambda sampler: self.made(sampler, upcoming, step=step + 1, tokenizer=tokenizer, seed=seed))
+        self.rescaled(engine, out)
+        self.buffer = out if mu > 1 else []
+        return out, time.perf_counter() - tic
+
+    def started(self, engine: Any) -> Any:
+        if self.background is None:
+            from finetune.methods.background import Background
+
+            self.background = Background(engine)
+        return self.background
+
+    def save_ahead(self, directory: Any, rank: int) -> None:
+        """A checkpoint's: the rollout sampled ahead for the next step (method.async_generation), written beside it."""
+        if self.background is not None:
+            self.background.save(directory, rank)
+
+    def restore_ahead(self, engine: Any, directory: Any, rank: int) -> None:
+        """A resumed run's: the rollout its checkpoint kept for the next step."""
+        if self.overlapped:
+            self.started(engine).load(directory, rank)
+
+    def close(self) -> None:
+        if self.background is not None:
+            self.background.close()
+
+    def made(self, engine: Any, micro_batches: list[dict[str, torch.Tensor]], *, step: int, tokenizer: Any, seed: int,
+             refill: Callable[[int], list[dict[str, torch.Tensor]]] | None = None) -> list[dict[str, torch.Tensor]]:
+        """The rollout of `micro_batches` sampled through `engine` (the policy's, or the background sampler's copy)."""
+        tic = time.perf_counter()
         sizes = [int(mb["input_ids"].shape[0]) for mb in micro_batches]  # prompts: a row each (never packed: `unpacked`)
         groups: list[Group] = []
         for k, mb in enumerate(micro_batches):
             groups += self.sampled(engine, mb, tokenizer, seed=(seed, step, engine.dp_rank, k))
+        sampling = time.perf_counter() - tic
         wanted, rounds, equal, sampled = sum(sizes), 1, sum(g.equal for g in groups), len(groups)
         if self.cfg.dynamic_sampling:
             kept = [g for g in groups if not g.equal]
@@ -334,16 +384,16 @@ class Online:
             batch["sum_equal_groups"] = torch_full(rows, equal / max(sampled, 1))
             if self.cfg.dynamic_sampling:
                 batch["sum_sampling_rounds"] = torch_full(rows, float(rounds))
+            if self.overlapped:
+                batch["sum_sampling_s"] = torch_full(rows, sampling)
             out.append(self.finished(engine, batch))
-        self.rescaled(engine, out)
-        self.buffer = out if mu > 1 else []
-        return out, time.perf_counter() - tic
+        return out
 
     def sampled(self, engine: Any, mb: dict[str, torch.Tensor], tokenizer: Any, seed: tuple[int, ...]) -> list[Group]:
         """A micro-batch of prompts -> each prompt's group: its G completions, sampled, and their rewards."""
         prompts, answers = split_rows(mb)
         shown = mb.get(SHOWN)  # a vision-language model's prompts' images: sampled from, and trained with
-        completions = sample(engine, prompts, self.cfg, tokenizer, seed=seed, vllm=self.vllm, images=shown)
+        completions = sample(engine, prompts, self.cfg, tokenizer, seed=seed, vllm=self.vllm, images=shown, private=self.overlapped)
         return self.grouped(prompts, answers, completions, tokenizer, shown)
 
     def grouped(self, prompts: list[list[int]], answers: list[list[int]], completions: list[list[int]], tokenizer: Any,
@@ -443,11 +493,13 @@ def split_rows(batch: dict[str, torch.Tensor]) -> tuple[list[list[int]], list[li
 
 
 def sample(engine: Any, prompts: list[list[int]], cfg: OnlineConfig, tokenizer: Any, seed: tuple[int, ...],
-           vllm: Any = None, images: list[list[Any]] | None = None) -> list[list[int]]:
+           vllm: Any = None, images: list[list[Any]] | None = None, private: bool = False) -> list[list[int]]:
     """G sampled completions of each prompt (adjacent), each cut after its first EOS (kept: it is labelled), through
     the engine (eval mode, its precision; generation synced across ranks where parameters are gathered), or through
     vLLM's engine (a finetune.methods.vllm_rollout.VllmSampler, synced with the policy). `images`: each prompt's (a
-    vision-language model's), shown to the sampler: each prompt is then sampled as G rows of its own."""
+    vision-language model's), shown to the sampler: each prompt is then sampled as G rows of its own. `private`: the
+    draws come from a generator of their own (`GumbelMax`), not torch's global one, which a training step running
+    meanwhile in another thread draws its dropout from (method.async_generation); each prompt is then G rows."""
     import torch
 
     from finetune.data.batches import left_padded
@@ -455,16 +507,19 @@ def sample(engine: Any, prompts: list[list[int]], cfg: OnlineConfig, tokenizer: 
     if vllm is not None:
         return [cut(row, tokenizer.eos_token_id) for row in vllm.sample(prompts, cfg, hash(seed) % 2**63)]
     g, rows, pictures = cfg.generations, len(prompts) * cfg.generations, pictures_of(tokenizer)
-    showing, shown = False, []
+    showing, shown = private, []
+    if private:
+        prompts, images = [p for p in prompts for _ in range(g)], [im for im in (images or [[] for _ in prompts]) for _ in range(g)]
+        g = 1
     if pictures is not None:  # each prompt G times with its images (a processor's image inputs do not repeat along the
         # rows); a layout whose ranks run the vision tower together: one more row, a blank image's, where none shows one
         repeated, shown = pictures.blank_row([p for p in prompts for _ in range(g)],
                                              [im for im in (images or [[] for _ in prompts]) for _ in range(g)])
-        showing = any(shown)
+        showing = showing or any(shown)
         if showing:
             prompts = repeated
     batch = left_padded(prompts, tokenizer.pad_token_id)
-    if showing:
+    if any(shown):
         batch |= {IN_BATCH + k: v for k, v in pictures.batch(shown, batch["input_ids"]).items()}
     width = batch["input_ids"].shape[1]
     never = never_written(tokenizer)
@@ -473,6 +528,11 @@ def sample(engine: Any, prompts: list[list[int]], cfg: OnlineConfig, tokenizer: 
     devices = [device] if device.type == "cuda" else []
 
     def generate(_: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if private:  # greedy over Gumbel-perturbed logits: a sample, drawn from the generator's stream only
+            drawn = torch.Generator(device=device).manual_seed(hash(seed) % 2**63)
+            return model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], do_sample=False,
+                                  logits_processor=[GumbelMax(cfg.temperature, cfg.top_p, drawn)], max_new_tokens=cfg.completion_tokens,
+                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **seen(batch), **never)
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(hash(seed) % 2**63)
             return model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], do_sample=True,
@@ -483,6 +543,25 @@ def sample(engine: Any, prompts: list[list[int]], cfg: OnlineConfig, tokenizer: 
     with torch.no_grad():
         out = engine.inference(generate, batch)
     return [cut(row, tokenizer.eos_token_id) for row in out[:rows, width:].tolist()]  # without a blank image's row
+
+
+class GumbelMax:
+    """A logits processor that makes greedy decoding draw a sample: the logits over `temperature`, nucleus-filtered
+    (transformers' TopPLogitsWarper), plus Gumbel noise from `generator`; their argmax is distributed as softmax(logits /
+    temperature) restricted to the nucleus (the Gumbel-max trick), and no draw touches torch's global generator."""
+
+    def __init__(self, temperature: float, top_p: float, generator: Any) -> None:
+        self.temperature, self.top_p, self.generator = temperature, top_p, generator
+
+    def __call__(self, input_ids: Any, scores: torch.Tensor) -> torch.Tensor:
+        import torch
+        from transformers import TopPLogitsWarper
+
+        scores = scores.float() / self.temperature
+        if self.top_p < 1:
+            scores = TopPLogitsWarper(self.top_p)(input_ids, scores)
+        u = torch.rand(scores.shape, generator=self.generator, device=scores.device).clamp_(1e-20, 1 - 1e-7)
+        return scores - torch.log(-torch.log(u))
 
 
 def cut(row: list[int], eos: int) -> list[int]:

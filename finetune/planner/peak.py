@@ -130,6 +130,7 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
     on_gpu = cfg.hardware.gpu_memory_gib > 0  # without a GPU, offloading to CPU RAM moves nothing: it stays counted per rank
     notes = model_notes(arch, cfg)
     s = model_states(arch, cfg, counts, on_gpu, notes)
+    policy = s.weights  # one copy of the policy's weights on this rank (a background sampler holds another)
     s.weights += reference_weights(arch, cfg, s, notes)
     seq, said = batch_width(cfg, longest)
     notes.append(said)
@@ -141,7 +142,7 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
     acts, backward = activations_through_backward(arch, cfg, counts, s, seq, longest, on_gpu, notes)
     pl = total(cfg, counts, s, acts, backward, step_temp(arch, cfg, counts, s, on_gpu), seq, on_gpu, notes)
     if sampling is not None:
-        pl.rollout, pl.reserved = rollout_bytes(arch, cfg, sampling, seq, on_gpu, notes)
+        pl.rollout, pl.reserved = rollout_bytes(arch, cfg, sampling, seq, on_gpu, notes, policy)
         if cfg.zero.enabled:  # DeepSpeed keeps its gradient partitions between steps
             pl.rollout += s.grads
     return pl
@@ -153,10 +154,13 @@ def kv_cache_bytes(arch: Arch, rows: int, tokens: int, tp: int, itemsize: float)
     return rows * tokens * arch.num_hidden_layers * 2 * arch.kv_dim / tp * itemsize
 
 
-def rollout_bytes(arch: Arch, cfg: Config, sampling: Sampling, seq: int, on_gpu: bool, notes: list[str]) -> tuple[float, float]:
+def rollout_bytes(arch: Arch, cfg: Config, sampling: Sampling, seq: int, on_gpu: bool, notes: list[str],
+                  policy: float = 0.0) -> tuple[float, float]:
     """An online method's sampling before each step: (model.generate's KV cache of micro_batch_size x completions rows
     at `seq` tokens, prompt + completion, with one decoding step's fp32 logits and probabilities; vLLM's reservation
-    beside training, where its own KV cache lives instead)."""
+    beside training, where its own KV cache lives instead). A background sampler (method.async_generation) holds a copy
+    of the policy's weights (`policy` bytes) through the run and samples during the step: all of it is counted at
+    every peak."""
     name, per = cfg.method.name, sampling.completions
     rows = cfg.train.micro_batch_size * per
     if sampling.sampler == "vllm":
@@ -167,6 +171,11 @@ def rollout_bytes(arch: Arch, cfg: Config, sampling: Sampling, seq: int, on_gpu:
         return 0.0, reserved
     kv = kv_cache_bytes(arch, rows, seq, cfg.parallelism.tp, dtypes(cfg).compute)
     logits = rows * arch.vocab_size * 4 * 2
+    if sampling.sampler == "background":
+        notes.append(f"{name} rollout: sampled in the background while the step trains (method.async_generation), by a copy "
+                     f"of the policy ({policy / 2**20:.1f} MiB, held through the run) with a KV cache of {kv / 2**20:.1f} MiB "
+                     f"at {seq} tokens and {logits / 2**20:.1f} MiB of logits for its {rows} rows: counted at every peak")
+        return 0.0, policy + kv + logits
     notes.append(f"{name} rollout: {rows} completions per micro-batch ({cfg.train.micro_batch_size} prompts x {per}), "
                  f"each a row with gradients; sampling holds a KV cache of {kv / 2**20:.1f} MiB at {seq} tokens and "
                  f"{logits / 2**20:.1f} MiB of logits, freed before the step")

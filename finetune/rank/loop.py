@@ -95,6 +95,8 @@ def train(cfg: TrainConfig, *, engine: Engine, objective: Any, batches: TrainBat
         flops_per_token, peak_flops: for model FLOPs utilisation (GPU; None: not reported).
     """
     first = _resume(engine, resume_from, dist)
+    if resume_from is not None and isinstance(objective, OnlineObjective):  # the rollout its checkpoint sampled ahead
+        objective.restore_ahead(engine, resume_from, dist.rank)
     memory: dict[str, float] = {}
     skipped_nonfinite = 0
     bar = progress(cfg, dist, initial=first - 1)
@@ -116,8 +118,10 @@ def train(cfg: TrainConfig, *, engine: Engine, objective: Any, batches: TrainBat
         generated = 0.0
         if online:  # GRPO: the data's micro-batches hold prompts; the objective samples and scores the rows it trains on
             refill = getattr(batches, "refill", None)  # prompts drawn anew (dynamic sampling; a stream has none: refused)
+            ahead_of = functools.partial(batches.micro_batches, step) if step < cfg.max_steps and getattr(batches, "pure", False) else None
             micro_batches, generated = objective.rollout(engine, micro_batches, step=step, tokenizer=tokenizer, seed=cfg.seed,
-                                                         refill=functools.partial(refill, step - 1) if refill else None)
+                                                         refill=functools.partial(refill, step - 1) if refill else None,
+                                                         ahead=ahead_of)
         count, units, local_tokens, local_slots = _counts(engine, objective, micro_batches, dist)
 
         measured = probe is not None and step < first + MEMORY_STEPS
@@ -156,6 +160,8 @@ def train(cfg: TrainConfig, *, engine: Engine, objective: Any, batches: TrainBat
         if cfg.save_every and step % cfg.save_every == 0:
             save(step)
     ahead.close()
+    if isinstance(objective, OnlineObjective):
+        objective.close()
     tic = time.perf_counter()
     after = run_eval(cfg.max_steps, final=True)
     if bar is not None:

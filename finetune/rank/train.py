@@ -345,7 +345,7 @@ def train_and_export(cfg: Config, d: dist.Dist, *, eng: Engine, net: Any, object
         closing: dict[str, float] = {}
         try:
             result = loop.train(cfg.train, engine=eng, objective=objective, batches=batches, evals=eval_examples,
-                                tokenizer=tokenizer, dist=d, log=log, save=saver(cfg, eng, d, run_dir / "checkpoints", batches, tokenizer),
+                                tokenizer=tokenizer, dist=d, log=log, save=saver(cfg, eng, d, run_dir / "checkpoints", batches, tokenizer, objective),
                                 resume_from=resume_from, probe=probe(cfg, eng, d, run_dir, predicted),
                                 **mfu_inputs(cfg, net, d))
         finally:
@@ -452,9 +452,10 @@ def planned(cfg: Config, batches: Any, examples: Any, tokenizer: Any) -> dict[st
     return predicted | {"plan_run_width": run.width, "plan_run_peak_mib": (run.total - run.overhead) / records.MIB}
 
 
-def saver(cfg: Config, eng: Engine, d: dist.Dist, root: Path, batches: Any, tokenizer: Any) -> Any:
+def saver(cfg: Config, eng: Engine, d: dist.Dist, root: Path, batches: Any, tokenizer: Any, objective: Any = None) -> Any:
     """step -> the complete checkpoint directory written for it (atomically; keep-K applied), with where
-    a stream's next step starts, and with train.save_hf its transformers form in hf/ (written as final/ is)."""
+    a stream's next step starts, an online method's rollout sampled ahead (each rank's), and with train.save_hf its
+    transformers form in hf/ (written as final/ is)."""
     def save(step: int) -> Path:
         with checkpoint.writing(root, step, cfg, d, keep=cfg.train.keep_checkpoints) as directory:
             eng.save(directory, step)
@@ -462,6 +463,8 @@ def saver(cfg: Config, eng: Engine, d: dist.Dist, root: Path, batches: Any, toke
                 eng.export(directory / checkpoint.HF, tokenizer)
             if cfg.data.streaming and d.is_main:
                 batches.save(directory)
+            if isinstance(objective, OnlineObjective):
+                objective.save_ahead(directory, d.rank)
         return root / checkpoint.tag(step)
 
     return save
