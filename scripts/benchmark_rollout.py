@@ -3,7 +3,7 @@
     python scripts/benchmark_rollout.py                              # CPU, a tiny Llama (h 256, 4 blocks), 16 x 8 rows
     python scripts/benchmark_rollout.py --device cuda --dtype bf16 --hidden 1024 --layers 8
 
-The rollout (finetune.methods.online.sample: left-padded prompts, G completions each, seeded sampling through the
+The rollout (finetune.methods.sampling.sample: left-padded prompts, G completions each, seeded sampling through the
 engine's inference, completions cut after EOS) and a plain `model.generate(..., num_return_sequences=G)` call
 sample the same number of tokens from the same prompts (min_new_tokens = max_new_tokens, so neither stops early);
 each is timed as the median of --repeats (interleaved) after one warm-up. Prints generated tokens per second of each and
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from finetune.config import ASSETS
     from finetune.methods.grpo import GrpoConfig
-    from finetune.methods.online import sample
+    from finetune.methods.sampling import sample
 
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(ASSETS / "tokenizer")

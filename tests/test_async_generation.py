@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 
 
 def test_the_private_sampler_draws_the_softmax_and_leaves_the_global_generator_alone():
-    from finetune.methods.online import GumbelMax
+    from finetune.methods.sampling import GumbelMax
 
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
     rows = logits.expand(40000, 4)

@@ -172,7 +172,7 @@ def test_rules(compose):
     for overrides, message in [
         (["method.gamma=0.5"], "method.gamma: not a key of method=grpo; its keys are name, beta, reference, generations, "
          "completion_tokens, temperature, top_p, mask_truncated_completions, overlong_buffer, dynamic_sampling, sampling_rounds, "
-         "rewards, reward_weights, format_pattern, vllm, vllm_memory, epsilon, epsilon_high, loss_type, scale_rewards, "
+         "tools, max_turns, tool_timeout, rewards, reward_weights, format_pattern, vllm, vllm_memory, epsilon, epsilon_high, loss_type, scale_rewards, "
          "importance_sampling_level, updates_per_rollout, async_generation"),
         (["method.reference=live"], "method.reference=live has no effect with method=grpo and method.beta=0 (no KL term, no reference): "
                                     "remove it or change the option"),

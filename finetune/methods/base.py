@@ -128,6 +128,8 @@ class Sampling:
     background (generate by a copy of the policy, during the step: method.async_generation)."""
     reserved: float = 0.0
     """The share of the GPU a sampler beside training holds through the run (vLLM's gpu_memory_utilization)."""
+    turns: int = 1
+    """The assistant turns one completion may take (method.tools: 1 + method.max_turns), each up to completion_tokens."""
 
 
 class Method(Protocol):

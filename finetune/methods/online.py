@@ -25,11 +25,12 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable
 
-from finetune.config import (POSITIVE, SOME_NAMES, TEXT, Accepts, Config, ConfigError, DataConfig, DataFormat, Logits,
+from finetune.config import (NAMES, POSITIVE, SOME_NAMES, TEXT, Accepts, Config, ConfigError, DataConfig, DataFormat, Logits,
                              MethodConfig, Reference, at_least, checked, in_range, unused)
-from finetune.data.images import IN_BATCH, SHOWN, never_written, pictures_of, seen
+from finetune.data.images import SHOWN, pictures_of
 from finetune.data.tokenize import IGNORE, Encoded, Example
 from finetune.methods.base import CAUSAL_LM, Output, Sampling
+from finetune.methods.sampling import ends, sample, spoken
 from finetune.methods.sft import METHOD as SFT_METHOD
 
 if TYPE_CHECKING:
@@ -64,6 +65,13 @@ class OnlineConfig(MethodConfig):
     sampling_rounds: int = checked(at_least(2), 4)
     """With dynamic_sampling: the most rounds of sampling in a step (DAPO's max_num_gen_batches); short after them, the
     batch is filled with equal groups (the metric equal_trained)."""
+    tools: list[str] = checked(NAMES, factory=list)
+    """Functions `package.module:function` the policy may call while it samples (each by its own name, as the rows'
+    `tools` schemas offer them): a call's result comes back as a tool turn and sampling goes on (finetune.methods.tool_calls)."""
+    max_turns: int = checked(POSITIVE, 1)
+    """With tools: the most calls a completion makes, each followed by its result and more sampling."""
+    tool_timeout: float = checked(POSITIVE, 10.0)
+    """With tools: the seconds a call may take; past them its answer is an error."""
     rewards: list[str] = checked(SOME_NAMES, factory=lambda: ["exact_match"])
     """The reward functions, summed with `reward_weights`: built-in exact_match (1 when the completion equals the row's
     response, stripped), similarity (partial credit: difflib's matched-character ratio with the response), format (1
@@ -122,7 +130,8 @@ class OnlineMethod:
 
     def sampling(self, cfg: OnlineConfig) -> Sampling:
         sampler = "vllm" if cfg.vllm else "background" if getattr(cfg, "async_generation", False) else "generate"
-        return Sampling(cfg.generations, cfg.completion_tokens, sampler, cfg.vllm_memory if cfg.vllm else 0.0)
+        return Sampling(cfg.generations, cfg.completion_tokens, sampler, cfg.vllm_memory if cfg.vllm else 0.0,
+                        1 + cfg.max_turns if cfg.tools else 1)
 
     def reference(self, cfg: OnlineConfig) -> Reference | None:
         return cfg.reference if cfg.beta > 0 else None
@@ -144,6 +153,11 @@ class OnlineMethod:
         elif cfg.data.streaming:
             raise ConfigError("method.dynamic_sampling=true with data.streaming=true is not supported: the refills draw prompts at "
                               "random from the whole dataset, which a stream does not hold; use data.streaming=false")
+        if m.tools:
+            tool_rules(cfg, name)
+        else:
+            unused(m, "method", tuple(f.name for f in fields(m) if f.name not in ("max_turns", "tool_timeout")),
+                   "without method.tools (the functions the policy may call)")
         if cfg.data.format == DataFormat.text:
             raise ConfigError(f"{name} samples a response to each row's prompt, and data.format=text rows have none: use alpaca, "
                               "chat, sharegpt or completion rows")
@@ -174,6 +188,22 @@ class OnlineMethod:
             raise ConfigError(f"method.vllm_memory={m.vllm_memory:g} is set but method.vllm=false: it is the share of the GPU vLLM "
                               "takes; set method.vllm=true or drop it")
         rewards.resolve(m)
+
+
+def tool_rules(cfg: Config, name: str) -> None:
+    """method.tools: functions that import, on a layout and sampler the multi-turn rollout runs on."""
+    from finetune.disk import local_vision
+    from finetune.layouts import engine_kind
+    from finetune.methods import tool_calls
+
+    tool_calls.resolve(cfg.method.tools)
+    why = ("method.vllm=true (the vLLM sampler is given whole completions, not turns)" if cfg.method.vllm else
+           f"this layout (each rank's completions call tools a different number of times, and {engine_kind(cfg)} layouts sample in "
+           "lockstep): use parallelism=single or ddp" if engine_kind(cfg) != "torch" else
+           "a vision-language model (its continuations would need the prompts' images again; not built)"
+           if local_vision(cfg.model) is not None else None)
+    if why is not None:
+        raise ConfigError(f"method.tools with {name} is not supported with {why}")
 
 
 def vllm_mismatch() -> str | None:
@@ -237,6 +267,9 @@ class Group:
     completions: list[list[int]]
     rewards: list[float]  # the weighted sum per completion
     each: dict[str, list[float]]  # each reward's own values
+    owned: list[list[bool]] | None = None  # per completion token: the policy's (labelled) or a tool turn's (context)
+    ended: list[bool] | None = None  # per completion: it ended its turn (None: where it holds the EOS token)
+    calls: list[int] | None = None  # per completion: the tools it called (method.tools)
     equal: bool = field(init=False)  # every reward the same: advantage 0, no gradient
 
     def __post_init__(self) -> None:
@@ -259,7 +292,8 @@ class Online:
         self.background: Any = None  # then its finetune.methods.background.Background, built at the first rollout
         names = [f"rewards/{name}" for name in cfg.rewards]
         sampled = (("equal_groups",) + (("equal_trained", "sampling_rounds") if cfg.dynamic_sampling else ())
-                   + (("sampling_s",) if self.overlapped else ()))
+                   + (("sampling_s",) if self.overlapped else ()) + (("tool_calls",) if cfg.tools else ()))
+        self.functions: dict[str, Any] | None = None  # method.tools, resolved at the first rollout
         self.metrics = ("reward", "reward_std", *names, "kl", "completion_tokens", *sampled) + ((router.metric,) if router else ())
         self.eval_metrics = (router.metric,) if router else ()  # evaluation scores the rows' own responses: no rollout
 
@@ -392,24 +426,83 @@ class Online:
     def sampled(self, engine: Any, mb: dict[str, torch.Tensor], tokenizer: Any, seed: tuple[int, ...]) -> list[Group]:
         """A micro-batch of prompts -> each prompt's group: its G completions, sampled, and their rewards."""
         prompts, answers = split_rows(mb)
+        if self.cfg.tools:
+            return self.conversed(engine, prompts, answers, tokenizer, seed)
         shown = mb.get(SHOWN)  # a vision-language model's prompts' images: sampled from, and trained with
         completions = sample(engine, prompts, self.cfg, tokenizer, seed=seed, vllm=self.vllm, images=shown, private=self.overlapped)
         return self.grouped(prompts, answers, completions, tokenizer, shown)
 
+    def conversed(self, engine: Any, prompts: list[list[int]], answers: list[list[int]], tokenizer: Any,
+                  seed: tuple[int, ...]) -> list[Group]:
+        """Each prompt's G completions sampled with tools (finetune.methods.tool_calls): a completion that calls one gets
+        the result as a tool turn and is sampled on, up to method.max_turns calls; then scored."""
+        import dataclasses
+
+        from finetune.methods import tool_calls
+
+        if self.functions is None:
+            self.functions = tool_calls.resolve(self.cfg.tools)
+        fmt, g = tool_calls.turn_format(tokenizer), self.cfg.generations
+        first = sample(engine, prompts, self.cfg, tokenizer, seed=seed, private=self.overlapped, stop=fmt.stop)
+        pieces: list[list[tuple[list[int], bool]]] = [[(c, True)] for c in first]  # (tokens, the policy's)
+        trajectories: list[list[dict[str, Any]]] = [[] for _ in first]
+        calls = [0] * len(first)
+        asking = list(range(len(first)))
+        for turn in range(1, self.cfg.max_turns + 1):
+            called = []
+            for i in asking:
+                content, made = tool_calls.parse(spoken(tokenizer, pieces[i][-1][0], fmt.stop), fmt.opener)
+                if not made:
+                    continue
+                results = [tool_calls.run(c, self.functions, self.cfg.tool_timeout) for c in made]
+                trajectories[i] += [{"role": "assistant", "content": content.strip(), "tool_calls": made},
+                                    *({"role": "tool", "name": c["name"], "content": r} for c, r in zip(made, results))]
+                context = fmt.after + tool_calls.tool_turn(tokenizer, made, results, turn)
+                pieces[i].append((tokenizer.encode(context, add_special_tokens=False), False))
+                calls[i] += len(made)
+                called.append(i)
+            if not called:
+                break
+            more = sample(engine, [prompts[i // g] + [t for piece, _ in pieces[i] for t in piece] for i in called],
+                          dataclasses.replace(self.cfg, generations=1), tokenizer, seed=(*seed, turn), private=self.overlapped,
+                          stop=fmt.stop)
+            for i, c in zip(called, more):
+                pieces[i].append((c, True))
+            asking = called
+        finals = [spoken(tokenizer, p[-1][0], fmt.stop) for p in pieces]
+        for t, final in zip(trajectories, finals):
+            t.append({"role": "assistant", "content": final})
+        ended = [ends(p[-1][0], tokenizer, fmt.stop) for p in pieces]
+        completions = [[t for piece, _ in p for t in piece] for p in pieces]
+        owned = [[mine for piece, mine in p for _ in piece] for p in pieces]
+        return self.grouped(prompts, answers, completions, tokenizer, texts=finals, trajectories=trajectories, owned=owned,
+                            ended=ended, calls=calls)
+
     def grouped(self, prompts: list[list[int]], answers: list[list[int]], completions: list[list[int]], tokenizer: Any,
-                images: list[list[Any]] | None = None) -> list[Group]:
-        """The prompts' groups of `completions` (G adjacent per prompt), scored by the rewards."""
+                images: list[list[Any]] | None = None, *, texts: list[str] | None = None,
+                trajectories: list[list[dict[str, Any]]] | None = None, owned: list[list[bool]] | None = None,
+                ended: list[bool] | None = None, calls: list[int] | None = None) -> list[Group]:
+        """The prompts' groups of `completions` (G adjacent per prompt), scored by the rewards; with tools, `texts` (the
+        final answers: what the rewards compare) and `trajectories` (the whole exchange) for the rewards, `owned` (which
+        tokens are the policy's), `ended` and `calls` per completion."""
         from finetune.methods import rewards
 
         g = self.cfg.generations
         columns = {"prompts": [p for p in tokenizer.batch_decode(prompts, skip_special_tokens=True) for _ in range(g)],
-                   "completions": tokenizer.batch_decode(completions, skip_special_tokens=True),
+                   "completions": texts if texts is not None else tokenizer.batch_decode(completions, skip_special_tokens=True),
                    "answers": [a for a in tokenizer.batch_decode(answers, skip_special_tokens=True) for _ in range(g)],
-                   "completion_tokens": [len(c) for c in completions]}
+                   "completion_tokens": [sum(o) for o in owned] if owned is not None else [len(c) for c in completions]}
+        if trajectories is not None:
+            columns["trajectories"] = trajectories
         total, each = rewards.score(self.rewards or [], **columns)
         shown = images or [[] for _ in prompts]
+
+        def part(values: list[Any] | None, i: int) -> list[Any] | None:
+            return None if values is None else values[i * g : (i + 1) * g]
+
         return [Group(list(p), list(a), tuple(im), completions[i * g : (i + 1) * g], total[i * g : (i + 1) * g],
-                      {name: values[i * g : (i + 1) * g] for name, values in each.items()})
+                      {name: values[i * g : (i + 1) * g] for name, values in each.items()}, part(owned, i), part(ended, i),
+                      part(calls, i))
                 for i, (p, a, im) in enumerate(zip(prompts, answers, shown))]
 
     def batch_of(self, groups: list[Group], tokenizer: Any) -> dict[str, torch.Tensor]:
@@ -419,16 +512,20 @@ class Online:
 
         from finetune.data.batches import collate
 
-        examples = [Example(g.prompt + list(c), [IGNORE] * len(g.prompt) + list(c), len(g.prompt), "", images=g.images)
-                    for g in groups for c in g.completions]
+        examples = [Example(g.prompt + list(c), [IGNORE] * len(g.prompt) + labelled(c, g.owned[k] if g.owned else None),
+                            len(g.prompt), "", images=g.images)
+                    for g in groups for k, c in enumerate(g.completions)]
         batch = collate(examples, tokenizer.pad_token_id, pictures=pictures_of(tokenizer))
         r = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
         batch["advantages"] = self.advantages(r).reshape(-1)
         if self.cfg.mask_truncated_completions:  # cut before their EOS: no loss
-            batch["kept"] = torch.tensor([float(tokenizer.eos_token_id in c) for g in groups for c in g.completions])
+            batch["kept"] = torch.tensor([float(g.ended[k] if g.ended else tokenizer.eos_token_id in c)
+                                          for g in groups for k, c in enumerate(g.completions)])
         batch["sum_reward"] = r.view(-1)
         batch["sum_reward_std"] = r.std(dim=1, keepdim=True).expand_as(r).reshape(-1)
         batch["sum_equal_trained"] = torch.tensor([float(g.equal) for g in groups for _ in g.completions])
+        if self.cfg.tools:
+            batch["sum_tool_calls"] = torch.tensor([float(n) for g in groups for n in (g.calls or [0] * len(g.completions))])
         for name in self.cfg.rewards:
             batch[f"sum_rewards/{name}"] = torch.tensor([v for g in groups for v in g.each[name]], dtype=torch.float32)
         return batch
@@ -437,6 +534,11 @@ class Online:
                images: list[list[Any]] | None = None) -> dict[str, torch.Tensor]:
         """The training batch of `completions` (G adjacent per prompt), scored."""
         return self.batch_of(self.grouped(prompts, answers, completions, tokenizer, images), tokenizer)
+
+
+def labelled(completion: list[int], owned: list[bool] | None) -> list[int]:
+    """A completion's labels: its tokens, or with tools only the policy's (a tool turn's are context)."""
+    return list(completion) if owned is None else [t if mine else IGNORE for t, mine in zip(completion, owned)]
 
 
 def torch_full(rows: int, value: float) -> torch.Tensor:
@@ -490,80 +592,3 @@ def split_rows(batch: dict[str, torch.Tensor]) -> tuple[list[list[int]], list[li
         prompts.append(ids[:first])
         answers.append([t for t in labels if t != IGNORE])
     return prompts, answers
-
-
-def sample(engine: Any, prompts: list[list[int]], cfg: OnlineConfig, tokenizer: Any, seed: tuple[int, ...],
-           vllm: Any = None, images: list[list[Any]] | None = None, private: bool = False) -> list[list[int]]:
-    """G sampled completions of each prompt (adjacent), each cut after its first EOS (kept: it is labelled), through
-    the engine (eval mode, its precision; generation synced across ranks where parameters are gathered), or through
-    vLLM's engine (a finetune.methods.vllm_rollout.VllmSampler, synced with the policy). `images`: each prompt's (a
-    vision-language model's), shown to the sampler: each prompt is then sampled as G rows of its own. `private`: the
-    draws come from a generator of their own (`GumbelMax`), not torch's global one, which a training step running
-    meanwhile in another thread draws its dropout from (method.async_generation); each prompt is then G rows."""
-    import torch
-
-    from finetune.data.batches import left_padded
-
-    if vllm is not None:
-        return [cut(row, tokenizer.eos_token_id) for row in vllm.sample(prompts, cfg, hash(seed) % 2**63)]
-    g, rows, pictures = cfg.generations, len(prompts) * cfg.generations, pictures_of(tokenizer)
-    showing, shown = private, []
-    if private:
-        prompts, images = [p for p in prompts for _ in range(g)], [im for im in (images or [[] for _ in prompts]) for _ in range(g)]
-        g = 1
-    if pictures is not None:  # each prompt G times with its images (a processor's image inputs do not repeat along the
-        # rows); a layout whose ranks run the vision tower together: one more row, a blank image's, where none shows one
-        repeated, shown = pictures.blank_row([p for p in prompts for _ in range(g)],
-                                             [im for im in (images or [[] for _ in prompts]) for _ in range(g)])
-        showing = showing or any(shown)
-        if showing:
-            prompts = repeated
-    batch = left_padded(prompts, tokenizer.pad_token_id)
-    if any(shown):
-        batch |= {IN_BATCH + k: v for k, v in pictures.batch(shown, batch["input_ids"]).items()}
-    width = batch["input_ids"].shape[1]
-    never = never_written(tokenizer)
-    model = engine.generation_model
-    device = next(model.parameters()).device
-    devices = [device] if device.type == "cuda" else []
-
-    def generate(_: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        if private:  # greedy over Gumbel-perturbed logits: a sample, drawn from the generator's stream only
-            drawn = torch.Generator(device=device).manual_seed(hash(seed) % 2**63)
-            return model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], do_sample=False,
-                                  logits_processor=[GumbelMax(cfg.temperature, cfg.top_p, drawn)], max_new_tokens=cfg.completion_tokens,
-                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **seen(batch), **never)
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(hash(seed) % 2**63)
-            return model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], do_sample=True,
-                                  temperature=cfg.temperature, top_p=cfg.top_p, top_k=0, max_new_tokens=cfg.completion_tokens,
-                                  num_return_sequences=1 if showing else g, pad_token_id=tokenizer.pad_token_id,
-                                  eos_token_id=tokenizer.eos_token_id, synced_gpus=engine.lockstep, **seen(batch), **never)
-
-    with torch.no_grad():
-        out = engine.inference(generate, batch)
-    return [cut(row, tokenizer.eos_token_id) for row in out[:rows, width:].tolist()]  # without a blank image's row
-
-
-class GumbelMax:
-    """A logits processor that makes greedy decoding draw a sample: the logits over `temperature`, nucleus-filtered
-    (transformers' TopPLogitsWarper), plus Gumbel noise from `generator`; their argmax is distributed as softmax(logits /
-    temperature) restricted to the nucleus (the Gumbel-max trick), and no draw touches torch's global generator."""
-
-    def __init__(self, temperature: float, top_p: float, generator: Any) -> None:
-        self.temperature, self.top_p, self.generator = temperature, top_p, generator
-
-    def __call__(self, input_ids: Any, scores: torch.Tensor) -> torch.Tensor:
-        import torch
-        from transformers import TopPLogitsWarper
-
-        scores = scores.float() / self.temperature
-        if self.top_p < 1:
-            scores = TopPLogitsWarper(self.top_p)(input_ids, scores)
-        u = torch.rand(scores.shape, generator=self.generator, device=scores.device).clamp_(1e-20, 1 - 1e-7)
-        return scores - torch.log(-torch.log(u))
-
-
-def cut(row: list[int], eos: int) -> list[int]:
-    """A sampled row up to its first EOS, which is kept (the padding after it dropped)."""
-    return row[: row.index(eos) + 1] if eos in row else row

@@ -111,6 +111,11 @@ def function(name: str, method: MethodConfig, load_models: bool) -> RewardFn:
     if ":" not in name:
         raise ConfigError(f"{key} is not a reward: use exact_match, similarity, format, length, overlong, a function as package.module:function, "
                           "or reward:PATH (a reward model trained with method=reward)")
+    return imported(name, key)
+
+
+def imported(name: str, key: str) -> Callable[..., Any]:
+    """The function `package.module:function` names; one line naming `key` where it cannot be imported or called."""
     module_name, _, attr = name.partition(":")
     try:
         module = importlib.import_module(module_name)

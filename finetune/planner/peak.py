@@ -136,9 +136,11 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
     notes.append(said)
     sampling = methods.get(cfg.method.name).sampling(cfg.method)
     if sampling is not None:  # GRPO's rows: a prompt and a sampled completion (bounded by the row + a whole one)
-        seq += sampling.completion_tokens
+        seq += sampling.completion_tokens * sampling.turns
         notes.append(f"{cfg.method.name} rows: counted at {seq} tokens, that width + method.completion_tokens={sampling.completion_tokens} "
-                     "(an upper bound of prompt + completion)")
+                     "(an upper bound of prompt + completion)" if sampling.turns == 1 else
+                     f"{cfg.method.name} rows: counted at {seq} tokens, that width + {sampling.turns} turns of method.completion_tokens="
+                     f"{sampling.completion_tokens} (the tools' results are not counted: their length is the functions')")
     acts, backward = activations_through_backward(arch, cfg, counts, s, seq, longest, on_gpu, notes)
     pl = total(cfg, counts, s, acts, backward, step_temp(arch, cfg, counts, s, on_gpu), seq, on_gpu, notes)
     if sampling is not None:
