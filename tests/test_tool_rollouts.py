@@ -111,7 +111,7 @@ def test_a_completion_calls_a_tool_gets_its_result_and_is_sampled_on(qwen, monke
     from types import SimpleNamespace
 
     (batch,), _ = objective.rollout(SimpleNamespace(dp_rank=0), [mb], step=1, tokenizer=qwen, seed=0)
-    assert [(n, g, s, stop) for n, g, s, stop, _ in asked] == [(1, 2, (0, 1, 0, 0), "<|im_end|>"), (1, 1, (0, 1, 0, 0, 1), "<|im_end|>")]
+    assert [(n, g, s, stop) for n, g, s, stop, _ in asked] == [(1, 2, (0, 1, 0, 0), "<|im_end|>"), (1, 1, (0, 1, 0, 0, -1), "<|im_end|>")]
     turn = "\n<|im_start|>user\n<tool_response>\ncba\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     assert asked[1][4] == [qwen.decode(prompt) + QWEN_CALL + "<|im_end|>" + turn]  # sampled on after the tool's answer
     row, labels = batch["input_ids"][0].tolist(), batch["labels"][0].tolist()

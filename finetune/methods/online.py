@@ -435,7 +435,8 @@ class Online:
     def conversed(self, engine: Any, prompts: list[list[int]], answers: list[list[int]], tokenizer: Any,
                   seed: tuple[int, ...]) -> list[Group]:
         """Each prompt's G completions sampled with tools (finetune.methods.tool_calls): a completion that calls one gets
-        the result as a tool turn and is sampled on, up to method.max_turns calls; then scored."""
+        the result as a tool turn and is sampled on, up to method.max_turns calls; then scored. Turn t's continuations are
+        seeded by (*seed, -t): apart from a refill round's (*seed, round)."""
         import dataclasses
 
         from finetune.methods import tool_calls
@@ -464,7 +465,7 @@ class Online:
             if not called:
                 break
             more = sample(engine, [prompts[i // g] + [t for piece, _ in pieces[i] for t in piece] for i in called],
-                          dataclasses.replace(self.cfg, generations=1), tokenizer, seed=(*seed, turn), private=self.overlapped,
+                          dataclasses.replace(self.cfg, generations=1), tokenizer, seed=(*seed, -turn), private=self.overlapped,
                           stop=fmt.stop)
             for i, c in zip(called, more):
                 pieces[i].append((c, True))
