@@ -4,6 +4,9 @@
     python scripts/benchmark_peers.py --peers hf         # without TRL (pip install -e ".[bench]" adds it)
     python scripts/benchmark_peers.py --steps 5 --rows 300 --repeats 1 --modes padded
     python scripts/benchmark_peers.py --ours-extra train.compile=true   # our runs compiled
+    python scripts/benchmark_peers.py --method grpo      # GRPO against TRL's GRPOTrainer (--method dpo: its DPOTrainer)
+
+--method grpo and --method dpo: scripts/peers_rl.py says what those races make equal and how they are measured.
 
 The job: the quickstart's tiny Llama widened to --hidden 256 x --layers 4 (random init, fp32, sdpa attention),
 --rows 3,000 synthetic alpaca rows (the shipped character-level tokenizer: 34 to 470 tokens a row, 239 on average,
@@ -56,6 +59,7 @@ Fairness, checked in the output: each run's non-pad tokens per step against thos
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -66,7 +70,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 LR, BETAS, EPS, MAX_GRAD_NORM, SEED = 1e-3, (0.9, 0.999), 1e-8, 1.0, 42
 NAMES = {"ours": "ours (finetune)", "ours_padded": "ours, data.padding_free=false", "hf": "transformers Trainer",
@@ -77,6 +83,26 @@ compute on padding); ours_padded: the rows padded to the longest, as the peers p
 STEADY_AFTER = 3  # steps left out of the steady state: warm-up (allocator, first optimizer step)
 BUSY = 0.25  # others' load (cores) above which a run is noted as measured on a busy machine
 TOKENS_TOL = 0.01  # non-pad tokens per step: every run within 1% of the prepared batches
+
+
+@dataclass(frozen=True)
+class Race:
+    """What a race's tables name: its runs' (framework, mode) in table order, the frameworks' names, and the run the
+    others are measured against (`base`; in `base_mode`, or each run's own mode where None)."""
+
+    runs: list[tuple[str, str]]
+    names: dict[str, str]
+    base: str
+    versus: str  # the base run's name in the ratio's column
+    base_mode: str | None = None
+
+
+SFT = Race(RUNS, NAMES, "hf", "HF Trainer", "padded")
+DEFAULTS = {  # per --method: what a flag left out means (rows None: the rows of the steps)
+    "sft": {"peers": "hf,trl", "steps": 30, "rows": 3000, "max_length": 512, "micro_batch": 8, "accum": 4},
+    "grpo": {"peers": "trl", "steps": 24, "max_length": 128, "micro_batch": 4, "accum": 1},
+    "dpo": {"peers": "trl", "steps": 30, "max_length": 512, "micro_batch": 8, "accum": 4},
+}
 TRL_MISSING = 'error: TRL is not installed: pip install -e ".[bench]" (or leave it out: --peers hf)'
 
 
@@ -105,9 +131,16 @@ def model_overrides(args: argparse.Namespace) -> list[str]:
 
 def ours_overrides(args: argparse.Namespace, root: Path, mode: str, framework: str = "ours") -> list[str]:
     """Our run's overrides (without hydra.run.dir): the quickstart recipe on one process, the prepared weights and rows."""
-    return [*(["data.padding_free=false"] if framework == "ours_padded" else []), *args.ours_extra, "+recipe=quickstart_sft", "model=pretrained", f"model.path={root / 'weights'}", f"model.attn_implementation={args.attn}",
-            "data=jsonl", f"data.train={root / 'rows.jsonl'}", "data.format=alpaca", f"data.max_length={args.max_length}",
-            f"data.cache_dir={root / 'tokens'}", f"data.packing={str(mode == 'packed').lower()}",
+    return [*(["data.padding_free=false"] if framework == "ours_padded" else []), *job_overrides(args, root, "alpaca"),
+            f"data.packing={str(mode == 'packed').lower()}"]
+
+
+def job_overrides(args: argparse.Namespace, root: Path, data_format: str) -> list[str]:
+    """What our runs of every race share: the quickstart recipe on one process, the prepared weights, rows (of
+    `data_format`) and token cache, the optimizer and schedule, the batch, no evaluation and no progress bar."""
+    return [*args.ours_extra, "+recipe=quickstart_sft", "model=pretrained", f"model.path={root / 'weights'}", f"model.attn_implementation={args.attn}",
+            "data=jsonl", f"data.train={root / 'rows.jsonl'}", f"data.format={data_format}", f"data.max_length={args.max_length}",
+            f"data.cache_dir={root / 'tokens'}",
             "parallelism=single", "launcher.nproc_per_node=1", f"launcher.omp_num_threads={args.threads}", f"precision={args.precision}",
             f"train.device={args.device}",
             "optim=adamw", f"optim.lr={LR}", f"optim.betas=[{BETAS[0]},{BETAS[1]}]", f"optim.eps={EPS}", "optim.weight_decay=0",
@@ -120,28 +153,13 @@ def ours_overrides(args: argparse.Namespace, root: Path, mode: str, framework: s
 def prepare(args: argparse.Namespace, root: Path, modes: list[str]) -> dict[str, list[int]]:
     """Write the rows, the initial weights, our token cache and each mode's peer dataset (our batches' rows in our
     order). Returns the non-pad tokens of each step, per mode."""
-    import torch
     from datasets import Dataset
 
-    from finetune.rank import model
-    from finetune.launcher.compose import preflight
-    from finetune.data import cache
-    from finetune.data.batches import TrainBatches
-
     (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in make_rows(args.rows, args.max_length)))
-    init = preflight(model_overrides(args))
-    tokenizer = model.load_tokenizer(init.model)
-    net = model.load_model(init.model, tokenizer, attention="sdpa", peft=init.peft, compute_dtype=torch.float32, zero3=False,
-                           run_dir=root, is_main=True, barrier=lambda: None)
-    net.save_pretrained(root / "weights")
-    tokenizer.save_pretrained(root / "weights")
+    tokenizer = write_weights(args, root)
     expected = {}
     for mode in modes:
-        cfg = preflight(ours_overrides(args, root, mode))
-        train, *_ = cache.load(cfg.data, tokenizer, cfg.train.seed, cfg.method.name, builder=True, progress=False, say=lambda _: None)
-        batches = TrainBatches(train, global_batch=cfg.train.global_batch_size, micro_batch=cfg.train.micro_batch_size, dp_rank=0,
-                               dp_size=1, seed=cfg.train.seed, pad_id=tokenizer.pad_token_id)
-        steps = [[train[i] for i in batches.indices(step)] for step in range(args.steps)]
+        steps = our_steps(ours_overrides(args, root, mode), tokenizer, args.steps)
         expected[mode] = [sum(len(e.input_ids) for e in step) for step in steps]
         rows = [e for step in steps for e in step]
         columns = {"input_ids": [e.input_ids for e in rows], "labels": [e.labels for e in rows]}
@@ -149,6 +167,36 @@ def prepare(args: argparse.Namespace, root: Path, modes: list[str]) -> dict[str,
             columns["seq_lengths"] = [seq_lengths(e.position_ids) for e in rows]
         Dataset.from_dict(columns).save_to_disk(str(root / f"peer_{mode}"))
     return expected
+
+
+def write_weights(args: argparse.Namespace, root: Path) -> Any:
+    """The initial weights (our model.init, seed 0) and the tokenizer, saved in ROOT/weights; returns the tokenizer."""
+    import torch
+
+    from finetune.launcher.compose import preflight
+    from finetune.rank import model
+
+    init = preflight(model_overrides(args))
+    tokenizer = model.load_tokenizer(init.model)
+    net = model.load_model(init.model, tokenizer, attention="sdpa", peft=init.peft, compute_dtype=torch.float32, zero3=False,
+                           run_dir=root, is_main=True, barrier=lambda: None)
+    net.save_pretrained(root / "weights")
+    tokenizer.save_pretrained(root / "weights")
+    return tokenizer
+
+
+def our_steps(overrides: list[str], tokenizer: Any, steps: int) -> list[list[Any]]:
+    """Our token cache for a run of `overrides`, built here (our runs then start from a warm cache), and the examples of
+    each of its first `steps` steps in our order (finetune.data.batches.TrainBatches, a function of the seed)."""
+    from finetune.data import cache
+    from finetune.data.batches import TrainBatches
+    from finetune.launcher.compose import preflight
+
+    cfg = preflight(overrides)
+    train, *_ = cache.load(cfg.data, tokenizer, cfg.train.seed, cfg.method.name, builder=True, progress=False, say=lambda _: None)
+    batches = TrainBatches(train, global_batch=cfg.train.global_batch_size, micro_batch=cfg.train.micro_batch_size, dp_rank=0,
+                           dp_size=1, seed=cfg.train.seed, pad_id=tokenizer.pad_token_id)
+    return [[train[i] for i in batches.indices(step)] for step in range(steps)]
 
 
 def seq_lengths(position_ids: list[int]) -> list[int]:
@@ -173,8 +221,27 @@ def run(framework: str, mode: str, repeat: int, args: argparse.Namespace, root: 
                 "out": str(out), "threads": args.threads, "steps": args.steps, "micro_batch": args.micro_batch,
                 "accum": args.accum, "max_length": args.max_length, "device": args.device, "precision": args.precision,
                 "attn": args.attn}
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
-        steps_file = out / "steps.jsonl"
+        cmd, steps_file = child(spec), out / "steps.jsonl"
+    result = timed(cmd, out, steps_file, env, args.steps, {"framework": framework, "mode": mode, "repeat": repeat})
+    if framework.startswith("ours") and "steps" in result:
+        result["steps"] = our_lines(result["steps"])
+    return result
+
+
+def our_lines(lines: list[dict]) -> list[dict]:
+    """Our metrics' train lines as the peers' step lines (tokens_per_s counts non-pad tokens over the step's train_step)."""
+    return [{"step": r["step"], "elapsed_s": r["elapsed_s"], "tokens": round(r["tokens_per_s"] * r["step_s"]), "loss": r["loss"]}
+            for r in lines]
+
+
+def child(spec: dict) -> list[str]:
+    """The command of a peer's run: this script with --child SPEC (peers_child.peer)."""
+    return [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
+
+
+def timed(cmd: list[str], out: Path, steps_file: Path, env: dict[str, str], steps: int, key: dict) -> dict:
+    """Run `cmd` in OUT, a process group of its own, timed from outside: `key` with the train lines of `steps_file`
+    (`steps` of them), time to the first, wall time, peak RSS and others' load; or with the error."""
     first = None
     busy, mine = busy_s(), resource.getrusage(resource.RUSAGE_SELF)
     start = time.perf_counter()
@@ -197,16 +264,12 @@ def run(framework: str, mode: str, repeat: int, args: argparse.Namespace, root: 
         raise
     wall = time.perf_counter() - start
     proc.returncode = os.waitstatus_to_exitcode(status)  # reaped by wait4: keep Popen from waiting again
-    result = {"framework": framework, "mode": mode, "repeat": repeat, "wall_s": wall, "first_step_s": first,
-              "rss_mib": usage.ru_maxrss / 1024,  # Linux: KiB
+    result = {**key, "wall_s": wall, "first_step_s": first, "rss_mib": usage.ru_maxrss / 1024,  # Linux: KiB
               "others": others(busy, mine, usage, wall)}
     lines = train_lines(steps_file)
-    if proc.returncode != 0 or len(lines) != args.steps:
+    if proc.returncode != 0 or len(lines) != steps:
         tail = [line for line in (out / "stderr.log").read_text().splitlines() if line.strip()] or ["?"]
-        return {**result, "error": f"exit {proc.returncode}, {len(lines)} of {args.steps} steps: {tail[-1][:200]}"}
-    if framework.startswith("ours"):  # tokens_per_s counts non-pad tokens over the step's train_step
-        lines = [{"step": r["step"], "elapsed_s": r["elapsed_s"], "tokens": round(r["tokens_per_s"] * r["step_s"]),
-                  "loss": r["loss"]} for r in lines]
+        return {**result, "error": f"exit {proc.returncode}, {len(lines)} of {steps} steps: {tail[-1][:200]}"}
     return {**result, "steps": lines}
 
 
@@ -240,77 +303,6 @@ def train_lines(path: Path) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------
-# A peer, in its own process: `benchmark_peers.py --child SPEC`
-
-
-def peer(spec: dict) -> int:
-    """Train with transformers' Trainer ("hf") or TRL's SFTTrainer ("trl") on the prepared rows, in order, writing
-    one line per optimizer step to OUT/steps.jsonl; then save the final weights, as ours does."""
-    import torch
-
-    torch.set_num_threads(spec["threads"])
-    from datasets import load_from_disk
-    from torch.utils.data import SequentialSampler
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-
-    out = Path(spec["out"])
-    packed = spec["mode"] == "packed"
-    net = AutoModelForCausalLM.from_pretrained(spec["weights"], attn_implementation=spec["attn"], dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(spec["weights"])
-    data = load_from_disk(spec["data"])
-    common = {"output_dir": str(out), "max_steps": spec["steps"], "per_device_train_batch_size": spec["micro_batch"],
-              "gradient_accumulation_steps": spec["accum"], "learning_rate": LR, "lr_scheduler_type": "constant",
-              "warmup_steps": 0, "weight_decay": 0.0, "adam_beta1": BETAS[0], "adam_beta2": BETAS[1], "adam_epsilon": EPS,
-              "max_grad_norm": MAX_GRAD_NORM, "optim": "adamw_torch_fused", "seed": SEED,
-              "bf16": spec["precision"] == "bf16", "fp16": False, "use_cpu": spec["device"] == "cpu", "dataloader_num_workers": 0,
-              "logging_steps": 1,
-              "save_strategy": "no", "report_to": "none", "disable_tqdm": True}
-    if spec["framework"] == "hf":
-        from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
-
-        base, kwargs = Trainer, {"args": TrainingArguments(**common), "data_collator": DataCollatorForSeq2Seq(
-            tokenizer, padding="longest", label_pad_token_id=-100)}
-    else:
-        from trl import SFTConfig, SFTTrainer
-
-        # TRL's default is gradient checkpointing (and bf16); padding-free needs max_length=None (the rows are already cut
-        # to it); packing=False: the rows come packed
-        base, kwargs = SFTTrainer, {"args": SFTConfig(**common, gradient_checkpointing=False, max_length=None if packed else
-                                                      spec["max_length"], padding_free=packed, packing=False),
-                                    "processing_class": tokenizer}
-    step = {"tokens": 0, "loss": 0.0, "start": 0.0}
-
-    class Sequential(base):  # type: ignore[misc, valid-type]
-        """Our order: the dataset's, as prepared; counts each step's non-pad tokens and sums its loss."""
-
-        def _get_train_sampler(self, train_dataset=None):
-            return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
-
-        def training_step(self, model, inputs, num_items_in_batch=None):
-            mask = inputs.get("attention_mask")  # padding-free rows have none, and no padding
-            step["tokens"] += int(mask.sum()) if mask is not None else inputs["input_ids"].numel()
-            loss = super().training_step(model, inputs, num_items_in_batch)
-            step["loss"] += float(loss)  # each micro-batch's share: its loss sum over the step's labelled tokens
-            return loss
-
-    class Steps(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kw):
-            step["start"] = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            line = {"kind": "train", "step": state.global_step, "elapsed_s": time.perf_counter() - step["start"],
-                    "tokens": step["tokens"], "loss": step["loss"]}
-            with open(out / "steps.jsonl", "a") as f:
-                f.write(json.dumps(line) + "\n")
-            step.update(tokens=0, loss=0.0)
-
-    trainer = Sequential(model=net, train_dataset=data, callbacks=[Steps()], **kwargs)
-    trainer.train()
-    trainer.save_model(str(out / "final"))
-    return 0
-
-
-# ---------------------------------------------------------------------------------------------
 # Results -> numbers -> the table (pure)
 
 
@@ -323,10 +315,10 @@ def steady(steps: list[dict], skip: int = STEADY_AFTER) -> tuple[float, float]:
     return statistics.median(rates[keep]), 1000 * statistics.median(seconds[keep])
 
 
-def fairness(runs: list[dict], expected: dict[str, list[int]]) -> list[dict]:
+def fairness(runs: list[dict], expected: dict[str, list[int]], race: Race = SFT) -> list[dict]:
     """Per framework and mode: the mean non-pad tokens per step, the largest relative difference of any run's tokens
     at any step from the prepared batches', and the largest |loss difference| at any step from ours (repeat 1)."""
-    out, done = [], finished(runs)
+    out, done = [], finished(runs, race)
     for (framework, mode), mine in done.items():
         ref = done[("ours", mode)][0] if ("ours", mode) in done else None
         want = expected[mode]
@@ -337,49 +329,49 @@ def fairness(runs: list[dict], expected: dict[str, list[int]]) -> list[dict]:
     return out
 
 
-def order(runs: list[dict]) -> list[tuple[str, str]]:
-    """(framework, mode) of the runs, in RUNS order."""
+def order(runs: list[dict], race: Race = SFT) -> list[tuple[str, str]]:
+    """(framework, mode) of the runs, in the race's order."""
     present = {(r["framework"], r["mode"]) for r in runs}
-    return [key for key in RUNS if key in present]
+    return [key for key in race.runs if key in present]
 
 
-def table(runs: list[dict]) -> str:
+def table(runs: list[dict], race: Race = SFT) -> str:
     """One row per framework and mode: tokens/s and others' load of each repeat; then the best of the repeats (a
     busy machine only slows a run down): the highest tokens/s, the shortest step, first step and wall time; the
-    largest peak RSS; the final loss; and the best tokens/s over the HF Trainer's (padded)."""
-    best = {key: max(steady(r["steps"])[0] for r in rows) for key, rows in finished(runs).items()}
-    hf = best.get(("hf", "padded"))
+    largest peak RSS; the final loss; and the best tokens/s over the race's base run's (SFT: the HF Trainer's, padded)."""
+    best = {key: max(steady(r["steps"])[0] for r in rows) for key, rows in finished(runs, race).items()}
     lines = ["| framework | mode | tokens/s (each repeat) | others' load | step ms | first step s | wall s | peak RSS MiB "
-             "| final loss | vs HF Trainer |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for framework, mode in order(runs):
-        ok = finished(runs).get((framework, mode))
+             f"| final loss | vs {race.versus} |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for framework, mode in order(runs, race):
+        ok = finished(runs, race).get((framework, mode))
         if not ok:
             error = next(r["error"] for r in runs if (r["framework"], r["mode"]) == (framework, mode))
-            lines.append(f"| {NAMES[framework]} | {mode} | failed: {error} ||||||||")
+            lines.append(f"| {race.names[framework]} | {mode} | failed: {error} ||||||||")
             continue
         rates = " / ".join(f"{steady(r['steps'])[0]:,.0f}" for r in ok)
         load = " / ".join("-" if r["others"] is None else f"{r['others']:.2f}" for r in ok)
-        ratio = f"{best[framework, mode] / hf:.2f}x" if hf else "-"
-        lines.append(f"| {NAMES[framework]} | {mode} | {rates} | {load} | "
+        base = best.get((race.base, race.base_mode or mode))
+        ratio = f"{best[framework, mode] / base:.2f}x" if base else "-"
+        lines.append(f"| {race.names[framework]} | {mode} | {rates} | {load} | "
                      f"{min(steady(r['steps'])[1] for r in ok):,.0f} | {min(r['first_step_s'] for r in ok):.1f} | "
                      f"{min(r['wall_s'] for r in ok):.1f} | {max(r['rss_mib'] for r in ok):,.0f} | {ok[0]['steps'][-1]['loss']:.4f} | "
                      f"{ratio} |")
     return "\n".join(lines) + "\n"
 
 
-def finished(runs: list[dict]) -> dict[tuple[str, str], list[dict]]:
-    """The runs that finished, by (framework, mode), in RUNS order, each in repeat order."""
-    out = {key: [r for r in runs if (r["framework"], r["mode"]) == key and "steps" in r] for key in order(runs)}
+def finished(runs: list[dict], race: Race = SFT) -> dict[tuple[str, str], list[dict]]:
+    """The runs that finished, by (framework, mode), in the race's order, each in repeat order."""
+    out = {key: [r for r in runs if (r["framework"], r["mode"]) == key and "steps" in r] for key in order(runs, race)}
     return {key: rows for key, rows in out.items() if rows}
 
 
-def fairness_text(rows: list[dict], loss_tol: float) -> tuple[str, bool]:
+def fairness_text(rows: list[dict], loss_tol: float, race: Race = SFT) -> tuple[str, bool]:
     """The fairness table and its verdict lines; and whether every check passed."""
     lines = ["| framework | mode | non-pad tokens per step (mean) | max relative difference | max \\|loss - ours\\| |",
              "|---|---|---:|---:|---:|"]
     for r in rows:
         loss = "-" if r["loss_diff"] is None else f"{r['loss_diff']:.1e}"
-        lines.append(f"| {NAMES[r['framework']]} | {r['mode']} | {r['tokens_per_step']:,.1f} | {r['tokens_diff']:.3%} | {loss} |")
+        lines.append(f"| {race.names[r['framework']]} | {r['mode']} | {r['tokens_per_step']:,.1f} | {r['tokens_diff']:.3%} | {loss} |")
     tokens = max((r["tokens_diff"] for r in rows), default=0.0)
     losses = [r["loss_diff"] for r in rows if r["loss_diff"] is not None]
     loss = max(losses, default=0.0)
@@ -406,27 +398,36 @@ def report(runs: list[dict], expected: dict[str, list[int]], args: argparse.Name
                "its default memory report (the peak, no hooks); TRL with gradient checkpointing off; packed: our first-fit rows, TRL "
                "padding-free.\n\n")
     text = caption + table(runs) + "\nFairness: the same token ids, labels, batches, initial weights and schedule.\n\n" + fair
+    return text + notes(runs, SFT, "tokens/s"), ok and not failed
+
+
+def notes(runs: list[dict], race: Race, rate: str) -> str:
+    """The report's last lines: a NOTE when another process kept the machine busy during a run, a FAIL per failed run."""
+    text = ""
     busiest = max((r["others"] for r in runs if r.get("others") is not None), default=0.0)
     if busiest > BUSY:
         text += (f"\nNOTE: other processes kept up to {busiest:.2f} cores busy during a run (others' load): the machine was not "
-                 "quiet, and tokens/s of those runs are lower than it can do\n")
+                 f"quiet, and {rate} of those runs are lower than it can do\n")
+    failed = [r for r in runs if "error" in r]
     if failed:
-        text += "".join(f"\nFAIL: {NAMES[r['framework']]} {r['mode']} (repeat {r['repeat']}): {r['error']}" for r in failed) + "\n"
-    return text, ok and not failed
+        text += "".join(f"\nFAIL: {race.names[r['framework']]} {r['mode']} (repeat {r['repeat']}): {r['error']}" for r in failed) + "\n"
+    return text
 
 
-def main(argv: list[str] | None = None) -> int:
+def arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--peers", default="hf,trl", help="comma-separated: hf, trl (ours always runs)")
-    parser.add_argument("--modes", nargs="+", default=["padded", "packed"], choices=["padded", "packed"])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--method", default="sft", choices=list(DEFAULTS), help="the job: sft (default), grpo or dpo "
+                        "(scripts/peers_rl.py says how each is made equal)")
+    parser.add_argument("--peers", help="comma-separated: hf, trl (ours always runs; default: hf,trl; grpo and dpo: trl)")
+    parser.add_argument("--modes", nargs="+", default=["padded", "packed"], choices=["padded", "packed"], help="sft")
+    parser.add_argument("--steps", type=int, help="default: 30 (grpo: 24)")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--rows", type=int, default=3000)
-    parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument("--rows", type=int, help="default: sft 3,000; dpo and grpo: the rows of the steps (one epoch)")
+    parser.add_argument("--max-length", type=int, help="default: 512 (grpo: 128, its rows' prompt and answer)")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--micro-batch", type=int, default=8)
-    parser.add_argument("--accum", type=int, default=4)
+    parser.add_argument("--micro-batch", type=int, help="rows (dpo: pairs; grpo: prompts) per micro-batch; default 8 (grpo: 4)")
+    parser.add_argument("--accum", type=int, help="micro-batches per step; default 4 (grpo: 1)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--loss-tol", type=float, help="largest |loss - ours| at any step (default 1e-3; bf16: 5e-2)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -441,23 +442,47 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-ours-padded", dest="ours_padded", action="store_false",
                         help="leave out our run with data.padding_free=false (padded rows, as the peers pad them)")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # a peer's run, started by this script
+    import peers_rl
+
+    peers_rl.add_arguments(parser)
     args = parser.parse_args(argv)
+    for key, value in DEFAULTS[args.method].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.rows is None:  # one epoch: every prompt or pair once
+        args.rows = args.steps * args.micro_batch * args.accum
     if args.loss_tol is None:
         args.loss_tol = 5e-2 if args.precision == "bf16" else 1e-3
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments(argv)
     if args.child:
-        return peer(json.loads(args.child))
+        import peers_child
+
+        return peers_child.peer(json.loads(args.child))
+    sft = args.method == "sft"
+    known = ("hf", "trl") if sft else ("trl",)
     peers = [p for p in args.peers.split(",") if p]
-    unknown = [p for p in peers if p not in ("hf", "trl")]
+    unknown = [p for p in peers if p not in known]
     if unknown:
-        print(f"error: unknown peer {unknown[0]!r}; known: hf, trl", file=sys.stderr)
+        print(f"error: unknown peer {unknown[0]!r}; known: {', '.join(known)}", file=sys.stderr)
         return 2
     if "trl" in peers and importlib.util.find_spec("trl") is None:
-        print(TRL_MISSING, file=sys.stderr)
+        print(TRL_MISSING if sft else 'error: TRL is not installed: pip install -e ".[bench]" (or race ours alone: --peers "")',
+              file=sys.stderr)
         return 2
     if args.keep and args.keep.exists() and any(args.keep.iterdir()):
         print(f"error: --keep {args.keep}: not empty (the runs write their directories there): name a new directory", file=sys.stderr)
         return 2
-    jobs = [(f, m) for f, m in RUNS if (f == "ours" or f in peers or (f == "ours_padded" and args.ours_padded)) and m in args.modes]
+    if sft:
+        race, modes = SFT, args.modes
+    else:
+        import peers_rl
+
+        race, modes = peers_rl.race(args)
+    jobs = [(f, m) for f, m in race.runs if (f == "ours" or f in peers or (f == "ours_padded" and args.ours_padded)) and m in modes]
     signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))  # unwinds through run(): its process group ends
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # everything is local: no hub lookups in anyone's timing
@@ -465,15 +490,19 @@ def main(argv: list[str] | None = None) -> int:
         root = (args.keep or Path(tmp)).resolve()
         root.mkdir(parents=True, exist_ok=True)
         print(f"preparing {args.rows:,} rows, the initial weights and the token cache in {root} ...", flush=True)
-        expected = prepare(args, root, args.modes)
+        if sft:
+            expected = prepare(args, root, args.modes)
+            one = functools.partial(run, args=args, root=root, env=env)
+        else:
+            expected, one = peers_rl.prepared(args, root, env)
         runs = []
         for repeat in range(1, args.repeats + 1):
             for framework, mode in jobs if repeat % 2 else jobs[::-1]:
-                print(f"repeat {repeat}: {NAMES[framework]}, {mode} ...", flush=True)
-                runs.append(run(framework, mode, repeat, args, root, env))
+                print(f"repeat {repeat}: {race.names[framework]}, {mode} ...", flush=True)
+                runs.append(one(framework, mode, repeat))
                 if "error" in runs[-1]:
                     print(f"  failed: {runs[-1]['error']}", flush=True)
-    text, ok = report(runs, expected, args)
+    text, ok = report(runs, expected, args) if sft else peers_rl.report(runs, expected, args)
     args.out.write_text(text)
     print(text)
     return 0 if ok else 1

@@ -1,5 +1,5 @@
-"""scripts/benchmark_peers.py: its numbers and fairness verdicts on made-up results (fast), and the real script
-on a few steps of a very small model (slow)."""
+"""scripts/benchmark_peers.py (and scripts/peers_rl.py, its GRPO and DPO races): their numbers and fairness verdicts
+on made-up results (fast), and the real script on a few steps of a very small model (slow)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from conftest import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
 import benchmark_peers as bp  # noqa: E402
+import peers_rl as rl  # noqa: E402
 
 
 def steps(tokens: list[int], seconds: list[float], losses: list[float]) -> list[dict]:
@@ -172,3 +173,133 @@ def test_ours_against_trl_padding_free_on_three_steps(tmp_path):
     pytest.importorskip("trl")
     text, rows = run_script(tmp_path, "--peers", "trl", "--modes", "packed")
     check_fair(text, rows, [("ours (finetune)", "packed"), ("TRL SFTTrainer", "packed")])
+
+
+# --- GRPO and DPO (scripts/peers_rl.py) ---
+
+
+def grpo_result(framework: str, repeat: int, seconds: list[float], rollout: list[float], rewards: list[float],
+                prompts: list[str] | None = None, others: float | None = 0.01) -> dict:
+    ends = [sum(seconds[: i + 1]) for i in range(len(seconds))]
+    steps = [{"step": i + 1, "elapsed_s": e, "generation_s": g, "reward": r, "completion_tokens": 10.0 + repeat}
+             for i, (e, g, r) in enumerate(zip(ends, rollout, rewards))]
+    return {"framework": framework, "mode": "grpo", "repeat": repeat, "wall_s": 30.0 + repeat, "first_step_s": 6.0 - repeat,
+            "rss_mib": 600.0 + repeat, "others": others, "steps": steps, "prompts": prompts or []}
+
+
+REWARDS = [0.1, 0.2, 0.2, 0.3, 0.4, 0.5]
+
+
+def test_grpo_steady_state_is_one_over_the_median_step_split_into_rollout_and_training():
+    # steps of 5, 1, 1 s (warm-up), then 2, 1, 2 s, their rollouts 1.5, 0.5, 1 s: median step 2 s -> 0.5 steps/s;
+    # rollout median 1 s; training (step - rollout) 0.5, 0.5, 1 -> 0.5
+    run = grpo_result("ours", 1, [5, 1, 1, 2, 1, 2], [4, 0.5, 0.5, 1.5, 0.5, 1], REWARDS)
+    assert rl.make_steady(run["steps"]) == pytest.approx({"steps_per_s": 0.5, "step_s": 2, "rollout_s": 1, "training_s": 0.5})
+    assert rl.last_half(run["steps"]) == pytest.approx(0.4)  # steps 4-6
+    assert rl.last_half(run["steps"][:5]) == pytest.approx(0.35)  # 5 steps: 4-5, the middle one left out
+
+
+def test_grpo_table_shows_each_repeat_the_best_and_the_ratio_to_trl_and_the_reward_curves():
+    runs = [grpo_result("ours", 1, [3, 1, 1, 1, 1, 1], [2, 0.5, 0.5, 0.6, 0.6, 0.6], REWARDS),
+            grpo_result("trl", 1, [3, 2, 2, 2, 2, 2], [2, 1, 1, 1.5, 1.5, 1.5], [x / 2 for x in REWARDS], others=None),
+            grpo_result("trl", 2, [3, 2, 2, 4, 4, 4], [2, 1, 1, 3, 3, 3], [x / 2 for x in REWARDS], others=1.1),
+            grpo_result("ours", 2, [3, 1, 1, 1.25, 1.25, 1.25], [2, 0.5, 0.5, 0.75, 0.75, 0.75], REWARDS)]
+    lines = rl.grpo_table(runs).splitlines()
+    assert lines[0] == ("| framework | steps/s (each repeat) | others' load | step s | rollout s | training s | first step s | wall s "
+                        "| peak RSS MiB | completion tokens | vs TRL |")
+    assert lines[2] == "| ours (finetune) | 1.000 / 0.800 | 0.01 / 0.01 | 1.000 | 0.600 | 0.400 | 4.0 | 31.0 | 602 | 11.5 | 2.00x |"
+    assert lines[3] == "| TRL GRPOTrainer | 0.500 / 0.250 | - / 1.10 | 2.000 | 1.500 | 0.500 | 4.0 | 31.0 | 602 | 11.5 | 1.00x |"
+    curve = rl.reward_table(runs, buckets=3).splitlines()
+    assert curve[0] == "| steps | ours (finetune) #1 | ours (finetune) #2 | TRL GRPOTrainer #1 | TRL GRPOTrainer #2 |"
+    assert curve[2:] == ["| 1-2 | 0.150 | 0.150 | 0.075 | 0.075 |", "| 3-4 | 0.250 | 0.250 | 0.125 | 0.125 |",
+                         "| 5-6 | 0.450 | 0.450 | 0.225 | 0.225 |", "| last half (4-6) | 0.400 | 0.400 | 0.200 | 0.200 |"]
+    failed = rl.grpo_table([runs[0], {"framework": "trl", "mode": "grpo", "repeat": 1, "error": "exit 1, 0 of 6 steps: boom"}])
+    assert failed.splitlines()[2].endswith("| - |") and failed.splitlines()[3].startswith("| TRL GRPOTrainer | failed: exit 1")
+
+
+def test_grpo_fairness_compares_the_prompts_of_every_step_and_the_reward_over_the_last_half():
+    expected = {"prompts": [["a\n", "b\n"], ["c\n", "d\n"]], "specials": ["<|user|>", "<|assistant|>"]}
+    ours = [p for p in ("a\n", "b\n", "c\n", "d\n") for _ in range(2)]  # G = 2, decoded without special tokens
+    trl = [f"<|user|>{p}<|assistant|>" for p in ours]  # TRL's: its dataset's text
+    assert rl.scored_steps(trl, expected, 2) == expected["prompts"]
+    args = argparse.Namespace(generations=2, reward_tol=0.05)
+    runs = [grpo_result("ours", 1, [1] * 4, [0.5] * 4, [0.1, 0.2, 0.3, 0.4], ours),
+            grpo_result("trl", 1, [1] * 4, [0.5] * 4, [0.1, 0.2, 0.33, 0.45], trl)]
+    text, ok = rl.grpo_fairness(runs, expected, args)
+    assert ok and text.startswith("OK: prompts, each step's as every run's reward was given them against the prepared steps "
+                                  "(4 prompts x G 2): equal in every run\n")
+    assert "OK: reward over the last half of the steps, the mean of the repeats: ours 0.350, TRL 0.390, |difference| 0.040 " \
+           "(limit 0.05); completion tokens: ours 11.0, TRL 11.0 a completion on average" in text
+    runs[1]["steps"][-1]["reward"] = 0.5  # TRL 0.415: 0.065 off
+    runs[1]["prompts"] = trl[:4] + trl[6:] + trl[4:6]  # step 2's prompts swapped
+    text, ok = rl.grpo_fairness(runs, expected, args)
+    assert not ok and "FAIL: prompts, each step's as every run's reward was given them against the prepared steps (4 prompts " \
+                      "x G 2): different in TRL GRPOTrainer #1" in text and "FAIL: reward over the last half" in text
+
+
+def test_dpo_table_measures_each_reference_against_trls_and_checks_the_loss():
+    runs = [result("ours", "precomputed", 1, [2, 1, 1, 0.5, 0.5, 0.5], TOKENS, LOSSES),
+            result("trl", "precomputed", 1, [2, 1, 1, 1, 1, 1], TOKENS, LOSSES),
+            result("ours", "live", 1, [2, 1, 1, 1, 1, 1], TOKENS, LOSSES),
+            result("trl", "live", 1, [2, 1, 1, 1.5, 1.5, 1.5], TOKENS, [x + 2e-3 for x in LOSSES])]
+    lines = bp.table(runs, rl.DPO).splitlines()
+    assert lines[0].endswith("| final loss | vs TRL |")
+    assert [(line.split(" | ")[1], line.rsplit(" | ", 1)[-1]) for line in lines[2:]] == [
+        ("precomputed", "2.00x |"), ("precomputed", "1.00x |"), ("live", "1.50x |"), ("live", "1.00x |")]
+    text, ok = bp.fairness_text(bp.fairness(runs, {"precomputed": TOKENS, "live": TOKENS}, rl.DPO), 1e-3, rl.DPO)
+    assert not ok and "| TRL DPOTrainer | live | 1,000.0 | 0.000% | 2.0e-03 |" in text
+
+
+def test_dpo_pairs_fit_max_length_untruncated_and_differ(tok, tmp_path):
+    from finetune.config import DataConfig
+    from finetune.data.examples import load_split
+
+    pairs = rl.make_pairs(200, 512)
+    assert all(p["chosen"] != p["rejected"] for p in pairs) and pairs[0]["rejected"] == pairs[1]["chosen"]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    train, _, stats = load_split(DataConfig(train=str(path), format="preference", max_length=512), tok, 0, "dpo")
+    assert len(train) == 200 and stats["train"].truncated == stats["train"].dropped == 0
+
+
+def test_each_method_has_its_defaults_and_sft_keeps_its_own():
+    sft = bp.arguments([])
+    assert (sft.method, sft.peers, sft.steps, sft.rows, sft.max_length, sft.micro_batch, sft.accum) == ("sft", "hf,trl", 30, 3000, 512, 8, 4)
+    grpo = bp.arguments(["--method", "grpo"])
+    assert (grpo.peers, grpo.steps, grpo.rows, grpo.max_length, grpo.micro_batch, grpo.accum) == ("trl", 24, 96, 128, 4, 1)
+    dpo = bp.arguments(["--method", "dpo", "--steps", "5"])
+    assert (dpo.peers, dpo.rows, dpo.reference) == ("trl", 5 * 8 * 4, ["precomputed"])  # one epoch: every pair once
+
+
+def test_grpo_and_dpo_race_trl_only_and_name_the_extra(monkeypatch, capsys):
+    assert bp.main(["--method", "grpo", "--peers", "hf,trl"]) == 2
+    assert capsys.readouterr().err == "error: unknown peer 'hf'; known: trl\n"
+    monkeypatch.setattr(bp.importlib.util, "find_spec", lambda name: None)
+    assert bp.main(["--method", "dpo"]) == 2
+    assert capsys.readouterr().err == 'error: TRL is not installed: pip install -e ".[bench]" (or race ours alone: --peers "")\n'
+
+
+def run_rl(tmp_path, method: str, *args: str) -> str:
+    out = subprocess.run([sys.executable, str(REPO / "scripts/benchmark_peers.py"), "--method", method, "--repeats", "1",
+                          "--hidden", "32", "--layers", "1", "--out", str(tmp_path / "peers.md"), *args],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return (tmp_path / "peers.md").read_text()
+
+
+@pytest.mark.slow
+def test_ours_alone_grpo_scores_the_prepared_prompts(tmp_path):
+    text = run_rl(tmp_path, "grpo", "--steps", "3", "--peers", "", "--micro-batch", "2", "--generations", "2", "--completion-tokens", "8")
+    rows = [line for line in text.splitlines() if line.startswith("| ours (finetune) | ")]
+    assert len(rows) == 1 and re.fullmatch(r"\| ours \(finetune\) \| [0-9.]+ \| [0-9.]+ \|( [0-9.,]+ \|){7} - \|", rows[0]), rows
+    assert "OK: prompts, each step's as every run's reward was given them against the prepared steps (6 prompts x G 2): " \
+           "equal in every run" in text and "FAIL" not in text
+
+
+@pytest.mark.slow
+def test_ours_against_trl_dpo_on_two_steps(tmp_path):
+    pytest.importorskip("trl")
+    text = run_rl(tmp_path, "dpo", "--steps", "2", "--max-length", "96", "--micro-batch", "2", "--accum", "1")
+    fair = [line for line in text.splitlines() if line.startswith("| TRL DPOTrainer | precomputed | ") and "%" in line]
+    assert len(fair) == 1 and "| 0.000% |" in fair[0] and float(fair[0].split(" | ")[-1].rstrip(" |")) < 1e-5, fair
+    assert "OK: loss" in text and "FAIL" not in text
