@@ -11,7 +11,8 @@ import pytest
 from finetune.config import ConfigError
 from finetune.methods import rewards
 from finetune.methods.grpo import GRPO, GrpoConfig, GrpoLoss, RatioLevel, RewardScale, group_advantages, grpo_loss
-from finetune.methods.online import batch_std, completion_mask
+from finetune.methods.collectives import batch_std
+from finetune.methods.online import completion_mask
 
 from conftest import train_here
 

@@ -26,9 +26,10 @@ import copy
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 FILE = "rollout_{rank}.pt"
 
@@ -46,12 +47,16 @@ class SamplerEngine:
         self.device = next(self.generation_model.parameters()).device
 
     def inference(self, fn: Callable[[Any, dict[str, torch.Tensor]], Any], batch: dict[str, torch.Tensor]) -> Any:
+        import torch
+
         autocast = getattr(self.policy, "autocast", contextlib.nullcontext)
         with torch.no_grad(), autocast():
             return fn(self.generation_model, {k: v.to(self.device) for k, v in batch.items()})
 
     def refresh(self) -> None:
         """The policy's weights into the copy (the trainable ones: the rest never change)."""
+        import torch
+
         with torch.no_grad():
             for mine, theirs in zip(self.generation_model.parameters(), self.policy.generation_model.parameters()):
                 if theirs.requires_grad:
@@ -89,6 +94,8 @@ class Background:
 
     def save(self, directory: Path, rank: int) -> None:
         """The rollout sampled ahead, waited for and written with the checkpoint (a resumed run trains on it)."""
+        import torch
+
         if self.pending is not None:
             step, held = self.pending
             batches = held.result() if isinstance(held, Future) else held
@@ -96,6 +103,8 @@ class Background:
             torch.save({"step": step, "batches": batches}, directory / FILE.format(rank=rank))
 
     def load(self, directory: Path, rank: int) -> None:
+        import torch
+
         path = directory / FILE.format(rank=rank)
         if path.is_file():
             state = torch.load(path, weights_only=True)

@@ -44,7 +44,8 @@ from typing import TYPE_CHECKING, Any
 from finetune.config import METHOD_NAME, POSITIVE, Config, ConfigError, Spelled, at_least, checked, in_range, unused
 from finetune.data.tokenize import IGNORE
 from finetune.methods.base import Output
-from finetune.methods.online import Online, OnlineConfig, OnlineMethod, batch_std, completion_mask
+from finetune.methods.collectives import batch_std
+from finetune.methods.online import Online, OnlineConfig, OnlineMethod, completion_mask
 
 if TYPE_CHECKING:
     import torch
@@ -139,10 +140,10 @@ METHOD = Grpo()
 def async_rules(cfg: Config) -> None:
     """method.async_generation=true: a layout where each rank holds the whole model and the sampler's thread needs no
     collective (finetune.methods.background)."""
-    from finetune.layouts import engine_kind
+    from finetune.methods.online import whole_model
 
     m, why = cfg.method, "method.async_generation=true"
-    if engine_kind(cfg) != "torch":
+    if not whole_model(cfg):
         raise ConfigError(f"{why} runs on parallelism=single or ddp: its sampler is a whole copy of the policy on each rank, "
                           "sampling in a thread while the step trains, and sharded weights (fsdp, tp, zero) are gathered by "
                           "collectives the step's own would interleave with; use parallelism=ddp, or drop it")

@@ -30,6 +30,7 @@ from finetune.config import (NAMES, POSITIVE, SOME_NAMES, TEXT, Accepts, Config,
 from finetune.data.images import SHOWN, pictures_of
 from finetune.data.tokenize import IGNORE, Encoded, Example
 from finetune.methods.base import CAUSAL_LM, Output, Sampling
+from finetune.methods.collectives import world_max
 from finetune.methods.sampling import ends, sample, spoken
 from finetune.methods.sft import METHOD as SFT_METHOD
 
@@ -193,17 +194,25 @@ class OnlineMethod:
 def tool_rules(cfg: Config, name: str) -> None:
     """method.tools: functions that import, on a layout and sampler the multi-turn rollout runs on."""
     from finetune.disk import local_vision
-    from finetune.layouts import engine_kind
     from finetune.methods import tool_calls
 
     tool_calls.resolve(cfg.method.tools)
     why = ("method.vllm=true (the vLLM sampler is given whole completions, not turns)" if cfg.method.vllm else
-           f"this layout (each rank's completions call tools a different number of times, and {engine_kind(cfg)} layouts sample in "
-           "lockstep): use parallelism=single or ddp" if engine_kind(cfg) != "torch" else
+           "this layout (each rank's completions call tools a different number of times, and sharded layouts sample in "
+           "lockstep): use parallelism=single or ddp" if not whole_model(cfg) else
            "a vision-language model (its continuations would need the prompts' images again; not built)"
            if local_vision(cfg.model) is not None else None)
     if why is not None:
         raise ConfigError(f"method.tools with {name} is not supported with {why}")
+
+
+def whole_model(cfg: Config) -> bool:
+    """Each rank holds the whole model and trains it alone between steps' collectives: single process or DDP, no ZeRO
+    (the torch engine's layouts)."""
+    from finetune.config import Strategy
+
+    p = cfg.parallelism
+    return p.strategy in (Strategy.single, Strategy.ddp) and p.tp == p.pp == p.cp == 1 and not cfg.zero.enabled
 
 
 def vllm_mismatch() -> str | None:
@@ -546,36 +555,6 @@ def torch_full(rows: int, value: float) -> torch.Tensor:
     import torch
 
     return torch.full((rows,), value, dtype=torch.float32)
-
-
-def world_max(value: float, engine: Any) -> float:
-    """The largest `value` over every rank (one collective; this rank's where there is no process group)."""
-    import torch
-
-    return float(_all_reduce(torch.tensor([value], dtype=torch.float64), max_=True)[0])
-
-
-def _all_reduce(t: torch.Tensor, max_: bool = False) -> torch.Tensor:
-    import torch
-    import torch.distributed as td
-
-    if td.is_available() and td.is_initialized() and td.get_world_size() > 1:
-        device = torch.device("cuda", torch.cuda.current_device()) if td.get_backend() == "nccl" else torch.device("cpu")
-        t = t.to(device)
-        td.all_reduce(t, op=td.ReduceOp.MAX if max_ else td.ReduceOp.SUM)
-        t = t.cpu()
-    return t
-
-
-def batch_std(rewards: list[torch.Tensor], engine: Any) -> float:
-    """The sample std of every reward of the global batch: this rank's (`rewards`) with every other data-parallel
-    replica's (one rank per replica counts: `engine.owner`), summed across ranks in one collective."""
-    import torch
-
-    r = torch.cat([t.double().view(-1) for t in rewards])
-    moments = torch.stack([torch.tensor(float(r.numel()), dtype=torch.float64), r.sum(), (r * r).sum()]) * float(engine.owner)
-    n, total, squares = _all_reduce(moments).tolist()
-    return max((squares - total * total / n) / max(n - 1, 1), 0.0) ** 0.5
 
 
 def completion_mask(batch: dict[str, torch.Tensor]) -> torch.Tensor:

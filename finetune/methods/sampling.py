@@ -10,12 +10,10 @@ from finetune.data.images import IN_BATCH, never_written, pictures_of, seen
 if TYPE_CHECKING:
     import torch
 
-    from finetune.methods.online import OnlineConfig
 
-
-def sample(engine: Any, prompts: list[list[int]], cfg: OnlineConfig, tokenizer: Any, seed: tuple[int, ...],
+def sample(engine: Any, prompts: list[list[int]], cfg: Any, tokenizer: Any, seed: tuple[int, ...],
            vllm: Any = None, images: list[list[Any]] | None = None, private: bool = False, stop: str | None = None) -> list[list[int]]:
-    """G sampled completions of each prompt (adjacent), each cut after its first EOS (kept: it is labelled), through
+    """G = cfg.generations (an OnlineConfig) sampled completions of each prompt (adjacent), each cut after its first EOS (kept: it is labelled), through
     the engine (eval mode, its precision; generation synced across ranks where parameters are gathered), or through
     vLLM's engine (a finetune.methods.vllm_rollout.VllmSampler, synced with the policy). `images`: each prompt's (a
     vision-language model's), shown to the sampler: each prompt is then sampled as G rows of its own. `private`: the

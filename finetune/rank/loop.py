@@ -115,13 +115,8 @@ def train(cfg: TrainConfig, *, engine: Engine, objective: Any, batches: TrainBat
     rollout_every = objective.rollout_every if online else 1  # a rollout reused: a signal stops after its last update
     for step in range(first, cfg.max_steps + 1):
         micro_batches, waited = ahead.get(step - 1)
-        generated = 0.0
-        if online:  # GRPO: the data's micro-batches hold prompts; the objective samples and scores the rows it trains on
-            refill = getattr(batches, "refill", None)  # prompts drawn anew (dynamic sampling; a stream has none: refused)
-            ahead_of = functools.partial(batches.micro_batches, step) if step < cfg.max_steps and getattr(batches, "pure", False) else None
-            micro_batches, generated = objective.rollout(engine, micro_batches, step=step, tokenizer=tokenizer, seed=cfg.seed,
-                                                         refill=functools.partial(refill, step - 1) if refill else None,
-                                                         ahead=ahead_of)
+        micro_batches, generated = (_rollout(cfg, step, engine=engine, objective=objective, batches=batches, micro_batches=micro_batches,
+                                             tokenizer=tokenizer) if online else (micro_batches, 0.0))  # GRPO: rows from its prompts
         count, units, local_tokens, local_slots = _counts(engine, objective, micro_batches, dist)
 
         measured = probe is not None and step < first + MEMORY_STEPS
@@ -168,6 +163,16 @@ def train(cfg: TrainConfig, *, engine: Engine, objective: Any, batches: TrainBat
         bar.close()
     ended = {"eval": round(time.perf_counter() - tic, 3)}  # the rest of the time after training: finetune.rank.train.run
     return {"before": before, "after": after, "memory": memory, **({"startup": started} if started else {}), "after_training": ended}
+
+
+def _rollout(cfg: TrainConfig, step: int, *, engine: Engine, objective: Any, batches: Any, micro_batches: list[dict[str, Any]],
+             tokenizer: Any) -> tuple[list[dict[str, Any]], float]:
+    """An online objective's rows for `step` from its prompts, with where more prompts come from: a refill's (dynamic
+    sampling; a stream has none: refused) and the next step's (generation in the background; pure batches only)."""
+    refill = getattr(batches, "refill", None)
+    ahead = functools.partial(batches.micro_batches, step) if step < cfg.max_steps and getattr(batches, "pure", False) else None
+    return objective.rollout(engine, micro_batches, step=step, tokenizer=tokenizer, seed=cfg.seed,
+                             refill=functools.partial(refill, step - 1) if refill else None, ahead=ahead)
 
 
 def _stop(step: int, save: Callable[[int], Path]) -> None:
