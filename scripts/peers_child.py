@@ -108,7 +108,12 @@ def trainer_args(spec: dict) -> dict:
 def dpo_trainer(spec: dict, common: dict, tokenizer: Any) -> tuple[type, dict]:
     """TRL's DPOTrainer on our token ids (its dataset preparation skipped: the rows come tokenized) and its kwargs:
     sigmoid loss, our beta, the reference as `spec["mode"]` says, nothing cut, no gradient checkpointing."""
+    import datasets
     from trl import DPOConfig, DPOTrainer
+
+    # TRL keeps its precomputed reference log-probs in a cache file beside the dataset, keyed by the dataset and the
+    # weights: a second run would read the first one's back instead of computing them (ours computes them in every run)
+    datasets.disable_caching()
 
     class Tokenized(DPOTrainer):
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):

@@ -138,15 +138,15 @@ def prepare_grpo(args: argparse.Namespace, root: Path) -> dict:
     tokenizer = bp.write_weights(args, root)
     steps = bp.our_steps(grpo_overrides(args, root), tokenizer, args.steps)
     rows = [e for step in steps for e in step]
-    cut = [next(i for i, t in enumerate(e.labels) if t != -100) for e in rows]
+    cut = [first_label(e) for e in rows]
     texts = [tokenizer.decode(e.input_ids[:c]) for e, c in zip(rows, cut)]
     for text, e, c in zip(texts, rows, cut):
         if tokenizer(text)["input_ids"] != e.input_ids[:c]:
             raise SystemExit(f"error: TRL would tokenize the prompt {text!r} into other ids than ours: no fair race")
     answers = [tokenizer.decode(e.input_ids[c:], skip_special_tokens=True) for e, c in zip(rows, cut)]
     Dataset.from_dict({"prompt": texts, "answers": answers}).save_to_disk(str(root / "peer_grpo"))
-    return {"prompts": [[tokenizer.decode(e.input_ids[:next(i for i, t in enumerate(e.labels) if t != -100)], skip_special_tokens=True)
-                         for e in step] for step in steps], "specials": list(tokenizer.all_special_tokens)}
+    seen = iter(tokenizer.decode(e.input_ids[:c], skip_special_tokens=True) for e, c in zip(rows, cut))
+    return {"prompts": [[next(seen) for _ in step] for step in steps], "specials": list(tokenizer.all_special_tokens)}
 
 
 def prepare_dpo(args: argparse.Namespace, root: Path) -> dict[str, list[int]]:
@@ -162,7 +162,7 @@ def prepare_dpo(args: argparse.Namespace, root: Path) -> dict[str, list[int]]:
         expected[reference] = [sum(len(p.chosen.input_ids) + len(p.rejected.input_ids) for p in step) for step in steps]
     columns: dict[str, list[list[int]]] = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": []}
     for pair in (p for step in steps for p in step):
-        cut = [next(i for i, t in enumerate(e.labels) if t != -100) for e in pair.rows]
+        cut = [first_label(e) for e in pair.rows]
         if cut[0] != cut[1] or any(e.input_ids[c:] != e.labels[c:] for e, c in zip(pair.rows, cut)):
             raise SystemExit("error: a pair's rows do not share their prompt, or leave response tokens unlabelled: TRL's "
                              "prompt_ids + chosen_ids form cannot hold them")
@@ -171,6 +171,11 @@ def prepare_dpo(args: argparse.Namespace, root: Path) -> dict[str, list[int]]:
         columns["rejected_ids"].append(pair.rejected.input_ids[cut[1]:])
     Dataset.from_dict(columns).save_to_disk(str(root / "peer_dpo"))
     return expected
+
+
+def first_label(example: Any) -> int:
+    """Where a row's prompt ends: its first labelled token."""
+    return next(i for i, t in enumerate(example.labels) if t != -100)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,6 +243,12 @@ def make_steady(steps: list[dict], skip: int = bp.STEADY_AFTER) -> dict[str, flo
 def last_half(steps: list[dict]) -> float:
     """The mean reward over the last half of a run's steps (the middle one left out of an odd count)."""
     return statistics.mean(s["reward"] for s in steps[(len(steps) + 1) // 2:] or steps)
+
+
+def standard_error(steps: list[dict]) -> float:
+    """The standard error of `last_half`: its steps' rewards' sample std over the square root of their count."""
+    half = [s["reward"] for s in steps[(len(steps) + 1) // 2:]]
+    return statistics.stdev(half) / len(half) ** 0.5 if len(half) > 1 else 0.0
 
 
 def grpo_table(runs: list[dict]) -> str:
@@ -313,9 +324,11 @@ def grpo_fairness(runs: list[dict], expected: dict, args: argparse.Namespace) ->
     if "ours" in halves and "trl" in halves:
         diff = abs(halves["trl"] - halves["ours"])
         reward_ok = diff <= args.reward_tol
+        noise = 3 * sum(standard_error(rows[0]["steps"]) ** 2 for rows in done.values()) ** 0.5
         lines.append(f"{'OK' if reward_ok else 'FAIL'}: reward over the last half of the steps, the mean of the repeats: ours "
-                     f"{halves['ours']:.3f}, TRL {halves['trl']:.3f}, |difference| {diff:.3f} (limit {args.reward_tol:g}); "
-                     f"completion tokens: ours {tokens['ours']:.1f}, TRL {tokens['trl']:.1f} a completion on average")
+                     f"{halves['ours']:.3f}, TRL {halves['trl']:.3f}, |difference| {diff:.3f} (limit {args.reward_tol:g}; the "
+                     f"steps' noise, 3 standard errors of the difference: {noise:.3f}); completion tokens: ours "
+                     f"{tokens['ours']:.1f}, TRL {tokens['trl']:.1f} a completion on average")
     lines.append("Not equal, and not comparable step by step: the sampled completions (each framework draws from its own "
                  "random stream), hence the rewards, advantages and losses.")
     return "\n".join(lines) + "\n", prompts_ok and reward_ok

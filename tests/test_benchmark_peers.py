@@ -228,8 +228,10 @@ def test_grpo_fairness_compares_the_prompts_of_every_step_and_the_reward_over_th
     text, ok = rl.grpo_fairness(runs, expected, args)
     assert ok and text.startswith("OK: prompts, each step's as every run's reward was given them against the prepared steps "
                                   "(4 prompts x G 2): equal in every run\n")
+    # the steps' noise: the last half's (steps 3-4) standard errors 0.05 and 0.06, 3 x sqrt(0.05^2 + 0.06^2) = 0.234
     assert "OK: reward over the last half of the steps, the mean of the repeats: ours 0.350, TRL 0.390, |difference| 0.040 " \
-           "(limit 0.05); completion tokens: ours 11.0, TRL 11.0 a completion on average" in text
+           "(limit 0.05; the steps' noise, 3 standard errors of the difference: 0.234); completion tokens: ours 11.0, TRL 11.0 " \
+           "a completion on average" in text
     runs[1]["steps"][-1]["reward"] = 0.5  # TRL 0.415: 0.065 off
     runs[1]["prompts"] = trl[:4] + trl[6:] + trl[4:6]  # step 2's prompts swapped
     text, ok = rl.grpo_fairness(runs, expected, args)
