@@ -11,7 +11,8 @@ finetune/assets/data/quickstart_dpo/{train,eval}.jsonl (the same prompts as pref
 chosen = the right answer, rejected = a plausible wrong one) and
 finetune/assets/data/quickstart_kto/{train,eval}.jsonl (the pairs unpaired, as KTO's data comes: each prompt
 once, with its right answer labelled true or its wrong one labelled false) and
-finetune/assets/data/quickstart_tools/ (the same tasks as tool calls: `make_tool_rows`), and
+finetune/assets/data/quickstart_tools/ (the same tasks as tool calls: `make_tool_rows`),
+finetune/assets/data/quickstart_codes/ (questions only a tool answers: `make_code_rows`), and
 finetune/assets/tokenizers/NAME/ (the tokenizer's vocabulary with each real family's template of
 finetune/assets/templates/NAME.jinja: Qwen2.5's, Llama 3.1's, Mistral's v0.3, Gemma's).
 """
@@ -160,6 +161,45 @@ def make_tool_rows(rows: list[dict], pairs: list[dict]) -> dict[str, list[dict]]
     return {"chat": chat, "sharegpt": [sharegpt_tool_row(r) for r in rows], "preference": preference}
 
 
+CODE_TOOL = {"type": "function", "function": {
+    "name": "code", "description": "the code of a word",
+    "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}}}
+CODE_ROWS = {"sft_eval": 32, "sft": 2000, "eval": 32, "train": 1000}
+"""quickstart_codes' files and their rows; no word is in two of them."""
+CALLING = 2
+"""One SFT row in 2 calls the tool; the others answer at once (a guess on any word it has not seen)."""
+
+
+def make_code_rows(rng: random.Random) -> dict[str, list[dict]]:
+    """quickstart_codes: "code of WORD" asks for finetune.quickstart.code(WORD), four digits only the tool knows (every
+    WORD four letters: a 2-layer model copies it into the call from where it always stands, which it learns in a few
+    hundred steps; words of 3 to 6 letters it had not learnt to copy after 300). The SFT
+    files (sft, sft_eval) teach the form of the exchange: every CALLING-th row calls `code` and answers with its result,
+    the rest answer at once, so the model starts out calling sometimes. The RL files (train, eval) hold the question and
+    the answer alone: the policy chooses to call."""
+    from finetune.quickstart import code
+
+    words: set[str] = set()
+    while len(words) < sum(CODE_ROWS.values()):
+        words.add("".join(rng.choice(string.ascii_lowercase) for _ in range(4)))
+    ordered, files = sorted(words), {}
+    rng.shuffle(ordered)
+    for name, n in CODE_ROWS.items():
+        chosen, ordered = ordered[:n], ordered[n:]
+        rows = []
+        for i, word in enumerate(chosen):
+            question, answer = {"role": "user", "content": f"code of \"{word}\""}, {"role": "assistant", "content": code(word)}
+            if name.startswith("sft") and i % CALLING == 0:
+                call = {"type": "function", "id": f"call{i:05d}", "function": {"name": "code", "arguments": json.dumps({"word": word})}}
+                rows.append({"tools": [CODE_TOOL], "messages": [
+                    question, {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": call["id"], "name": "code", "content": code(word)}, answer]})
+            else:
+                rows.append({"tools": [CODE_TOOL], "messages": [question, answer]})
+        files[name] = rows
+    return files
+
+
 def make_family_tokenizers(out: Path) -> None:
     """The shipped tokenizer with each family's chat template (the same vocabulary: a tiny model trains with any)."""
     for template in sorted((ASSETS / "templates").glob("*.jinja")):
@@ -269,6 +309,12 @@ def main() -> None:
             with open(path, "w") as f:
                 for row in out:
                     f.write(json.dumps(row) + "\n")
+    codes = ASSETS / "data" / "quickstart_codes"
+    codes.mkdir(parents=True, exist_ok=True)
+    for name, out in make_code_rows(random.Random(4)).items():
+        with open(codes / f"{name}.jsonl", "w") as f:
+            for row in out:
+                f.write(json.dumps(row) + "\n")
     make_tiny_vlm(ASSETS / "models" / "tiny_vlm")
     pictures, image_rng = ASSETS / "data" / "quickstart_vlm", random.Random(3)
     pictures.mkdir(parents=True, exist_ok=True)

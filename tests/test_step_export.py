@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from finetune.rank import export, step_export
-from finetune.config import load as load_config
+from finetune.config import ASSETS, load as load_config
 
 from conftest import last_line, reload_and_evaluate, run_cli, tiny_model, train_here
 from ranks import launch_here
@@ -33,10 +33,12 @@ def assert_same(a, b):
 
 def test_full_model_step_export_equals_final_and_a_missing_step_lists_the_steps(tmp_path, capsys):
     run = tmp_path / "run"
-    train_here(TWO, run)
+    train_here([*TWO, "data.chat_template=compact"], run)
     hf = step_export.converted(run, load_config(run / "config.yaml"), 2)  # from state.pt: no save_hf here
     assert hf == run / "checkpoints/step_2/hf"
     assert_same(hf, run / "final")
+    template = (ASSETS / "templates" / "compact.jinja").read_text()  # the template the run trained with, as final/ has it
+    assert (hf / "chat_template.jinja").read_text() == (run / "final" / "chat_template.jinja").read_text() == template
     assert not torch.equal(weights(step_export.converted(run, load_config(run / "config.yaml"), 1))["lm_head.weight"],
                            weights(hf)["lm_head.weight"])  # step 1 is step 1's weights
     with pytest.raises(SystemExit) as e:

@@ -265,7 +265,7 @@ def test_refused_before_launch_with_file_and_line(compose, tmp_path):
 
 
 def test_chat_template_keys_are_checked(compose):
-    with pytest.raises(ConfigError, match=r"data.chat_template=llama9 must be a .jinja file or a shipped template \(gemma, llama3_1, "
+    with pytest.raises(ConfigError, match=r"data.chat_template=llama9 must be a .jinja file or a shipped template \(compact, gemma, llama3_1, "
                                           r"mistral, qwen2_5\)"):
         compose(["data.chat_template=llama9"])
     with pytest.raises(ConfigError, match=r"^data.chat_template=qwen2_5 has no effect with data.template=builtin"):
@@ -303,7 +303,7 @@ def test_a_template_file_that_does_not_compile_is_named_not_a_row(compose, tmp_p
     """The user's .jinja file with a mistake of its own (a block left open, a filter jinja does not have): one line naming
     the file and its line, before any row is rendered (the launcher, and the ranks again); never `FILE:1: the chat
     template refuses this conversation ... fix the row`."""
-    shipped = "gemma, llama3_1, mistral, qwen2_5"
+    shipped = "compact, gemma, llama3_1, mistral, qwen2_5"
     for text, why in [("{% for m in messages %}{{ m.content }}{% endfor", "line 1: unexpected end of template, expected 'end of statement block'"),
                       ("{% for m in messages %}\n{{ m.content | shout }}{% endfor %}", "line 2: No filter named 'shout'")]:
         path = tmp_path / "mine.jinja"

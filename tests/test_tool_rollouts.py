@@ -154,7 +154,7 @@ def test_a_tool_run_trains_through_the_loop(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name,stop,opener", [("qwen2_5", "<|im_end|>", "<tool_call>\n"), ("llama3_1", "<|eot_id|>", ""),
-                                              ("mistral", None, "[TOOL_CALLS] "), ("gemma", "refused", "")])
+                                              ("mistral", None, "[TOOL_CALLS] "), ("gemma", "refused", ""), ("compact", None, "")])
 def test_each_shipped_template_is_read_or_refused(tok, name, stop, opener):
     from finetune.config.data import template_path
 

@@ -81,7 +81,8 @@ class DataConfig:
     """tokenizer: its chat template; builtin: ours; auto: the tokenizer's if it has one."""
     chat_template: str | None = checked(CHAT_TEMPLATE, None)
     """Render rows with this chat template instead of the tokenizer's: a .jinja file, or a shipped one by name (qwen2_5,
-    llama3_1, gemma, mistral: finetune/assets/templates/); the run's saved tokenizer carries it. null: the tokenizer's."""
+    llama3_1, gemma, mistral; compact: the shipped tokenizer's own with tools, one line each: finetune/assets/templates/);
+    the run's saved tokenizer carries it. null: the tokenizer's."""
     reasoning: Reasoning = Reasoning.keep
     """Reasoning blocks (`reasoning_tags`, <think>...</think>) in assistant messages: keep (trained on like the rest
     of the response), mask (in the input, out of the loss) or drop (removed before rendering). Counted in the data line."""

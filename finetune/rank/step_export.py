@@ -88,7 +88,7 @@ def built(run_dir: Path, cfg: Config) -> tuple[Any, Any]:
     from finetune.data.images import pictures_of
     from finetune.methods.base import built_as
 
-    tokenizer = model.load_tokenizer(cfg.model)
+    tokenizer = model.load_tokenizer(cfg.model, cfg.data)  # with the template the run trained with
     model_class = built_as(methods.get(cfg.method.name).model_class, pictures_of(tokenizer) is not None)
     net = model.load_model(cfg.model, tokenizer, attention="sdpa", peft=cfg.peft, compute_dtype=torch.float32, zero3=False,
                            run_dir=run_dir, is_main=False, barrier=lambda: None, model_class=model_class)
