@@ -171,13 +171,13 @@ CALLING = 2
 
 
 def make_code_rows(rng: random.Random) -> dict[str, list[dict]]:
-    """quickstart_codes: "code of WORD" asks for finetune.quickstart.code(WORD), four digits only the tool knows (every
+    """quickstart_codes: "code of WORD" asks for finetune.methods.toolbox.code(WORD), four digits only the tool knows (every
     WORD four letters: a 2-layer model copies it into the call from where it always stands, which it learns in a few
     hundred steps; words of 3 to 6 letters it had not learnt to copy after 300). The SFT
     files (sft, sft_eval) teach the form of the exchange: every CALLING-th row calls `code` and answers with its result,
     the rest answer at once, so the model starts out calling sometimes. The RL files (train, eval) hold the question and
     the answer alone: the policy chooses to call."""
-    from finetune.quickstart import code
+    from finetune.methods.toolbox import code
 
     words: set[str] = set()
     while len(words) < sum(CODE_ROWS.values()):

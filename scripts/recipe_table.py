@@ -51,12 +51,13 @@ def row(name: str) -> str:
     cfg = preflight([f"+recipe={name}"])
     hw = cfg.hardware
     where = f"{cfg.world_size} x {hw.name}" if hw.name != "cpu" else f"{cfg.world_size} CPU rank{'s' if cfg.world_size > 1 else ''}"
-    model = cfg.model.path or "tiny random-init (model.init)"
-    if cfg.model.from_scratch:  # a shipped config: named as the package holds it, not by this checkout's absolute path
-        from finetune.config.fields import ASSETS
+    from finetune.config.fields import ASSETS
 
-        shipped = Path(model).resolve().relative_to(ASSETS.parent.parent) if Path(model).resolve().is_relative_to(ASSETS) else model
-        model = f"random-init from {shipped} (model.from_scratch)"
+    model = cfg.model.path or "tiny random-init (model.init)"
+    if Path(model).resolve().is_relative_to(ASSETS):  # shipped: named as the package holds it, not by this checkout's path
+        model = str(Path(model).resolve().relative_to(ASSETS.parent.parent))
+    if cfg.model.from_scratch:
+        model = f"random-init from {model} (model.from_scratch)"
     try:
         pl = plan(cfg)
     except ConfigError:

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from finetune.rank import export, step_export
 from finetune.config import ASSETS, load as load_config
 
-from conftest import last_line, reload_and_evaluate, run_cli, tiny_model, train_here
+from conftest import last_line, reload_and_evaluate, tiny_model, train_here
 from ranks import launch_here
 
 TWO = ["train.max_steps=2", "train.save_every=1", "optim.lr=3e-3", "train.eval_every=0", "train.exact_match_samples=0"]

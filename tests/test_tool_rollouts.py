@@ -177,3 +177,25 @@ def test_the_planner_counts_the_turns_of_a_tool_rollout(compose, tmp_path, monke
     one, two = plan(compose(common)), plan(compose([*common, "method.tools=[my_tools4:f]", "method.max_turns=2"]))
     assert "rows: counted at" in " ".join(one.notes) and two.activations > one.activations
     assert "3 turns of method.completion_tokens=16 (the tools' results are not counted" in " ".join(two.notes)
+
+
+@pytest.mark.slow
+def test_the_tool_quickstart_learns_to_call_the_tool(tmp_path):
+    """+recipe=quickstart_tools, 30 steps on one rank: from the shipped SFT start, which calls the tool on about half the
+    questions and names the right word in 2 calls of 3, the policy calls the tool more often and more often rightly
+    (rewards/finetune.methods.toolbox:correct_call, the weight-0 reward), and exact match, the reward it is trained on, follows.
+    Measured here (steps 1-10 -> 21-30): calls 0.63 -> 0.85, right calls 0.36 -> 0.45, exact match 0.34 -> 0.42; the
+    calls' rise is the firm one (the means of 10 steps of 32 rollouts vary by about 0.03), the others' direction is checked."""
+    train_here(["+recipe=quickstart_tools", "parallelism=single", "launcher.nproc_per_node=1", "train.max_steps=30",
+                "train.log_every=1"], tmp_path / "run")
+    train = [r for r in map(json.loads, (tmp_path / "run/metrics.jsonl").read_text().splitlines()) if r.get("kind") == "train"]
+    assert [r["step"] for r in train] == list(range(1, 31))
+
+    def rise(key: str) -> tuple[float, float]:
+        return sum(r[key] for r in train[:10]) / 10, sum(r[key] for r in train[-10:]) / 10
+
+    calls, right, exact = rise("tool_calls"), rise("rewards/finetune.methods.toolbox:correct_call"), rise("rewards/exact_match")
+    print(f"steps 1-10 -> 21-30: calls {calls[0]:.2f} -> {calls[1]:.2f}, right calls {right[0]:.2f} -> {right[1]:.2f}, "
+          f"exact match {exact[0]:.2f} -> {exact[1]:.2f}")
+    assert 0.3 < calls[0] < 0.75 and calls[1] > calls[0] + 0.12, calls
+    assert right[1] > right[0] + 0.03 and exact[1] > exact[0] + 0.03, (right, exact)

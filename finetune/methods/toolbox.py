@@ -16,6 +16,6 @@ def code(word: str) -> str:
 
 def correct_call(*, trajectories: list[list[dict[str, Any]]], answers: list[str], **_: Any) -> list[float]:
     """1.0 where a tool's result in the exchange is the row's answer (the right tool, called with the right arguments),
-    else 0.0: the rate of correct calls, logged as rewards/finetune.quickstart:correct_call."""
+    else 0.0: the rate of correct calls, logged as rewards/finetune.methods.toolbox:correct_call."""
     return [float(any(m["role"] == "tool" and str(m["content"]).strip() == a.strip() for m in t))
             for t, a in zip(trajectories, answers)]
