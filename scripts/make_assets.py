@@ -172,8 +172,8 @@ CALLING = 2
 
 def make_code_rows(rng: random.Random) -> dict[str, list[dict]]:
     """quickstart_codes: "code of WORD" asks for finetune.methods.toolbox.code(WORD), four digits only the tool knows (every
-    WORD four letters: a 2-layer model copies it into the call from where it always stands, which it learns in a few
-    hundred steps; words of 3 to 6 letters it had not learnt to copy after 300). The SFT
+    WORD four letters, always where it stands: the 2-layer quickstart model names the right word in 2 calls of 3 after
+    1,000 steps, none after 400; words of 3 to 6 letters it had not learnt to copy after 300). The SFT
     files (sft, sft_eval) teach the form of the exchange: every CALLING-th row calls `code` and answers with its result,
     the rest answer at once, so the model starts out calling sometimes. The RL files (train, eval) hold the question and
     the answer alone: the policy chooses to call."""
