@@ -60,10 +60,12 @@ def row(name: str) -> str:
         model = f"random-init from {model} (model.from_scratch)"
     try:
         pl = plan(cfg)
-    except ConfigError:
-        if cfg.model.recipe_if_missing is None:
+    except ConfigError:  # what it learns from is made by another recipe first: the model, or (method=distill) its teacher
+        made, what = ((cfg.model.recipe_if_missing, "the model") if cfg.model.recipe_if_missing is not None
+                      else (getattr(cfg.method, "teacher_recipe_if_missing", None), "the teacher"))
+        if made is None:
             raise
-        return f"| `{name}` | {model} | {strategies(cfg)} | {where} | after +recipe={cfg.model.recipe_if_missing} makes the model | |"
+        return f"| `{name}` | {model} | {strategies(cfg)} | {where} | after +recipe={made} makes {what} | |"
     if hw.name == "cpu":  # the budget is this machine's RAM: the planned bytes alone are the recipe's
         return f"| `{name}` | {model} | {strategies(cfg)} | {where} | in RAM (this machine's is the budget) | {pl.total / GIB:.2f} |"
     verdict = "fits" if pl.fits else "does not fit"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.config import ConfigError, Strategy
+from finetune.config import ASSETS, ConfigError, Strategy
 from finetune.launcher.compose import RECIPES
 
 # Options that need a value only the user can give.
@@ -23,6 +23,7 @@ NEEDS = {
     ("data", "quickstart_tools"): ["model.init.max_position_embeddings=1536"],
     ("method", "orpo"): ["data=quickstart_dpo"],
     ("method", "reward"): ["data=quickstart_dpo"],
+    ("method", "distill"): [f"method.teacher={ASSETS / 'models' / 'quickstart_tools_sft'}"],  # the shipped tokenizer's vocabulary
     # layouts with more ranks than the default launch, on a model they fit
     ("parallelism", "pp2_interleaved"): ["launcher.nproc_per_node=2", "model.init.num_hidden_layers=4", "train.global_batch_size=32",
                                          "train.micro_batch_size=8"],

@@ -196,6 +196,18 @@ def test_two_rank_zero_matches_single_process_torch(zero, start_model, torch_ref
 
 
 @pytest.mark.slow
+def test_chunked_logits_under_zero3_follow_single_process_torch(start_model, torch_reference, tmp_path):
+    """logits=chunked under ZeRO-3 on two ranks whose micro-batches hold different numbers of labelled tokens: every
+    call of the output layer gathers its partition, so the rank with fewer chunks makes zero-weighted calls to match
+    (it waited forever for the other's gathers before)."""
+    run = tmp_path / "run"
+    out = launch_here(*STEPS, "zero=stage3", "model=pretrained", f"model.path={start_model}", "logits=chunked",
+                      "logits.chunk_tokens=8", f"hydra.run.dir={run}", cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert train_losses(run) == pytest.approx(train_losses(torch_reference), rel=1e-4)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("zero", ["stage2", "none"])
 def test_resume_continues_the_same_trajectory(zero, start_model, tmp_path, tmp_path_factory):
     """From the checkpoint at step 2 of 4 (the uninterrupted run is the ZeRO comparison's, where it has one)."""

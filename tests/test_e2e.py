@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -139,6 +140,27 @@ def test_quickstart_grpo_from_the_quickstart_model_raises_reward_and_exact_match
     reward = [sum(m["reward"] for m in train[i : i + 50]) / 50 for i in (0, 100)]
     assert len(train) == 150 and reward[1] > reward[0] + 0.04, reward
     assert sum(m["generation_s"] for m in train) > 0
+
+
+def test_quickstart_distill_beats_the_same_student_trained_by_sft(quickstart, tmp_path):
+    """+recipe=quickstart_distill as shipped (a student of hidden 64, a quarter of the quickstart model's weights, 500
+    steps at lr 3e-3 on 2 ranks) from the quickstart SFT model as teacher, against the same student, steps and learning
+    rate trained by SFT alone. Measured: exact match 19.9% against 2.3% (SFT's best, at lr 1e-3: 4.3%); eval loss of the
+    distilled student (its divergence to the teacher) 4.04 -> 0.54."""
+    run_dir, _ = quickstart
+    small = ["model.init.hidden_size=64", "model.init.intermediate_size=192", "optim.lr=3e-3", "train.progress_bar=false"]
+    out = run_cli("+recipe=quickstart_distill", f"method.teacher={run_dir}", "train.progress_bar=false",
+                  f"hydra.run.dir={tmp_path / 'distill'}", cwd=tmp_path, timeout=1200)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    sft = run_cli("+recipe=quickstart_sft", *small, f"hydra.run.dir={tmp_path / 'sft'}", cwd=tmp_path, timeout=1200)
+    assert sft.returncode == 0, sft.stdout[-3000:] + sft.stderr[-3000:]
+    distilled, alone = (json.loads((tmp_path / d / "summary.json").read_text())["after"] for d in ("distill", "sft"))
+    print(f"exact match at 500 steps: distilled {distilled['exact_match']:.1%}, SFT alone {alone['exact_match']:.1%}")
+    assert distilled["exact_match"] >= 0.1 and distilled["exact_match"] >= alone["exact_match"] + 0.08, (distilled, alone)
+    params = [int(re.search(r"model: ([\d,]+) parameters", o.stdout).group(1).replace(",", "")) for o in (out, sft)]
+    assert params[0] == params[1] < 130_000  # the same student, a quarter of the teacher's 420,224
+    train = [m for m in read_metrics(tmp_path / "distill") if m["kind"] == "train"]
+    assert len(train) == 500 and train[-1]["divergence"] < train[0]["divergence"] / 4
 
 
 def test_pretrained_model_from_a_hub_style_directory(tmp_path):

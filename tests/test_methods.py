@@ -35,7 +35,7 @@ def test_every_method_has_a_record_its_config_and_a_group_option():
 def test_an_unknown_method_is_refused_naming_the_methods():
     with pytest.raises(ConfigError) as e:
         methods.get("dop")
-    assert str(e.value) == ("method.name=dop must be one of sft, dpo, kto, orpo, reward, grpo, rloo (did you mean 'dpo'?) (choose the "
+    assert str(e.value) == ("method.name=dop must be one of sft, dpo, kto, orpo, reward, grpo, rloo, distill (did you mean 'dpo'?) (choose the "
                             "method with method=NAME)")
 
 
@@ -47,7 +47,7 @@ def test_a_config_without_a_method_name_is_refused(tmp_path):
     path.write_text("method: {beta: 0.1}\n")
     with pytest.raises(ConfigError) as e:
         load(path)
-    assert str(e.value) == "method.name is missing: choose the method with method=NAME (one of sft, dpo, kto, orpo, reward, grpo, rloo)"
+    assert str(e.value) == "method.name is missing: choose the method with method=NAME (one of sft, dpo, kto, orpo, reward, grpo, rloo, distill)"
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -227,7 +227,7 @@ class MethodConfig:
 
     name: str = checked(METHOD_NAME, "sft")
     """The training method, chosen with method=NAME (which brings its keys): sft, dpo, kto, orpo, reward, grpo,
-    rloo (finetune.methods.METHODS)."""
+    rloo, distill (finetune.methods.METHODS)."""
 
 
 def method_schema(name: Any) -> type[MethodConfig]:

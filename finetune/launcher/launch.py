@@ -27,7 +27,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from finetune import benchmarks, disk, rundir, startup
+from finetune import benchmarks, disk, methods, rundir, startup
 from finetune.data import steps
 from finetune.launcher import sweep
 from finetune.logs import trackers
@@ -248,28 +248,36 @@ def check_memory(cfg: Config, overrides: list[str]) -> None:
 
 
 def make_model_first(cfg: Config) -> None:
-    """`model.recipe_if_missing`: when model.path (RUN_DIR/final of that recipe) does not exist yet,
-    run the recipe first, into model.path's parent (a dry run only says it would)."""
+    """`model.recipe_if_missing`: when model.path (RUN_DIR/final of that recipe) does not exist yet, run the recipe
+    first, into model.path's parent (a dry run only says it would); the same for a method's teacher (method=distill's
+    method.teacher_recipe_if_missing, into method.teacher: a run directory or its final/)."""
     m = cfg.model
-    if m.recipe_if_missing is None:
-        return
-    target = Path(m.path).expanduser().resolve()
-    m.path = str(target)  # the ranks may not share our working directory's meaning of a relative path
-    if (target / "config.json").is_file():
-        return
+    if m.recipe_if_missing is not None:
+        m.path = make_first("model.path", "model.recipe_if_missing", m.path, m.recipe_if_missing, cfg.launcher.dry_run)
+    methods.get(cfg.method.name).make_first(cfg.method, lambda *args: make_first(*args, dry_run=cfg.launcher.dry_run))
+
+
+def make_first(key: str, setting: str, path: str, recipe: str, dry_run: bool) -> str:
+    """`path` (a run's final/, or for a teacher its run directory) resolved; made first by running +recipe=RECIPE into
+    its run directory where it does not exist yet."""
+    target = Path(path).expanduser().resolve()
+    final = target if target.name == "final" else target / "final"
+    if (final / "config.json").is_file():
+        return str(target)
     user_dirs = [s.path for s in HydraConfig.get().runtime.config_sources  # --config-dir (run_once passes it as a search path)
                  if s.provider in ("command-line", "hydra.searchpath in command-line") and s.schema == "file"]
     argv = [sys.executable, "-m", "finetune.launch", *(f"--config-dir={d}" for d in user_dirs),
-            f"+recipe={m.recipe_if_missing}", f"hydra.run.dir={target.parent}"]
-    if cfg.launcher.dry_run:
-        print(f"# model.path={target} does not exist: a real run first makes it with\n#   {shlex.join(argv)}")
-        return
-    print(f"[finetune] model.path={target} does not exist: training it first with +recipe={m.recipe_if_missing}", flush=True)
+            f"+recipe={recipe}", f"hydra.run.dir={final.parent}"]
+    if dry_run:
+        print(f"# {key}={target} does not exist: a real run first makes it with\n#   {shlex.join(argv)}")
+        return str(target)
+    print(f"[finetune] {key}={target} does not exist: training it first with +recipe={recipe}", flush=True)
     code = subprocess.call(argv)
-    if code != 0 or not (target / "config.json").is_file():
-        raise ConfigError(f"model.recipe_if_missing={m.recipe_if_missing} did not produce {target} (exit code {code}): "
-                          "see its output above, or set model.path to an existing model")
+    if code != 0 or not (final / "config.json").is_file():
+        raise ConfigError(f"{setting}={recipe} did not produce {target} (exit code {code}): see its output above, or set {key} to "
+                          "an existing model")
     print(f"[finetune] made {target}; now the run itself", flush=True)
+    return str(target)
 
 
 def env_threads() -> int | None:

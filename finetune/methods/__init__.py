@@ -12,11 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 from finetune.config import METHOD_CONFIGS, method_schema
-from finetune.methods import dpo, grpo, kto, orpo, reward, rloo, sft
+from finetune.methods import distill, dpo, grpo, kto, orpo, reward, rloo, sft
 from finetune.methods.base import Item, Method, Objective
 
 METHODS: dict[str, Method] = {m.name: m for m in (sft.METHOD, dpo.METHOD, kto.METHOD, orpo.METHOD, reward.METHOD, grpo.METHOD,
-                                                                 rloo.METHOD)}
+                                                                 rloo.METHOD, distill.METHOD)}
 """Every method, by its method.name."""
 
 METHOD_CONFIGS.update({name: m.config for name, m in METHODS.items()})  # the schema types the method group with these

@@ -216,6 +216,15 @@ class Method(Protocol):
         adapter_disabled); None: it needs none. The rules, the planner (a live reference's weights) and the
         ranks read it here."""
 
+    def teacher(self, cfg: MethodConfig) -> str | None:
+        """The model its loss learns from (method=distill's method.teacher: a model directory, a run directory or a hub
+        id), loaded frozen on every rank and placed like the policy (finetune.rank.reference.teacher), or None. The
+        planner counts its weights."""
+
+    def make_first(self, cfg: MethodConfig, make: Callable[[str, str, str, str], str]) -> None:
+        """Before launch (not a dry run's): what it learns from made by a recipe where missing (method=distill's
+        method.teacher_recipe_if_missing), through `make(key, recipe_key, path, recipe)`, which returns the path resolved."""
+
     def validate(self, cfg: Config) -> None:
         """Its rules across config groups (keys it leaves unused, data forms, peft for a reference): raise
         ConfigError naming the keys and what to do instead."""

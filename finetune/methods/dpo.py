@@ -96,6 +96,12 @@ class Dpo:
     def sampling(self, cfg: MethodConfig) -> None:
         return None
 
+    def teacher(self, cfg: MethodConfig) -> None:
+        return None
+
+    def make_first(self, cfg: MethodConfig, make: Any) -> None:
+        return None
+
     def reference(self, cfg: DpoConfig) -> Reference | None:
         return None if cfg.loss == DpoLoss.simpo else cfg.reference
 

@@ -130,6 +130,12 @@ class Kto:
     def sampling(self, cfg: MethodConfig) -> None:
         return None
 
+    def teacher(self, cfg: MethodConfig) -> None:
+        return None
+
+    def make_first(self, cfg: MethodConfig, make: Any) -> None:
+        return None
+
     def reference(self, cfg: KtoConfig) -> Reference | None:
         return cfg.reference
 

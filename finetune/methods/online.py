@@ -134,6 +134,12 @@ class OnlineMethod:
         return Sampling(cfg.generations, cfg.completion_tokens, sampler, cfg.vllm_memory if cfg.vllm else 0.0,
                         1 + cfg.max_turns if cfg.tools else 1)
 
+    def teacher(self, cfg: MethodConfig) -> None:
+        return None
+
+    def make_first(self, cfg: MethodConfig, make: Any) -> None:
+        return None
+
     def reference(self, cfg: OnlineConfig) -> Reference | None:
         return cfg.reference if cfg.beta > 0 else None
 

@@ -63,6 +63,12 @@ class Reward:
     def sampling(self, cfg: MethodConfig) -> None:
         return None
 
+    def teacher(self, cfg: MethodConfig) -> None:
+        return None
+
+    def make_first(self, cfg: MethodConfig, make: Any) -> None:
+        return None
+
     def reference(self, cfg: MethodConfig) -> Reference | None:
         return None
 

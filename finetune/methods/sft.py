@@ -69,12 +69,19 @@ class Sft:
     def sampling(self, cfg: MethodConfig) -> None:
         return None
 
+    def teacher(self, cfg: MethodConfig) -> None:
+        return None
+
+    def make_first(self, cfg: MethodConfig, make: Any) -> None:
+        return None
+
     def reference(self, cfg: MethodConfig) -> Reference | None:
         return None
 
     def validate(self, cfg: Config) -> None:
         if cfg.data.format == DataFormat.preference:
-            raise ConfigError("data.format=preference holds (prompt, chosen, rejected) pairs for method=dpo; method=sft needs alpaca or chat rows")
+            raise ConfigError("data.format=preference holds (prompt, chosen, rejected) pairs for method=dpo; "
+                              f"method={self.name} needs alpaca or chat rows")
 
     def objective(self, cfg: MethodConfig, reference: Any, router: Any, head: Any) -> SFT:
         return SFT(router, head)

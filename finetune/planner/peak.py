@@ -14,13 +14,16 @@ import math
 from dataclasses import dataclass, field, replace
 
 from finetune import methods, optimizers
-from finetune.config import Config, Offload, PeftMethod, Precision, Reference, StateDtype, Strategy
+from finetune.config import Config, ConfigError, Logits, ModelConfig, Offload, PeftMethod, Precision, Reference, StateDtype, Strategy
+from finetune.disk import local_config
 from finetune.families import COUNTED, Arch
+from finetune.families.arch import arch_from_config
 from finetune.families.vision import frozen_parts
 from finetune.data.lengths import Longest
 from finetune.data.rows import several_per_row
 from finetune.layouts import engine_kind, layouts_of, resolve
 from finetune.methods.base import SCORED, Sampling
+from finetune.methods.distill import teacher_dir
 from finetune.planner.activations import Activations, activation_bytes, dtypes, tower_bytes
 from finetune.planner.counts import (CPU_OVERHEAD_BYTES, GIB, GPU_OVERHEAD_BYTES, Counts, architecture, attention_kernel,
                                      count_params, engine_state_bytes, module_bytes, moe_notes, optimizer_kind, state_bytes,
@@ -142,6 +145,9 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
                      f"{cfg.method.name} rows: counted at {seq} tokens, that width + {sampling.turns} turns of method.completion_tokens="
                      f"{sampling.completion_tokens} (the tools' results are not counted: their length is the functions')")
     acts, backward = activations_through_backward(arch, cfg, counts, s, seq, longest, on_gpu, notes)
+    weights, held = teacher_bytes(cfg, s, longest.labelled if longest is not None else seq * cfg.train.micro_batch_size, notes)
+    s.weights += weights
+    acts, backward = replace(acts, loss=acts.loss + held), backward + held
     pl = total(cfg, counts, s, acts, backward, step_temp(arch, cfg, counts, s, on_gpu), seq, on_gpu, notes)
     if sampling is not None:
         pl.rollout, pl.reserved = rollout_bytes(arch, cfg, sampling, seq, on_gpu, notes, policy)
@@ -251,6 +257,33 @@ def reference_weights(arch: Arch, cfg: Config, s: States, notes: list[str]) -> f
         return 0.0
     notes.append(f"{method.name.upper()} reference=live: a frozen copy of the model's weights")
     return module_bytes(cfg) * arch.params / s.split
+
+
+def teacher_bytes(cfg: Config, s: States, labelled: float, notes: list[str]) -> tuple[float, float]:
+    """method=distill's teacher (finetune.rank.teacher): (its weights on this rank, split like the policy's, with its
+    output layer gathered whole under logits=chunked where they are split; what it adds at the loss's backward: with
+    logits=full its fp32 log-softmax and probabilities over every response token, with logits=chunked its hidden states
+    of those tokens and one chunk's)."""
+    where = methods.get(cfg.method.name).teacher(cfg.method)
+    if where is None:
+        return 0.0, 0.0
+    local = teacher_dir(where)
+    config = local_config(ModelConfig(path=str(local))) if local is not None else None
+    if config is None:
+        raise ConfigError(f"the planner reads the teacher's architecture from its config.json: method.teacher={where} is not a local "
+                          "model directory yet (a hub id, or a run its recipe has not made)")
+    arch = arch_from_config(config, f"method.teacher={where}")
+    weights, v, h = module_bytes(cfg) * arch.params / s.split, arch.vocab_size, arch.hidden_size
+    if cfg.logits.name == Logits.chunked:
+        head = module_bytes(cfg) * v * h if s.split > 1 else 0.0
+        held = labelled * h * 4 + min(cfg.logits.chunk_tokens, labelled) * v * 8
+        notes.append(f"method=distill: the teacher's {arch.params / 1e6:.1f}M weights"
+                     + (f" and its output layer gathered whole ({v} x {h})" if head else "")
+                     + "; its hidden states of the response tokens and one chunk's probabilities at the loss")
+        return weights + head, held
+    notes.append(f"method=distill: the teacher's {arch.params / 1e6:.1f}M weights and its log-softmax and probabilities over "
+                 f"every response token ({v} entries each, fp32; logits=chunked holds one chunk's)")
+    return weights, labelled * v * 8
 
 
 def activations_through_backward(arch: Arch, cfg: Config, counts: Counts, s: States, seq: int, longest: Longest | None,

@@ -106,9 +106,10 @@ def locate(where: str, *, need_run: bool = False) -> Finished:
     return Finished(where)  # a hub id: transformers says what is wrong with it
 
 
-def load(run: Finished, dtype: str = "fp32") -> tuple[Any, Any]:
+def load(run: Finished, dtype: str = "fp32", attention: str | None = None) -> tuple[Any, Any]:
     """(model, tokenizer): the whole model in `dtype` (fp32, bf16, fp16), an adapter merged into its base, in eval mode,
-    as its `model_class` (a reward model's sequence classifier keeps its score head and the pad id it pools by)."""
+    as its `model_class` (a reward model's sequence classifier keeps its score head and the pad id it pools by), with
+    `attention` (transformers' attn_implementation; None: its default)."""
     import torch
     import transformers
     from transformers import AutoTokenizer
@@ -123,13 +124,14 @@ def load(run: Finished, dtype: str = "fp32") -> tuple[Any, Any]:
     if run.model_class == IMAGE_TEXT:  # its processor travels with the tokenizer (saved beside it: save_tokenizer)
         attach(tokenizer, run.pictures())
     auto = getattr(transformers, run.model_class)
+    kernel = {"attn_implementation": attention} if attention else {}
     if run.adapter is None:
-        return auto.from_pretrained(run.model, dtype=torch_dtype).eval(), tokenizer
+        return auto.from_pretrained(run.model, dtype=torch_dtype, **kernel).eval(), tokenizer
     from peft import PeftModel
 
     qlora = run.config is not None and run.config.peft.name == PeftMethod.qlora
     head = head_config(run.model_class, tokenizer)
-    base = quantized_base(run, head) if qlora else auto.from_pretrained(run.base, dtype=torch.float32, **head)
+    base = quantized_base(run, head) if qlora else auto.from_pretrained(run.base, dtype=torch.float32, **head, **kernel)
     merged = PeftModel.from_pretrained(base, run.model).merge_and_unload()  # merged in fp32, then cast
     return merged.to(torch_dtype).eval(), tokenizer
 

@@ -38,6 +38,9 @@ PROBE_TOKENS = 64
 """Tokens of the first training row that `ChunkedHead.probe` runs both ways before training."""
 
 PostOp = Callable[[torch.Tensor], torch.Tensor]
+Chunk = Callable[["ChunkedHead", torch.Tensor, torch.Tensor, int], torch.Tensor]
+"""A loss's own per-chunk values (method=distill's divergence): (the head, the hidden states of labelled positions
+[start, start + n), their labels, start) -> [n] or [n, k] values, summed per row like the label log-probs."""
 
 
 def scale_and_cap(config: Any) -> tuple[float, float | None]:
@@ -122,6 +125,9 @@ class ChunkedHead:
         self.labels: torch.Tensor | None = None
         self.result: tuple[torch.Tensor, torch.Tensor] | None = None
         self.capture: list[torch.Tensor] | None = None
+        self.chunk: Chunk | None = None
+        # a ZeRO-3 partition: each call of the layer gathers it (and so may reading its weight once the engine holds it)
+        self.zero3 = hasattr(head.weight, "ds_id")
         self._forward = head.forward
         head.forward = self._patched
         head.chunked_head = self  # found again by `of` (a pipeline's last stage)
@@ -144,9 +150,10 @@ class ChunkedHead:
         return hidden[..., :0]
 
     @contextlib.contextmanager
-    def labelled(self, labels: torch.Tensor) -> Iterator[None]:
-        """Within: the model's next forward leaves the row log-probs of `labels` in `result`."""
-        self.labels, self.result = labels, None
+    def labelled(self, labels: torch.Tensor, chunk: Chunk | None = None) -> Iterator[None]:
+        """Within: the model's next forward leaves the row log-probs of `labels` in `result`; with `chunk`, the row sums
+        of what it makes of each chunk instead (in torch chunks: the fused kernels compute label log-probs only)."""
+        self.labels, self.result, self.chunk = labels, None, chunk
         try:
             yield
         finally:
@@ -165,15 +172,35 @@ class ChunkedHead:
         keep = targets != IGNORE
         rows = keep.nonzero()[:, 0]
         selected, wanted = hidden[:, : labels.shape[1] - 1][keep], targets[keep]  # (objectives.predicting)
-        if self.kernel in FUSED:
+        chunk, self.chunk = self.chunk or ChunkedHead._labels_chunk, None
+        starts = range(0, selected.shape[0], self.chunk_tokens)
+        # ZeRO-3 gathers the output layer at each call, a collective: as many calls on every rank, whatever its labels
+        # (agreed before the first)
+        behind = self._behind(len(starts), hidden.device)
+        if self.kernel in FUSED and chunk is ChunkedHead._labels_chunk:
             logps = [self._fused(selected, wanted)] if selected.shape[0] else []
         else:
-            logps = [checkpoint(self._chunk, selected[i:i + self.chunk_tokens], wanted[i:i + self.chunk_tokens], use_reentrant=False)
-                     for i in range(0, selected.shape[0], self.chunk_tokens)]
-        sums = torch.zeros(labels.shape[0], dtype=torch.float32, device=hidden.device)
-        if not logps:  # no label in this micro-batch: a zero that still reaches the model's graph
-            return sums + hidden.sum().float() * 0, keep.sum(-1)
-        return sums.index_add(0, rows, torch.cat(logps)), keep.sum(-1)
+            logps = [checkpoint(chunk, self, selected[i:i + self.chunk_tokens], wanted[i:i + self.chunk_tokens], i, use_reentrant=False)
+                     for i in starts]
+        zero = hidden.sum().float() * 0  # a zero that reaches the model's graph
+        for _ in range(behind):
+            pad = hidden.reshape(-1, hidden.shape[-1])[:1] * 0
+            zero = zero + checkpoint(ChunkedHead._labels_chunk, self, pad, torch.zeros(1, dtype=torch.long, device=hidden.device), 0,
+                                     use_reentrant=False).sum() * 0
+        if not logps:  # no label in this micro-batch
+            return torch.zeros(labels.shape[0], dtype=torch.float32, device=hidden.device) + zero, keep.sum(-1)
+        values = torch.cat(logps) + zero
+        sums = torch.zeros((labels.shape[0], *values.shape[1:]), dtype=torch.float32, device=hidden.device)
+        return sums.index_add(0, rows, values.float()), keep.sum(-1)
+
+    def _behind(self, calls: int, device: torch.device) -> int:
+        """How many fewer output-layer calls this rank makes than the rank making most, where the layer's weight is a
+        ZeRO-3 partition (each call gathers it); 0 elsewhere."""
+        if not self.zero3 or not torch.distributed.is_initialized():
+            return 0
+        most = torch.tensor([calls], device=device)
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+        return int(most.item()) - calls
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """What the family's forward returns as logits for these hidden states: the output layer, then its post_ops."""
@@ -184,6 +211,10 @@ class ChunkedHead:
 
     def _chunk(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return -F.cross_entropy(self.logits(hidden).float(), targets, reduction="none")
+
+    @staticmethod
+    def _labels_chunk(head: ChunkedHead, hidden: torch.Tensor, targets: torch.Tensor, _start: int) -> torch.Tensor:
+        return head._chunk(hidden, targets)
 
     def _fused(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Every labelled token's log-prob from the fused kernel: the output layer's matmul and the log-softmax in
