@@ -6,7 +6,6 @@ the same run through one process, DDP, FSDP2 and ZeRO-3."""
 from __future__ import annotations
 
 import copy
-import json
 import math
 
 import pytest
