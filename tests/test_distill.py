@@ -283,3 +283,15 @@ def test_two_ranks_follow_one_process(layout, teacher_dir, start, one_process, t
     ours = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "train"]
     for key in ("loss", "divergence", "nll"):
         assert [m[key] for m in ours] == pytest.approx([m[key] for m in one_process], rel=1e-4), key
+
+
+def test_padding_free_rows_give_the_padded_losses(teacher_dir, tmp_path):
+    """The student's micro-batches laid end to end (data.padding_free's default): the teacher reads the same rows, each
+    sample attended alone (per sample by finetune.rank.varlen, as the student; transformers' block-diagonal mask would
+    give the same numbers at a row's square cost), so the losses are the padded batches'."""
+    runs = {}
+    for free in ("true", "false"):
+        train_here([*QUICK, f"method.teacher={teacher_dir}", "train.max_steps=2", f"data.padding_free={free}", "parallelism=single",
+                    "launcher.nproc_per_node=1", "data.eval_size=0"], tmp_path / free)
+        runs[free] = [m["divergence"] for m in read_metrics(tmp_path / free) if m["kind"] == "train"]
+    assert runs["true"] == pytest.approx(runs["false"], rel=1e-5)
