@@ -318,3 +318,17 @@ def test_planned_within_15_percent_of_memtracker(tmp_path):
     assert rows["weights"][0] == pytest.approx(rows["weights"][1], rel=0.01) and rows["weights"][1] > 2 * rows["gradients"][1]
     for name in ("activations", "peak"):
         assert rows[name][0] == pytest.approx(rows[name][1], rel=0.15), name
+
+
+def test_lora_on_the_student_and_a_resume_give_the_uninterrupted_losses(teacher_dir, tmp_path):
+    """peft=lora on the student (the teacher stays whole and frozen); 4 steps saving at step 2, then a run resumed from
+    that checkpoint: its steps 3 and 4 are the uninterrupted run's (the teacher is loaded again from method.teacher, not
+    kept in the checkpoint)."""
+    common = [*QUICK, f"method.teacher={teacher_dir}", "peft=lora", "train.max_steps=4", "train.save_every=2", "parallelism=single",
+              "launcher.nproc_per_node=1", "data.eval_size=0"]
+    train_here(common, tmp_path / "full")
+    train_here([*common, f"train.resume={tmp_path / 'full/checkpoints/step_2'}"], tmp_path / "resumed")
+    full, resumed = ([m for m in read_metrics(tmp_path / d) if m["kind"] == "train"] for d in ("full", "resumed"))
+    assert [m["step"] for m in resumed] == [3, 4]
+    assert [m["divergence"] for m in resumed] == pytest.approx([m["divergence"] for m in full[2:]], rel=1e-6)
+    assert (tmp_path / "full/final/adapter_config.json").is_file()
