@@ -75,6 +75,18 @@ def local_config(cfg: ModelConfig, whole: bool = False) -> dict[str, Any] | None
     return None
 
 
+def vocabulary(directory: Path) -> dict[str, int] | None:
+    """token -> id of a local fast tokenizer (tokenizer.json: its model's vocabulary and its added tokens), or None."""
+    file = directory / "tokenizer.json"
+    if not file.is_file():
+        return None
+    tok = json.loads(file.read_text())
+    vocab = tok.get("model", {}).get("vocab")
+    if not isinstance(vocab, dict):  # a unigram model's list of [piece, score]
+        vocab = {piece: i for i, (piece, _) in enumerate(vocab or [])}
+    return {**vocab, **{t["content"]: t["id"] for t in tok.get("added_tokens", [])}}
+
+
 def local_vision(cfg: ModelConfig) -> Vision | None:
     """The vision-language model a local config.json (or model.architecture) describes (finetune.families.vision); None
     for a text model, a model.init, or a hub id this machine cannot read."""

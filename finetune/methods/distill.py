@@ -30,7 +30,6 @@ output layer computes each chunk of `logits.chunk_tokens` positions from both hi
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, fields
 from enum import Enum
@@ -39,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from finetune.config import (METHOD_NAME, POSITIVE, TEXT, Accepts, Config, ConfigError, MethodConfig, Spelled, at_least, checked,
                              unused)
+from finetune.disk import vocabulary
 from finetune.methods.sft import Sft
 
 if TYPE_CHECKING:
@@ -84,18 +84,6 @@ def teacher_dir(where: str) -> Path | None:
     if path.exists() or where.startswith((".", "/", "~")) or where.count("/") != 1:
         return path
     return None
-
-
-def vocabulary(directory: Path) -> dict[str, int] | None:
-    """token -> id of a local fast tokenizer (tokenizer.json: its model's vocabulary and its added tokens), or None."""
-    file = directory / "tokenizer.json"
-    if not file.is_file():
-        return None
-    tok = json.loads(file.read_text())
-    vocab = tok.get("model", {}).get("vocab")
-    if not isinstance(vocab, dict):  # a unigram model's list of [piece, score]
-        vocab = {piece: i for i, (piece, _) in enumerate(vocab or [])}
-    return {**vocab, **{t["content"]: t["id"] for t in tok.get("added_tokens", [])}}
 
 
 def differences(teacher: dict[str, int], student: dict[str, int]) -> str | None:

@@ -14,14 +14,13 @@ Bytes per parameter follow what our engines do, which differs from the textbook 
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from finetune import optimizers
 from finetune.config import Config, ConfigError, ModelConfig, PeftMethod, Precision, StateDtype
-from finetune.disk import config_source, flash_unavailable, local_config
+from finetune.disk import config_source, flash_unavailable, local_config, vocabulary
 from finetune.families import Arch, Block, adapted, arch_from_config, lora_params, pick_attention
 from finetune.families.vision import frozen_parts
 
@@ -44,13 +43,8 @@ QLORA_DOUBLE_QUANT_BLOCK = 256
 
 def _vocab_of_tokenizer(path: str | None) -> int | None:
     """Token count of a local tokenizer.json (a random-init model's vocab is len(tokenizer))."""
-    file = Path(path or "").expanduser() / "tokenizer.json"
-    if not path or not file.is_file():
-        return None
-    tok = json.loads(file.read_text())
-    vocab = tok.get("model", {}).get("vocab", {})
-    added = {t["content"] for t in tok.get("added_tokens", [])} - set(vocab if isinstance(vocab, dict) else [])
-    return len(vocab) + len(added)
+    vocab = vocabulary(Path(path).expanduser()) if path else None
+    return None if vocab is None else len(vocab)
 
 
 def architecture(m: ModelConfig) -> Arch:
