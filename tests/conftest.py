@@ -285,6 +285,19 @@ def tiny_model(compute_dtype=None):
     return net, tok
 
 
+class GenerationEngine:
+    """The torch engine's generation surface (finetune.methods.sampling.sample's), on one process."""
+
+    lockstep, dp_rank = False, 0
+
+    def __init__(self, model):
+        self.generation_model = model
+
+    def inference(self, fn, batch):
+        self.generation_model.eval()
+        return fn(self.generation_model, batch)
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

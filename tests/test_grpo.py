@@ -20,7 +20,7 @@ from finetune.methods.online import sample, split_rows
 from finetune.methods import rewards
 from finetune.methods.grpo import GrpoConfig
 
-from conftest import last_line, read_metrics, run_cli, tiny_model
+from conftest import GenerationEngine, last_line, read_metrics, run_cli, tiny_model
 from ranks import launch_here
 
 
@@ -130,22 +130,9 @@ def test_a_wrong_reward_is_one_line(kw, message):
     assert str(e.value) == message
 
 
-class Engine:
-    """The torch engine's generation surface, on one process."""
-
-    lockstep, dp_rank = False, 0
-
-    def __init__(self, model):
-        self.generation_model = model
-
-    def inference(self, fn, batch):
-        self.generation_model.eval()
-        return fn(self.generation_model, batch)
-
-
 def test_rollout_is_seeded_cut_at_eos_and_labels_only_the_completion(tok):
     net, _ = tiny_model()
-    engine, cfg = Engine(net), method(generations=3, completion_tokens=6, rewards=["length"])
+    engine, cfg = GenerationEngine(net), method(generations=3, completion_tokens=6, rewards=["length"])
     prompts = [[1, 5, 20, 30], [1, 7, 8]]
     a = sample(engine, prompts, cfg, tok, seed=(0, 1, 0, 0))
     assert a == sample(engine, prompts, cfg, tok, seed=(0, 1, 0, 0))  # a resumed run samples the same completions
@@ -362,7 +349,7 @@ def test_several_updates_reuse_one_rollout_with_the_sampling_log_probs(tok):
     from finetune.methods.losses import token_logps
 
     net, _ = tiny_model()
-    engine, cfg = Engine(net), method(generations=2, completion_tokens=4, rewards=["length"], updates_per_rollout=2)
+    engine, cfg = GenerationEngine(net), method(generations=2, completion_tokens=4, rewards=["length"], updates_per_rollout=2)
     objective = GRPO(cfg)
     prompts = collate([Example([1, 5, 20, 9], [IGNORE] * 3 + [9], 3, "x"), Example([1, 7, 9], [IGNORE] * 2 + [9], 2, "y")], tok.pad_token_id)
     first, seconds = objective.rollout(engine, [prompts], step=1, tokenizer=tok, seed=0)

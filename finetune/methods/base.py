@@ -132,6 +132,17 @@ class Sampling:
     """The assistant turns one completion may take (method.tools: 1 + method.max_turns), each up to completion_tokens."""
 
 
+@dataclass(frozen=True)
+class TeacherModel:
+    """A model a method's loss learns from (method=distill's teacher)."""
+
+    where: str
+    """A model directory, a run directory (its final/) or a hub id."""
+    precision: str | None = None
+    """Its weights' dtype on the ranks: fp32, bf16 or fp16; None: the run's weight precision (bf16 under bf16_pure, else
+    fp32)."""
+
+
 class Method(Protocol):
     """One training method: the data forms it reads, how a row becomes examples, how many rows an example puts
     in a batch, whether it needs a reference model and how it is computed, its loss and metrics, its rules
@@ -216,10 +227,9 @@ class Method(Protocol):
         adapter_disabled); None: it needs none. The rules, the planner (a live reference's weights) and the
         ranks read it here."""
 
-    def teacher(self, cfg: MethodConfig) -> str | None:
-        """The model its loss learns from (method=distill's method.teacher: a model directory, a run directory or a hub
-        id), loaded frozen on every rank and placed like the policy (finetune.rank.reference.teacher), or None. The
-        planner counts its weights."""
+    def teacher(self, cfg: MethodConfig) -> TeacherModel | None:
+        """The model its loss learns from (method=distill's method.teacher) and the precision it is held in, loaded
+        frozen on every rank and placed like the policy (finetune.rank.teacher), or None. The planner counts its weights."""
 
     def make_first(self, cfg: MethodConfig, make: Callable[[str, str, str, str], str]) -> None:
         """Before launch (not a dry run's): what it learns from made by a recipe where missing (method=distill's

@@ -36,9 +36,10 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from finetune.config import (METHOD_NAME, POSITIVE, TEXT, Accepts, Config, ConfigError, MethodConfig, Spelled, at_least, checked,
-                             unused)
+from finetune.config import (METHOD_NAME, POSITIVE, TEXT, Accepts, Config, ConfigError, DataFormat, MethodConfig, Spelled, at_least,
+                             checked, in_range, unused)
 from finetune.disk import vocabulary
+from finetune.methods.base import Sampling, TeacherModel
 from finetune.methods.sft import Sft
 
 if TYPE_CHECKING:
@@ -53,6 +54,12 @@ class DistillLoss(str, Enum, metaclass=Spelled):
     jsd = "jsd"
 
 
+class TeacherPrecision(str, Enum, metaclass=Spelled):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
 @dataclass
 class DistillConfig(MethodConfig):
     """method=distill: the student learns a frozen teacher's next-token distributions on the response tokens."""
@@ -64,6 +71,10 @@ class DistillConfig(MethodConfig):
     teacher_recipe_if_missing: str | None = checked(TEXT, None)
     """When method.teacher (a run directory, or its final/) does not exist yet, the launcher first runs this recipe into it
     (as model.recipe_if_missing does for the student)."""
+    teacher_precision: TeacherPrecision | None = None
+    """The dtype of the teacher's weights on the ranks (fp32, bf16, fp16); null: the run's weight precision (bf16 under
+    precision=bf16_pure, else fp32). A frozen teacher needs no fp32 master weights: bf16 halves it beside a student
+    trained with precision=bf16's fp32 weights and autocast. Not under DeepSpeed, whose engine holds it in its own."""
     loss: DistillLoss = DistillLoss.forward_kl
     """forward_kl (KL(teacher || student), the classic), reverse_kl (KL(student || teacher), mode-seeking) or jsd (the
     generalized Jensen-Shannon divergence of GKD, weighted by `beta`)."""
@@ -74,6 +85,14 @@ class DistillConfig(MethodConfig):
     """Both models' logits are divided by it before the softmax (above 1: softer distributions)."""
     sft_weight: float = checked(at_least(0), 0.0)
     """Weight of the student's cross-entropy on the response tokens, added to the divergence (0: distillation alone)."""
+    lmbda: float = checked(in_range(0, 1), 0.0)
+    """The share of steps that are on-policy (GKD's lambda): on such a step the student samples each row's response
+    itself and learns the teacher's distributions on its own tokens; each step is on-policy with this probability, drawn
+    from (train.seed, step). 0: offline, the data's responses (1: always the student's)."""
+    completion_tokens: int = checked(POSITIVE, 64)
+    """With lmbda > 0: the most tokens the student samples for a response (it stops at its EOS token or here)."""
+    sampling_temperature: float = checked(POSITIVE, 1.0)
+    """With lmbda > 0: the temperature the student samples its responses at (the loss's is `temperature`)."""
 
 
 def teacher_dir(where: str) -> Path | None:
@@ -114,8 +133,10 @@ class Distill(Sft):
     split_tokens = ("the teacher's forward is not split over context-parallel ranks; use parallelism.cp=1 (with "
                     "logits=chunked and checkpointing=full for long rows)")
 
-    def teacher(self, cfg: DistillConfig) -> str | None:
-        return cfg.teacher
+    def teacher(self, cfg: DistillConfig) -> TeacherModel | None:
+        if cfg.teacher is None:
+            return None
+        return TeacherModel(cfg.teacher, cfg.teacher_precision.value if cfg.teacher_precision is not None else None)
 
     def make_first(self, cfg: DistillConfig, make: Any) -> None:
         if cfg.teacher is not None and cfg.teacher_recipe_if_missing is not None:
@@ -129,6 +150,15 @@ class Distill(Sft):
                               "or a hub id), whose tokenizer is the student's")
         if m.loss != DistillLoss.jsd:
             unused(m, "method", tuple(f.name for f in fields(m) if f.name != "beta"), f"with method.loss={m.loss.value} (only with jsd)")
+        if m.lmbda == 0:
+            unused(m, "method", tuple(f.name for f in fields(m) if f.name not in ON_POLICY),
+                   "with method.lmbda=0 (offline: every step learns on the data's responses)")
+        else:
+            on_policy_rules(cfg)
+        if m.teacher_precision is not None and cfg.zero.enabled:
+            raise ConfigError(f"method.teacher_precision={m.teacher_precision.value} with zero=stage{cfg.zero.stage} is not supported: "
+                              "DeepSpeed's engine holds the teacher in its own precision (bf16 weights under precision=bf16 or "
+                              "bf16_pure); drop method.teacher_precision, or use parallelism=fsdp or ddp without zero")
         p = cfg.parallelism
         if p.tp > 1 or p.pp > 1:
             key, value = ("parallelism.tp", p.tp) if p.tp > 1 else ("parallelism.pp", p.pp)
@@ -146,8 +176,33 @@ class Distill(Sft):
         if mine is not None and theirs is not None and (differ := differences(theirs, mine)) is not None:
             raise mismatch(m.teacher, differ)
 
+    def sampling(self, cfg: DistillConfig) -> Sampling | None:
+        """On-policy steps (lmbda > 0) sample one response per row, up to completion_tokens, through generate."""
+        return Sampling(1, cfg.completion_tokens) if cfg.lmbda > 0 else None
+
     def objective(self, cfg: DistillConfig, reference: Any, router: Any, head: Any) -> DISTILL:
-        return DISTILL(cfg, reference, router, head)
+        return (GKD if cfg.lmbda > 0 else DISTILL)(cfg, reference, router, head)
+
+
+ON_POLICY = ("completion_tokens", "sampling_temperature")
+"""The keys of on-policy steps (method.lmbda > 0)."""
+
+
+def on_policy_rules(cfg: Config) -> None:
+    """method.lmbda > 0: rows with a prompt to sample after, one sample per row or laid end to end, a text model."""
+    from finetune.disk import local_vision
+
+    said = f"method.lmbda={cfg.method.lmbda:g}"
+    if cfg.data.format == DataFormat.text:
+        raise ConfigError(f"{said}: on-policy steps sample a response to each row's prompt, and data.format=text rows have none: "
+                          "use alpaca, chat, sharegpt or completion rows, or method.lmbda=0")
+    if cfg.data.packing:
+        raise ConfigError(f"data.packing=true with {said} is not supported: an on-policy step replaces each sample's response with "
+                          "the student's, of another length, so rows cannot be packed in advance: set data.packing=false "
+                          "(padding-free micro-batches still lay the samples end to end)")
+    if local_vision(cfg.model) is not None:
+        raise ConfigError(f"{said} with model.path={cfg.model.path}, a vision-language model, is not built: the student's "
+                          "samples would need the rows' images again; use method.lmbda=0")
 
 
 METHOD = Distill()
@@ -247,3 +302,104 @@ class DISTILL:
 
     def rows_loss(self, logps: torch.Tensor, batch: dict[str, torch.Tensor]) -> Output:
         raise RuntimeError("method=distill under a pipeline's last stage is refused before launch")
+
+
+@dataclass(frozen=True)
+class Draw:
+    """How an on-policy step samples (what finetune.methods.sampling.sample reads of an online method's settings)."""
+
+    completion_tokens: int
+    temperature: float
+    generations: int = 1
+    top_p: float = 1.0
+
+
+def on_policy(lmbda: float, seed: int, step: int) -> bool:
+    """Whether `step` samples the student's responses: a draw with probability lmbda from (seed, step) alone, the same
+    on every rank and in a resumed run."""
+    import numpy as np
+
+    return bool(np.random.default_rng([seed, step, 0x676B64]).random() < lmbda)
+
+
+def prompts_of(batch: dict[str, torch.Tensor]) -> list[list[int]]:
+    """Each sample's prompt: its tokens before its last response (the last run of labelled tokens). A row laid end to
+    end of several samples (padding-free: position ids, no attention mask) is cut at their starts first."""
+    from finetune.data.batches import starts
+    from finetune.data.tokenize import IGNORE
+
+    prompts = []
+    flat = "attention_mask" not in batch and "position_ids" in batch
+    for r, (ids, labels) in enumerate(zip(batch["input_ids"].tolist(), batch["labels"].tolist())):
+        real = int(batch["real_tokens"][r]) if "real_tokens" in batch else len(ids)
+        bounds = ([i for i, s in enumerate(starts(batch["position_ids"][r : r + 1])[0].tolist()) if s and i < real] if flat else [0])
+        for a, b in zip(bounds, [*bounds[1:], real]):
+            labelled = [i for i in range(a, b) if labels[i] != IGNORE]
+            if not labelled:
+                raise RuntimeError("method.lmbda: a training sample has no response tokens to sample in its place (data.format=text "
+                                   "rows are refused before launch; is the data's format detected as text?)")
+            first = labelled[-1]
+            while first - 1 >= a and labels[first - 1] != IGNORE:
+                first -= 1
+            if first == a:
+                raise RuntimeError("method.lmbda: a training sample is all response, with no prompt to sample after")
+            prompts.append(ids[a:first])
+    return prompts
+
+
+class GKD(DISTILL):
+    """On-policy distillation (GKD, Agarwal et al. 2024, arXiv:2306.13649, algorithm 1): on a share `method.lmbda` of the
+    steps the student samples each row's response after its prompt (finetune.methods.sampling.sample, the online
+    methods' path: generate through the engine, seeded by (train.seed, step, rank, micro-batch)), and the step learns the
+    teacher's distributions on those tokens; the other steps are DISTILL's, on the data's responses. An
+    OnlineObjective: the loop calls `rollout` before each step. The metric `on_policy` is 1 on a sampled step, else 0."""
+
+    rollout_every = 1
+
+    def __init__(self, cfg: DistillConfig, teacher: Any, router: Any = None, head: Any = None) -> None:
+        super().__init__(cfg, teacher, router, head)
+        self.prompt_tokens: int | None = None
+        self.eval_metrics = self.metrics  # evaluation scores the data's responses: no sampling
+        self.metrics = (*self.metrics, "on_policy")
+
+    def rollout(self, engine: Any, micro_batches: list[dict[str, torch.Tensor]], *, step: int, tokenizer: Any, seed: int,
+                refill: Any = None, ahead: Any = None) -> tuple[list[dict[str, torch.Tensor]], float]:
+        """The step's micro-batches as they are (an offline step), or with each sample's response the student's."""
+        import time
+
+        if not on_policy(self.cfg.lmbda, seed, step):
+            return micro_batches, 0.0
+        tic = time.perf_counter()
+        out = [self.sampled(engine, mb, tokenizer, (seed, step, engine.dp_rank, k)) for k, mb in enumerate(micro_batches)]
+        return out, time.perf_counter() - tic
+
+    def sampled(self, engine: Any, batch: dict[str, torch.Tensor], tokenizer: Any, seed: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        """A micro-batch of the same prompts with the student's sampled responses (labelled; cut after its EOS), laid out
+        as the data's were (padded rows, or end to end)."""
+        import torch
+
+        from finetune.data.batches import collate
+        from finetune.data.tokenize import IGNORE, Example
+        from finetune.methods.sampling import sample
+
+        prompts = prompts_of(batch)
+        draw = Draw(self.cfg.completion_tokens, self.cfg.sampling_temperature)
+        completions = sample(engine, prompts, draw, tokenizer, seed=seed)
+        examples = [Example(p + c, [IGNORE] * len(p) + c, len(p), "") for p, c in zip(prompts, completions)]
+        out = collate(examples, tokenizer.pad_token_id, flat="attention_mask" not in batch)
+        out["sampled"] = torch.ones(out["input_ids"].shape[0])
+        return out
+
+    def __call__(self, model: Any, batch: dict[str, torch.Tensor]) -> Output:
+        loss, metrics = super().__call__(model, batch)
+        metrics["on_policy"] = loss.new_tensor(float(self.count(batch)) if "sampled" in batch else 0.0).detach()
+        return loss, metrics
+
+    def save_ahead(self, directory: Any, rank: int) -> None:
+        """Nothing is sampled ahead."""
+
+    def restore_ahead(self, engine: Any, directory: Any, rank: int) -> None:
+        """Nothing is sampled ahead."""
+
+    def close(self) -> None:
+        """No sampler to stop."""

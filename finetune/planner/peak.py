@@ -145,7 +145,10 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
                      f"{cfg.method.name} rows: counted at {seq} tokens, that width + {sampling.turns} turns of method.completion_tokens="
                      f"{sampling.completion_tokens} (the tools' results are not counted: their length is the functions')")
     acts, backward = activations_through_backward(arch, cfg, counts, s, seq, longest, on_gpu, notes)
-    weights, held = teacher_bytes(cfg, s, longest.labelled if longest is not None else seq * cfg.train.micro_batch_size, notes)
+    labelled = longest.labelled if longest is not None else seq * cfg.train.micro_batch_size
+    if sampling is not None:  # sampled responses (on-policy distillation): each row's up to completion_tokens labelled
+        labelled = max(labelled, cfg.train.micro_batch_size * sampling.completions * sampling.completion_tokens * sampling.turns)
+    weights, held = teacher_bytes(cfg, s, labelled, notes)
     s.weights += weights
     acts, backward = replace(acts, loss=acts.loss + held), backward + held
     pl = total(cfg, counts, s, acts, backward, step_temp(arch, cfg, counts, s, on_gpu), seq, on_gpu, notes)
@@ -264,24 +267,25 @@ def teacher_bytes(cfg: Config, s: States, labelled: float, notes: list[str]) -> 
     output layer gathered whole under logits=chunked where they are split; what it adds at the loss's backward: with
     logits=full its fp32 log-softmax and probabilities over every response token, with logits=chunked its hidden states
     of those tokens and one chunk's)."""
-    where = methods.get(cfg.method.name).teacher(cfg.method)
-    if where is None:
+    spec = methods.get(cfg.method.name).teacher(cfg.method)
+    if spec is None:
         return 0.0, 0.0
+    where, size = spec.where, ({"fp32": 4, "bf16": 2, "fp16": 2}[spec.precision] if spec.precision else module_bytes(cfg))
     local = teacher_dir(where)
     config = local_config(ModelConfig(path=str(local))) if local is not None else None
     if config is None:
         raise ConfigError(f"the planner reads the teacher's architecture from its config.json: method.teacher={where} is not a local "
                           "model directory yet (a hub id, or a run its recipe has not made)")
     arch = arch_from_config(config, f"method.teacher={where}")
-    weights, v, h = module_bytes(cfg) * arch.params / s.split, arch.vocab_size, arch.hidden_size
+    weights, v, h = size * arch.params / s.split, arch.vocab_size, arch.hidden_size
     if cfg.logits.name == Logits.chunked:
-        head = module_bytes(cfg) * v * h if s.split > 1 else 0.0
-        held = labelled * h * 4 + min(cfg.logits.chunk_tokens, labelled) * v * 8
-        notes.append(f"method=distill: the teacher's {arch.params / 1e6:.1f}M weights"
+        head = size * v * h if s.split > 1 else 0.0
+        held = labelled * h * (size if spec.precision else 4) + min(cfg.logits.chunk_tokens, labelled) * v * 8
+        notes.append(f"method=distill: the teacher's {arch.params / 1e6:.1f}M weights ({size} bytes each)"
                      + (f" and its output layer gathered whole ({v} x {h})" if head else "")
                      + "; its hidden states of the response tokens and one chunk's probabilities at the loss")
         return weights + head, held
-    notes.append(f"method=distill: the teacher's {arch.params / 1e6:.1f}M weights and its log-softmax and probabilities over "
+    notes.append(f"method=distill: the teacher's {arch.params / 1e6:.1f}M weights ({size} bytes each) and its log-softmax and probabilities over "
                  f"every response token ({v} entries each, fp32; logits=chunked holds one chunk's)")
     return weights, labelled * v * 8
 

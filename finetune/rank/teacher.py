@@ -97,16 +97,18 @@ def whole(param: torch.Tensor | None) -> torch.Tensor | None:
 
 def load(cfg: Config, *, engine: Engine, tokenizer: Any, attention: str) -> Teacher:
     """`method.teacher` loaded (a run directory's final/, a model directory or a hub id; an adapter merged into its
-    base) in the run's weight precision, its tokenizer checked against the student's, attended per sample where the
+    base) in method.teacher_precision or the run's weight precision, its tokenizer checked against the student's, attended per sample where the
     student's rows hold several samples, and placed."""
     from finetune.rank.finished import Refusal, load as load_finished, locate
 
-    where = methods.get(cfg.method.name).teacher(cfg.method)
+    spec = methods.get(cfg.method.name).teacher(cfg.method)
+    assert spec is not None, "a method with a teacher"
+    where = spec.where
     try:
         found = locate(where)
     except Refusal as e:
         raise ConfigError(f"method.teacher: {e}") from None
-    dtype = "bf16" if cfg.precision.name == Precision.bf16_pure else "fp32"
+    dtype = spec.precision or ("bf16" if cfg.precision.name == Precision.bf16_pure else "fp32")
     with torch.random.fork_rng(devices=[]):  # loading re-seeds; training's random stream (dropout) stays as it was
         model, theirs = load_finished(found, dtype, attention=attention)
     if (differ := differences(theirs.get_vocab(), tokenizer.get_vocab())) is not None:
