@@ -183,6 +183,10 @@ def test_rules(compose, tmp_path):
          "method.lmbda=0.5: on-policy steps sample a response to each row's prompt, and data.format=text rows have none: use "
          "alpaca, chat, sharegpt or completion rows, or method.lmbda=0"),
         ([f"method.teacher={teacher}", "method.lmbda=1.5"], "method.lmbda=1.5 must be in [0, 1]"),
+        ([f"method.teacher={teacher}", "method.lmbda=0.5", "method.teacher_topk=20"],
+         "method.teacher_topk=20 with method.lmbda=0.5 is not supported: the teacher's top-k is computed once, before training, "
+         "and on-policy steps train on responses the student samples then; use method.lmbda=0, or drop method.teacher_topk (the "
+         "teacher runs at every step)"),
         ([f"method.teacher={teacher}", "method.teacher_precision=bf16", "zero=stage3", "launcher.nproc_per_node=2"],
          "method.teacher_precision=bf16 with zero=stage3 is not supported: DeepSpeed's engine holds the teacher in its own "
          "precision (bf16 weights under precision=bf16 or bf16_pure); drop method.teacher_precision, or use parallelism=fsdp or "
@@ -213,6 +217,8 @@ def test_the_planner_counts_the_teacher(compose):
     assert split == pytest.approx(4 * params / 2 + 4 * vocab * 128, rel=1e-3)  # fp32: half the weights, the whole head
     half = plan(compose([*BASE, f"method.teacher={teacher}", *one, "method.teacher_precision=bf16"]))
     assert distill.weights - half.weights == pytest.approx(2 * params, rel=1e-3)  # bf16: 2 bytes a weight, not 4
+    table = plan(compose([*BASE, f"method.teacher={teacher}", *one, "method.teacher_topk=20"]))  # no teacher while training
+    assert (table.weights, table.logits - sft.logits) == pytest.approx((sft.weights, tokens * 21 * 8), rel=1e-3)
     # on-policy steps (lmbda > 0): rows of prompt + a sampled response, planned as rows 32 tokens wider, and the sampling
     on = plan(compose([*BASE, f"method.teacher={teacher}", *one, "method.lmbda=0.5", "method.completion_tokens=32"]))
     wider = plan(compose([*BASE, f"method.teacher={teacher}", *one, "data.max_length=96"]))
@@ -445,3 +451,90 @@ def test_on_policy_under_zero3_with_chunked_logits_follows_ddp(teacher_dir, star
     assert [m["on_policy"] for m in runs["zero3"]] == [1.0] * 3
     for key in ("loss", "divergence", "nll"):
         assert [m[key] for m in runs["zero3"]] == pytest.approx([m[key] for m in runs["ddp"]], rel=1e-4), key
+
+
+@pytest.mark.parametrize("loss", list(DistillLoss))
+def test_the_top_k_divergence_is_over_k_tokens_and_a_tail_bucket(loss):
+    """method.teacher_topk: both distributions coarsened to the teacher's top K tokens and one bucket for the rest,
+    at the temperature; the divergence of those K + 1 outcomes by hand; with K = V - 1 (the tail is one token) the
+    whole vocabulary's divergence; and forward KL over buckets never above the whole one (coarsening loses information)."""
+    from finetune.methods.distill import buckets, divergence_of
+
+    cfg = DistillConfig(teacher="t", loss=loss, beta=0.3, temperature=1.5)
+    torch.manual_seed(0)
+    student, teacher = torch.randn(6, 11) * 3, torch.randn(6, 11) * 3
+    for k in (3, 10):
+        top = teacher.topk(k, -1).indices
+        got = divergence_of(buckets(student, top, 1.5), buckets(teacher, top, 1.5), cfg)
+        for row in range(6):
+            p, q = softmax(teacher[row].tolist(), 1.5), softmax(student[row].tolist(), 1.5)
+            ids = top[row].tolist()
+            pb = [p[i] for i in ids] + [sum(p) - sum(p[i] for i in ids)]
+            qb = [q[i] for i in ids] + [sum(q) - sum(q[i] for i in ids)]
+            m = [0.3 * a + 0.7 * b for a, b in zip(pb, qb)]
+            want = {"forward_kl": kl(pb, qb), "reverse_kl": kl(qb, pb), "jsd": 0.3 * kl(pb, m) + 0.7 * kl(qb, m)}[loss.value]
+            assert got[row].item() == pytest.approx(want, rel=1e-4, abs=1e-6)
+        if k == 10:
+            assert got.tolist() == pytest.approx(divergence(student, teacher, cfg).tolist(), rel=1e-4, abs=1e-6)
+        elif loss == DistillLoss.forward_kl:
+            assert (got <= divergence(student, teacher, cfg) + 1e-6).all()
+
+
+TOPK = [*QUICK, "train.max_steps=3", "parallelism=single", "launcher.nproc_per_node=1", "data.eval_size=8"]
+
+
+def test_a_top_k_table_of_every_token_but_one_gives_the_live_teachers_losses(teacher_dir, tmp_path, capsys):
+    """The teacher's table with K = 102 of the 103 tokens (the tail bucket one token: the whole distribution) gives the
+    divergences of the live teacher, padded or padding-free, logits full or chunked; the table is computed by the first
+    run and read by the next (the same data and teacher), which loads no teacher: MemTracker measures the student's
+    weights alone (the live teacher's run holds both)."""
+    from finetune.planner.records import compare
+
+    live = tmp_path / "live"
+    train_here([*TOPK, f"method.teacher={teacher_dir}"], live)
+    want = [m["divergence"] for m in read_metrics(live) if m["kind"] == "train"]
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
+    for name, extra in (("first", []), ("chunked", ["logits=chunked", "logits.chunk_tokens=16", "data.padding_free=false",
+                                                   "train.memory_report=categories"])):
+        train_here([*TOPK, f"method.teacher={teacher_dir}", "method.teacher_topk=102", cache, *extra], tmp_path / name)
+        out = capsys.readouterr().out
+        said = "computed in" if name == "first" else "read from"
+        assert "teacher top-102: " in out and said in out.split("teacher top-102: ")[1].splitlines()[0], out[-2000:]
+        got = [m["divergence"] for m in read_metrics(tmp_path / name) if m["kind"] == "train"]
+        assert got == pytest.approx(want, rel=1e-4), name
+    rows = {name: (planned, measured) for name, planned, measured in compare(tmp_path / "chunked")}
+    assert rows["weights"][1] == pytest.approx(rows["gradients"][1], rel=0.01)  # the student's alone: no teacher held
+    assert rows["weights"][0] == pytest.approx(rows["weights"][1], rel=0.01)
+    assert len(list((tmp_path / "cache" / "teacher_topk").glob("*.pt"))) == 1
+
+
+def test_a_sample_missing_from_the_table_is_one_line():
+    from finetune.rank.topk import TopK, key
+
+    ids, labels = torch.tensor([[5, 6, 7, 8]]), torch.tensor([[-100, -100, 7, 8]])
+    table = TopK({key([5, 6, 7, 8]): (0, 2)}, torch.zeros(2, 3, dtype=torch.int32), torch.zeros(2, 4), 103)
+    got = table.lookup({"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)})
+    assert got[0].shape == (2, 3) and got[0].dtype == torch.int64 and got[1].shape == (2, 4)
+    with pytest.raises(RuntimeError, match=r"^method.teacher_topk: a sample of 4 tokens is not in the teacher's table \(the data, "
+                                           r"its tokenization or data.max_length changed since it was computed\?\)$"):
+        table.lookup({"input_ids": ids + 1, "labels": labels, "attention_mask": torch.ones_like(ids)})
+
+
+@pytest.mark.slow
+def test_a_top_k_table_computed_by_two_zero3_ranks_is_one_processs(teacher_dir, tmp_path):
+    """Under ZeRO-3 each rank scores its share of the samples with the sharded teacher (as many forwards on each), and
+    the shares gathered make one table: its losses are those of the table one process computes."""
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
+    one = tmp_path / "one"
+    train_here([*TOPK, f"method.teacher={teacher_dir}", "method.teacher_topk=5", f"data.cache_dir={tmp_path / 'one_cache'}"], one)
+    out = launch_here(*QUICK, "train.max_steps=3", "data.eval_size=8", f"method.teacher={teacher_dir}", "method.teacher_topk=5",
+                      cache, "zero=stage3", "parallelism=ddp", "launcher.nproc_per_node=2", f"hydra.run.dir={tmp_path / 'zero3'}",
+                      cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    a, b = (torch.load(next((tmp_path / c / "teacher_topk").glob("*.pt"))) for c in ("one_cache", "cache"))
+    order = [{int(k): (int(o), int(n)) for k, o, n in t["index"]} for t in (a, b)]
+    assert order[0].keys() == order[1].keys() and len(order[0]) > 3900  # the quickstart's 4,000 rows (a few repeat)
+    for k, (o, n) in order[0].items():
+        p, m = order[1][k]
+        assert torch.equal(a["ids"][o : o + n], b["ids"][p : p + m])
+        assert torch.allclose(a["logps"][o : o + n], b["logps"][p : p + m], atol=1e-5)

@@ -116,6 +116,20 @@ def starts(positions: torch.Tensor) -> torch.Tensor:
     return first
 
 
+def samples(batch: dict[str, torch.Tensor]) -> list[tuple[int, int, int]]:
+    """(row, start, end) of each sample in a collated batch, in row order: a padded row's tokens (its attention mask), or
+    the samples laid in a row end to end (packed, padding-free: position ids and no mask; a packed row's padding tail
+    is one too, without labels)."""
+    if "attention_mask" in batch or "position_ids" not in batch:
+        mask = batch.get("attention_mask")
+        return [(r, 0, int(mask[r].sum()) if mask is not None else batch["input_ids"].shape[1]) for r in range(batch["input_ids"].shape[0])]
+    out = []
+    for r, first in enumerate(starts(batch["position_ids"]).tolist()):
+        bounds = [i for i, s in enumerate(first) if s]
+        out += [(r, a, b) for a, b in zip(bounds, [*bounds[1:], len(first)])]
+    return out
+
+
 class TrainBatches:
     """Step -> this rank's micro-batches. Pure in (seed, step): any layout sees the same samples.
 

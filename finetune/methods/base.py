@@ -141,6 +141,9 @@ class TeacherModel:
     precision: str | None = None
     """Its weights' dtype on the ranks: fp32, bf16 or fp16; None: the run's weight precision (bf16 under bf16_pure, else
     fp32)."""
+    topk: int | None = None
+    """K: it scores the data once before training, its top-K log-probs per response token kept (finetune.rank.topk),
+    and is freed; None: it runs beside the trained model at every step."""
 
 
 class Method(Protocol):

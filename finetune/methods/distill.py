@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass, fields
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from finetune.config import (METHOD_NAME, POSITIVE, TEXT, Accepts, Config, ConfigError, DataFormat, MethodConfig, Spelled, at_least,
                              checked, in_range, unused)
@@ -46,6 +46,10 @@ if TYPE_CHECKING:
     import torch
 
     from finetune.methods.base import Output
+
+
+Against = Callable[["torch.Tensor", int], "torch.Tensor"]
+"""The teacher's side of a batch: (the student's logits of response positions [start, start + n), start) -> [n]."""
 
 
 class DistillLoss(str, Enum, metaclass=Spelled):
@@ -85,6 +89,11 @@ class DistillConfig(MethodConfig):
     """Both models' logits are divided by it before the softmax (above 1: softer distributions)."""
     sft_weight: float = checked(at_least(0), 0.0)
     """Weight of the student's cross-entropy on the response tokens, added to the divergence (0: distillation alone)."""
+    teacher_topk: int | None = checked(POSITIVE, None)
+    """K: the teacher's top-K log-probs of every response token computed once before training (and kept beside the
+    token cache: a later run on the same data and teacher reads them and loads no teacher), the teacher then freed; the
+    divergence is taken over those K tokens plus one bucket for the rest of the vocabulary. null: the teacher runs
+    beside the student at every step, over the whole vocabulary."""
     lmbda: float = checked(in_range(0, 1), 0.0)
     """The share of steps that are on-policy (GKD's lambda): on such a step the student samples each row's response
     itself and learns the teacher's distributions on its own tokens; each step is on-policy with this probability, drawn
@@ -136,7 +145,7 @@ class Distill(Sft):
     def teacher(self, cfg: DistillConfig) -> TeacherModel | None:
         if cfg.teacher is None:
             return None
-        return TeacherModel(cfg.teacher, cfg.teacher_precision.value if cfg.teacher_precision is not None else None)
+        return TeacherModel(cfg.teacher, cfg.teacher_precision.value if cfg.teacher_precision is not None else None, cfg.teacher_topk)
 
     def make_first(self, cfg: DistillConfig, make: Any) -> None:
         if cfg.teacher is not None and cfg.teacher_recipe_if_missing is not None:
@@ -150,6 +159,10 @@ class Distill(Sft):
                               "or a hub id), whose tokenizer is the student's")
         if m.loss != DistillLoss.jsd:
             unused(m, "method", tuple(f.name for f in fields(m) if f.name != "beta"), f"with method.loss={m.loss.value} (only with jsd)")
+        if m.teacher_topk is not None and m.lmbda > 0:
+            raise ConfigError(f"method.teacher_topk={m.teacher_topk} with method.lmbda={m.lmbda:g} is not supported: the teacher's "
+                              "top-k is computed once, before training, and on-policy steps train on responses the student samples "
+                              "then; use method.lmbda=0, or drop method.teacher_topk (the teacher runs at every step)")
         if m.lmbda == 0:
             unused(m, "method", tuple(f.name for f in fields(m) if f.name not in ON_POLICY),
                    "with method.lmbda=0 (offline: every step learns on the data's responses)")
@@ -211,17 +224,47 @@ METHOD = Distill()
 def divergence(student: torch.Tensor, teacher: torch.Tensor, cfg: DistillConfig) -> torch.Tensor:
     """The per-position divergence of `cfg.loss` between the teacher's and the student's logits ([..., V], both over the
     shared vocabulary), in fp32 (the module docstring's formulas)."""
-    import torch
     import torch.nn.functional as F
 
-    q = F.log_softmax(student.float() / cfg.temperature, -1)
-    p = F.log_softmax(teacher.float() / cfg.temperature, -1)
+    return divergence_of(F.log_softmax(student.float() / cfg.temperature, -1), F.log_softmax(teacher.float() / cfg.temperature, -1), cfg)
+
+
+def divergence_of(q: torch.Tensor, p: torch.Tensor, cfg: DistillConfig) -> torch.Tensor:
+    """`divergence` from the student's and the teacher's log-probs over one set of outcomes ([..., n], fp32): the whole
+    vocabulary, or (method.teacher_topk) the teacher's top-k tokens and the rest of the vocabulary as one."""
+    import torch
+
     if cfg.loss == DistillLoss.forward_kl:
         return (p.exp() * (p - q)).sum(-1)
     if cfg.loss == DistillLoss.reverse_kl:
         return (q.exp() * (q - p)).sum(-1)
     m = torch.logsumexp(torch.stack([p + math.log(cfg.beta), q + math.log(1 - cfg.beta)]), 0)
     return cfg.beta * (p.exp() * (p - m)).sum(-1) + (1 - cfg.beta) * (q.exp() * (q - m)).sum(-1)
+
+
+def buckets(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[N, V] logits -> [N, K + 1] log-probs at `temperature` of the K tokens `ids` [N, K] names and of all the others
+    together (the tail bucket): method.teacher_topk's outcomes, the same for the teacher (its top K) and the student."""
+    import torch
+
+    z = logits.float() / temperature
+    whole = torch.logsumexp(z, -1, keepdim=True)
+    rest = torch.logsumexp(z.scatter(-1, ids, float("-inf")), -1, keepdim=True)
+    return torch.cat([z.gather(-1, ids), rest], -1) - whole
+
+
+def top_k(logits: torch.Tensor, cfg: DistillConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's table rows (method.teacher_topk) for its [N, V] logits: its top K tokens [N, K] (int32) and the
+    log-probs of those and of the tail bucket [N, K + 1], at the temperature."""
+    import torch
+
+    top = logits.float().topk(cfg.teacher_topk or 1, -1).indices
+    return top.to(torch.int32), buckets(logits, top, cfg.temperature)
+
+
+def table_settings(cfg: DistillConfig) -> dict[str, Any]:
+    """What a top-k table depends on of the method's settings (finetune.rank.topk's key)."""
+    return {"k": cfg.teacher_topk, "temperature": cfg.temperature}
 
 
 class DISTILL:
@@ -243,53 +286,69 @@ class DISTILL:
         from finetune.methods.losses import forward_aux, tie
 
         if self.teacher is None:
-            raise RuntimeError("method=distill needs its teacher: finetune.rank.reference.setup loads it")
+            raise RuntimeError("method=distill needs its teacher: finetune.rank.teacher loads it")
+        with torch.no_grad():
+            against = self.against(batch)
         if self.head is None:
-            with torch.no_grad():
-                teacher = self.teacher.logits(batch)
             logits, aux = forward_aux(model, batch, self.router is not None)
-            loss, metrics = self.loss(logits, batch, teacher)
-        else:  # logits=chunked: the teacher's hidden states, then the student's chunks make both logits a chunk at a time
-            with torch.no_grad():
-                hidden = self.teacher.hidden(batch)
-            chunk = self.chunk(hidden)
-            with self.head.labelled(batch["labels"], chunk=chunk):
+            loss, metrics = self.loss(logits, batch, against)
+        else:  # logits=chunked: the student's chunks make its logits a chunk at a time, each compared with the teacher's
+            with self.head.labelled(batch["labels"], chunk=self.chunk(against)):
                 logits, aux = forward_aux(model, batch, self.router is not None)
             sums = self.head.take()[0]
             loss, metrics = self.total(sums[:, 0], sums[:, 1] if sums.shape[1] > 1 else None)
             loss = loss + tie(logits)
         return self.router.apply(loss, metrics, aux, self.count(batch)) if self.router else (loss, metrics)
 
-    def chunk(self, hidden: torch.Tensor) -> Any:
+    def against(self, batch: dict[str, torch.Tensor]) -> Against:
+        """The teacher's side of the batch's response tokens, as a function of the student's logits of positions
+        [start, start + n) (row order) and start -> their divergence: from the teacher's whole logits (logits=full),
+        its hidden states and output layer a chunk at a time (logits=chunked), or its top-k table (method.teacher_topk)."""
+        from finetune.data.tokenize import IGNORE
+        from finetune.methods.losses import predicting
+
+        cfg = self.cfg
+        if cfg.teacher_topk:
+            ids, logps = self.teacher.lookup(batch)
+            return lambda logits, start: divergence_of(
+                buckets(logits, ids[start : start + len(logits)].to(logits.device), cfg.temperature),
+                logps[start : start + len(logits)].to(logits.device), cfg)
+        if self.head is not None:
+            hidden = self.teacher.hidden(batch)
+            return lambda logits, start: divergence(logits, self.teacher.head_logits(hidden[start : start + len(logits)]), cfg)
+        labels = batch["labels"]
+        taught = predicting(self.teacher.logits(batch), labels)[labels[:, 1:] != IGNORE][..., : self.teacher.vocab]
+        return lambda logits, start: divergence(logits, taught[start : start + len(logits)], cfg)
+
+    def chunk(self, against: Against) -> Any:
         """The student's output layer's per-chunk function: positions [start, start + n) of the response tokens -> their
-        divergence (and with sft_weight their cross-entropy), from the student's and the teacher's hidden states."""
+        divergence (and with sft_weight their cross-entropy)."""
         import torch
         import torch.nn.functional as F
 
         def per_chunk(head: Any, student: torch.Tensor, targets: torch.Tensor, start: int) -> torch.Tensor:
-            vocab = self.teacher.vocab
-            logits = head.logits(student)[..., :vocab]
-            values = [divergence(logits, self.teacher.head_logits(hidden[start:start + student.shape[0]]), self.cfg)]
+            logits = head.logits(student)[..., : self.teacher.vocab]
+            values = [against(logits, start)]
             if self.cfg.sft_weight:
                 values.append(F.cross_entropy(logits.float(), targets, reduction="none"))
             return torch.stack(values, -1)
 
         return per_chunk
 
-    def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor], teacher: torch.Tensor | None = None) -> Output:
-        """The loss from both models' whole logits (logits=full)."""
+    def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor], against: Against | None = None) -> Output:
+        """The loss from the student's whole logits (logits=full)."""
         import torch.nn.functional as F
 
         from finetune.data.tokenize import IGNORE
         from finetune.methods.losses import predicting
 
-        if teacher is None:
+        if against is None:
             raise RuntimeError("method=distill under a pipeline's last stage is refused before launch")
-        labels, vocab = batch["labels"], self.teacher.vocab
+        labels = batch["labels"]
         keep = labels[:, 1:] != IGNORE
-        student, taught = predicting(logits, labels)[keep][..., :vocab], predicting(teacher, labels)[keep][..., :vocab]
+        student = predicting(logits, labels)[keep][..., : self.teacher.vocab]
         nll = F.cross_entropy(student.float(), labels[:, 1:][keep], reduction="sum") if self.cfg.sft_weight else None
-        return self.total(divergence(student, taught, self.cfg).sum(), nll)
+        return self.total(against(student, 0).sum(), nll)
 
     def total(self, divergence: torch.Tensor, nll: torch.Tensor | None) -> Output:
         """(summed loss, metric sums) from the summed divergence and, with sft_weight, the summed cross-entropy."""
@@ -323,27 +382,23 @@ def on_policy(lmbda: float, seed: int, step: int) -> bool:
 
 
 def prompts_of(batch: dict[str, torch.Tensor]) -> list[list[int]]:
-    """Each sample's prompt: its tokens before its last response (the last run of labelled tokens). A row laid end to
-    end of several samples (padding-free: position ids, no attention mask) is cut at their starts first."""
-    from finetune.data.batches import starts
+    """Each sample's prompt: its tokens before its last response (the last run of labelled tokens)."""
+    from finetune.data.batches import samples
     from finetune.data.tokenize import IGNORE
 
     prompts = []
-    flat = "attention_mask" not in batch and "position_ids" in batch
-    for r, (ids, labels) in enumerate(zip(batch["input_ids"].tolist(), batch["labels"].tolist())):
-        real = int(batch["real_tokens"][r]) if "real_tokens" in batch else len(ids)
-        bounds = ([i for i, s in enumerate(starts(batch["position_ids"][r : r + 1])[0].tolist()) if s and i < real] if flat else [0])
-        for a, b in zip(bounds, [*bounds[1:], real]):
-            labelled = [i for i in range(a, b) if labels[i] != IGNORE]
-            if not labelled:
-                raise RuntimeError("method.lmbda: a training sample has no response tokens to sample in its place (data.format=text "
-                                   "rows are refused before launch; is the data's format detected as text?)")
-            first = labelled[-1]
-            while first - 1 >= a and labels[first - 1] != IGNORE:
-                first -= 1
-            if first == a:
-                raise RuntimeError("method.lmbda: a training sample is all response, with no prompt to sample after")
-            prompts.append(ids[a:first])
+    ids, labels = batch["input_ids"].tolist(), batch["labels"].tolist()
+    for r, a, b in samples(batch):
+        labelled = [i for i in range(a, b) if labels[r][i] != IGNORE]
+        if not labelled:
+            raise RuntimeError("method.lmbda: a training sample has no response tokens to sample in its place (data.format=text "
+                               "rows are refused before launch; is the data's format detected as text?)")
+        first = labelled[-1]
+        while first - 1 >= a and labels[r][first - 1] != IGNORE:
+            first -= 1
+        if first == a:
+            raise RuntimeError("method.lmbda: a training sample is all response, with no prompt to sample after")
+        prompts.append(ids[r][a:first])
     return prompts
 
 

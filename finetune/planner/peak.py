@@ -278,6 +278,12 @@ def teacher_bytes(cfg: Config, s: States, labelled: float, notes: list[str]) -> 
                           "model directory yet (a hub id, or a run its recipe has not made)")
     arch = arch_from_config(config, f"method.teacher={where}")
     weights, v, h = size * arch.params / s.split, arch.vocab_size, arch.hidden_size
+    if spec.topk:  # scored once before training, then freed: the loss holds K + 1 log-probs per token for each model
+        k = spec.topk
+        notes.append(f"method.teacher_topk={k}: the teacher's {arch.params / 1e6:.1f}M weights ({weights / GIB:.2f} GiB here) only "
+                     f"while it scores the data before training; its table ({8 * k + 4} bytes per response token of the data) "
+                     "is read from disk through host memory; the loss holds K + 1 log-probs per response token for each model")
+        return 0.0, labelled * (k + 1) * 4 * 2
     if cfg.logits.name == Logits.chunked:
         head = size * v * h if s.split > 1 else 0.0
         held = labelled * h * (size if spec.precision else 4) + min(cfg.logits.chunk_tokens, labelled) * v * 8

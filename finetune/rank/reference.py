@@ -73,7 +73,7 @@ def precompute(engine: Engine, splits: dict[str, list[Any]], *, dist: Dist, path
     """Attach reference log-probs to every example (one per row: a pair's chosen and rejected) and write them
     to `path`: computed now from the initial policy, or, when resuming, read from `saved` (refused if the data
     changed)."""
-    fingerprint = {name: _fingerprint(pairs) for name, pairs in splits.items()}
+    prints = {name: fingerprint(pairs) for name, pairs in splits.items()}
     unit, rows = method.unit, method.rows_per_example
     tic = time.perf_counter()
     if saved is not None:
@@ -81,7 +81,7 @@ def precompute(engine: Engine, splits: dict[str, list[Any]], *, dist: Dist, path
             raise ConfigError(f"train.resume: {saved} is missing: the precomputed reference log-probs came from the initial model, "
                               f"which a resumed run no longer has; resume from a checkpoint of a {method.name.upper()} run, or start afresh")
         state = torch.load(saved, weights_only=True)
-        changed = [name for name in splits if state["fingerprint"].get(name) != fingerprint[name]]
+        changed = [name for name in splits if state["fingerprint"].get(name) != prints[name]]
         if changed:
             raise ConfigError(f"train.resume: the {' and '.join(changed)} {unit}s differ from those whose reference log-probs are in "
                               f"{saved} (data or tokenizer changed since that run started); resume with the same data")
@@ -89,7 +89,7 @@ def precompute(engine: Engine, splits: dict[str, list[Any]], *, dist: Dist, path
     else:
         values = {name: score(engine, pairs, dist=dist, batch_size=batch_size, pad_id=pad_id, rows=rows, pictures=pictures) for name, pairs in splits.items()}
     if dist.is_main and path != saved:
-        torch.save({"fingerprint": fingerprint, "values": values}, path)
+        torch.save({"fingerprint": prints, "values": values}, path)
     for name, pairs in splits.items():
         for pair, logps in zip(pairs, values[name].tolist()):
             pair.reference = tuple(logps)
@@ -134,7 +134,7 @@ class _Logps:
 LOGPS = _Logps()
 
 
-def _fingerprint(pairs: list[Any]) -> str:
+def fingerprint(pairs: list[Any]) -> str:
     h = hashlib.sha256()
     for p in pairs:
         h.update(repr(tuple(tokens for row in rows_of(p) for tokens in (row.input_ids, row.labels))).encode())

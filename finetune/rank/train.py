@@ -24,7 +24,7 @@ from finetune.data import steps
 from finetune.families import liger
 from finetune.methods import losses
 from finetune.methods.base import IMAGE_TEXT, built_as
-from finetune.rank import checkpoint, compiling, dist, engine, flops, heldout, loop, model, reference, teacher, varlen, vision
+from finetune.rank import checkpoint, compiling, dist, engine, flops, heldout, loop, model, reference, teacher, topk, varlen, vision
 from finetune.config import Config, ConfigError, Kernels, Logits, MemoryReport, MethodConfig, PeftConfig, PeftMethod, Precision, Strategy, uses_deepspeed
 from finetune.data import rows
 from finetune.rank import stream
@@ -253,8 +253,9 @@ def run(cfg: Config, d: dist.Dist) -> None:
         ref = reference.setup(cfg, engine=eng, dist=d, splits={"train": train_examples, "eval": eval_examples}, run_dir=run_dir,
                               resume_from=resume_from, load_model=lambda: load(base_peft), pad_id=tokenizer.pad_token_id,
                               pictures=pictures)
-        if methods.get(cfg.method.name).teacher(cfg.method) is not None:  # method=distill: the model its loss learns from
-            ref = teacher.load(cfg, engine=eng, tokenizer=tokenizer, attention=attention)
+        if (taught := methods.get(cfg.method.name).teacher(cfg.method)) is not None:  # method=distill: what its loss learns from
+            ref = (topk.prepare(cfg, engine=eng, dist=d, splits={"train": train_examples, "eval": eval_examples}, tokenizer=tokenizer,
+                                attention=attention) if taught.topk else teacher.load(cfg, engine=eng, tokenizer=tokenizer, attention=attention))
     objective = objective_for(cfg, d, loaded.config, ref, chunked)
     batches = make_batches(cfg, train_examples, eng, tokenizer.pad_token_id, resume_from, pictures_of(tokenizer))
     phase("training")
