@@ -285,6 +285,49 @@ def tiny_model(compute_dtype=None):
     return net, tok
 
 
+def record_steps(monkeypatch) -> dict:
+    """finetune.rank.engine.build spied on: the returned dict gets the initial model (a copy, "net"), each step's
+    micro-batches and loss count ("steps") and the objective, as a run in this process trains (train_here)."""
+    import copy
+
+    from finetune.rank import engine
+
+    seen: dict = {"steps": []}
+    build = engine.build
+
+    def spy(cfg, net, dist):
+        seen["net"] = copy.deepcopy(net)
+        eng = build(cfg, net, dist)
+        step = eng.train_step
+
+        def recorded(micro_batches, objective, count):
+            seen["steps"].append(([{k: v.clone() for k, v in b.items()} for b in micro_batches], count))
+            seen["objective"] = objective
+            return step(micro_batches, objective, count)
+
+        eng.train_step = recorded
+        return eng
+
+    monkeypatch.setattr(engine, "build", spy)
+    return seen
+
+
+def replay(seen: dict, step) -> list[float]:
+    """The recorded steps again in a plain loop over the recorded initial model: each micro-batch's summed loss over
+    the step's count, backward, then `step()` (the optimizers' steps) and the gradients zeroed; the steps' losses."""
+    net, losses = seen["net"], []
+    for micro_batches, count in seen["steps"]:
+        total = 0.0
+        for batch in micro_batches:
+            loss, _ = seen["objective"](net, batch)
+            (loss * (1 / count)).backward()  # as the engine scales it (world size 1)
+            total += loss.item()
+        step()
+        net.zero_grad()
+        losses.append(total / count)
+    return losses
+
+
 class GenerationEngine:
     """The torch engine's generation surface (finetune.methods.sampling.sample's), on one process."""
 

@@ -163,6 +163,20 @@ def test_quickstart_distill_beats_the_same_student_trained_by_sft(quickstart, tm
     assert len(train) == 500 and train[-1]["divergence"] < train[0]["divergence"] / 4
 
 
+def test_muon_trains_the_quickstart_at_least_as_well_as_adamw(quickstart, tmp_path):
+    """+recipe=quickstart_sft optim=muon at its best measured rate (3e-3) against the quickstart as shipped (AdamW at its
+    best, 1e-3), the same 500 steps: Muon's exact match at least AdamW's and its eval loss lower. Measured: 99.6% against
+    81.2%, eval loss 0.007 against 0.19 (AdamW at 3e-3: 44.5%; Muon at 1e-3: 62.9%)."""
+    run_dir, _ = quickstart
+    out = run_cli("+recipe=quickstart_sft", "optim=muon", "optim.lr=3e-3", "train.progress_bar=false",
+                  f"hydra.run.dir={tmp_path / 'muon'}", cwd=tmp_path, timeout=1200)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    muon, adamw = (json.loads((d / "summary.json").read_text())["after"] for d in (tmp_path / "muon", run_dir))
+    print(f"at 500 steps: Muon {muon['exact_match']:.1%} (eval loss {muon['eval_loss']:.3f}), AdamW {adamw['exact_match']:.1%} "
+          f"({adamw['eval_loss']:.3f})")
+    assert muon["exact_match"] >= adamw["exact_match"] and muon["eval_loss"] < adamw["eval_loss"], (muon, adamw)
+
+
 def test_pretrained_model_from_a_hub_style_directory(tmp_path):
     """model=pretrained model.path=DIR through the CLI, DIR as the hub has it: config.json, safetensors
     weights and tokenizer files, written by save_pretrained from a random-init tiny Llama. The run

@@ -168,8 +168,8 @@ def test_zero2_offload_momentum_on_two_ranks_matches_one_process(runs, tmp_path)
 @pytest.mark.parametrize("overrides,message", [
     (["optim=momentum", "optim.momentum=1.0"], "optim.momentum=1.0 must be in [0, 1): 0 for plain SGD, e.g. 0.9 with momentum"),
     (["optim=sgd", "optim.momentum=-0.5"], "optim.momentum=-0.5 must be in [0, 1): 0 for plain SGD, e.g. 0.9 with momentum"),
-    (["optim.momentum=0.9"], "optim.momentum=0.9 applies to optim.name=sgd only (adamw uses optim.betas): remove it, or use optim=momentum"),
-    (["optim=adam", "optim.momentum=0.5"], "optim.momentum=0.5 applies to optim.name=sgd only (adam uses optim.betas): remove it, or use optim=momentum"),
+    (["optim.momentum=0.9"], "optim.momentum=0.9 applies to optim.name=sgd or muon only (adamw uses optim.betas): remove it, or use optim=momentum"),
+    (["optim=adam", "optim.momentum=0.5"], "optim.momentum=0.5 applies to optim.name=sgd or muon only (adam uses optim.betas): remove it, or use optim=momentum"),
 ])
 def test_momentum_refusals(compose, overrides, message):
     with pytest.raises(ConfigError) as e:

@@ -4,7 +4,6 @@ probed state_dict, trains like a plain torch loop, resumes, and is refused where
 
 from __future__ import annotations
 
-import copy
 import math
 import re
 
@@ -19,7 +18,7 @@ from finetune.layouts.zero import deepspeed_config
 from finetune.planner.counts import state_bytes
 from finetune.planner.peak import plan
 
-from conftest import read_metrics, tiny_model, train_here
+from conftest import read_metrics, record_steps, replay, tiny_model, train_here
 
 CPU = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 TORCH_CLASSES = {"torch.optim.NAdam": torch.optim.NAdam, "torch.optim.RAdam": torch.optim.RAdam}
@@ -111,40 +110,13 @@ FEW = ["train.max_steps=2", "train.global_batch_size=8", "train.micro_batch_size
 def test_a_torch_class_trains_like_a_plain_torch_loop(tmp_path, monkeypatch, name, cls):
     """Two steps of the whole rank (train_here) against a plain loop over the same initial weights and the same
     micro-batches: torch's class, decay on the matrices, summed losses over the step's tokens."""
-    seen: dict = {"steps": []}
-    build = engine.build
-
-    def spy(cfg, net, dist):
-        seen["net"] = copy.deepcopy(net)
-        eng = build(cfg, net, dist)
-        step = eng.train_step
-
-        def recorded(micro_batches, objective, count):
-            seen["steps"].append(([{k: v.clone() for k, v in b.items()} for b in micro_batches], count))
-            seen["objective"] = objective
-            return step(micro_batches, objective, count)
-
-        eng.train_step = recorded
-        return eng
-
-    monkeypatch.setattr(engine, "build", spy)
+    seen = record_steps(monkeypatch)
     train_here([f"optim.name={name}", *FEW], tmp_path)
     ran = [m["loss"] for m in read_metrics(tmp_path) if m["kind"] == "train"]
-
-    net = seen["net"].train()
-    params = [p for p in net.parameters() if p.requires_grad]
+    params = [p for p in seen["net"].train().parameters() if p.requires_grad]
     opt = cls([{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.01},
                {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}], lr=3e-3)
-    plain = []
-    for micro_batches, count in seen["steps"]:
-        total = 0.0
-        for batch in micro_batches:
-            loss, _ = seen["objective"](net, batch)
-            (loss * (1 / count)).backward()  # as the engine scales it (world size 1)
-            total += loss.item()
-        opt.step()
-        opt.zero_grad()
-        plain.append(total / count)
+    plain = replay(seen, opt.step)
     assert len(ran) == 2 and ran[1] != ran[0]
     assert ran == pytest.approx(plain, rel=1e-6)
 
@@ -183,7 +155,7 @@ def test_a_torch_class_resumes_where_it_stopped(tmp_path):
      "optim=adamw with it"),
     (["optim.name=torch.optim.NAdam", "precision=bf16_pure"],
      "precision=bf16_pure with optim.name=torch.optim.NAdam: bf16 weights need each update added with Kahan summation"),
-    (["optim.name=lion"], "optim.name=lion must be one of adamw, adam, sgd, adamw_8bit, adafactor, or a torch.optim class by name "
+    (["optim.name=lion"], "optim.name=lion must be one of adamw, adam, sgd, adamw_8bit, muon, adafactor, or a torch.optim class by name "
                           "(e.g. torch.optim.NAdam)"),
 ])
 def test_torch_class_refusals(compose, overrides, message):

@@ -358,7 +358,9 @@ class OptimConfig:
     (bitsandbytes' AdamW8bit: both moments in 8 bits, blockwise-quantized, for tensors of 4,096+
     elements; smaller ones keep 32-bit states) or adafactor (torch.optim.Adafactor: no first moment, the
     second factored into a row and a column vector per matrix; betas and eps unused). Both run on every
-    layout but DeepSpeed's: under FSDP/TP each rank steps its own shard (finetune.optimizers.sharded). Or a torch.optim
+    layout but DeepSpeed's: under FSDP/TP each rank steps its own shard (finetune.optimizers.sharded). muon:
+    torch.optim.Muon on the hidden 2-D matrices (a momentum buffer each, optim.momentum) and AdamW on the embeddings,
+    the output layer and the rest, at one rate (finetune.optimizers.muon; single or DDP). Or a torch.optim
     class by name (torch.optim.NAdam, torch.optim.RAdam): built with the optim.* keys its constructor takes, torch engine
     only (parallelism=single or ddp). Each is a record in finetune/optimizers/."""
     lr: float = checked(POSITIVE, 1e-4)

@@ -3,7 +3,7 @@ planner (its state bytes, its step's temporaries, the cheaper ones it may sugges
 engines and keys it takes), the launcher (its DeepSpeed JSON) and the checkpoint code (whether a sharded
 checkpoint of it resumes on another layout).
 
-Built in: adamw, adam, sgd, adamw_8bit, adafactor (`RECORDS`). Besides them `optim.name` takes any torch.optim
+Built in: adamw, adam, sgd, adamw_8bit, muon, adafactor (`RECORDS`). Besides them `optim.name` takes any torch.optim
 class by its dotted name (`optim.name=torch.optim.NAdam`): `record()` makes its record from the class itself (the
 config keys its constructor takes, by `inspect.signature`; its state bytes, by stepping it once on two probe
 tensors and reading its `state_dict`). It runs on the torch engine and checkpoints like torch's own AdamW.
@@ -12,8 +12,8 @@ Adding a built-in optimizer is one entry in `RECORDS` (and a recipes/optim/NAME.
 group option): a test walks every record through the engine, the planner, the rules and the launcher.
 
 Imports no torch: the builders and the torch-class records import it when called. The package's other modules are
-the rank side the builders reach: kernels.py (the kernel keyword, the step's closure) and sharded.py (Adafactor and
-8-bit AdamW over DTensor shards).
+the rank side the builders reach: kernels.py (the kernel keyword, the step's closure), sharded.py (Adafactor and
+8-bit AdamW over DTensor shards) and muon.py (torch's Muon and AdamW as one optimizer).
 """
 
 from __future__ import annotations
@@ -103,6 +103,9 @@ class OptimizerRecord:
     parameter on GPU, the largest tensor's on CPU), "tensor" (one fp32 temporary of the largest tensor), None."""
     low_memory: bool = False
     """A cheaper-state alternative the planner suggests in place of adam/adamw's two fp32 moments."""
+    ends_state_bytes: float | None = None
+    """Bytes per element of its state on the input embeddings and the output layer where they are not what `by_shape`
+    says of a matrix (Muon: AdamW's 8 there); not None also marks them apart in the param groups (`end`)."""
     shard_bound: str | None = None
     """Why its state under FSDP/TP is tied to each rank's shard (adamw_8bit's block scales), so that a mesh checkpoint
     of it resumes on the same layout only; None: not tied. Otherwise checkpoints are the optimizer's state_dict (torch engine), DCP's
@@ -167,6 +170,18 @@ def _adafactor(groups: list[dict[str, Any]], o: OptimValues, params: list[Any]) 
     return (ShardedAdafactor if _sharded(params) else torch.optim.Adafactor)(groups, lr=o.lr)
 
 
+def _muon(groups: list[dict[str, Any]], o: OptimValues, params: list[Any]) -> Any:
+    from finetune.optimizers.muon import MuonWithAdamW
+
+    return MuonWithAdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, momentum=o.momentum)
+
+
+def _muon_bytes(shape: tuple[int, ...]) -> float:
+    """Muon's momentum buffer (fp32) on a 2-D matrix; AdamW's two moments on any other tensor (the embeddings and the
+    output layer are counted by `ends_state_bytes`)."""
+    return (4 if len(shape) == 2 else 8) * math.prod(shape)
+
+
 BNB_MIN_8BIT_SIZE = 4096
 """bitsandbytes keeps 32-bit states for tensors smaller than this (its optimizers' min_8bit_size)."""
 BNB_BLOCK = 256
@@ -204,6 +219,10 @@ RECORDS: dict[str, OptimizerRecord] = {r.name: r for r in (
         "adamw_8bit", _adamw_8bit, ADAM_KEYS, 2, "its moments in 8 bits", by_shape=_eight_bit_bytes,
         runs="bitsandbytes' 8-bit kernel", low_memory=True,
         shard_bound="block scales cover each rank's own shard of a weight"),
+    OptimizerRecord(
+        "muon", _muon, ("lr", "betas", "eps", "weight_decay", "momentum"), 4,
+        "a momentum buffer per hidden matrix (Muon), two fp32 moments for the rest (AdamW)", by_shape=_muon_bytes,
+        ends_state_bytes=8, engines=("torch",), runs="torch.optim.Muon (hidden matrices) and torch.optim.AdamW (the rest)"),
     OptimizerRecord(
         "adafactor", _adafactor, ("lr", "weight_decay"), 0, "factored fp32 statistics", by_shape=_factored_bytes,
         runs="torch's Adafactor (no fused version)", step_temp="tensor", low_memory=True),

@@ -120,13 +120,24 @@ def trainable_shapes(arch: Arch, cfg: Config) -> list[tuple[int, ...]]:
     return shapes
 
 
-def state_bytes(shapes: list[tuple[int, ...]], optimizer: str) -> float:
+def end_shapes(arch: Arch, cfg: Config) -> list[tuple[int, ...]]:
+    """Of `trainable_shapes`, the input embeddings' and the output layer's (optim=muon gives them to AdamW)."""
+    full = cfg.peft.name == PeftMethod.none
+    return ([(arch.vocab_size, arch.hidden_size)] if full or "embed_tokens" in cfg.peft.modules_to_save else []) + (
+        [(arch.head_width, arch.hidden_size)] if (full or "lm_head" in cfg.peft.modules_to_save) and arch.head_params else [])
+
+
+def state_bytes(shapes: list[tuple[int, ...]], optimizer: str, ends: list[tuple[int, ...]] = ()) -> float:
     """Optimizer state bytes over these tensors, as the optimizer's record counts one tensor (`by_shape`, else its
     bytes per parameter): adamw_8bit (bitsandbytes) two uint8 moments and their block scales (fp32 below 4,096
-    elements), adafactor (torch) a row and a column fp32 vector per matrix, a torch.optim class what its state_dict
-    held after one probe step (per element and per tensor)."""
+    elements), adafactor (torch) a row and a column fp32 vector per matrix, muon a momentum buffer per matrix and AdamW's
+    moments on the rest (of `shapes`, `ends` are the embeddings and output layer: its `ends_state_bytes`), a torch.optim
+    class what its state_dict held after one probe step (per element and per tensor)."""
     rec = optimizers.record(optimizer)
-    return float(sum(rec.by_shape(shape) if rec.by_shape else rec.state_bytes * math.prod(shape) for shape in shapes))
+    total = sum(rec.by_shape(shape) if rec.by_shape else rec.state_bytes * math.prod(shape) for shape in shapes)
+    if rec.ends_state_bytes is not None and rec.by_shape:
+        total += sum(rec.ends_state_bytes * math.prod(shape) - rec.by_shape(shape) for shape in ends)
+    return float(total)
 
 
 def optimizer_kind(cfg: Config) -> str:

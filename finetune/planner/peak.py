@@ -26,7 +26,7 @@ from finetune.methods.base import SCORED, Sampling
 from finetune.methods.distill import teacher_dir
 from finetune.planner.activations import Activations, activation_bytes, dtypes, tower_bytes
 from finetune.planner.counts import (CPU_OVERHEAD_BYTES, GIB, GPU_OVERHEAD_BYTES, Counts, architecture, attention_kernel,
-                                     count_params, engine_state_bytes, module_bytes, moe_notes, optimizer_kind, state_bytes,
+                                     count_params, end_shapes, engine_state_bytes, module_bytes, moe_notes, optimizer_kind, state_bytes,
                                      trainable_shapes, trainable_split)
 from finetune.planner.terms import States, Work
 
@@ -228,7 +228,7 @@ def model_states(arch: Arch, cfg: Config, counts: Counts, on_gpu: bool, notes: l
     w, g, k = s.bytes_per_param
     s.weights, s.grads, s.opt = w * s.trainable, g * s.trainable, k * s.trainable
     if optimizers.record(cfg.optim.name).by_shape:  # by tensor shape, not per parameter (ZeRO's partitions replace it)
-        s.opt = state_bytes(trainable_shapes(arch, cfg), cfg.optim.name)
+        s.opt = state_bytes(trainable_shapes(arch, cfg), cfg.optim.name, end_shapes(arch, cfg))
     s.frozen = counts.frozen * counts.frozen_bytes_per_param
     for rec in layouts_of(cfg):
         if rec.states is not None:

@@ -59,7 +59,7 @@ def add_metrics(total: dict[str, float], sums: dict[str, Any]) -> None:
 
 
 def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, kahan: bool | None = None,
-                    drop_empty: bool = False, fast: Collection[int] = ()) -> torch.optim.Optimizer:
+                    drop_empty: bool = False, fast: Collection[int] = (), ends: Collection[int] = ()) -> torch.optim.Optimizer:
     """The torch optimizer `optim.name` names (its record's builder, finetune/optimizers/), over `param_groups`
     (no decay on 1-D tensors).
 
@@ -75,12 +75,18 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, kahan: b
 
     drop_empty: leave out a parameter group with no parameters (the mesh engine's checkpoints need it).
     fast: ids of the LoRA B matrices (`lora_b`), which learn at optim.lr x optim.loraplus_lr_ratio when it is set (LoRA+).
+    ends: ids of the input embeddings' and output layer's weights (`end_weights`): an optimizer whose record keeps them
+    apart (muon: AdamW for them, Muon for the hidden matrices) gets them in groups marked `end`.
     kahan (precision=bf16_pure, bf16 parameters): not None selects optimi's class of the record (`pure`), the same
     update as torch's, with the states in the parameters' dtype and, when True, Kahan-compensated addition of
     each update (a bf16 compensation buffer per parameter).
     """
     rec = optimizers.record(cfg.name)
     groups = param_groups(params, cfg.weight_decay, fast=fast, fast_lr=loraplus_lr(cfg))
+    if rec.ends_state_bytes is not None:
+        groups = [part for g in groups for part in ({**g, "params": [p for p in g["params"] if id(p) not in ends]},
+                                                    {**g, "params": [p for p in g["params"] if id(p) in ends], "end": True})
+                  if part["params"]]
     if drop_empty:  # DCP's flattened optimizer state cannot load a group without parameters (LoRA: no 1-D ones)
         groups = [g for g in groups if g["params"]] or groups[:1]
     if kahan is not None:
@@ -201,6 +207,12 @@ def loraplus_lr(cfg: OptimConfig) -> float | None:
     return cfg.lr * cfg.loraplus_lr_ratio if cfg.loraplus_lr_ratio else None
 
 
+def end_weights(model: torch.nn.Module) -> set[int]:
+    """ids of the input embeddings' and the output layer's weights (what Muon leaves to AdamW)."""
+    layers = (getattr(model, name, lambda: None)() for name in ("get_input_embeddings", "get_output_embeddings"))
+    return {id(layer.weight) for layer in layers if getattr(layer, "weight", None) is not None}
+
+
 LORA_B = ("lora_B", "lora_embedding_B")
 """PEFT's names of the adapters' B matrices (linear and embedding adapters), the ones LoRA+ speeds up."""
 
@@ -220,10 +232,11 @@ class InBackward:
     rate to the per-parameter optimizers before each backward. The gradient norm is summed in the hooks
     (reported, not clipped: a global norm is known only after every parameter has stepped)."""
 
-    def __init__(self, params: list[torch.nn.Parameter], cfg: OptimConfig, kahan: bool | None, fast: Collection[int] = ()) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], cfg: OptimConfig, kahan: bool | None, fast: Collection[int] = (),
+                 ends: Collection[int] = ()) -> None:
         self.params = params
-        self.lead = build_optimizer(params, cfg, kahan, fast=fast)
-        self.optimizers = [build_optimizer([p], cfg, kahan, fast=fast) for p in params]
+        self.lead = build_optimizer(params, cfg, kahan, fast=fast, ends=ends)
+        self.optimizers = [build_optimizer([p], cfg, kahan, fast=fast, ends=ends) for p in params]
         self.peak = cfg.lr  # each optimizer's groups keep their own peak (LoRA+): begin() scales them all alike
         self.peaks = [[g["lr"] for g in opt.param_groups] for opt in self.optimizers]
         self.handles: list[Any] = []

@@ -16,7 +16,7 @@ from finetune.data.images import save_tokenizer
 from finetune.config import Config, ConfigError, OptimConfig, Precision, PrecisionConfig, Strategy
 from finetune.families.vision import parts
 from finetune.rank.dist import Dist
-from finetune.rank.engine.common import (InBackward, StepResult, add_metrics, autocast_dtype, build_optimizer, build_scheduler, lora_b, no_deepspeed_probe,
+from finetune.rank.engine.common import (InBackward, StepResult, add_metrics, autocast_dtype, build_optimizer, build_scheduler, end_weights, lora_b, no_deepspeed_probe,
                                     to_bf16)
 
 Objective = Callable[[Any, dict[str, torch.Tensor]], Any]
@@ -52,8 +52,9 @@ class TorchEngine:
         self.max_grad_norm = optim.max_grad_norm
         kahan = precision.kahan_sum if pure else None
         fast = lora_b(self.module)  # LoRA+'s B matrices (their own rate with optim.loraplus_lr_ratio)
-        self.in_backward = InBackward(self.params, optim, kahan, fast) if optim.in_backward else None
-        self.optimizer = self.in_backward.lead if self.in_backward else build_optimizer(self.params, optim, kahan, fast=fast)
+        ends = end_weights(self.module)  # the embeddings and output layer (optim=muon leaves them to AdamW)
+        self.in_backward = InBackward(self.params, optim, kahan, fast, ends) if optim.in_backward else None
+        self.optimizer = self.in_backward.lead if self.in_backward else build_optimizer(self.params, optim, kahan, fast=fast, ends=ends)
         self.scheduler = build_scheduler(self.optimizer, optim, max_steps)
         self.dtype = autocast_dtype(precision.name)
         self.scaler = None

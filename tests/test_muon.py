@@ -1,0 +1,93 @@
+"""optim=muon (finetune/optimizers/muon.py): torch.optim.Muon on the hidden 2-D matrices and torch.optim.AdamW on the
+rest, as one optimizer: which tensor goes where, two steps of the whole rank equal to a plain loop with torch's two
+optimizers, a resume equal to the uninterrupted run, the planner's state bytes equal to what the optimizer holds, and the
+layouts it refuses in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from finetune import optimizers
+from finetune.config import ConfigError
+from finetune.planner.peak import plan
+from finetune.rank import engine
+from finetune.rank.dist import Dist
+
+from conftest import read_metrics, record_steps, replay, tiny_model, train_here
+
+CPU = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+FEW = ["optim=muon", "train.max_steps=2", "train.global_batch_size=8", "train.micro_batch_size=4", "train.eval_every=0",
+       "data.eval_size=0", "data.eval=null", "train.exact_match_samples=0", "train.memory_report=false", "optim.lr=3e-3",
+       "optim.weight_decay=0.01", "optim.scheduler=constant", "optim.warmup_steps=0", "optim.max_grad_norm=null"]
+
+
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(compose):
+    cfg = compose(["optim=muon"])
+    net, _ = tiny_model()
+    opt = engine.build(cfg, net, CPU).optimizer
+    names = {id(p): n for n, p in net.named_parameters()}
+    muon = {names[id(p)] for g in opt.param_groups if g["muon"] for p in g["params"]}
+    adamw = {names[id(p)] for g in opt.param_groups if not g["muon"] for p in g["params"]}
+    assert muon == {n for n, p in net.named_parameters() if p.ndim == 2 and "embed" not in n and "lm_head" not in n}
+    assert muon and all(n.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj") for n in muon)
+    assert adamw == set(names.values()) - muon and {"model.embed_tokens.weight", "model.norm.weight"} <= adamw
+    assert [type(p).__name__ for p in opt.parts] == ["Muon", "AdamW"] and cfg.optim.momentum == 0.95
+    assert all(g["adjust_lr_fn"] == "match_rms_adamw" for g in opt.parts[0].param_groups)
+
+
+def test_two_steps_equal_torchs_muon_and_adamw_in_a_plain_loop(tmp_path, monkeypatch):
+    """The whole rank (train_here) against a plain loop over the same initial weights and micro-batches: torch's Muon
+    (nesterov, momentum 0.95, match_rms_adamw) on the hidden matrices, torch's AdamW on the rest, decay on the matrices."""
+    seen = record_steps(monkeypatch)
+    train_here(FEW, tmp_path)
+    ran = [m["loss"] for m in read_metrics(tmp_path) if m["kind"] == "train"]
+    net = seen["net"].train()
+    ends = {id(net.get_input_embeddings().weight), id(net.get_output_embeddings().weight)}
+    hidden = [p for p in net.parameters() if p.ndim == 2 and id(p) not in ends]
+    rest = [p for p in net.parameters() if not (p.ndim == 2 and id(p) not in ends)]
+    muon = torch.optim.Muon(hidden, lr=3e-3, weight_decay=0.01, momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw")
+    adamw = torch.optim.AdamW([{"params": [p for p in rest if p.ndim >= 2], "weight_decay": 0.01},
+                               {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0}], lr=3e-3)
+    plain = replay(seen, lambda: (muon.step(), adamw.step()))
+    assert len(ran) == 2 and ran[1] != ran[0]
+    assert ran == pytest.approx(plain, rel=1e-6)
+
+
+def test_a_resume_gives_the_uninterrupted_losses(tmp_path):
+    """Both parts' states (Muon's momentum buffers, AdamW's moments) are one state_dict, saved and loaded: 2 steps, then
+    2 more from the checkpoint, equal 4 steps."""
+    common = [o for o in FEW if not o.startswith("train.max_steps")]
+    train_here([*common, "train.max_steps=4"], tmp_path / "whole")
+    train_here([*common, "train.max_steps=2", "train.save_every=2"], tmp_path / "first")
+    train_here([*common, "train.max_steps=4", f"train.resume={tmp_path / 'first/checkpoints/step_2'}"], tmp_path / "rest")
+    losses = lambda run: [m["loss"] for m in read_metrics(run) if m["kind"] == "train"]  # noqa: E731
+    assert losses(tmp_path / "rest")[-2:] == pytest.approx(losses(tmp_path / "whole")[-2:], rel=1e-6)
+
+
+def test_the_planner_counts_what_it_holds(compose):
+    """A momentum buffer (4 bytes) per hidden-matrix element, AdamW's two moments (8) on every other: the plan's state
+    equals the optimizer's state_dict after a step (its step counters aside: one 4-byte scalar per AdamW tensor)."""
+    cfg = compose(["optim=muon", "launcher.nproc_per_node=1", "parallelism=single"])
+    net, _ = tiny_model()
+    opt = engine.build(cfg, net, CPU).optimizer
+    for p in net.parameters():
+        p.grad = torch.full_like(p, 0.5)
+    opt.step()
+    counters = 4 * sum(len(g["params"]) for g in opt.param_groups if not g["muon"])
+    assert plan(cfg).optimizer == pytest.approx(optimizers.state_dict_bytes(opt) - counters, rel=1e-6)
+    adamw = plan(compose(["optim=adamw", "launcher.nproc_per_node=1", "parallelism=single"])).optimizer
+    assert plan(cfg).optimizer < 0.7 * adamw
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["parallelism=fsdp", "launcher.nproc_per_node=2"],
+     "optim=muon with parallelism=fsdp: it runs on the torch engine only (parallelism=single or ddp), its state unsharded: use "
+     "optim=muon with parallelism=single or ddp, or a built-in optimizer (adamw, adam, sgd, adamw_8bit, adafactor) with "
+     "parallelism=fsdp"),
+    (["zero=stage2"], "optim=muon with zero.stage=2: DeepSpeed builds its own optimizer from the JSON"),
+])
+def test_refusals(compose, overrides, message):
+    with pytest.raises(ConfigError) as e:
+        compose(["optim=muon", *overrides])
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
