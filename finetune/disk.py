@@ -44,6 +44,39 @@ def check(cfg: Config) -> None:
         print(f"# {e} (a real launch on this machine would be refused)", flush=True)
 
 
+def hub_unreachable(key: str, repo: str) -> ConfigError | None:
+    """A hub id a real launch reads (`key`: model.path, model.tokenizer, method.teacher): None when this machine's Hugging
+    Face cache holds it or the hub answers a connection; else the refusal, said now rather than after huggingface_hub's
+    retries on every rank (about 50 s on a machine with no network). Behind a proxy huggingface_hub is left to try."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        snapshot_download(repo, local_files_only=True)
+        return None
+    except (LocalEntryNotFoundError, ValueError, OSError):
+        pass
+    if constants.HF_HUB_OFFLINE:
+        why = "HF_HUB_OFFLINE is set"
+    elif any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    else:
+        url = urlparse(constants.ENDPOINT)
+        where = (url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80))
+        try:
+            socket.create_connection(where, timeout=5).close()
+            return None
+        except OSError as e:
+            why = f"{where[0]}:{where[1]} cannot be reached from here ({e.strerror or e})"
+    return ConfigError(f"{key}={repo} is a hub id that is not in this machine's Hugging Face cache, and {why}: download it where "
+                       f"there is a network (hf download {repo} --local-dir DIR) and give {key}=DIR, or set HF_ENDPOINT to a "
+                       "mirror this machine reaches")
+
+
 def is_local(path: str) -> bool:
     """A local path rather than a hub id: it exists, or it is written as one (./, ../, /, ~)."""
     return path.startswith((".", "/", "~")) or Path(path).expanduser().exists()

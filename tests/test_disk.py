@@ -264,3 +264,23 @@ def test_a_killed_op_builds_lock_is_refused_naming_the_file(tmp_path, monkeypatc
                             f"every rank would wait for it forever: remove it (rm {lock}) and launch again, and DeepSpeed builds the "
                             "op anew")
     disk.check_device(compose(["parallelism=ddp", "launcher.nproc_per_node=2", "train.global_batch_size=32"]))  # the torch engine builds no op
+
+
+def test_a_hub_id_is_refused_at_once_where_it_is_neither_cached_nor_reachable(tmp_path, monkeypatch):
+    """A real launch's hub id: in the Hugging Face cache (a snapshot of it there), fine; not there and the hub unreachable
+    (HF_HUB_OFFLINE here; no network in CI, where huggingface_hub would retry for about 50 s), one line naming the key."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--org--cached" / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (cache / "models--org--cached" / "refs").mkdir()
+    (cache / "models--org--cached" / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert disk.hub_unreachable("model.path", "org/cached") is None
+    refusal = disk.hub_unreachable("method.teacher", "org/elsewhere")
+    assert str(refusal) == ("method.teacher=org/elsewhere is a hub id that is not in this machine's Hugging Face cache, and "
+                            "HF_HUB_OFFLINE is set: download it where there is a network (hf download org/elsewhere --local-dir "
+                            "DIR) and give method.teacher=DIR, or set HF_ENDPOINT to a mirror this machine reaches")

@@ -164,6 +164,7 @@ def _launch_once(dcfg: DictConfig, cfg: Config | None = None) -> float | None:
         benchmarks.check(cfg.train.eval_tasks, cfg.method.name, f"train.eval_tasks=[{','.join(cfg.train.eval_tasks)}]")
         make_model_first(cfg)
         disk.check(cfg)  # the model, tokenizer and device as files on this machine: one line now, not in each rank
+        check_hub(cfg)
     except ConfigError as e:
         raise TrialFailed(2, str(e)) from None
     picked = disk.attention(cfg, disk.has_gpu())  # what the ranks will run, and why (they decide again, on their device)
@@ -208,6 +209,18 @@ def _launch_once(dcfg: DictConfig, cfg: Config | None = None) -> float | None:
             print(f"[finetune] {said}", flush=True)
     loss = sweep.eval_loss(run_dir)
     return loss if loss is not None else float("inf")
+
+
+def check_hub(cfg: Config) -> None:
+    """A real launch's hub ids (model.path, model.tokenizer, a method's teacher, where not local paths): cached here, or
+    the hub reachable (finetune.disk.hub_unreachable); a dry run only previews and is not checked."""
+    if cfg.launcher.dry_run:
+        return
+    teacher = methods.get(cfg.method.name).teacher(cfg.method)
+    for key, where in (("model.path", cfg.model.path), ("model.tokenizer", cfg.model.tokenizer),
+                       ("method.teacher", teacher.where if teacher else None)):
+        if where is not None and not disk.is_local(where) and (refusal := disk.hub_unreachable(key, where)) is not None:
+            raise refusal
 
 
 def check_trackers(cfg: Config) -> None:
