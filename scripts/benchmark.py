@@ -30,6 +30,8 @@ STRATEGIES: dict[str, list[str]] = {
     "bf16 autocast": [*SINGLE, "precision=bf16"],
     "bf16 + compile": [*SINGLE, "precision=bf16", "train.compile=true"],  # no memory by category: the probe is off with it
     "bf16 + compile + Liger": [*SINGLE, "precision=bf16", "train.compile=true", "model.kernels=liger"],  # CUDA, the gpu extra
+    "fp8 tensorwise + compile": [*SINGLE, "precision=fp8", "train.compile=true"],  # CUDA 8.9+, the gpu extra (torchao)
+    "fp8 rowwise + compile": [*SINGLE, "precision=fp8", "precision.fp8=rowwise", "train.compile=true"],
     "full checkpointing": [*SINGLE, "checkpointing=full"],
     "selective checkpointing (every 2nd)": [*SINGLE, "checkpointing=selective"],
     "packing": [*SINGLE, "data.packing=true"],
@@ -41,7 +43,7 @@ STRATEGIES: dict[str, list[str]] = {
     "ZeRO-3 + CPU offload x2": ["zero=stage3_offload", "launcher.nproc_per_node=2", "zero.reduce_bucket_size=5000000"],
 }
 
-CUDA_ONLY = {"bf16 + compile + Liger"}
+CUDA_ONLY = {"bf16 + compile + Liger", "fp8 tensorwise + compile", "fp8 rowwise + compile"}
 """Rows whose kernels run on CUDA only: left out of the default set unless the runs are on CUDA (train.device=cuda)."""
 
 REALISTIC = ["model.init.vocab_size=32000", "model.init.max_position_embeddings=1024", "data.max_length=1024", "data.packing=true", "train.micro_batch_size=2",

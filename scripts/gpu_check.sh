@@ -3,7 +3,7 @@
 # Llama shape (random init, bf16, packed 2,048-token rows) for the strategies that matter on a GPU.
 # Writes OUT_DIR/{device.txt,tests.txt,benchmark.md,varlen.md,peers.md,peers_compiled.md} (default gpu_check/) and prints them.
 #   bash scripts/gpu_check.sh [OUT_DIR]
-# Needs the gpu extra for the flash-attn, fused-kernel and Liger rows: pip install -e ".[test,gpu]".
+# Needs the gpu extra for the flash-attn, fused-kernel, Liger and FP8 (torchao) rows: pip install -e ".[test,gpu]".
 # GRPO's vLLM test (tests/test_grpo.py) runs where vLLM is installed (pip install vllm: it brings the torch it was built
 # for, so install it in an environment of its own); without it that test is skipped and says so.
 set -euo pipefail
@@ -27,7 +27,7 @@ LLAMA_1B=(model.init.hidden_size=2048 model.init.num_hidden_layers=16 model.init
           model.init.max_position_embeddings=4096 data.max_length=2048 data.packing=true
           train.micro_batch_size=4 train.global_batch_size=4 train.device=cuda hardware=h100_80g)
 "$PY" scripts/benchmark.py --steps 30 --out "$OUT/benchmark.md" --dry-runs 0 \
-  --only "bf16 autocast" "bf16 + compile" "bf16 + compile + Liger" "full checkpointing" "LoRA r=16" "QLoRA r=16 (NF4)" --extra "${LLAMA_1B[@]}"
+  --only "bf16 autocast" "bf16 + compile" "bf16 + compile + Liger" "fp8 tensorwise + compile" "fp8 rowwise + compile" "full checkpointing" "LoRA r=16" "QLoRA r=16 (NF4)" --extra "${LLAMA_1B[@]}"
 cat "$OUT/benchmark.md"
 # 3. Rows of several samples at 1k, 4k and 8k tokens: transformers' mask against attention per sample (sdpa) and
 #    flash-attn's variable-length kernel, at the 1B shape's width (4 layers).

@@ -39,6 +39,11 @@ class Precision(str, Enum, metaclass=Spelled):
     bf16_pure = "bf16_pure"
 
 
+class Fp8Scaling(str, Enum, metaclass=Spelled):
+    tensorwise = "tensorwise"
+    rowwise = "rowwise"
+
+
 class Offload(str, Enum, metaclass=Spelled):
     none = "none"
     cpu = "cpu"
@@ -255,6 +260,11 @@ class PrecisionConfig:
     """fp16: the loss scale starts at 2**initial_scale_power."""
     loss_scale_window: int = checked(at_least(1), 1000)
     """fp16: steps without overflow before the scale doubles (it halves on every overflow)."""
+    fp8: Fp8Scaling | None = None
+    """bf16 only (precision=fp8 sets it): the linear layers' matmuls in FP8 (torchao's float8 training, finetune.rank.fp8)
+    with tensorwise or rowwise scaling, the rest of the model in bf16 autocast; the output layer and layers whose sizes
+    are not multiples of 16 stay bf16. Weights, gradients and optimizer states keep precision=bf16's dtypes. An NVIDIA
+    GPU of compute capability 8.9 or newer (L4, RTX 4090, H100, H200, B200)."""
 
 
 @dataclass

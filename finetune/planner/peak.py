@@ -132,6 +132,9 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
     counts = count_params(arch, cfg)
     on_gpu = cfg.hardware.gpu_memory_gib > 0  # without a GPU, offloading to CPU RAM moves nothing: it stays counted per rank
     notes = model_notes(arch, cfg)
+    if cfg.precision.fp8 is not None:
+        notes.append("precision=fp8: weights, gradients and optimizer states as precision=bf16's (torchao keeps the weights in "
+                     "their dtype); activations counted in bf16, an upper bound (the float8 layers save some inputs in FP8)")
     s = model_states(arch, cfg, counts, on_gpu, notes)
     policy = s.weights  # one copy of the policy's weights on this rank (a background sampler holds another)
     s.weights += reference_weights(arch, cfg, s, notes)

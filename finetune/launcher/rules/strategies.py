@@ -23,7 +23,7 @@ def validate_strategies(cfg: Config) -> None:
         _unused(peft, "peft", ("name",), "with peft=none")
     elif peft.name != PeftMethod.qlora:
         _unused(peft, "peft", ("name", "r", "alpha", "dropout", "target_modules", "modules_to_save", "use_rslora", "init"), f"with peft={peft.name.value} (only with qlora)")
-    own = {Precision.fp16: ("initial_scale_power", "loss_scale_window"), Precision.bf16_pure: ("kahan_sum",)}
+    own = {Precision.fp16: ("initial_scale_power", "loss_scale_window"), Precision.bf16_pure: ("kahan_sum",), Precision.bf16: ("fp8",)}
     for owner, keys in own.items():  # each precision's own keys, refused under the others
         if owner != cfg.precision.name:
             _unused(cfg.precision, "precision", tuple(f.name for f in fields(cfg.precision) if f.name not in keys),
@@ -33,6 +33,7 @@ def validate_strategies(cfg: Config) -> None:
     if cfg.logits.kernel == LogitsKernel.cce and cfg.train.device == Device.cpu:
         raise ConfigError("logits.kernel=cce with train.device=cpu: cut-cross-entropy's kernels are Triton, CUDA only: use "
                           "logits.kernel=torch (or auto) on CPU")
+    validate_fp8(cfg)
     arch = model_config(cfg.model)
     validate_liger(cfg, arch)
     if cfg.parallelism.pp > 1 and arch is not None and arch.get("output_router_logits") is True:
@@ -54,6 +55,25 @@ def validate_strategies(cfg: Config) -> None:
             "peft=qlora under zero=stage3 stores the 4-bit weights in the compute dtype so DeepSpeed can shard them: "
             "use precision=bf16 or fp16"
         )
+
+
+def validate_fp8(cfg: Config) -> None:
+    """precision=fp8 (finetune.rank.fp8): an NVIDIA GPU (the ranks check its compute capability), full fine-tuning on the
+    torch engine or FSDP2; the rest is not built."""
+    fp8 = cfg.precision.fp8
+    if fp8 is None:
+        return
+    said, p = f"precision=fp8 (precision.fp8={fp8.value})", cfg.parallelism
+    if cfg.train.device == Device.cpu:
+        raise ConfigError(f"{said} with train.device=cpu: FP8 matmuls need an NVIDIA GPU of compute capability 8.9 or newer (L4, "
+                          "RTX 4090, H100, H200, B200): use precision=bf16 on CPU")
+    blocked = (f"zero.stage={cfg.zero.stage}: DeepSpeed's engine casts the model and runs its own precision" if cfg.zero.enabled else
+               f"parallelism.tp={p.tp}: torchao's float8 tensor-parallel styles are not wired into the layouts" if p.tp > 1 else
+               f"parallelism.pp={p.pp}: the pipeline's stages are not converted" if p.pp > 1 else
+               f"peft={cfg.peft.name.value}: the adapters' base layers are not converted" if cfg.peft.name != PeftMethod.none else None)
+    if blocked:
+        raise ConfigError(f"{said} with {blocked}; use precision=fp8 with full fine-tuning on parallelism=single, ddp or fsdp, or "
+                          "precision=bf16")
 
 
 def validate_liger(cfg: Config, arch: dict[str, Any] | None) -> None:
