@@ -209,7 +209,7 @@ def test_a_swept_value_that_no_trial_accepts_is_refused_before_any_trial(tmp_pat
     assert (out.returncode, out.stderr.strip()) == (2, "error: train.max_steps=0 must be at least 1")
     assert not d.exists()
     out = run_cli("-m", "+recipe=quickstart_sft", "optim=adamw,adamm", f"hydra.sweep.dir={d}", cwd=tmp_path, timeout=60)
-    assert (out.returncode, out.stderr.strip()) == (2, "error: unknown optim option 'adamm' (did you mean 'adam'?); available: adafactor, adam, adamw, adamw_8bit, momentum, sgd")
+    assert (out.returncode, out.stderr.strip()) == (2, "error: unknown optim option 'adamm' (did you mean 'adam'?); available: adafactor, adam, adamw, adamw_8bit, momentum, muon, sgd")
     assert not d.exists()
 
 
