@@ -32,6 +32,7 @@ def test_every_linear_but_the_output_layer_and_odd_sizes_is_converted():
         "fp8: 4 linear layers in FP8 (tensorwise scaling), 4 in bf16: model.layers.0.mlp.gate_proj, model.layers.0.mlp.up_proj "
         "(64 x 100, not multiples of 16); model.layers.0.mlp.down_proj (100 x 64, not multiples of 16); lm_head (the output layer)")
 
+
 def test_a_rank_without_fp8_matmuls_refuses_in_one_line():
     net, _ = tiny_model()
     with pytest.raises(ConfigError) as e:

@@ -258,7 +258,8 @@ def top_k(logits: torch.Tensor, cfg: DistillConfig) -> tuple[torch.Tensor, torch
     log-probs of those and of the tail bucket [N, K + 1], at the temperature."""
     import torch
 
-    top = logits.float().topk(cfg.teacher_topk or 1, -1).indices
+    assert cfg.teacher_topk is not None, "method.teacher_topk"
+    top = logits.float().topk(cfg.teacher_topk, -1).indices
     return top.to(torch.int32), buckets(logits, top, cfg.temperature)
 
 
@@ -268,7 +269,8 @@ def table_settings(cfg: DistillConfig) -> dict[str, Any]:
 
 
 class DISTILL:
-    """The distillation loss over a batch of SFT rows (`teacher`: finetune.rank.reference.Teacher)."""
+    """The distillation loss over a batch of SFT rows (`teacher`: finetune.rank.teacher.Teacher, or with method.teacher_topk
+    finetune.rank.topk.TopK)."""
 
     def __init__(self, cfg: DistillConfig, teacher: Any, router: Any = None, head: Any = None) -> None:
         self.cfg, self.teacher, self.router, self.head = cfg, teacher, router, head

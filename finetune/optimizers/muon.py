@@ -28,17 +28,17 @@ class MuonWithAdamW(torch.optim.Optimizer):
             others = [p for p in g["params"] if not (p.ndim == 2 and not g.get("end"))]
             hidden += [{**g, "params": matrices, "muon": True}] if matrices else []
             rest += [{**g, "params": others, "muon": False}] if others else []
-        self.parts: list[torch.optim.Optimizer] = []
+        self.parts: dict[bool, torch.optim.Optimizer] = {}  # by the groups' `muon` flag
         if hidden:
-            self.parts.append(torch.optim.Muon(hidden, lr=lr, momentum=momentum, nesterov=True, adjust_lr_fn="match_rms_adamw"))
+            self.parts[True] = torch.optim.Muon(hidden, lr=lr, momentum=momentum, nesterov=True, adjust_lr_fn="match_rms_adamw")
         if rest:
-            self.parts.append(torch.optim.AdamW(rest, lr=lr, betas=betas, eps=eps))
-        super().__init__([g for part in self.parts for g in part.param_groups], {})
+            self.parts[False] = torch.optim.AdamW(rest, lr=lr, betas=betas, eps=eps)
+        super().__init__([g for part in self.parts.values() for g in part.param_groups], {})
         self._link()
 
     def _link(self) -> None:
         """Each part's groups are this optimizer's (the schedule's rates reach them) and its state this one's."""
-        for part, muon in zip(self.parts, (True, False) if len(self.parts) == 2 else (self.param_groups[0]["muon"],)):
+        for muon, part in self.parts.items():
             part.param_groups = [g for g in self.param_groups if g["muon"] == muon]
             part.state = self.state
 
@@ -52,6 +52,6 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for part in self.parts:
+        for part in self.parts.values():
             part.step()
         return loss
