@@ -61,8 +61,8 @@ REWARD = "peers_rl:reward"  # our method.rewards entry: this module's function (
 PROMPTS = "prompts.jsonl"  # in each run's directory: what the reward was given, call by call
 BETA = 0.1  # DPO's (both frameworks' default)
 GRPO = bp.Race([("ours", "grpo"), ("trl", "grpo")], {"ours": "ours (finetune)", "trl": "TRL GRPOTrainer"}, "trl", "TRL")
-DPO = bp.Race([(f, m) for m in ("precomputed", "live") for f in ("ours", "trl")], {"ours": "ours (finetune)", "trl": "TRL DPOTrainer"},
-              "trl", "TRL")
+DPO = bp.Race([(f, m) for m in ("precomputed", "live") for f in ("ours", "ours_padded", "trl")],
+              {"ours": "ours (finetune)", "ours_padded": "ours, data.padding_free=false", "trl": "TRL DPOTrainer"}, "trl", "TRL")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -214,13 +214,14 @@ def run_dpo(framework: str, reference: str, repeat: int, args: argparse.Namespac
     """One DPO run: its step lines (elapsed_s, non-pad tokens, loss)."""
     out = root / f"{framework}_{reference}_{repeat}"
     out.mkdir()
-    if framework == "ours":
-        cmd = [sys.executable, "-m", "finetune.launch", *dpo_overrides(args, root, reference), f"hydra.run.dir={out}"]
+    if framework in ("ours", "ours_padded"):
+        cmd = [sys.executable, "-m", "finetune.launch", *dpo_overrides(args, root, reference), f"hydra.run.dir={out}",
+               *(["data.padding_free=false"] if framework == "ours_padded" else [])]
         steps_file = out / "metrics.jsonl"
     else:
         cmd, steps_file = bp.child(spec_of(framework, reference, args, root, out, beta=BETA)), out / "steps.jsonl"
     result = bp.timed(cmd, out, steps_file, env, args.steps, {"framework": framework, "mode": reference, "repeat": repeat})
-    if framework == "ours" and "steps" in result:
+    if framework in ("ours", "ours_padded") and "steps" in result:
         result["steps"] = bp.our_lines(result["steps"])
     return result
 

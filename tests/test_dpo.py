@@ -230,6 +230,39 @@ def test_one_step_raises_chosen_and_lowers_rejected_on_a_model(loss):
     assert chosen_gain.mean() > 0 > rejected_gain.mean()
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["logits-full", "logits-chunked"])
+@pytest.mark.parametrize("name", ["dpo", "orpo"])
+def test_padding_free_pairs_give_the_padded_loss_metrics_and_gradients(name, chunked):
+    """data.padding_free (the default for pairs): a micro-batch's chosen and rejected rows end to end in one row, each
+    attending only to itself, the log-probs summed per sample: the padded batch's loss, metrics and gradients."""
+    from finetune.data.batches import SAMPLES
+    from finetune.methods.orpo import ORPO, OrpoConfig
+    from finetune.rank.head import ChunkedHead
+
+    net, tok = tiny_model()
+    head = ChunkedHead(net, chunk_tokens=7) if chunked else None
+    padded, pairs = pairs_batch(tok, n=5)
+    flat = collate(pairs, tok.pad_token_id, flat=True)
+    assert flat["input_ids"].shape == (1, int(padded["attention_mask"].sum()))  # no padding
+    assert flat[SAMPLES][0].bincount().tolist() == padded["attention_mask"].sum(-1).tolist()  # one sample per padded row
+    with torch.no_grad():
+        start = sequence_logps(net, padded)[0]
+    assert torch.allclose(sequence_logps(net, flat)[0], start, rtol=1e-5, atol=1e-4)
+    flat["reference_logps"] = padded["reference_logps"] = start.double() + 0.1 * torch.arange(10)  # a reference that differs
+    objective = DPO(method(beta=0.1), head=head) if name == "dpo" else ORPO(OrpoConfig(), head=head, referenced=False)
+    results = []
+    for batch in (padded, flat):
+        net.zero_grad()
+        loss, metrics = objective(net, batch)
+        loss.backward()
+        results.append((loss.item(), {k: v.item() for k, v in metrics.items()}, [p.grad.clone() for p in net.parameters()],
+                        objective.count(batch)))
+    (loss_p, metrics_p, grads_p, count_p), (loss_f, metrics_f, grads_f, count_f) = results
+    assert count_p == count_f == 5
+    assert loss_f == pytest.approx(loss_p, rel=1e-5) and metrics_f == pytest.approx(metrics_p, rel=1e-4, abs=1e-5)
+    assert all(torch.allclose(f, p, rtol=1e-4, atol=1e-6) for f, p in zip(grads_f, grads_p))
+
+
 def test_sft_weight_adds_the_chosen_per_token_nll():
     net, tok = tiny_model()
     batch, pairs = pairs_batch(tok)

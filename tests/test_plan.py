@@ -169,11 +169,12 @@ def test_peft_and_dpo(compose, llama70b):
     assert qlora.total < lora.total < full.total
 
     dpo = ["data=quickstart_dpo", "method=dpo", "hardware=h100_80g", "train.micro_batch_size=4", "train.global_batch_size=32"]
-    sft = plan(compose(["hardware=h100_80g", "train.micro_batch_size=4", "train.global_batch_size=32", "data.padding_free=false"]))
-    pre = plan(compose(dpo))
-    live = plan(compose([*dpo, "method.reference=live"]))
-    assert pre.activations == pytest.approx(2 * sft.activations) and pre.weights == sft.weights
-    assert live.weights == pytest.approx(2 * sft.weights)
+    for free in ("null", "false"):  # padding-free (each sample attended alone: no mask) and padded, for both methods
+        sft = plan(compose(["hardware=h100_80g", "train.micro_batch_size=4", "train.global_batch_size=32", f"data.padding_free={free}"]))
+        pre = plan(compose([*dpo, f"data.padding_free={free}"]))
+        live = plan(compose([*dpo, "method.reference=live", f"data.padding_free={free}"]))
+        assert pre.activations == pytest.approx(2 * sft.activations) and pre.weights == sft.weights
+        assert live.weights == pytest.approx(2 * sft.weights)
 
 
 def test_cli_fits_and_does_not_fit(tmp_path, llama70b):

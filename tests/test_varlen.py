@@ -179,17 +179,18 @@ def test_train_batches_lay_a_micro_batch_end_to_end():
     ([], True, "auto"),
     (["data.padding_free=false"], False, "data.padding_free=false"),
     (["train.micro_batch_size=1"], False, "padded: one row per micro-batch has no padding"),
-    (["+recipe=quickstart_dpo"], False, "padded: method=dpo scores chosen and rejected as rows of their own"),
+    (["+recipe=quickstart_dpo"], True, "auto"),  # a pair's rows end to end, summed per sample
+    (["+recipe=quickstart_kto"], False, "padded: method=kto scores each response's whole log-probability in a row of its own"),
 ])
 def test_auto_pads_where_padding_free_does_not_apply_and_says_why(compose, overrides, on, why):
     from finetune.data.rows import padding_free
 
-    base = [] if overrides[:1] == ["+recipe=quickstart_dpo"] else ["+recipe=quickstart_sft"]
+    base = [] if overrides[:1] and overrides[0].startswith("+recipe=") else ["+recipe=quickstart_sft"]
     assert padding_free(compose([*base, *overrides])) == (on, why)
 
 
 @pytest.mark.parametrize(("overrides", "why"), [
-    (["+recipe=quickstart_dpo"], "method=dpo scores chosen and rejected as rows of their own"),
+    (["+recipe=quickstart_kto"], "method=kto scores each response's whole log-probability in a row of its own"),
     (["+recipe=quickstart_sft", "parallelism=fsdp", "parallelism.pp=2", "launcher.nproc_per_node=2"],
      "parallelism.pp=2 sends every micro-batch through the stages at one shape (data.max_length)"),
 ])

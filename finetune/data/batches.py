@@ -20,6 +20,10 @@ if TYPE_CHECKING:
     import torch
 
 
+SAMPLES = "sample_index"
+"""A padding-free batch of items' rows: [1, T], the index of the sample each token belongs to (0 .. rows - 1)."""
+
+
 def collate(examples: list[Any], pad_id: int, width: int | None = None, flat: bool = False,
             pictures: Any = None, blank: bool = True) -> dict[str, torch.Tensor]:
     """Right-pad to the longest example; padding carries no loss. `flat`: the examples end to end in one row
@@ -40,7 +44,10 @@ def collate(examples: list[Any], pad_id: int, width: int | None = None, flat: bo
 
     if not isinstance(examples[0], Example):  # an Item (finetune.methods.base): its rows and the values they carry
         rows, n = range(len(examples[0].rows)), len(examples)
-        batch = collate([e.rows[k] for k in rows for e in examples], pad_id, width, pictures=pictures, blank=False)
+        ordered = [e.rows[k] for k in rows for e in examples]
+        if flat:
+            return valued(flat_samples(ordered), examples, rows)
+        batch = collate(ordered, pad_id, width, pictures=pictures, blank=False)
         shown = [[list(e.rows[k].images) for e in examples] for k in rows]  # each row group's images
         empty = [k for k in rows if not any(shown[k])]
         if pictures is not None and pictures.everywhere and empty:  # every group's forward runs the vision tower: the
@@ -52,10 +59,7 @@ def collate(examples: list[Any], pad_id: int, width: int | None = None, flat: bo
             for k in rows:                                                    # that forwards them apart (images.apart)
                 ids = batch["input_ids"][k * n : (k + 1) * n]
                 batch |= {f"{APART}{k}.{name}": v for name, v in pictures.batch(shown[k], ids).items()}
-        values = [e.values() for e in examples]
-        for name in values[0]:
-            batch[name] = torch.tensor([v[name][k] for k in rows for v in values], dtype=torch.float64)
-        return batch
+        return valued(batch, examples, rows)
     if flat:
         return with_images(flat_row(examples), [[im for e in examples for im in e.images]], pictures, pad_id, blank)
     width = width or max(len(e.input_ids) for e in examples)
@@ -77,6 +81,27 @@ def collate(examples: list[Any], pad_id: int, width: int | None = None, flat: bo
         batch["position_ids"] = pos
         labels[starts(pos)] = IGNORE  # a sample's first token is predicted by the sample before's last: no loss
     return with_images(batch, [list(e.images) for e in examples], pictures, pad_id, blank)
+
+
+def valued(batch: dict[str, Any], items: list[Any], rows: range) -> dict[str, Any]:
+    """`batch` with the values items carry (a precomputed reference's log-probs), float64, in the rows' order."""
+    import torch
+
+    values = [e.values() for e in items]
+    for name in values[0]:
+        batch[name] = torch.tensor([v[name][k] for k in rows for v in values], dtype=torch.float64)
+    return batch
+
+
+def flat_samples(rows: list[Example]) -> dict[str, torch.Tensor]:
+    """Padding-free rows of items (a preference pair's chosen and rejected): `rows` end to end in one row, as
+    `flat_row` lays SFT's, and SAMPLES saying which of them each token is, so a method sums per sample what it
+    sums per row in a padded batch (finetune.methods.losses.row_sums)."""
+    if any(e.images for e in rows):
+        raise ValueError("padding-free rows of pairs with images are not built: set data.padding_free=false")
+    batch = flat_row(rows)
+    batch[SAMPLES] = starts(batch["position_ids"]).long().cumsum(-1) - 1
+    return batch
 
 
 def with_images(batch: dict[str, Any], images: list[list[Any]], pictures: Any, pad_id: int, blank: bool) -> dict[str, Any]:

@@ -8,6 +8,13 @@ from finetune import methods
 from finetune.config import Config, ConfigError
 
 
+def vision_model(cfg: Config) -> bool:
+    """Whether the run trains a vision-language model, as its local config.json names its class."""
+    from finetune.disk import local_vision
+
+    return local_vision(cfg.model) is not None
+
+
 def vision_unpacked(cfg: Config) -> str | None:
     """Why the run's vision-language model cannot hold several samples in a row (`unpacked`), as its local config.json
     names its class; None for a text model, or one whose samples each attend alone."""
@@ -50,7 +57,10 @@ def padding_free(cfg: Config) -> tuple[bool, str]:
     """(whether the training micro-batches are padding-free, why): data.padding_free, null resolved."""
     asked = cfg.data.padding_free
     p = cfg.parallelism
-    why_not = methods.get(cfg.method.name).unpacked or (
+    record = methods.get(cfg.method.name)
+    why_not = record.padded or (
+        f"method={record.name}'s rows with images are padded (each row group's image inputs apart)"
+        if record.rows_per_example > 1 and vision_model(cfg) else None) or (
         f"parallelism.pp={p.pp} sends every micro-batch through the stages at one shape (data.max_length)" if p.pp > 1 else
         f"parallelism.cp={p.cp} splits each row's tokens over ranks and masks the whole row" if p.cp > 1 else
         vision_unpacked(cfg))

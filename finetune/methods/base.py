@@ -186,6 +186,10 @@ class Method(Protocol):
     """None: its examples may be packed (data.packing) and laid end to end (data.padding_free). Else why not,
     as the refusal says it ("method=dpo scores chosen and rejected as rows of their own")."""
 
+    padded: str | None
+    """None: its micro-batches may lay their rows end to end, each attending only to itself (data.padding_free; a pair's
+    rows summed per sample). Else why not, as the refusal says it."""
+
     split_tokens: str | None
     """None: its loss is a sum over tokens, which context parallel (parallelism.cp) splits over ranks. Else why
     it cannot, and what to do instead, after "method=NAME with parallelism.cp=N is not supported: "."""

@@ -2,7 +2,9 @@
 
 Data: preference rows, (prompt, chosen, rejected) (finetune.data.forms.to_pair), each a `Pair` of two rows
 that share the prompt; only the final response carries labels. A batch of B pairs is B chosen rows, then B
-rejected rows, so one forward scores both; the rows are never packed nor laid end to end. The loss compares
+rejected rows, so one forward scores both: padded, or padding-free (data.padding_free's default) laid end to end in
+one row, each attending only to itself, the log-probs summed per sample (finetune.methods.losses.row_sums); never
+packed (a pair's rows would be split over packed rows). The loss compares
 each response's summed log-probability with a reference model's (finetune.rank.reference computes them:
 precomputed, live or adapter_disabled); simpo needs none.
 """
@@ -72,6 +74,7 @@ class Dpo:
     rows_per_example = 2
     no_grad_rows = 0
     unpacked = "method=dpo scores chosen and rejected as rows of their own"
+    padded = None  # padding-free: a micro-batch's chosen and rejected rows end to end in one (finetune.data.batches.flat_samples)
     split_tokens = ("the DPO loss needs each response's whole log-probability before it is computed, and each rank holds a "
                     "slice of the tokens; use parallelism.cp=1 (with checkpointing=full and logits=chunked for long pairs)")
     scalars = ()
@@ -161,11 +164,15 @@ class PairLoss:
         self.metrics = self.metric_names + ((router.metric,) if router else ())
 
     def count(self, batch: dict[str, torch.Tensor]) -> int:
-        return batch["input_ids"].shape[0] // 2
+        from finetune.data.batches import SAMPLES
+
+        samples = batch.get(SAMPLES)  # padding-free: the rows end to end in one
+        return (batch["input_ids"].shape[0] if samples is None else int(samples[0, -1]) + 1) // 2
 
     def __call__(self, model: Any, batch: dict[str, torch.Tensor]) -> Output:
         import torch
 
+        from finetune.data.batches import SAMPLES
         from finetune.methods.losses import forward_aux, tie
 
         reference = None  # precomputed ones travel in the batch: `loss` reads them there
@@ -175,7 +182,7 @@ class PairLoss:
             with torch.no_grad():  # before the policy's forward: nothing of it is kept for backward
                 reference = self.reference(model, batch).float()
         if self.head is not None:  # logits=chunked: the output layer leaves the label log-probs
-            with self.head.labelled(batch["labels"]):
+            with self.head.labelled(batch["labels"], samples=batch.get(SAMPLES)):
                 logits, aux = forward_aux(model, batch, self.router is not None)
             loss, metrics = self.pairs(*self.head.take(), batch, reference)
             loss = loss + tie(logits)
@@ -187,9 +194,10 @@ class PairLoss:
     def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor], reference: torch.Tensor | None = None) -> Output:
         """The loss from logits (what a pipeline's last stage computes; reference log-probs from
         `reference` or the batch)."""
+        from finetune.data.batches import SAMPLES
         from finetune.methods.losses import logits_logps
 
-        return self.pairs(*logits_logps(logits, batch["labels"]), batch, reference)
+        return self.pairs(*logits_logps(logits, batch["labels"], batch.get(SAMPLES)), batch, reference)
 
     def rows_loss(self, logps: torch.Tensor, batch: dict[str, torch.Tensor]) -> Output:
         """The loss from each row's summed label log-probs (a pipeline's last stage under logits=chunked; the

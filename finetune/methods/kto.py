@@ -94,6 +94,7 @@ class Kto:
     rows_per_example = 2  # the row, then its mismatched row
     no_grad_rows = 1  # the mismatched row: forwarded without gradients (a pipeline keeps it)
     unpacked = "method=kto scores each response's whole log-probability in a row of its own"
+    padded = unpacked
     split_tokens = ("the KTO loss needs each response's whole log-probability before it is computed, and each rank holds a "
                     "slice of the tokens; use parallelism.cp=1 (with checkpointing=full and logits=chunked for long rows)")
     scalars = ("desirable",)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from finetune.data.batches import SAMPLES
 from finetune.data.images import seen
 from finetune.data.tokenize import IGNORE
 
@@ -59,11 +60,23 @@ def router_loss(config: Any) -> RouterLoss | None:
 
 def sequence_logps(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row log-probability of the labelled tokens (summed, fp32) and how many there are."""
-    return logits_logps(forward(model, batch), batch["labels"])
+    return logits_logps(forward(model, batch), batch["labels"], batch.get(SAMPLES))
 
 
-def logits_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return logits_token_logps(logits, labels).sum(-1), (labels[:, 1:] != IGNORE).sum(-1)
+def logits_logps(logits: torch.Tensor, labels: torch.Tensor, samples: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's summed label log-probs and labelled tokens; with `samples` (a padding-free batch's SAMPLES), each
+    sample's instead."""
+    return (row_sums(logits_token_logps(logits, labels), samples),
+            row_sums((labels[:, 1:] != IGNORE).long(), samples))
+
+
+def row_sums(values: torch.Tensor, samples: torch.Tensor | None) -> torch.Tensor:
+    """Per-position values [B, T - 1] (position t predicts label t + 1) summed per row, or with `samples` per sample of a
+    padding-free batch (finetune.data.batches.SAMPLES: which sample each token is), in the samples' order."""
+    if samples is None:
+        return values.sum(-1)
+    owner = samples[:, 1:].reshape(-1)  # the sample of label t + 1 (a sample's first token has none: IGNORE)
+    return values.new_zeros(int(samples[0, -1]) + 1).index_add(0, owner, values.reshape(-1))
 
 
 def logits_token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

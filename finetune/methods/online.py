@@ -113,6 +113,10 @@ class OnlineMethod:
         return f"method={self.name} samples each prompt's completions as rows of their own"
 
     @property
+    def padded(self) -> str:
+        return self.unpacked
+
+    @property
     def split_tokens(self) -> str:
         return (f"the {self.name.upper()} loss weighs each completion's tokens together, and each rank would hold a slice of them; "
                 "use parallelism.cp=1 (with checkpointing=full for long completions)")

@@ -52,6 +52,7 @@ class Reward:
     no_grad_rows = Dpo.no_grad_rows
     check_row, encode, join = Dpo.check_row, Dpo.encode, Dpo.join  # DPO's preference rows, read the same way (as method=reward)
     unpacked = "method=reward scores chosen and rejected each at its own last token, as rows of their own"
+    padded = unpacked
     split_tokens = ("a reward model scores each row at its last token, which only one rank's slice of the tokens holds; use "
                     "parallelism.cp=1 (with checkpointing=full for long pairs)")
     attached = False

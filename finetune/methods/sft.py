@@ -39,6 +39,7 @@ class Sft:
     rows_per_example = 1
     no_grad_rows = 0
     unpacked = None
+    padded = None
     split_tokens = None
     scalars = ()
     attached = False

@@ -126,6 +126,7 @@ class ChunkedHead:
         self.result: tuple[torch.Tensor, torch.Tensor] | None = None
         self.capture: list[torch.Tensor] | None = None
         self.chunk: Chunk | None = None
+        self.samples: torch.Tensor | None = None
         # a ZeRO-3 partition: each call of the layer gathers it (and so may reading its weight once the engine holds it)
         self.zero3 = hasattr(head.weight, "ds_id")
         self._forward = head.forward
@@ -150,10 +151,11 @@ class ChunkedHead:
         return hidden[..., :0]
 
     @contextlib.contextmanager
-    def labelled(self, labels: torch.Tensor, chunk: Chunk | None = None) -> Iterator[None]:
+    def labelled(self, labels: torch.Tensor, chunk: Chunk | None = None, samples: torch.Tensor | None = None) -> Iterator[None]:
         """Within: the model's next forward leaves the row log-probs of `labels` in `result`; with `chunk`, the row sums
-        of what it makes of each chunk instead (in torch chunks: the fused kernels compute label log-probs only)."""
-        self.labels, self.result, self.chunk = labels, None, chunk
+        of what it makes of each chunk instead (in torch chunks: the fused kernels compute label log-probs only); with
+        `samples` (a padding-free batch's finetune.data.batches.SAMPLES), the sums per sample rather than per row."""
+        self.labels, self.result, self.chunk, self.samples = labels, None, chunk, samples
         try:
             yield
         finally:
@@ -170,7 +172,9 @@ class ChunkedHead:
         """Position t predicts label t+1: only positions with a label go through the head, in chunks."""
         targets = labels[:, 1:]
         keep = targets != IGNORE
-        rows = keep.nonzero()[:, 0]
+        samples, self.samples = self.samples, None
+        rows = keep.nonzero()[:, 0] if samples is None else samples[:, 1:][keep]
+        count = labels.shape[0] if samples is None else int(samples[0, -1]) + 1
         selected, wanted = hidden[:, : labels.shape[1] - 1][keep], targets[keep]  # (objectives.predicting)
         chunk, self.chunk = self.chunk or ChunkedHead._labels_chunk, None
         starts = range(0, selected.shape[0], self.chunk_tokens)
@@ -187,11 +191,13 @@ class ChunkedHead:
             pad = hidden.reshape(-1, hidden.shape[-1])[:1] * 0
             zero = zero + checkpoint(ChunkedHead._labels_chunk, self, pad, torch.zeros(1, dtype=torch.long, device=hidden.device), 0,
                                      use_reentrant=False).sum() * 0
+        lengths = keep.sum(-1) if samples is None else torch.zeros(count, dtype=torch.long, device=hidden.device).index_add(
+            0, rows, torch.ones_like(rows))
         if not logps:  # no label in this micro-batch
-            return torch.zeros(labels.shape[0], dtype=torch.float32, device=hidden.device) + zero, keep.sum(-1)
+            return torch.zeros(count, dtype=torch.float32, device=hidden.device) + zero, lengths
         values = torch.cat(logps) + zero
-        sums = torch.zeros((labels.shape[0], *values.shape[1:]), dtype=torch.float32, device=hidden.device)
-        return sums.index_add(0, rows, values.float()), keep.sum(-1)
+        sums = torch.zeros((count, *values.shape[1:]), dtype=torch.float32, device=hidden.device)
+        return sums.index_add(0, rows, values.float()), lengths
 
     def _behind(self, calls: int, device: torch.device) -> int:
         """How many fewer output-layer calls this rank makes than the rank making most, where the layer's weight is a

@@ -23,7 +23,8 @@ import torch
 
 from finetune import methods
 from finetune.config import Config, ConfigError, Reference
-from finetune.data.batches import collate, shard
+from finetune.data.batches import SAMPLES, collate, shard
+from finetune.data.rows import padding_free
 from finetune.data.tokenize import rows_of
 from finetune.rank.engine.base import Engine
 from finetune.rank.dist import Dist
@@ -45,7 +46,7 @@ def setup(cfg: Config, *, engine: Engine, dist: Dist, splits: dict[str, list[Any
     if how == Reference.precomputed:
         saved = resume_from.parent.parent / FILE if resume_from is not None else None  # RUN_DIR/checkpoints/step_N
         precompute(engine, splits, dist=dist, path=run_dir / FILE, saved=saved, batch_size=cfg.train.eval_batch_size, pad_id=pad_id,
-                   method=method, pictures=pictures)
+                   method=method, pictures=pictures, flat=padding_free(cfg)[0])
         return None
     if how == Reference.live:
         with torch.random.fork_rng(devices=[]):  # loading re-seeds; training's random stream (dropout) stays as it was
@@ -69,10 +70,10 @@ def adapter_disabled(policy: Any, batch: dict[str, torch.Tensor], per_token: boo
 
 
 def precompute(engine: Engine, splits: dict[str, list[Any]], *, dist: Dist, path: Path, saved: Path | None, batch_size: int,
-               pad_id: int, method: methods.Method, pictures: Any = None) -> None:
+               pad_id: int, method: methods.Method, pictures: Any = None, flat: bool = False) -> None:
     """Attach reference log-probs to every example (one per row: a pair's chosen and rejected) and write them
     to `path`: computed now from the initial policy, or, when resuming, read from `saved` (refused if the data
-    changed)."""
+    changed). `flat`: each batch's rows end to end, as the padding-free training batches lay them."""
     prints = {name: fingerprint(pairs) for name, pairs in splits.items()}
     unit, rows = method.unit, method.rows_per_example
     tic = time.perf_counter()
@@ -87,7 +88,8 @@ def precompute(engine: Engine, splits: dict[str, list[Any]], *, dist: Dist, path
                               f"{saved} (data or tokenizer changed since that run started); resume with the same data")
         values = state["values"]
     else:
-        values = {name: score(engine, pairs, dist=dist, batch_size=batch_size, pad_id=pad_id, rows=rows, pictures=pictures) for name, pairs in splits.items()}
+        values = {name: score(engine, pairs, dist=dist, batch_size=batch_size, pad_id=pad_id, rows=rows, pictures=pictures, flat=flat)
+                  for name, pairs in splits.items()}
     if dist.is_main and path != saved:
         torch.save({"fingerprint": prints, "values": values}, path)
     for name, pairs in splits.items():
@@ -101,20 +103,20 @@ def precompute(engine: Engine, splits: dict[str, list[Any]], *, dist: Dist, path
 
 @torch.no_grad()
 def score(engine: Engine, pairs: list[Any], *, dist: Dist, batch_size: int, pad_id: int, rows: int = 2,
-          pictures: Any = None) -> torch.Tensor:
+          pictures: Any = None, flat: bool = False) -> torch.Tensor:
     """[N, rows] log-probs of each example's rows (a pair: chosen, rejected) by the model as it is now; each rank
-    scores its share."""
+    scores its share (`flat`: each batch's rows end to end, padding-free)."""
     out = torch.zeros(len(pairs), rows, dtype=torch.float64)
     if not pairs:
         return out
     mine = shard(list(range(len(pairs))), engine.dp_rank, engine.dp_size)
     for i in range(0, len(mine), batch_size):
         idx = mine[i : i + batch_size]
-        logps = engine.inference(LOGPS, collate([pairs[j] for j in idx], pad_id, pictures=pictures))
+        logps = engine.inference(LOGPS, collate([pairs[j] for j in idx], pad_id, flat=flat, pictures=pictures))
         if engine.owner:  # tp/pp: one rank per model replica contributes
             out[idx] = logps.double().cpu().view(rows, -1).T  # collate: row k of every example, k = 0, 1, ...
     for _ in range(lockstep_extra(engine, len(pairs), batch_size)):  # ZeRO-3/FSDP: as many forwards as the other ranks
-        engine.inference(LOGPS, collate(pairs[:1], pad_id, pictures=pictures))
+        engine.inference(LOGPS, collate(pairs[:1], pad_id, flat=flat, pictures=pictures))
     return dist.sum_tensor(out)
 
 
@@ -125,7 +127,7 @@ class _Logps:
         return sequence_logps(model, batch)[0]
 
     def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return logits_logps(logits, batch["labels"])[0]
+        return logits_logps(logits, batch["labels"], batch.get(SAMPLES))[0]
 
     def rows_loss(self, logps: torch.Tensor, _batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return logps  # logits=chunked: what the last stage returns already

@@ -234,6 +234,12 @@ def run(cfg: Config, d: dist.Dist) -> None:
             liger.apply(loaded, d.device)
         return loaded
 
+    def per_sample(reference: torch.nn.Module) -> torch.nn.Module:
+        """A live reference reads the policy's rows: where those hold several samples, it attends to each alone too."""
+        if rows.several_per_row(cfg) and attention in varlen.KERNELS:
+            varlen.Varlen(reference)
+        return reference
+
     loaded = load(cfg.peft)
     net = prepare_model(cfg, d, loaded, attention, attention_why, model_class)
     chunked = ChunkedHead(net, cfg.logits.chunk_tokens, cfg.logits.kernel, d.device) if cfg.logits.name == Logits.chunked else None
@@ -251,7 +257,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
     base_peft = cfg.peft if cfg.peft.name == PeftMethod.qlora else PeftConfig()
     with compiling.eager():  # a precomputed reference is the policy's forward without gradients
         ref = reference.setup(cfg, engine=eng, dist=d, splits={"train": train_examples, "eval": eval_examples}, run_dir=run_dir,
-                              resume_from=resume_from, load_model=lambda: load(base_peft), pad_id=tokenizer.pad_token_id,
+                              resume_from=resume_from, load_model=lambda: per_sample(load(base_peft)), pad_id=tokenizer.pad_token_id,
                               pictures=pictures)
         if (taught := methods.get(cfg.method.name).teacher(cfg.method)) is not None:  # method=distill: what its loss learns from
             ref = (topk.prepare(cfg, engine=eng, dist=d, splits={"train": train_examples, "eval": eval_examples}, tokenizer=tokenizer,
