@@ -3,7 +3,9 @@ machines by default: `pip install llama-cpp-python` builds llama.cpp from its so
 two cores).
 
 For every family the export writes (tiny models, the shipped tokenizer) and every tokenizer kind a user's model brings
-(a tiny llama with each of tests/gguf_cases.py's tokenizers), in f16 and q8_0: whether llama.cpp loads the file; whether
+(a tiny llama with each of tests/gguf_cases.py's tokenizers), in f16, q8_0 and q4_0 (the model quantized to torchao's int4
+in groups of 32 first, as `finetune.export --quantize int4_weight --gguf q4_0` does, and compared with that 4-bit model):
+whether llama.cpp loads the file; whether
 its tokens equal the tokenizer's on every prompt; its logits against the Hugging Face model's on the same ids (the largest
 gap per unit of the largest logit, as tests/test_export.py measures transformers' reader, and the share of positions whose
 argmax agrees); and whether greedy decoding gives the same tokens. With --run DIR, also the trained model of a run
@@ -20,6 +22,7 @@ model two logits can be nearer than f16's rounding (the trained model of --run i
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import tempfile
 from pathlib import Path
@@ -32,7 +35,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import gguf_cases  # noqa: E402
 
-from finetune.rank import gguf_file# noqa: E402
+from finetune.rank import gguf_file, qat  # noqa: E402
 from finetune.config import ASSETS  # noqa: E402
 from finetune.families import FAMILIES  # noqa: E402
 
@@ -59,8 +62,17 @@ def check(name: str, fmt: str, model, tokenizer_dir: Path, work: Path, new: int)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    path = gguf_file.write(model, tokenizer_dir, work / f"{name}-{fmt}.gguf", fmt, name)
+    on_grid: frozenset[str] = frozenset()
+    if fmt == "q4_0":  # as finetune.export --quantize int4_weight --gguf q4_0 writes it: compared with the 4-bit model
+        model = copy.deepcopy(model)
+        layers = qat.quantize(model, "int4_weight", 32)
+        qat.dequantize(layers, model)
+        on_grid = frozenset(f"{n}.weight" for n in layers)
     row = {"file": f"{name} {fmt}", "loads": False}
+    try:
+        path = gguf_file.write(model, tokenizer_dir, work / f"{name}-{fmt}.gguf", fmt, name, on_grid)
+    except ValueError as e:  # the export refuses it too (GPT-2's Conv1D layers are no nn.Linear that torchao quantizes)
+        return row | {"error": f"not written: {e}", "ok": True}
     try:
         llm = Llama(model_path=str(path), n_ctx=512, logits_all=True, verbose=False, n_threads=2, seed=0)
     except Exception as e:  # noqa: BLE001 - the row says what llama.cpp said

@@ -3,6 +3,8 @@ logit, the upload up to the hub's HTTP requests, and the one-line refusals. The 
 
 from __future__ import annotations
 
+import copy
+
 import base64
 import hashlib
 import json
@@ -23,11 +25,12 @@ from conftest import readme_commands, run_shell, train_here
 
 RUN = "outputs/quickstart_sft"
 IDS = torch.tensor([[1, 5, *range(7, 60), 6]])  # <s> <|user|> text <|assistant|>
-TOLERANCE = {"f16": 2e-3, "q8_0": 0.1}
+TOLERANCE = {"f16": 2e-3, "q8_0": 0.1, "q4_0": 2e-3}
 """Largest logit difference a GGUF file may show against the merged model, per unit of the largest logit when that is above
 1 (measured on a 20-step quickstart whose logits reach 2.5: 3.8e-4 and 1.1e-2;
 on the tiny families: at most 4.3e-4 and 1.3e-2, and 6.4e-2 in q8_0 for qwen2_moe, whose default expert widths are 22x
-and 88x its hidden size)."""
+and 88x its hidden size). q4_0 against the model quantized to torchao's int4 first (what it holds exactly, but for its
+fp16 scales and the f16 layers it keeps: f16's tolerance)."""
 
 
 def command(part: str) -> str:
@@ -194,9 +197,21 @@ def test_every_family_exports_to_gguf_with_the_same_logits_or_is_refused_with_th
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     for fmt in gguf_file.FORMATS:
-        path = gguf_file.write(model, tmp_path, tmp_path / f"{family}-{fmt}.gguf", fmt, family)
+        exported, on_grid = model, frozenset()
+        if fmt == "q4_0":  # as `finetune.export --quantize int4_weight --gguf q4_0` writes it, against that 4-bit model
+            pytest.importorskip("torchao")
+            from finetune.rank import qat
+
+            exported = copy.deepcopy(model)
+            on_grid = frozenset(f"{n}.weight" for n in qat.quantize(exported, "int4_weight", 32))
+            qat.dequantize([n.removesuffix(".weight") for n in on_grid], exported)
+            if family == "gpt2":  # Conv1D layers, no nn.Linear that torchao quantizes
+                with pytest.raises(ValueError, match="^--gguf q4_0: no weight of this model is on a 4-bit grid"):
+                    gguf_file.write(exported, tmp_path, tmp_path / f"{family}-{fmt}.gguf", fmt, family, on_grid)
+                continue
+        path = gguf_file.write(exported, tmp_path, tmp_path / f"{family}-{fmt}.gguf", fmt, family, on_grid)
         assert gguf_file.unread(path, model) == []
-        diff = gap(logits(from_gguf(path)), logits(model))
+        diff = gap(logits(from_gguf(path)), logits(exported))
         print(f"{family} {fmt}: largest logit difference {diff:.1e} (logits up to {logits(model).abs().max().item():.2f})")
         assert diff < TOLERANCE[fmt], (family, fmt, diff)
 

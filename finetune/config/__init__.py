@@ -27,7 +27,7 @@ from finetune.config.root import (
     TrainConfig, Config, GROUPS, uses_deepspeed, register, to_config, to_yaml, load
 )
 from finetune.config.schema import (
-    AttnImpl, DataFormat, Template, LongPrompt, Reasoning, Reference, Precision, Fp8Scaling, Offload, Checkpointing,
+    AttnImpl, DataFormat, Template, LongPrompt, Reasoning, Reference, Precision, Fp8Scaling, Qat, Offload, Checkpointing,
     Logits, LogitsKernel, Kernels, LoraInit, PeftMethod, QuantType, Strategy, PipeSchedule, StateDtype, OptimKernel,
     OPTIMIZER, LOGGERS, Scheduler, LauncherName, NonFinite, Device, MemoryReport, MEMORY_REPORT_BOOLS,
     MEMORY_REPORTS, ModelInit, ModelConfig, DataConfig, MethodConfig, METHOD_CONFIGS, METHOD_NAME, method_schema, PrecisionConfig, CheckpointingConfig,
@@ -38,7 +38,7 @@ from finetune.errors import ConfigError, did_you_mean
 __all__ = [
     "ANY_TEXT", "ARCHITECTURE", "ASSETS", "BETAS", "ENUM_ALIASES", "ENV", "EXISTING_DIR", "EXISTING_FILE", "GROUPS",
     "HOST_PORT", "LOGGERS", "MEMORY_REPORTS", "MEMORY_REPORT_BOOLS", "NAMES", "OPTIMIZER", "PORT", "POSITIVE",
-    "PROBABILITY", "SOME_NAMES", "SOURCES", "TEXT", "Accepts", "AttnImpl", "Checkpointing", "CheckpointingConfig",
+    "PROBABILITY", "Qat", "SOME_NAMES", "SOURCES", "TEXT", "Accepts", "AttnImpl", "Checkpointing", "CheckpointingConfig",
     "Config", "ConfigError", "DataConfig", "DataFormat", "Device", "Fp8Scaling", "HardwareConfig", "Kernels",
     "LauncherConfig", "LauncherName", "Logits", "LogitsConfig", "LogitsKernel", "LongPrompt", "MemoryReport",
     "METHOD_CONFIGS", "METHOD_NAME", "MethodConfig", "ModelConfig", "ModelInit", "NonFinite", "Offload", "OptimConfig", "OptimKernel",

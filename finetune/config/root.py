@@ -18,7 +18,7 @@ from finetune.errors import ConfigError
 from finetune.config.schema import (
     LOGGERS, MEMORY_REPORT_BOOLS, MEMORY_REPORTS, CheckpointingConfig, DataConfig, Device, HardwareConfig, LauncherConfig,
     LogitsConfig, MemoryReport, METHOD_CONFIGS, MethodConfig, ModelConfig, NonFinite, OptimConfig, ParallelismConfig, PeftConfig,
-    PlanConfig, PrecisionConfig, ZeroConfig, method_schema,
+    PlanConfig, PrecisionConfig, Qat, ZeroConfig, method_schema,
 )
 
 
@@ -101,6 +101,14 @@ class TrainConfig:
     metrics and summary) are removed first. Without it (or train.resume) such a launch is refused."""
     device: Device = Device.auto
     """auto: cuda when available, else cpu."""
+    qat: Qat | None = None
+    """Quantization-aware training (torchao, finetune.rank.qat): the linear layers' forward sees their weights rounded to
+    4 bits (int4_weight; int3_weight, int2_weight), and their inputs to int8 per token too (int8_dynamic_int4_weight),
+    so the model trained survives that quantization; final/ keeps the weights in full precision and `python -m
+    finetune.export RUN_DIR` writes them quantized (transformers' TorchAoConfig; int4 also as --gguf q4_0). null: off."""
+    qat_group_size: int = checked(at_least(1), 32)
+    """train.qat: weights sharing one scale along a row (32: GGUF Q4_0's block); layers whose input size it does not
+    divide stay in full precision (the model line names them)."""
 
     def __post_init__(self) -> None:
         # A str field, not an enum: OmegaConf refuses a bool for an enum, and true/false are still accepted (MEMORY_REPORT_BOOLS).

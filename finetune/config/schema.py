@@ -44,6 +44,13 @@ class Fp8Scaling(str, Enum, metaclass=Spelled):
     rowwise = "rowwise"
 
 
+class Qat(str, Enum, metaclass=Spelled):
+    int4_weight = "int4_weight"
+    int8_dynamic_int4_weight = "int8_dynamic_int4_weight"
+    int3_weight = "int3_weight"
+    int2_weight = "int2_weight"
+
+
 class Offload(str, Enum, metaclass=Spelled):
     none = "none"
     cpu = "cpu"

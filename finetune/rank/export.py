@@ -1,11 +1,14 @@
 """Ship a finished run: a merged model with its model card, optionally a GGUF file, optionally uploaded to the hub.
 
-    python -m finetune.export RUN_DIR [--step N] [--out DIR] [--dtype bf16|fp16|fp32] [--gguf f16|q8_0] [--push-to-hub REPO]
+    python -m finetune.export RUN_DIR [--step N] [--out DIR] [--dtype bf16|fp16|fp32] [--gguf f16|q8_0|q4_0]
+                              [--quantize none|int4_weight|...] [--group-size N] [--push-to-hub REPO]
 
 Writes into DIR (default RUN_DIR/export): the model with any adapter merged into its base (finetune.rank.finished),
 saved by save_pretrained in --dtype (default: the run's precision), its tokenizer, README.md (the model card: base
 model, data and its fingerprints, method, strategies, hyper-parameters, final metrics, the command that reproduces
-the run) and with --gguf RUN_NAME-FORMAT.gguf (finetune.rank.gguf_file). --push-to-hub REPO uploads DIR to the hub
+the run) and with --gguf RUN_NAME-FORMAT.gguf (finetune.rank.gguf_file). --quantize SCHEME (default: the run's train.qat)
+writes the model quantized by torchao instead (finetune.rank.qat), with its TorchAoConfig for transformers; --gguf q4_0
+writes those 4-bit weights. --push-to-hub REPO uploads DIR to the hub
 (huggingface_hub: create_repo, then upload_folder), with the token huggingface_hub finds (HF_TOKEN, or
 `hf auth login`). --step N exports checkpoint N instead of final/ (a finished run or not; default DIR
 RUN_DIR/export_step_N): its transformers form RUN_DIR/checkpoints/step_N/hf/, as train.save_hf wrote it or converted
@@ -28,6 +31,9 @@ from finetune.data.images import save_tokenizer
 from finetune import rundir
 from finetune.config import Config, PeftMethod, Precision
 from finetune.rank.finished import DTYPES, Finished, Refusal, load, locate
+
+QAT_SCHEMES = ("int4_weight", "int8_dynamic_int4_weight", "int3_weight", "int2_weight")
+"""--quantize's schemes: train.qat's (finetune.rank.qat.SCHEMES; spelt here too, so `--help` imports no torch)."""
 from finetune.methods.base import CAUSAL_LM, IMAGE_TEXT
 
 PRECISION_DTYPE = {Precision.bf16: "bf16", Precision.bf16_pure: "bf16", Precision.fp16: "fp16"}
@@ -40,7 +46,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--step", type=int, help="export checkpoint N (RUN_DIR/checkpoints/step_N) instead of final/")
     parser.add_argument("--out", type=Path, help="where to write (default: RUN_DIR/export, RUN_DIR/export_step_N with --step)")
     parser.add_argument("--dtype", choices=list(DTYPES), help="weights' dtype (default: the run's precision, fp32 for fp32 runs)")
-    parser.add_argument("--gguf", choices=["f16", "q8_0"], help="also write a GGUF file in this format (pip install -e '.[ship]')")
+    parser.add_argument("--gguf", choices=["f16", "q8_0", "q4_0"], help="also write a GGUF file in this format (pip install -e "
+                        "'.[ship]'); q4_0: the 4-bit weights of --quantize int4 (group size 32)")
+    parser.add_argument("--quantize", choices=["none", *QAT_SCHEMES], help="write the model quantized by torchao in this scheme "
+                        "(transformers loads it through its TorchAoConfig); default: the run's train.qat, else none")
+    parser.add_argument("--group-size", type=int, help="--quantize's weights per scale (default: the run's train.qat_group_size, else 32)")
     parser.add_argument("--push-to-hub", metavar="REPO", help="upload the export to this hub repository (user/name)")
     parser.error = lambda message: _fail(f"{message} (python -m finetune.export --help)")  # one line, exit 2
     return parser.parse_args(argv)
@@ -58,18 +68,71 @@ def main(argv: list[str] | None = None) -> int:
         if refused:
             raise Refusal(refused)
         dtype = args.dtype or PRECISION_DTYPE.get(run.config.precision.name, "fp32")
+        scheme, group = quantization(run, args)
         model, tokenizer = load(run, "fp32")  # merged in fp32: the GGUF is made from these weights, then the cast is saved
         out.mkdir(parents=True, exist_ok=True)
-        gguf = write_gguf(model, run, out, args.gguf, model_type) if args.gguf else None
-        model.to(getattr(__import__("torch"), DTYPES[dtype])).save_pretrained(out)
+        if scheme:
+            gguf, words = write_quantized(model, tokenizer, run, out, args, scheme, group, model_type)
+        else:
+            gguf = write_gguf(model, run, out, args.gguf, model_type) if args.gguf else None
+            model.to(getattr(__import__("torch"), DTYPES[dtype])).save_pretrained(out)
+            words = dtype
         save_tokenizer(tokenizer, out)
-        card(run, tokenizer, dtype=dtype, gguf=gguf).save(out / "README.md")
-        print(f"export       {out}  (merged, {dtype}{', ' + gguf.name if gguf else ''}, README.md)")
+        card(run, tokenizer, dtype=words, gguf=gguf).save(out / "README.md")
+        print(f"export       {out}  (merged, {words}{', ' + gguf.name if gguf else ''}, README.md)")
         if args.push_to_hub:
             print(f"pushed       {push(out, args.push_to_hub)}")
     except Refusal as e:
         _fail(str(e))
     return 0
+
+
+def quantization(run: Finished, args: argparse.Namespace) -> tuple[str | None, int]:
+    """(the torchao scheme the export quantizes in, or None; its group size): --quantize, else the run's train.qat. A
+    --gguf q4_0 needs int4 weights in groups of 32 (Q4_0's blocks)."""
+    assert run.config is not None
+    qat, qat_group = run.config.train.qat, run.config.train.qat_group_size
+    scheme = (None if args.quantize == "none" else args.quantize) if args.quantize else (qat.value if qat is not None else None)
+    group = args.group_size or (qat_group if qat is not None else 32)
+    if args.gguf == "q4_0" and (scheme is None or group != 32):
+        raise Refusal("--gguf q4_0 holds 4-bit weights in blocks of 32: " + (
+            f"this export's groups are {group} weights: use --group-size 32 (and train with train.qat_group_size=32)" if scheme else
+            "add --quantize int4_weight (post-training quantization), or train with train.qat=int4_weight"))
+    if args.group_size and scheme is None:
+        raise Refusal("--group-size applies to --quantize (or a run trained with train.qat): add --quantize int4_weight")
+    return scheme, group
+
+
+def write_quantized(model: Any, tokenizer: Any, run: Finished, out: Path, args: argparse.Namespace, scheme: str, group: int,
+                    model_type: str) -> tuple[Path | None, str]:
+    """The merged model quantized by torchao in `scheme` (finetune.rank.qat.quantize: what QAT trained for, or
+    post-training quantization), saved with its TorchAoConfig for transformers; with --gguf q4_0 the same 4-bit
+    weights as Q4_0 blocks. Returns (the GGUF file, the card's words for the weights)."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, TorchAoConfig
+
+    from finetune.rank import qat
+
+    if args.dtype not in (None, "fp32"):
+        raise Refusal(f"--dtype {args.dtype} with --quantize {scheme}: the quantized layers hold int4 weights and fp32 scales, "
+                      "the rest stays fp32: leave --dtype out")
+    if run.model_class != CAUSAL_LM:
+        raise Refusal(f"--quantize {scheme}: {run.run_dir} is not a causal language model: export it without --quantize")
+    quantized, kept = qat.chosen(model, group)
+    if not quantized:
+        raise Refusal(f"--quantize {scheme}: no linear layer (nn.Linear) of this {model_type} model takes inputs in whole groups of "
+                      f"{group} weights: export without --quantize")
+    with tempfile.TemporaryDirectory(prefix="finetune-export-") as merged:  # transformers quantizes it as it loads it
+        model.save_pretrained(merged)
+        saved = AutoModelForCausalLM.from_pretrained(merged, dtype="float32", quantization_config=TorchAoConfig(
+            qat.ptq_config(scheme, group), modules_to_not_convert=list(kept)))
+    saved.save_pretrained(out)
+    gguf = None
+    if args.gguf:
+        qat.dequantize(qat.quantize(model, scheme, group), model)  # the 4-bit grid as float values, for the GGUF writer
+        gguf = write_gguf(model, run, out, args.gguf, model_type, on_grid=frozenset(f"{n}.weight" for n in quantized))
+    return gguf, f"{scheme} (torchao, groups of {group}: {len(quantized)} linear layers; {len(kept)} and the rest fp32)"
 
 
 def is_export(directory: Path) -> bool:
@@ -132,13 +195,13 @@ def check(run: Finished, args: argparse.Namespace) -> str:
     return model_type
 
 
-def write_gguf(model: Any, run: Finished, out: Path, fmt: str, model_type: str) -> Path:
+def write_gguf(model: Any, run: Finished, out: Path, fmt: str, model_type: str, on_grid: frozenset[str] = frozenset()) -> Path:
     """RUN_NAME-FMT.gguf in `out`; a warning when transformers' GGUF loader would read it as another model."""
     from finetune.rank import gguf_file
 
     assert run.run_dir is not None
     try:
-        path = gguf_file.write(model, Path(run.model), out / f"{run.run_dir.name}-{fmt}.gguf", fmt, run.run_dir.name)
+        path = gguf_file.write(model, Path(run.model), out / f"{run.run_dir.name}-{fmt}.gguf", fmt, run.run_dir.name, on_grid)
     except ValueError as e:
         raise Refusal(str(e)) from None
     unread = gguf_file.unread(path, model)

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-FORMATS = ("f16", "q8_0")
+FORMATS = ("f16", "q8_0", "q4_0")
 
 ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen2_moe": "qwen2moe", "qwen3": "qwen3",
         "qwen3_moe": "qwen3moe", "phi3": "phi3", "gpt2": "gpt2", "gemma2": "gemma2", "gemma3_text": "gemma3"}
@@ -44,20 +44,28 @@ def refusal(model_type: str) -> str | None:
             "and convert with llama.cpp's convert_hf_to_gguf.py")
 
 
-def write(model: Any, tokenizer_dir: Path, path: Path, fmt: str, name: str) -> Path:
-    """Write `model` (a merged transformers causal LM) and its tokenizer (tokenizer_dir's tokenizer.json) to `path`."""
+def write(model: Any, tokenizer_dir: Path, path: Path, fmt: str, name: str, on_grid: frozenset[str] = frozenset()) -> Path:
+    """Write `model` (a merged transformers causal LM) and its tokenizer (tokenizer_dir's tokenizer.json) to `path`.
+    q4_0: the weights named in `on_grid` (their values already on a 4-bit grid of 32-weight blocks: finetune.rank.qat's
+    quantization, dequantized) as Q4_0 blocks holding that very grid, the rest as f16."""
     import gguf
 
+    if fmt == "q4_0" and not on_grid:
+        raise ValueError("--gguf q4_0: no weight of this model is on a 4-bit grid of 32-weight blocks (every linear layer's "
+                         "input size is not a multiple of 32)")
     config = model.config.get_text_config()
     arch = ARCH[config.model_type]
     writer = _writer(path, arch)
     writer.add_name(file_name(name, tokenizer_dir))
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if fmt == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0)
+    writer.add_file_type({"f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                          "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[fmt])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     hyperparameters(writer, config)
     vocabulary(writer, tokenizer_dir, config.vocab_size)
-    for gguf_name, array in tensors(model, arch, config):
-        data, dtype = encoded(array, "f32" if any(k in gguf_name for k in KEEP_F32) else fmt)
+    for gguf_name, array, hf_name in tensors(model, arch, config):
+        kind = ("f32" if any(k in gguf_name for k in KEEP_F32) else
+                "f16" if fmt == "q4_0" and hf_name not in on_grid else fmt)
+        data, dtype = encoded(array, kind)
         writer.add_tensor(gguf_name, data, raw_dtype=dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -156,7 +164,8 @@ def hyperparameters(writer: Any, config: Any) -> None:
 
 
 def tensors(model: Any, arch: str, config: Any) -> Any:
-    """(GGUF name, float32 array) for each weight, renamed and laid out as llama.cpp's converter writes it."""
+    """(GGUF name, float32 array, Hugging Face name) for each weight, renamed and laid out as llama.cpp's converter
+    writes it."""
     import gguf
 
     names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
@@ -172,8 +181,8 @@ def tensors(model: Any, arch: str, config: Any) -> Any:
         if stem.endswith("experts.gate_up_proj") or hf_name.endswith("experts.gate_up_proj"):  # fused (E, 2I, H) -> gate, up
             block = hf_name.split(".layers.")[1].split(".")[0]
             half = array.shape[1] // 2
-            yield f"blk.{block}.ffn_gate_exps.weight", array[:, :half]
-            yield f"blk.{block}.ffn_up_exps.weight", array[:, half:]
+            yield f"blk.{block}.ffn_gate_exps.weight", array[:, :half], hf_name
+            yield f"blk.{block}.ffn_up_exps.weight", array[:, half:], hf_name
             continue
         if suffix not in ("weight", "bias"):  # a fused expert stack is a bare parameter: experts.down_proj
             stem, suffix = hf_name, "weight"
@@ -189,7 +198,7 @@ def tensors(model: Any, arch: str, config: Any) -> Any:
             array = array.T  # Conv1D keeps (in, out)
         if mapped.endswith("ffn_gate_inp_shexp"):
             array = array.reshape(-1)
-        yield name, np.ascontiguousarray(array)
+        yield name, np.ascontiguousarray(array), hf_name
 
 
 def _permute(w: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray:
@@ -212,7 +221,37 @@ def encoded(array: np.ndarray, fmt: str) -> tuple[np.ndarray, Any]:
         return array.astype(np.float32), gguf.GGMLQuantizationType.F32
     if fmt == "q8_0" and array.shape[-1] % 32 == 0:
         return gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+    if fmt == "q4_0":
+        return q4_0_blocks(array), gguf.GGMLQuantizationType.Q4_0
     return array.astype(np.float16), gguf.GGMLQuantizationType.F16
+
+
+def q4_0_blocks(array: np.ndarray) -> np.ndarray:
+    """A matrix whose values are already 4-bit (each block of 32 along a row: d x q, q integers in [-8, 7]) as ggml's
+    Q4_0 blocks of that very grid: per block the fp16 scale d, then 16 bytes, byte j holding q_j + 8 and (high nibble)
+    q_j+16 + 8. llama.cpp's own Q4_0 quantizer picks d from the block's largest value instead; here d is found back
+    from the values (the largest magnitude is 8 d or 7 d), so the file holds the weights QAT trained against, not a
+    second rounding of them. Values on no such grid are refused (ValueError)."""
+    width = array.shape[-1]
+    if width % 32:
+        raise ValueError(f"q4_0: rows of {width} weights do not split into Q4_0's blocks of 32")
+    blocks = array.reshape(-1, 32).astype(np.float64)
+    largest = np.abs(blocks).max(-1, keepdims=True)
+    q = np.zeros_like(blocks)
+    d = np.zeros_like(largest)
+    pending = largest[:, 0] > 0
+    for steps in (8.0, 7.0):
+        scale = np.where(pending[:, None], largest / steps, 1.0)
+        ratio = blocks / scale
+        fits = pending & (np.abs(ratio - np.round(ratio)) < 1e-3).all(-1) & (np.round(ratio) >= -8).all(-1) & (np.round(ratio) <= 7).all(-1)
+        q[fits], d[fits], pending = np.round(ratio[fits]), scale[fits], pending & ~fits
+    if pending.any():
+        raise ValueError(f"q4_0: {int(pending.sum())} of {len(blocks)} blocks of 32 weights are not on a 4-bit grid "
+                         "(quantize the model first: finetune.rank.qat.quantize)")
+    nibbles = (q + 8).astype(np.uint8)
+    packed = nibbles[:, :16] | (nibbles[:, 16:] << 4)
+    out = np.concatenate([d.astype(np.float16).view(np.uint8), packed], axis=-1)
+    return out.reshape(*array.shape[:-1], -1)
 
 
 def vocabulary(writer: Any, tokenizer_dir: Path, n_vocab: int) -> None:

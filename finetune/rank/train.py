@@ -24,7 +24,7 @@ from finetune.data import steps
 from finetune.families import liger
 from finetune.methods import losses
 from finetune.methods.base import IMAGE_TEXT, built_as
-from finetune.rank import checkpoint, compiling, dist, engine, flops, fp8, heldout, loop, model, reference, teacher, topk, varlen, vision
+from finetune.rank import checkpoint, compiling, dist, engine, flops, fp8, heldout, loop, model, qat, reference, teacher, topk, varlen, vision
 from finetune.config import Config, ConfigError, Kernels, Logits, MemoryReport, MethodConfig, PeftConfig, PeftMethod, Precision, Strategy, uses_deepspeed
 from finetune.data import rows
 from finetune.rank import stream
@@ -278,6 +278,10 @@ def prepare_model(cfg: Config, d: dist.Dist, loaded: torch.nn.Module, attention:
         print(liger.describe(loaded))
     if cfg.precision.fp8 is not None:  # the linear layers' matmuls in FP8, before adapters, checkpointing and sharding
         said = fp8.convert(loaded, cfg.precision.fp8.value, d.device)
+        if d.is_main:
+            print(said)
+    if cfg.train.qat is not None:  # the linear layers' forward fake-quantized, before adapters wrap them
+        said = qat.prepare(loaded, cfg.train.qat.value, cfg.train.qat_group_size)
         if d.is_main:
             print(said)
     if getattr(loaded.config, "output_router_logits", False):  # a hub config the launcher could not read

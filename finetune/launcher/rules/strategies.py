@@ -10,7 +10,9 @@ from typing import Any
 
 from finetune.config import (AttnImpl, Checkpointing, Config, ConfigError, Device, Kernels, Logits, LogitsKernel, PeftMethod, Precision,
                              unused as _unused)
+from finetune import methods
 from finetune.families import liger
+from finetune.methods.base import CAUSAL_LM
 from finetune.disk import model_config
 from finetune.families import adapted_outside_linears, arch_from_config, arch_targets, dora_experts, router_loss_under_pp, unmatched_targets
 
@@ -34,6 +36,7 @@ def validate_strategies(cfg: Config) -> None:
         raise ConfigError("logits.kernel=cce with train.device=cpu: cut-cross-entropy's kernels are Triton, CUDA only: use "
                           "logits.kernel=torch (or auto) on CPU")
     validate_fp8(cfg)
+    validate_qat(cfg)
     arch = model_config(cfg.model)
     validate_liger(cfg, arch)
     if cfg.parallelism.pp > 1 and arch is not None and arch.get("output_router_logits") is True:
@@ -74,6 +77,27 @@ def validate_fp8(cfg: Config) -> None:
     if blocked:
         raise ConfigError(f"{said} with {blocked}; use precision=fp8 with full fine-tuning on parallelism=single, ddp or fsdp, or "
                           "precision=bf16")
+
+
+def validate_qat(cfg: Config) -> None:
+    """train.qat (finetune.rank.qat): a causal language model's linear layers, full fine-tuning or LoRA/DoRA over them."""
+    qat, group = cfg.train.qat, cfg.train.qat_group_size
+    if qat is None:
+        if group != 32:
+            raise ConfigError(f"train.qat_group_size={group} has no effect without train.qat: remove it or set "
+                              "train.qat=int4_weight (or int8_dynamic_int4_weight)")
+        return
+    said = f"train.qat={qat.value}"
+    blocked = (f"method={cfg.method.name}: the 4-bit export is a causal language model's, and this method trains "
+               f"{cfg.method.name}'s model" if methods.get(cfg.method.name).model_class != CAUSAL_LM else
+               "peft=qlora: its base is already quantized (bitsandbytes' 4-bit NF4), and QAT rounds full-precision weights"
+               if cfg.peft.name == PeftMethod.qlora else
+               "precision=fp8: the linear layers are torchao's float8 ones, which QAT's fake quantization does not wrap"
+               if cfg.precision.fp8 is not None else
+               f"parallelism.tp={cfg.parallelism.tp}: transformers' tensor-parallel plan shards the linear layers, and the fake "
+               "quantizer torchao puts inside each is not a module the plan knows" if cfg.parallelism.tp > 1 else None)
+    if blocked:
+        raise ConfigError(f"{said} with {blocked}: train without train.qat")
 
 
 def validate_liger(cfg: Config, arch: dict[str, Any] | None) -> None:
