@@ -73,7 +73,9 @@ def precompute(engine: Engine, splits: dict[str, list[Any]], *, dist: Dist, path
                pad_id: int, method: methods.Method, pictures: Any = None, flat: bool = False) -> None:
     """Attach reference log-probs to every example (one per row: a pair's chosen and rejected) and write them
     to `path`: computed now from the initial policy, or, when resuming, read from `saved` (refused if the data
-    changed). `flat`: each batch's rows end to end, as the padding-free training batches lay them."""
+    changed). `flat`: the train split's batches with their rows end to end, as the padding-free training batches lay
+    them; the eval split's stay padded, as evaluation's batches are (the same batches: a policy still equal to its
+    reference scores each pair's margin exactly 0 there, not float noise)."""
     prints = {name: fingerprint(pairs) for name, pairs in splits.items()}
     unit, rows = method.unit, method.rows_per_example
     tic = time.perf_counter()
@@ -88,8 +90,8 @@ def precompute(engine: Engine, splits: dict[str, list[Any]], *, dist: Dist, path
                               f"{saved} (data or tokenizer changed since that run started); resume with the same data")
         values = state["values"]
     else:
-        values = {name: score(engine, pairs, dist=dist, batch_size=batch_size, pad_id=pad_id, rows=rows, pictures=pictures, flat=flat)
-                  for name, pairs in splits.items()}
+        values = {name: score(engine, pairs, dist=dist, batch_size=batch_size, pad_id=pad_id, rows=rows, pictures=pictures,
+                              flat=flat and name == "train") for name, pairs in splits.items()}
     if dist.is_main and path != saved:
         torch.save({"fingerprint": prints, "values": values}, path)
     for name, pairs in splits.items():
