@@ -156,6 +156,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun_json(script: str, cwd: Path, ranks: int = 2) -> dict:
+    """`script` (Python source) run by torchrun on `ranks` CPU ranks in `cwd`; the first line its ranks print that
+    starts with "{", as JSON (the test asserts on it)."""
+    import json
+
+    path = cwd / "script.py"
+    path.write_text(script)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+                          str(free_port()), str(path)], cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{")))
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The machine's cores, shared by the test workers
 #

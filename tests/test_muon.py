@@ -1,7 +1,8 @@
 """optim=muon (finetune/optimizers/muon.py): torch.optim.Muon on the hidden 2-D matrices and torch.optim.AdamW on the
 rest, as one optimizer: which tensor goes where, two steps of the whole rank equal to a plain loop with torch's two
-optimizers, a resume equal to the uninterrupted run, the planner's state bytes equal to what the optimizer holds, and the
-layouts it refuses in one line."""
+optimizers, a resume equal to the uninterrupted run, the planner's state bytes equal to what the optimizer holds, DTensor
+shards orthogonalised whole (FSDP2, TP and PP follow one process; a sharded checkpoint resumes on another layout), and
+the layouts it refuses in one line."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from finetune.rank import engine
 from finetune.rank.dist import Dist
 
 from conftest import read_metrics, record_steps, replay, tiny_model, train_here
+from ranks import launch_here, torchrun_json
 
 CPU = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 FEW = ["optim=muon", "train.max_steps=2", "train.global_batch_size=8", "train.micro_batch_size=4", "train.eval_every=0",
@@ -80,11 +82,87 @@ def test_the_planner_counts_what_it_holds(compose):
     assert plan(cfg).optimizer < 0.7 * adamw
 
 
+SHARDS = """
+import json, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from finetune.optimizers.muon import WholeMatrixMuon
+
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (2,))
+torch.manual_seed(0)
+cases = [((64, 96), Shard(0)), ((63, 97), Shard(0)), ((64, 96), Shard(1)), ((96, 40), Shard(1))]
+starts = [torch.randn(shape) for shape, _ in cases]
+grads = [[torch.randn(shape) for shape, _ in cases] for _ in range(4)]
+kw = dict(lr=1e-2, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw")
+
+def run(cls):
+    whole = [torch.nn.Parameter(s.clone()) for s in starts]
+    shards = [torch.nn.Parameter(distribute_tensor(s.clone(), mesh, [pl])) for s, (_, pl) in zip(starts, cases)]
+    a, b = torch.optim.Muon(whole, **kw), cls(shards, **kw)
+    for gs in grads:
+        for w, s, g in zip(whole, shards, gs):
+            w.grad, s.grad = g.clone(), distribute_tensor(g.clone(), mesh, s.placements)
+        a.step(); b.step()
+    placed = [str(b.state[s]["momentum_buffer"].placements[0]) for s in shards]
+    return [((s.full_tensor() - w).norm() / (w - s0).norm()).item() for w, s, s0 in zip(whole, shards, starts)], placed
+
+ours, placed = run(WholeMatrixMuon)
+theirs, _ = run(torch.optim.Muon)
+if dist.get_rank() == 0:
+    print(json.dumps({"whole": ours, "torch_on_shards": theirs, "placed": placed}), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.cores(2)
+def test_shards_are_orthogonalised_whole(tmp_path):
+    """Over DTensor shards (rows or columns, even or not) WholeMatrixMuon steps bit for bit as torch's Muon over the
+    whole matrices (the same gathered update, the same Newton-Schulz), its momentum buffers placed like the weights;
+    torch's Muon given the shards runs Newton-Schulz through DTensor's sharded matmuls, whose bf16 partial sums round
+    otherwise (what optim=muon under FSDP2 would do without it)."""
+    got = torchrun_json(SHARDS, tmp_path)
+    print(got)
+    assert got["whole"] == [0.0] * 4
+    assert max(got["torch_on_shards"]) > 1e-3
+    assert got["placed"] == ["S(0)", "S(0)", "S(1)", "S(1)"]
+
+
+SHARDED = [*FEW[1:], "train.max_steps=4", "train.save_every=2", "train.progress_bar=false", "optim.weight_decay=0.01"]
+
+
+@pytest.mark.slow
+@pytest.mark.cores(2)
+def test_fsdp2_tp_and_pp_follow_one_process_and_a_sharded_checkpoint_resumes_on_one_rank(tmp_path):
+    """Four steps of the quickstart under FSDP2, TP and PP (two ranks each) give one process's losses (FSDP2 within
+    1e-5: the same whole updates; TP and PP within 1e-4: their forward and gradients reduce in another order); the
+    FSDP2 run's step-2 checkpoint (DCP: the momentum buffers and moments as shards) resumes on one rank to the same
+    last two losses."""
+    train_here(["+recipe=quickstart_sft", *SHARDED, "parallelism=single", "launcher.nproc_per_node=1"], tmp_path / "one")
+    losses = lambda run: [m["loss"] for m in read_metrics(tmp_path / run) if m["kind"] == "train"]  # noqa: E731
+    one = losses("one")
+    assert len(one) == 4 and one[-1] < one[0] - 0.3
+    for layout, tol in (("fsdp", 1e-5), ("tp2", 1e-4), ("pp2", 1e-4)):
+        out = launch_here("+recipe=quickstart_sft", *SHARDED, f"parallelism={layout}", "launcher.nproc_per_node=2",
+                          f"hydra.run.dir={tmp_path / layout}", cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert losses(layout) == pytest.approx(one, rel=tol), layout
+    out = launch_here("+recipe=quickstart_sft", *SHARDED, "parallelism=fsdp", "launcher.nproc_per_node=1",
+                      f"train.resume={tmp_path / 'fsdp/checkpoints/step_2'}", f"hydra.run.dir={tmp_path / 'resumed'}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert losses("resumed") == pytest.approx(losses("fsdp")[2:], rel=1e-6)
+
+
+def test_the_planner_counts_the_whole_update_gathered_under_fsdp(compose):
+    """The step's temporaries: one hidden matrix at a time, its whole update gathered in fp32 under FSDP2 (on one
+    process the update is already whole): the sharded step holds more than the shard's share of the single one."""
+    single = plan(compose(["optim=muon", "launcher.nproc_per_node=1", "parallelism=single"]))
+    fsdp = plan(compose(["optim=muon", "launcher.nproc_per_node=2", "parallelism=fsdp"]))
+    lora = plan(compose(["optim=muon", "launcher.nproc_per_node=1", "parallelism=single", "peft=lora"]))
+    assert single.step_temp > 0 and fsdp.step_temp > single.step_temp and lora.step_temp == 0
+
+
 @pytest.mark.parametrize("overrides,message", [
-    (["parallelism=fsdp", "launcher.nproc_per_node=2"],
-     "optim=muon with parallelism=fsdp: it runs on the torch engine only (parallelism=single or ddp), its state unsharded: use "
-     "optim=muon with parallelism=single or ddp, or a built-in optimizer (adamw, adam, sgd, adamw_8bit, adafactor) with "
-     "parallelism=fsdp"),
     (["zero=stage2"], "optim=muon with zero.stage=2: DeepSpeed builds its own optimizer from the JSON"),
 ])
 def test_refusals(compose, overrides, message):

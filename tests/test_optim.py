@@ -21,7 +21,7 @@ from finetune.rank.dist import Dist
 from finetune.layouts.zero import deepspeed_config
 
 from conftest import REPO, read_metrics, run_cli, tiny_model, train_here
-from ranks import launch_here
+from ranks import launch_here, torchrun_json
 
 # option -> (torch optimizer class, its momentum, the state it keeps per parameter)
 OPTIONS = {
@@ -447,14 +447,7 @@ def test_sharded_optimizers_step_dtensor_shards_like_the_whole_tensors(tmp_path)
     whole tensors within its quantization (the block scales cover each shard), decides 8-bit states by the whole
     tensor's size (a 8,000-element weight whose shards hold 4,000 each), saves DTensors (the moments placed like
     the weight, the scales a padded chunk per rank), and a saved state loads back and steps on bit for bit."""
-    from finetune.launcher.launch import free_port
-
-    script = tmp_path / "shards.py"
-    script.write_text(SHARDS)
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(free_port()), str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{")))
+    got = torchrun_json(SHARDS, tmp_path)
     print(got)
     assert max(got["adafactor"]) < 1e-5
     assert got["adafactor_states"] == [[["col_var", "R"], ["row_var", "S(0)"]], [["col_var", "R"], ["row_var", "S(0)"]],

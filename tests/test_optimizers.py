@@ -139,7 +139,7 @@ def test_a_torch_class_resumes_where_it_stopped(tmp_path):
     (["optim.name=torch.optim.RAdam", "parallelism=fsdp", "launcher.nproc_per_node=2"],
      "optim.name=torch.optim.RAdam with parallelism=fsdp: it runs on the torch engine only (parallelism=single or ddp), its "
      "state unsharded: use optim.name=torch.optim.RAdam with parallelism=single or ddp, or a built-in optimizer (adamw, adam, "
-     "sgd, adamw_8bit, adafactor) with parallelism=fsdp"),
+     "sgd, adamw_8bit, muon, adafactor) with parallelism=fsdp"),
     (["optim.name=torch.optim.Nadam"],
      "optim.name=torch.optim.Nadam: torch.optim has no optimizer class Nadam (did you mean 'torch.optim.NAdam'?); it has "),
     (["optim.name=torch.optim.Adagrad", "optim.betas=[0.8,0.99]"],

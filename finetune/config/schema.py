@@ -377,7 +377,8 @@ class OptimConfig:
     second factored into a row and a column vector per matrix; betas and eps unused). Both run on every
     layout but DeepSpeed's: under FSDP/TP each rank steps its own shard (finetune.optimizers.sharded). muon:
     torch.optim.Muon on the hidden 2-D matrices (a momentum buffer each, optim.momentum) and AdamW on the embeddings,
-    the output layer and the rest, at one rate (finetune.optimizers.muon; single or DDP). Or a torch.optim
+    the output layer and the rest, at one rate (finetune.optimizers.muon; under FSDP/TP each matrix's update is
+    orthogonalised whole). Or a torch.optim
     class by name (torch.optim.NAdam, torch.optim.RAdam): built with the optim.* keys its constructor takes, torch engine
     only (parallelism=single or ddp). Each is a record in finetune/optimizers/."""
     lr: float = checked(POSITIVE, 1e-4)

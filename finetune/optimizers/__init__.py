@@ -222,7 +222,8 @@ RECORDS: dict[str, OptimizerRecord] = {r.name: r for r in (
     OptimizerRecord(
         "muon", _muon, ("lr", "betas", "eps", "weight_decay", "momentum"), 4,
         "a momentum buffer per hidden matrix (Muon), two fp32 moments for the rest (AdamW)", by_shape=_muon_bytes,
-        ends_state_bytes=8, engines=("torch",), runs="torch.optim.Muon (hidden matrices) and torch.optim.AdamW (the rest)"),
+        ends_state_bytes=8, runs="torch.optim.Muon (hidden matrices, orthogonalised whole under FSDP2/TP) and torch.optim.AdamW "
+        "(the rest)", step_temp="muon"),
     OptimizerRecord(
         "adafactor", _adafactor, ("lr", "weight_decay"), 0, "factored fp32 statistics", by_shape=_factored_bytes,
         runs="torch's Adafactor (no fused version)", step_temp="tensor", low_memory=True),

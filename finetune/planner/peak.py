@@ -363,12 +363,26 @@ def step_temp(arch: Arch, cfg: Config, counts: Counts, s: States, on_gpu: bool) 
     shard = (dp * p.cp if p.strategy == Strategy.fsdp else 1) * p.tp * p.pp
     if cfg.optim.state_dtype == StateDtype.bf16 and cfg.precision.name != Precision.bf16_pure:
         return 12 * min(counts.trainable, arch.largest_layer_params) / shard
+    if optimizers.record(cfg.optim.name).step_temp == "muon":
+        return muon_temp(arch, cfg, shard)
     if optimizers.record(cfg.optim.name).step_temp == "tensor" and not z.enabled:
         return 4 * min(counts.trainable, arch.largest_layer_params) / shard
     if optimizers.record(cfg.optim.name).step_temp == "foreach" and not (z.enabled and z.offload_optimizer != Offload.none):
         return 4 * (s.trainable / (dp * p.cp if (z.enabled or p.strategy == Strategy.fsdp) else 1) if on_gpu
                     else min(counts.trainable, arch.largest_layer_params))
     return 0.0
+
+
+def muon_temp(arch: Arch, cfg: Config, shard: int) -> float:
+    """optim=muon's step, one hidden matrix (n elements, smaller side m) at a time: the Nesterov update (fp32, the
+    rank's shard), torch's Newton-Schulz in bf16 (its iterate and the next, two m x m grams); over shards the whole
+    update gathered in fp32 and the orthogonalised slice kept (finetune.optimizers.muon). The largest matrix's;
+    LoRA's adapter matrices are small beside the rest (not counted)."""
+    if cfg.peft.name != PeftMethod.none:
+        return 0.0
+    sizes = [(lin.inputs * lin.outputs, min(lin.inputs, lin.outputs)) for b in arch.layers for lin in b.linears if lin.experts == 1]
+    whole = 4.0 if shard > 1 else 0.0
+    return max((4 * n / shard + whole * n + 4 * n + 4 * m * m + (2 * n / shard if shard > 1 else 0) for n, m in sizes), default=0.0)
 
 
 def total(cfg: Config, counts: Counts, s: States, acts: Activations, backward: float, temp: float, seq: int, on_gpu: bool,

@@ -27,7 +27,7 @@ from finetune.rank import parallel
 from finetune.rank.context import ContextParallel
 from finetune.config import Config, ConfigError, Logits, PipeSchedule, Precision, Strategy
 from finetune.rank.dist import Dist
-from finetune.rank.engine.common import (StepResult, add_metrics, autocast_dtype, build_optimizer, build_scheduler, lora_b, no_deepspeed_probe,
+from finetune.rank.engine.common import (StepResult, add_metrics, autocast_dtype, build_optimizer, build_scheduler, end_weights, lora_b, no_deepspeed_probe,
                                     to_bf16)
 
 STATE_FILE = "trainer_state.pt"  # scheduler and step, beside the DCP shards
@@ -96,8 +96,9 @@ class MeshEngine:
         self.context = ContextParallel(model, self.mesh["cp"].get_group(), self.cp_rank, self.cp) if self.cp > 1 else None
         self.params = [q for m in modules for q in m.parameters() if q.requires_grad]
         self.max_grad_norm = cfg.optim.max_grad_norm
+        ends = set().union(*(end_weights(getattr(m, "lm", m)) for m in modules))  # after sharding: FSDP2's own parameters
         self.optimizer = build_optimizer(self.params, cfg.optim, cfg.precision.kahan_sum if pure else None, drop_empty=True,
-                                         fast=lora_b(*modules))
+                                         fast=lora_b(*modules), ends=ends)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
         self._schedule: Any = None
         if p.pp > 1 and dist.is_main:
