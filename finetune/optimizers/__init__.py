@@ -215,6 +215,13 @@ RECORDS: dict[str, OptimizerRecord] = {r.name: r for r in (
         "sgd", _sgd, ("lr", "momentum", "weight_decay"), 0, "no state", momentum_bytes=4,
         keeps_with_momentum="its momentum buffer in the parameters' dtype", deepspeed="SGD",
         deepspeed_keys=("lr", "momentum", "weight_decay"), deepspeed_tested=False, pure="SGD"),
+    # Why bitsandbytes and not torchao's AdamW8bit (docs/strategies.md, scripts/benchmark_optimizer_states.py): the
+    # same 2.03 bytes a parameter, 170 ms a step against 215 ms on the benchmark's 10M parameters and no compile (torchao's
+    # first step compiles for 2-7 s). torchao's does step a DTensor shard as its whole tensor, where ours
+    # (optimizers.sharded.ShardedAdamW8bit, bitsandbytes' kernel per shard) follows it within 1.5%; but it quantizes with
+    # its own map, so FSDP on torchao would leave the one-process trajectory on bitsandbytes: every layout moves at once
+    # or none does. (optim.state_dtype=bf16 stays ours, LowPrecisionAdam: torchao keeps Adam's moments in the
+    # parameters' dtype and has no bf16 moments over fp32 weights; its AdamW4bit asserts on a DTensor shard.)
     OptimizerRecord(
         "adamw_8bit", _adamw_8bit, ADAM_KEYS, 2, "its moments in 8 bits", by_shape=_eight_bit_bytes,
         runs="bitsandbytes' 8-bit kernel", low_memory=True,
