@@ -60,7 +60,8 @@ SCRIPTS = Path(__file__).resolve().parent
 REWARD = "peers_rl:reward"  # our method.rewards entry: this module's function (PYTHONPATH has this directory)
 PROMPTS = "prompts.jsonl"  # in each run's directory: what the reward was given, call by call
 BETA = 0.1  # DPO's (both frameworks' default)
-GRPO = bp.Race([("ours", "grpo"), ("trl", "grpo")], {"ours": "ours (finetune)", "trl": "TRL GRPOTrainer"}, "trl", "TRL")
+GRPO = bp.Race([("ours", "grpo"), ("ours_padded", "grpo"), ("trl", "grpo")],
+               {"ours": "ours (finetune)", "ours_padded": "ours, data.padding_free=false", "trl": "TRL GRPOTrainer"}, "trl", "TRL")
 DPO = bp.Race([(f, m) for m in ("precomputed", "live") for f in ("ours", "ours_padded", "trl")],
               {"ours": "ours (finetune)", "ours_padded": "ours, data.padding_free=false", "trl": "TRL DPOTrainer"}, "trl", "TRL")
 
@@ -195,8 +196,9 @@ def run_grpo(framework: str, repeat: int, args: argparse.Namespace, root: Path, 
     out = root / f"{framework}_grpo_{repeat}"
     out.mkdir()
     env = {**env, "PEERS_PROMPTS": str(out / PROMPTS)}
-    if framework == "ours":
-        cmd = [sys.executable, "-m", "finetune.launch", *grpo_overrides(args, root), f"hydra.run.dir={out}"]
+    if framework in ("ours", "ours_padded"):
+        cmd = [sys.executable, "-m", "finetune.launch", *grpo_overrides(args, root), f"hydra.run.dir={out}",
+               *(["data.padding_free=false"] if framework == "ours_padded" else [])]
         steps_file = out / "metrics.jsonl"
     else:  # TRL's micro-batch counts completions
         spec = spec_of(framework, "grpo", args, root, out, micro_batch=args.micro_batch * args.generations,

@@ -190,10 +190,14 @@ def test_the_planner_counts_every_completion_as_a_row(compose, monkeypatch):
 
     monkeypatch.syspath_prepend(str(STANDIN))  # method.vllm=true composes where vLLM is installed
 
-    sft = plan(compose(["train.micro_batch_size=8", "train.global_batch_size=16", "data.padding_free=false", "data.max_length=80"]))
+    sft = plan(compose(["train.micro_batch_size=8", "train.global_batch_size=16", "data.max_length=80"]))
     grpo = plan(compose(["method=grpo", "method.generations=4", "method.completion_tokens=16", "train.micro_batch_size=2",
                          "train.global_batch_size=4"]))  # rows of data.max_length 64 + 16 sampled tokens
     assert grpo.activations == pytest.approx(sft.activations, rel=0.01)  # 2 prompts x 4 completions = 8 rows
+    padded = [plan(compose([*o, "data.padding_free=false"])) for o in (
+        ["train.micro_batch_size=8", "train.global_batch_size=16", "data.max_length=80"],
+        ["method=grpo", "method.generations=4", "method.completion_tokens=16", "train.micro_batch_size=2", "train.global_batch_size=4"])]
+    assert padded[1].activations == pytest.approx(padded[0].activations, rel=0.01) and padded[1].activations > grpo.activations  # sdpa's mask
     kv = 8 * 80 * 2 * 2 * 64 * 4  # rows x tokens x layers x (K, V) x kv_dim x fp32
     logits = 8 * architecture(compose(["method=grpo"]).model).vocab_size * 4 * 2  # one decoding step's fp32 logits and probabilities
     assert grpo.rollout == kv + logits and grpo.rollout_peak == grpo.weights + grpo.optimizer + kv + logits + grpo.overhead
@@ -547,3 +551,51 @@ def test_a_vllm_built_for_another_torch_is_refused_before_launch(monkeypatch):
     assert grpo.vllm_mismatch() is None  # a CUDA build of the pinned release
     del installed["vllm"]
     assert grpo.vllm_mismatch() is None  # no metadata (the stand-in, a source checkout): nothing to compare
+
+
+@pytest.mark.parametrize("name,options", [
+    ("grpo", {"loss_type": "grpo", "updates_per_rollout": 2}),
+    ("grpo", {"loss_type": "dapo", "mask_truncated_completions": True}),
+    ("grpo", {"loss_type": "bnpo", "importance_sampling_level": "sequence", "updates_per_rollout": 2}),
+    ("grpo", {"loss_type": "dr_grpo"}),
+    ("rloo", {}),
+])
+def test_padding_free_rollouts_give_the_padded_loss_metrics_and_gradients(name, options):
+    """data.padding_free (the online methods' default): a rollout's completions, each after its prompt, end to end in
+    one row, each attending only to itself; what the forward gives per token laid back out as the padded rows
+    (`on_grid`): the padded batch's loss, metrics, count and gradients, with the sampler's log-probs (the ratio of a
+    rollout's second update), truncated completions masked, and a tool turn's tokens unlabelled inside a completion."""
+    from finetune.data.batches import SAMPLES
+    from finetune.methods.online import Group
+    from finetune.methods.rloo import RLOO, RlooConfig
+
+    net, tok = tiny_model()
+    torch.manual_seed(0)
+    word = lambda n: torch.randint(5, 60, (n,)).tolist()  # noqa: E731
+    groups = []
+    for i in range(3):
+        completions = [word(n) + ([tok.eos_token_id] if n % 2 else []) for n in (2, 9, 5, 12)]
+        owned = [[k % 4 != 2 for k in range(len(c))] for c in completions] if i == 1 else None  # a tool turn's tokens: context
+        rewards = [0.1, 0.7, 0.4, 0.2 + i]
+        groups.append(Group(word(7 + 3 * i), word(3), (), completions, rewards, {"exact_match": rewards}, owned=owned))
+    results = []
+    for flat in (False, True):
+        objective = GRPO(method(**options)) if name == "grpo" else RLOO(RlooConfig())
+        objective.flat = flat
+        batch = objective.batch_of(groups, tok)
+        if flat:
+            assert batch["input_ids"].shape[0] == 1 and SAMPLES in batch
+            assert batch[SAMPLES][0].bincount().tolist() == [len(g.prompt) + len(c) for g in groups for c in g.completions]
+        else:
+            assert batch["input_ids"].shape[0] == 12
+        batch = objective.finished(GenerationEngine(net), batch)
+        if "old_logps" in batch:  # the sampler was another policy: the ratio leaves 1, the clip acts
+            batch["old_logps"] = batch["old_logps"] + 0.3 * torch.sin(torch.arange(batch["old_logps"].numel())).view_as(batch["old_logps"])
+        net.zero_grad()
+        loss, metrics = objective(net, batch)
+        loss.backward()
+        results.append((loss.item(), {k: float(v) for k, v in metrics.items()}, objective.count(batch), [p.grad.clone() for p in net.parameters()]))
+    (loss_p, metrics_p, count_p, grads_p), (loss_f, metrics_f, count_f, grads_f) = results
+    assert count_f == count_p and loss_p != 0
+    assert loss_f == pytest.approx(loss_p, rel=1e-5) and metrics_f == pytest.approx(metrics_p, rel=1e-5, abs=1e-6)
+    assert all(torch.allclose(f, p, rtol=1e-4, atol=1e-6) for f, p in zip(grads_f, grads_p))

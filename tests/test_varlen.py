@@ -181,6 +181,10 @@ def test_train_batches_lay_a_micro_batch_end_to_end():
     (["train.micro_batch_size=1"], False, "padded: one row per micro-batch has no padding"),
     (["+recipe=quickstart_dpo"], True, "auto"),  # a pair's rows end to end, summed per sample
     (["+recipe=quickstart_kto"], False, "padded: method=kto scores each response's whole log-probability in a row of its own"),
+    (["+recipe=quickstart_grpo", "train.micro_batch_size=1"], True, "auto"),  # a rollout's completions end to end
+    (["+recipe=quickstart_rloo"], True, "auto"),
+    (["+recipe=quickstart_vlm", "method=grpo"], False,
+     "padded: method=grpo's rollouts with images are padded (each completion shown its prompt's images)"),
 ])
 def test_auto_pads_where_padding_free_does_not_apply_and_says_why(compose, overrides, on, why):
     from finetune.data.rows import padding_free

@@ -61,6 +61,8 @@ def padding_free(cfg: Config) -> tuple[bool, str]:
     why_not = record.padded or (
         f"method={record.name}'s rows with images are padded (each row group's image inputs apart)"
         if record.rows_per_example > 1 and vision_model(cfg) else None) or (
+        f"method={record.name}'s rollouts with images are padded (each completion shown its prompt's images)"
+        if record.sampling(cfg.method) is not None and vision_model(cfg) else None) or (
         f"parallelism.pp={p.pp} sends every micro-batch through the stages at one shape (data.max_length)" if p.pp > 1 else
         f"parallelism.cp={p.cp} splits each row's tokens over ranks and masks the whole row" if p.cp > 1 else
         vision_unpacked(cfg))
@@ -70,7 +72,7 @@ def padding_free(cfg: Config) -> tuple[bool, str]:
         if asked:
             raise ConfigError(f"data.padding_free=true cannot run here: {why_not}: set data.padding_free=false (or null)")
         return False, f"padded: {why_not}"
-    if asked is None and cfg.train.micro_batch_size == 1:
+    if asked is None and cfg.train.micro_batch_size == 1 and record.sampling(cfg.method) is None:  # (a prompt's G rows do)
         return False, "padded: one row per micro-batch has no padding"
     return True, "data.padding_free=true" if asked else "auto"
 

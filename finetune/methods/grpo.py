@@ -42,10 +42,9 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from finetune.config import METHOD_NAME, POSITIVE, Config, ConfigError, Spelled, at_least, checked, in_range, unused
-from finetune.data.tokenize import IGNORE
 from finetune.methods.base import Output
 from finetune.methods.collectives import batch_std
-from finetune.methods.online import Online, OnlineConfig, OnlineMethod, completion_mask
+from finetune.methods.online import Online, OnlineConfig, OnlineMethod, completion_mask, completions, on_grid
 
 if TYPE_CHECKING:
     import torch
@@ -176,7 +175,7 @@ class GRPO(Online):
 
         if self.updates > 1 or self.overlapped:  # the sampling policy's log-probs (`engine`: the background sampler's copy,
             # method.async_generation), for the ratio of the later updates (eval mode: no dropout)
-            batch["old_logps"] = engine.inference(token_logps, batch).detach().float().cpu()
+            batch["old_logps"] = on_grid(engine.inference(token_logps, batch).detach().float(), batch).cpu()
         return batch
 
     def rescaled(self, engine: Any, batches: list[dict[str, torch.Tensor]]) -> None:
@@ -190,7 +189,7 @@ class GRPO(Online):
         tokens that carry the loss: the loop divides the global batch's summed loss by it."""
         if self.cfg.loss_type == GrpoLoss.dapo and "advantages" in batch:
             return int(completion_mask(batch).sum())
-        return int(batch["input_ids"].shape[0])
+        return completions(batch)
 
     def __call__(self, model: Any, batch: dict[str, torch.Tensor]) -> Output:
         import torch
@@ -198,8 +197,8 @@ class GRPO(Online):
         from finetune.methods.losses import forward_aux, logits_token_logps
 
         logits, aux = forward_aux(model, batch, self.router is not None)
-        logps = logits_token_logps(logits, batch["labels"])
-        mask = (batch["labels"][:, 1:] != IGNORE).float()
+        logps = on_grid(logits_token_logps(logits, batch["labels"]), batch)  # [completions, tokens - 1], padded or not
+        mask = completion_mask(batch)
         if "advantages" not in batch:  # evaluation: the rows' own responses' cross-entropy, per token, summed over rows
             loss = (-(logps * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum()
             out: Output = (loss, {})
@@ -207,15 +206,15 @@ class GRPO(Online):
             reference = None
             if self.cfg.beta > 0:
                 with torch.no_grad():
-                    reference = self.reference(model, batch, per_token=True).float()
+                    reference = on_grid(self.reference(model, batch, per_token=True).float(), batch)
             c = self.cfg
-            loss, kl = grpo_loss(logps, batch["advantages"].float(), completion_mask(batch), c.epsilon, c.beta, reference,
+            loss, kl = grpo_loss(logps, batch["advantages"].float(), mask, c.epsilon, c.beta, reference,
                                  batch.get("old_logps"), epsilon_high=c.epsilon_high, level=c.importance_sampling_level,
                                  loss_type=c.loss_type, max_tokens=c.completion_tokens)
             sums = {k[len("sum_"):]: v.sum() for k, v in batch.items() if k.startswith("sum_")}
             out = (loss, {**sums, "kl": kl, "completion_tokens": mask.sum()})
             if "old_logps" in batch:
-                out[1]["clipped"] = clipped(logps.detach(), batch["old_logps"], completion_mask(batch), c)
+                out[1]["clipped"] = clipped(logps.detach(), batch["old_logps"], mask, c)
         if self.router is not None:
             return self.router.apply(out[0], out[1], aux, self.count(batch))
         return out

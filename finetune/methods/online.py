@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from finetune.config import (NAMES, POSITIVE, SOME_NAMES, TEXT, Accepts, Config, ConfigError, DataConfig, DataFormat, Logits,
                              MethodConfig, Reference, at_least, checked, in_range, unused)
+from finetune.data.batches import SAMPLES
 from finetune.data.images import SHOWN, pictures_of
 from finetune.data.tokenize import IGNORE, Encoded, Example
 from finetune.methods.base import CAUSAL_LM, Output, Sampling
@@ -112,9 +113,7 @@ class OnlineMethod:
     def unpacked(self) -> str:
         return f"method={self.name} samples each prompt's completions as rows of their own"
 
-    @property
-    def padded(self) -> str:
-        return self.unpacked
+    padded = None  # a rollout's completions laid end to end in one row (Online.flat): data.padding_free's default
 
     @property
     def split_tokens(self) -> str:
@@ -307,6 +306,7 @@ class Online:
         self.buffer: list[dict[str, torch.Tensor]] = []  # the rollout the next updates train on
         self.vllm: Any = None  # method.vllm: the rank's VllmSampler, built at the first rollout
         self.prompt_tokens: int | None = None  # the longest prompt (data.max_length, set by finetune.train): vLLM's context
+        self.flat = False  # the rollout's completions end to end in one row (data.padding_free, set by finetune.train)
         self.overlapped = bool(getattr(cfg, "async_generation", False))  # the next rollout sampled while this step trains
         self.background: Any = None  # then its finetune.methods.background.Background, built at the first rollout
         names = [f"rewards/{name}" for name in cfg.rewards]
@@ -331,11 +331,11 @@ class Online:
     def count(self, batch: dict[str, torch.Tensor]) -> int:
         """Completions in a rollout batch (rows with labels in an evaluation batch): the loop divides the global batch's
         summed loss by their sum."""
-        return int(batch["input_ids"].shape[0])
+        return completions(batch)
 
     def metric_count(self, batch: dict[str, torch.Tensor]) -> int:
         """What the metrics (rewards, KL) are averaged over: completions."""
-        return int(batch["input_ids"].shape[0])
+        return completions(batch)
 
     def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> Output:
         raise NotImplementedError(f"method={self.cfg.name} does not run under pipeline parallel (refused before launch)")
@@ -433,7 +433,7 @@ class Online:
         for n in sizes:
             batch = self.batch_of(groups[start : start + n], tokenizer)
             start += n
-            rows = batch["input_ids"].shape[0]
+            rows = completions(batch)
             batch["sum_equal_groups"] = torch_full(rows, equal / max(sampled, 1))
             if self.cfg.dynamic_sampling:
                 batch["sum_sampling_rounds"] = torch_full(rows, float(rounds))
@@ -527,15 +527,17 @@ class Online:
 
     def batch_of(self, groups: list[Group], tokenizer: Any) -> dict[str, torch.Tensor]:
         """The training batch of the groups' completions (prompt + completion, labels on the completion), with their
-        advantages; each completion shows its prompt's images."""
+        advantages; each completion shows its prompt's images. Padded, or with `flat` end to end in one row, each
+        completion attending to itself alone, SAMPLES saying which each token is (`on_grid` lays what the forward gives
+        per token back out as the padded batch's rows)."""
         import torch
 
-        from finetune.data.batches import collate
+        from finetune.data.batches import collate, flat_samples
 
         examples = [Example(g.prompt + list(c), [IGNORE] * len(g.prompt) + labelled(c, g.owned[k] if g.owned else None),
                             len(g.prompt), "", images=g.images)
                     for g in groups for k, c in enumerate(g.completions)]
-        batch = collate(examples, tokenizer.pad_token_id, pictures=pictures_of(tokenizer))
+        batch = flat_samples(examples) if self.flat else collate(examples, tokenizer.pad_token_id, pictures=pictures_of(tokenizer))
         r = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
         batch["advantages"] = self.advantages(r).reshape(-1)
         if self.cfg.mask_truncated_completions:  # cut before their EOS: no loss
@@ -568,10 +570,27 @@ def torch_full(rows: int, value: float) -> torch.Tensor:
 
 
 def completion_mask(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """[rows, tokens - 1]: 1 where a token of a completion carries the loss (its label; under mask_truncated_completions,
-    only in a completion that ended with its EOS)."""
-    mask = (batch["labels"][:, 1:] != IGNORE).float()
+    """[rows, tokens - 1] (`on_grid`): 1 where a token of a completion carries the loss (its label; under
+    mask_truncated_completions, only in a completion that ended with its EOS)."""
+    mask = on_grid((batch["labels"][:, 1:] != IGNORE).float(), batch)
     return mask * batch["kept"][:, None].to(mask) if "kept" in batch else mask
+
+
+def on_grid(values: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-token values of a batch's rows, each predicting the next token ([rows, tokens - 1]), laid out as the padded
+    batch's: a padding-free batch's [1, T - 1] becomes [completions, longest - 1], completion i's values in row i from
+    its own first token on, 0 past its end (what padding holds); a padded batch's stay as they are. Differentiable."""
+    if SAMPLES not in batch:
+        return values
+    samples, positions = batch[SAMPLES][0, 1:].to(values.device), batch["position_ids"][0, 1:].to(values.device)
+    inside = positions > 0  # a completion's first token (its prompt's) is predicted by nothing of its own
+    grid = values.new_zeros(int(batch[SAMPLES][0, -1]) + 1, int(batch["position_ids"].max()))
+    return grid.index_put((samples[inside], positions[inside] - 1), values[0, inside])
+
+
+def completions(batch: dict[str, torch.Tensor]) -> int:
+    """Completions in a rollout batch (padded or padding-free); rows in an evaluation batch."""
+    return int(batch["advantages"].shape[0]) if "advantages" in batch else int(batch["input_ids"].shape[0])
 
 
 def split_rows(batch: dict[str, torch.Tensor]) -> tuple[list[list[int]], list[list[int]]]:

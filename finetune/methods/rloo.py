@@ -25,9 +25,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from finetune.config import METHOD_NAME, at_least, checked
-from finetune.data.tokenize import IGNORE
 from finetune.methods.base import Output
-from finetune.methods.online import Online, OnlineConfig, OnlineMethod, completion_mask
+from finetune.methods.online import Online, OnlineConfig, OnlineMethod, completion_mask, on_grid
 
 if TYPE_CHECKING:
     import torch
@@ -74,7 +73,7 @@ class RLOO(Online):
         from finetune.methods.losses import token_logps
 
         def both(model: Any, b: dict[str, torch.Tensor]) -> torch.Tensor:
-            return torch.stack([token_logps(model, b).float(), self.reference(model, b, per_token=True).float()])
+            return torch.stack([on_grid(token_logps(model, b).float(), b), on_grid(self.reference(model, b, per_token=True).float(), b)])
 
         policy, reference = engine.inference(both, batch).detach().cpu()
         kl = sequence_kl(policy, reference, completion_mask(batch))
@@ -87,12 +86,12 @@ class RLOO(Online):
         from finetune.methods.losses import forward_aux, logits_token_logps
 
         logits, aux = forward_aux(model, batch, self.router is not None)
-        logps = logits_token_logps(logits, batch["labels"])
-        mask = (batch["labels"][:, 1:] != IGNORE).float()
+        logps = on_grid(logits_token_logps(logits, batch["labels"]), batch)  # [completions, tokens - 1], padded or not
+        mask = completion_mask(batch)
         if "advantages" not in batch:  # evaluation: the rows' own responses' cross-entropy, per token, summed over rows
             out: Output = ((-(logps * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum(), {})
         else:
-            loss = rloo_loss(logps, batch["advantages"].float(), completion_mask(batch))
+            loss = rloo_loss(logps, batch["advantages"].float(), mask)
             sums = {k[len("sum_"):]: v.sum() for k, v in batch.items() if k.startswith("sum_")}
             out = (loss, {"kl": logps.new_zeros(()), **sums, "completion_tokens": mask.sum()})
         if self.router is not None:

@@ -339,6 +339,7 @@ def objective_for(cfg: Config, d: dist.Dist, model_config: Any, ref: Any, chunke
     objective = build_objective(cfg.method, ref, router, chunked)
     if isinstance(objective, OnlineObjective):  # a rollout engine (method.vllm) is sized for the longest prompt + completion
         objective.prompt_tokens = cfg.data.max_length
+        objective.flat = rows.padding_free(cfg)[0]  # the rollout's completions end to end (its prompts' batches stay padded)
     if router and d.is_main and router.metric in objective.metrics:  # a sequence classifier (method=reward) returns none to report
         print(router.describe())
     return objective
@@ -432,7 +433,8 @@ def make_batches(cfg: Config, examples: Any, eng: Engine, pad_id: int, resume_fr
     shape = {"global_batch": cfg.train.global_batch_size, "micro_batch": cfg.train.micro_batch_size, "dp_rank": eng.dp_rank,
              "dp_size": eng.dp_size, "pad_id": pad_id, "pictures": pictures,
              "pad_to": cfg.data.max_length if cfg.parallelism.pp > 1 else None,  # a pipeline needs one shape
-             "flat": rows.padding_free(cfg)[0]}
+             "flat": rows.padding_free(cfg)[0] and methods.get(cfg.method.name).sampling(cfg.method) is None}  # an online
+    # method's micro-batches are prompts, sampled from padded (its rollouts are laid flat: Online.flat)
     if cfg.data.streaming:
         return stream.StreamBatches(examples, **shape, resume_from=resume_from)
     return TrainBatches(examples, **shape, seed=cfg.train.seed)
