@@ -86,6 +86,7 @@ SHARDS = """
 import json, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
+import finetune.optimizers.muon as muon
 from finetune.optimizers.muon import WholeMatrixMuon
 
 dist.init_process_group("gloo")
@@ -107,18 +108,24 @@ def run(cls):
     placed = [str(b.state[s]["momentum_buffer"].placements[0]) for s in shards]
     return [((s.full_tensor() - w).norm() / (w - s0).norm()).item() for w, s, s0 in zip(whole, shards, starts)], placed
 
+ns, calls = muon._zeropower_via_newtonschulz, []
+muon._zeropower_via_newtonschulz = lambda g, *a: (calls.append(list(g.shape)), ns(g, *a))[1]
 ours, placed = run(WholeMatrixMuon)
+muon._zeropower_via_newtonschulz = ns
+each = [None, None]
+dist.all_gather_object(each, calls)
 theirs, _ = run(torch.optim.Muon)
 if dist.get_rank() == 0:
-    print(json.dumps({"whole": ours, "torch_on_shards": theirs, "placed": placed}), flush=True)
+    print(json.dumps({"whole": ours, "torch_on_shards": theirs, "placed": placed, "calls": each}), flush=True)
 dist.destroy_process_group()
 """
 
 
 @pytest.mark.cores(2)
 def test_shards_are_orthogonalised_whole(tmp_path):
-    """Over DTensor shards (rows or columns, even or not) WholeMatrixMuon steps bit for bit as torch's Muon over the
-    whole matrices (the same gathered update, the same Newton-Schulz), its momentum buffers placed like the weights;
+    """Over DTensor shards (rows or columns, even or not, wide or tall) WholeMatrixMuon steps bit for bit as torch's Muon
+    over the whole matrices (the same gathered update, the same Newton-Schulz), each rank orthogonalising every other
+    matrix and receiving the rest, its momentum buffers placed like the weights;
     torch's Muon given the shards runs Newton-Schulz through DTensor's sharded matmuls, whose bf16 partial sums round
     otherwise (what optim=muon under FSDP2 would do without it)."""
     got = torchrun_json(SHARDS, tmp_path)
@@ -126,6 +133,7 @@ def test_shards_are_orthogonalised_whole(tmp_path):
     assert got["whole"] == [0.0] * 4
     assert max(got["torch_on_shards"]) > 1e-3
     assert got["placed"] == ["S(0)", "S(0)", "S(1)", "S(1)"]
+    assert got["calls"] == [[[64, 96], [64, 96]] * 4, [[63, 97], [96, 40]] * 4]  # 4 steps, each rank its 2 of the 4 matrices
 
 
 SHARDED = [*FEW[1:], "train.max_steps=4", "train.save_every=2", "train.progress_bar=false", "optim.weight_decay=0.01"]

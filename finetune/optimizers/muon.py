@@ -13,11 +13,12 @@ orthogonalises the whole matrix. torch.optim.Muon given DTensors runs its five N
 DTensor's sharded matmuls: operands gathered and bf16 partial sums reduced inside every iteration, another rounding
 than one process's (2% of the update on a 64 x 96 matrix, three times what a 1e-6 change of the input moves it).
 `WholeMatrixMuon` is torch's Muon with each update (momentum and Nesterov: elementwise, on the shard) gathered once,
-orthogonalised by torch's own Newton-Schulz, and cut back to this rank's shard: one all-gather per matrix and one
-process's bits, as Liu et al. 2025 (section 2.3, "Distributed Muon") do over ZeRO-1 partitions. Every rank
-orthogonalises every matrix (the same result on each); spreading the matrices over the ranks, each orthogonalising its
-share and scattering it, would divide that work and is not built. What it holds at a time is one whole matrix's update
-in fp32 beside Newton-Schulz's own bf16 temporaries (the planner's step temporaries).
+orthogonalised by torch's own Newton-Schulz, and cut back to this rank's shard: one process's bits, as Liu et al. 2025
+(section 2.3, "Distributed Muon") do over ZeRO-1 partitions. The matrices of a step are spread over the ranks: each
+orthogonalises every N-th one (N ranks) and broadcasts its bf16 result, so Newton-Schulz's work is divided by N where
+Moonlight repeats it on every rank; per matrix, an all-gather of the update and a broadcast of the result. What a
+rank holds at a time is one whole matrix's update in fp32 beside Newton-Schulz's own bf16 temporaries (the planner's
+step temporaries).
 """
 
 from __future__ import annotations
@@ -35,31 +36,56 @@ class WholeMatrixMuon(torch.optim.Muon):
     """torch.optim.Muon for DTensor shards: torch's `_single_tensor_muon`, step for step, with each update orthogonalised
     whole (`orthogonalised`); on plain tensors it is torch's update exactly."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.groups: dict[int, Any] = {}  # a mesh's process group over all its ranks (a 2-D mesh's flattened), by id
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         loss = closure_loss(closure)
+        turn = 0  # this step's k-th sharded matrix is orthogonalised by the k-th rank of its mesh (mod its size)
         for group in self.param_groups:
             params: list[torch.Tensor] = []
             grads: list[torch.Tensor] = []
             bufs: list[torch.Tensor] = []
             self._init_group(group, params, grads, bufs)
-            lr, momentum = float(group["lr"]), group["momentum"]
+            lr, momentum, ns = float(group["lr"]), group["momentum"], (group["ns_coefficients"], group["ns_steps"], group["eps"])
             for p, grad, buf in zip(params, grads, bufs):
                 buf.lerp_(grad, 1 - momentum)
                 update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-                update = orthogonalised(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                if isinstance(update, DTensor):
+                    update = orthogonalised(update, turn, self.mesh_group(update.device_mesh), *ns)
+                    turn += 1
+                else:
+                    update = _zeropower_via_newtonschulz(update, *ns)
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
         return loss
 
+    def mesh_group(self, mesh: Any) -> Any:
+        if id(mesh) not in self.groups:
+            self.groups[id(mesh)] = mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group()
+        return self.groups[id(mesh)]
 
-def orthogonalised(update: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> torch.Tensor:
-    """torch's Newton-Schulz orthogonalisation of a matrix; of a DTensor's whole matrix (gathered on every rank: a
-    collective), returned placed as the update was (each rank keeps its own slice: no communication)."""
-    if not isinstance(update, DTensor):
-        return _zeropower_via_newtonschulz(update, coefficients, steps, eps)
-    whole = _zeropower_via_newtonschulz(update.full_tensor(), coefficients, steps, eps)
-    return distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)
+
+def orthogonalised(update: DTensor, turn: int, group: Any, coefficients: tuple[float, float, float], steps: int,
+                   eps: float) -> DTensor:
+    """A DTensor's whole matrix (gathered on every rank of its mesh), orthogonalised by torch's Newton-Schulz on one of
+    them, the `turn`-th (so that a step's matrices are spread over the ranks), which sends its bf16 result to the others
+    (`group`: a broadcast); each keeps its own slice, placed as the update was. Collective: every rank of the mesh
+    calls it for the same matrices in the same order."""
+    import torch.distributed as dist
+
+    whole = update.full_tensor()
+    ranks = update.device_mesh.mesh.flatten().tolist()
+    owner = ranks[turn % len(ranks)]
+    if dist.get_rank() == owner:
+        done = _zeropower_via_newtonschulz(whole, coefficients, steps, eps).contiguous()  # a tall matrix's comes transposed
+    else:  # torch's Newton-Schulz iterates in bf16 and returns its bf16 result
+        done = torch.empty(whole.shape, dtype=torch.bfloat16, device=whole.device)
+    if len(ranks) > 1:
+        dist.broadcast(done, src=owner, group=group)
+    return distribute_tensor(done, update.device_mesh, update.placements, src_data_rank=None)
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
