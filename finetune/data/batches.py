@@ -104,6 +104,19 @@ def flat_samples(rows: list[Example]) -> dict[str, torch.Tensor]:
     return batch
 
 
+def on_grid(values: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-token values of a batch's rows, each predicting the next token ([rows, tokens - 1]), laid out as the padded
+    batch's: a padding-free batch's (`flat_samples`) [1, T - 1] becomes [samples, longest - 1], sample i's values in
+    row i from its own first token on, 0 past its end (what padding holds); a padded batch's stay as they are. An
+    online method's rollout reads its per-token log-probs so (finetune.methods.online). Differentiable."""
+    if SAMPLES not in batch:
+        return values
+    samples, positions = batch[SAMPLES][0, 1:].to(values.device), batch["position_ids"][0, 1:].to(values.device)
+    inside = positions > 0  # a sample's first token is predicted by nothing of its own
+    grid = values.new_zeros(int(batch[SAMPLES][0, -1]) + 1, int(batch["position_ids"].max()))
+    return grid.index_put((samples[inside], positions[inside] - 1), values[0, inside])
+
+
 def with_images(batch: dict[str, Any], images: list[list[Any]], pictures: Any, pad_id: int, blank: bool) -> dict[str, Any]:
     """A micro-batch of rows with the model's image inputs for each row's `images` (in the order its tokens show them),
     and the images themselves (`SHOWN`); a batch without any, under a layout whose ranks run the vision tower together

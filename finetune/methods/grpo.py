@@ -42,9 +42,10 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from finetune.config import METHOD_NAME, POSITIVE, Config, ConfigError, Spelled, at_least, checked, in_range, unused
+from finetune.data.batches import on_grid
 from finetune.methods.base import Output
 from finetune.methods.collectives import batch_std
-from finetune.methods.online import Online, OnlineConfig, OnlineMethod, completion_mask, completions, on_grid
+from finetune.methods.online import Online, OnlineConfig, OnlineMethod, completion_mask, completions
 
 if TYPE_CHECKING:
     import torch

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from finetune.config import (NAMES, POSITIVE, SOME_NAMES, TEXT, Accepts, Config, ConfigError, DataConfig, DataFormat, Logits,
                              MethodConfig, Reference, at_least, checked, in_range, unused)
-from finetune.data.batches import SAMPLES
+from finetune.data.batches import on_grid
 from finetune.data.images import SHOWN, pictures_of
 from finetune.data.tokenize import IGNORE, Encoded, Example
 from finetune.methods.base import CAUSAL_LM, Output, Sampling
@@ -574,18 +574,6 @@ def completion_mask(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     mask_truncated_completions, only in a completion that ended with its EOS)."""
     mask = on_grid((batch["labels"][:, 1:] != IGNORE).float(), batch)
     return mask * batch["kept"][:, None].to(mask) if "kept" in batch else mask
-
-
-def on_grid(values: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Per-token values of a batch's rows, each predicting the next token ([rows, tokens - 1]), laid out as the padded
-    batch's: a padding-free batch's [1, T - 1] becomes [completions, longest - 1], completion i's values in row i from
-    its own first token on, 0 past its end (what padding holds); a padded batch's stay as they are. Differentiable."""
-    if SAMPLES not in batch:
-        return values
-    samples, positions = batch[SAMPLES][0, 1:].to(values.device), batch["position_ids"][0, 1:].to(values.device)
-    inside = positions > 0  # a completion's first token (its prompt's) is predicted by nothing of its own
-    grid = values.new_zeros(int(batch[SAMPLES][0, -1]) + 1, int(batch["position_ids"].max()))
-    return grid.index_put((samples[inside], positions[inside] - 1), values[0, inside])
 
 
 def completions(batch: dict[str, torch.Tensor]) -> int:

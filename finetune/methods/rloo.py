@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from finetune.config import METHOD_NAME, at_least, checked
+from finetune.data.batches import on_grid
 from finetune.methods.base import Output
-from finetune.methods.online import Online, OnlineConfig, OnlineMethod, completion_mask, on_grid
+from finetune.methods.online import Online, OnlineConfig, OnlineMethod, completion_mask
 
 if TYPE_CHECKING:
     import torch
