@@ -562,9 +562,10 @@ def test_a_vllm_built_for_another_torch_is_refused_before_launch(monkeypatch):
 ])
 def test_padding_free_rollouts_give_the_padded_loss_metrics_and_gradients(name, options):
     """data.padding_free (the online methods' default): a rollout's completions, each after its prompt, end to end in
-    one row, each attending only to itself; what the forward gives per token laid back out as the padded rows
-    (`on_grid`): the padded batch's loss, metrics, count and gradients, with the sampler's log-probs (the ratio of a
-    rollout's second update), truncated completions masked, and a tool turn's tokens unlabelled inside a completion."""
+    one row, each attending only to itself, the output layer computing the labelled positions only (logits_to_keep);
+    what the forward gives per token laid back out as the padded rows (`on_grid`): the padded batch's loss, metrics,
+    count and gradients, with the sampler's log-probs (the ratio of a rollout's second update), truncated completions
+    masked, and a tool turn's tokens unlabelled inside a completion."""
     from finetune.data.batches import SAMPLES
     from finetune.methods.online import Group
     from finetune.methods.rloo import RLOO, RlooConfig
@@ -578,7 +579,8 @@ def test_padding_free_rollouts_give_the_padded_loss_metrics_and_gradients(name, 
         owned = [[k % 4 != 2 for k in range(len(c))] for c in completions] if i == 1 else None  # a tool turn's tokens: context
         rewards = [0.1, 0.7, 0.4, 0.2 + i]
         groups.append(Group(word(7 + 3 * i), word(3), (), completions, rewards, {"exact_match": rewards}, owned=owned))
-    results = []
+    results, heads = [], []  # the positions the output layer computed, per forward
+    net.get_output_embeddings().register_forward_hook(lambda _, args, out: heads.append(tuple(args[0].shape[:2])))
     for flat in (False, True):
         objective = GRPO(method(**options)) if name == "grpo" else RLOO(RlooConfig())
         objective.flat = flat
@@ -596,6 +598,8 @@ def test_padding_free_rollouts_give_the_padded_loss_metrics_and_gradients(name, 
         loss.backward()
         results.append((loss.item(), {k: float(v) for k, v in metrics.items()}, objective.count(batch), [p.grad.clone() for p in net.parameters()]))
     (loss_p, metrics_p, count_p, grads_p), (loss_f, metrics_f, count_f, grads_f) = results
+    labelled = sum(len(c) for g in groups for c in g.completions) - sum(o.count(False) for o in groups[1].owned)
+    assert heads[-1] == (1, labelled) and heads[0] == (12, max(len(g.prompt) + len(c) for g in groups for c in g.completions))
     assert count_f == count_p and loss_p != 0
     assert loss_f == pytest.approx(loss_p, rel=1e-5) and metrics_f == pytest.approx(metrics_p, rel=1e-5, abs=1e-6)
     assert all(torch.allclose(f, p, rtol=1e-4, atol=1e-6) for f, p in zip(grads_f, grads_p))

@@ -172,11 +172,12 @@ class GRPO(Online):
         return group_advantages(rewards, self.cfg.scale_rewards, rewards.std())  # batch: `rescaled` divides anew
 
     def finished(self, engine: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        from finetune.methods.losses import token_logps
+        from finetune.methods.losses import labelled_logps
 
         if self.updates > 1 or self.overlapped:  # the sampling policy's log-probs (`engine`: the background sampler's copy,
             # method.async_generation), for the ratio of the later updates (eval mode: no dropout)
-            batch["old_logps"] = on_grid(engine.inference(token_logps, batch).detach().float(), batch).cpu()
+            logps = engine.inference(lambda model, b: labelled_logps(model, b)[0], batch)
+            batch["old_logps"] = on_grid(logps.detach().float(), batch).cpu()
         return batch
 
     def rescaled(self, engine: Any, batches: list[dict[str, torch.Tensor]]) -> None:
@@ -195,10 +196,10 @@ class GRPO(Online):
     def __call__(self, model: Any, batch: dict[str, torch.Tensor]) -> Output:
         import torch
 
-        from finetune.methods.losses import forward_aux, logits_token_logps
+        from finetune.methods.losses import labelled_logps
 
-        logits, aux = forward_aux(model, batch, self.router is not None)
-        logps = on_grid(logits_token_logps(logits, batch["labels"]), batch)  # [completions, tokens - 1], padded or not
+        logps, aux = labelled_logps(model, batch, self.router is not None)
+        logps = on_grid(logps, batch)  # [completions, tokens - 1], padded or not
         mask = completion_mask(batch)
         if "advantages" not in batch:  # evaluation: the rows' own responses' cross-entropy, per token, summed over rows
             loss = (-(logps * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum()

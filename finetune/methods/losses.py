@@ -92,14 +92,43 @@ def token_logps(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return logits_token_logps(forward(model, batch), batch["labels"])
 
 
+def labelled_logps(model: Any, batch: dict[str, torch.Tensor], router: bool = False) -> tuple[torch.Tensor, Any]:
+    """`token_logps` and the router's loss (forward_aux's); of a padding-free batch, with the logits computed at the
+    positions whose next token is labelled only (transformers' `logits_to_keep`: the output layer and its log-softmax
+    skip every prompt token, as TRL's GRPOTrainer does), where the model takes it. The same values either way."""
+    labels = batch["labels"]
+    if SAMPLES not in batch or not keeps_logits(model):
+        logits, aux = forward_aux(model, batch, router)
+        return logits_token_logps(logits, labels), aux
+    keep = (labels[0, 1:] != IGNORE).nonzero().flatten()  # positions t predicting a label t + 1
+    logits, aux = forward_aux(model, batch, router, logits_to_keep=keep)
+    values = -F.cross_entropy(logits[0].float(), labels[0, keep + 1], reduction="none")
+    return values.new_zeros(labels.shape[1] - 1).index_put((keep,), values)[None], aux
+
+
+def keeps_logits(model: Any) -> bool:
+    """The causal LM under DDP, DeepSpeed's engine, torch.compile or PEFT takes `logits_to_keep` (transformers' own
+    families do; a remote-code model may not)."""
+    import inspect
+
+    inner = model
+    while not hasattr(inner, "config") and isinstance(getattr(inner, "module", None), torch.nn.Module):
+        inner = inner.module  # DistributedDataParallel, a DeepSpeed engine
+    inner = getattr(inner, "_orig_mod", inner)
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    return "logits_to_keep" in inspect.signature(inner.forward).parameters
+
+
 def forward(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Logits of a plain (attention mask) or packed (position ids, no mask) batch."""
     return forward_aux(model, batch, False)[0]
 
 
-def forward_aux(model: Any, batch: dict[str, torch.Tensor], router: bool) -> tuple[torch.Tensor, Any]:
-    """Logits, and with `router` the MoE's load-balancing loss (output_router_logits; None without)."""
+def forward_aux(model: Any, batch: dict[str, torch.Tensor], router: bool, **keep: Any) -> tuple[torch.Tensor, Any]:
+    """Logits, and with `router` the MoE's load-balancing loss (output_router_logits; None without). `keep`:
+    logits_to_keep, the positions whose logits are made (`labelled_logps`)."""
     extra = {"output_router_logits": True} if router else {}
+    extra |= keep
     out = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
                 position_ids=batch.get("position_ids"), use_cache=False, **extra, **seen(batch))  # a VLM's rows' images
     return out.logits, (out.aux_loss if router else None)

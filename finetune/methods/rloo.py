@@ -71,10 +71,10 @@ class RLOO(Online):
 
         if self.cfg.beta == 0:
             return batch
-        from finetune.methods.losses import token_logps
+        from finetune.methods.losses import labelled_logps
 
         def both(model: Any, b: dict[str, torch.Tensor]) -> torch.Tensor:
-            return torch.stack([on_grid(token_logps(model, b).float(), b), on_grid(self.reference(model, b, per_token=True).float(), b)])
+            return torch.stack([on_grid(labelled_logps(model, b)[0].float(), b), on_grid(self.reference(model, b, per_token=True).float(), b)])
 
         policy, reference = engine.inference(both, batch).detach().cpu()
         kl = sequence_kl(policy, reference, completion_mask(batch))
@@ -84,10 +84,10 @@ class RLOO(Online):
         return batch
 
     def __call__(self, model: Any, batch: dict[str, torch.Tensor]) -> Output:
-        from finetune.methods.losses import forward_aux, logits_token_logps
+        from finetune.methods.losses import labelled_logps
 
-        logits, aux = forward_aux(model, batch, self.router is not None)
-        logps = on_grid(logits_token_logps(logits, batch["labels"]), batch)  # [completions, tokens - 1], padded or not
+        logps, aux = labelled_logps(model, batch, self.router is not None)
+        logps = on_grid(logps, batch)  # [completions, tokens - 1], padded or not
         mask = completion_mask(batch)
         if "advantages" not in batch:  # evaluation: the rows' own responses' cross-entropy, per token, summed over rows
             out: Output = ((-(logps * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum(), {})
