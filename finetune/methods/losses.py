@@ -111,10 +111,12 @@ def keeps_logits(model: Any) -> bool:
     families do; a remote-code model may not)."""
     import inspect
 
-    inner = model
-    while not hasattr(inner, "config") and isinstance(getattr(inner, "module", None), torch.nn.Module):
-        inner = inner.module  # DistributedDataParallel, a DeepSpeed engine
-    inner = getattr(inner, "_orig_mod", inner)
+    from transformers import PreTrainedModel
+
+    inner = getattr(model, "_orig_mod", model)
+    while (not isinstance(inner, PreTrainedModel) and not hasattr(inner, "get_base_model")
+           and isinstance(getattr(inner, "module", None), torch.nn.Module)):  # DistributedDataParallel, a DeepSpeed engine
+        inner = getattr(inner.module, "_orig_mod", inner.module)
     inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
     return "logits_to_keep" in inspect.signature(inner.forward).parameters
 
