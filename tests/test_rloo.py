@@ -39,7 +39,7 @@ def test_the_kl_to_the_reference_is_taken_from_the_reward(monkeypatch):
     policy = torch.tensor([[-1.0, -1.0, -4.0], [-2.0, -9.0, -9.0], [-0.5, -0.5, -0.5], [-1.0, -1.0, -1.0]])
     reference = torch.tensor([[-2.0, -1.5, 0.0], [-2.0, 0.0, 0.0], [-0.5, -1.0, -1.5], [-1.0, -1.0, -1.0]])
     labels = torch.tensor([[-100, 5, 5, -100], [-100, 5, -100, -100], [-100, 5, 5, 5], [-100, 5, 5, 5]])
-    monkeypatch.setattr(losses, "token_logps", lambda model, batch: policy)
+    monkeypatch.setattr(losses, "labelled_logps", lambda model, batch, router=False: (policy, None))
     objective = RLOO(RlooConfig(generations=2, beta=0.5), reference=lambda model, batch, per_token: reference)
     engine = type("E", (), {"inference": staticmethod(lambda fn, batch: fn(None, batch))})()
     batch = {"labels": labels, "sum_reward": torch.tensor([1.0, 0.0, 1.0, 1.0])}
