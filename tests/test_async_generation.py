@@ -73,6 +73,26 @@ def test_one_step_behind_the_ratio_to_the_sampler_is_used(tmp_path, monkeypatch)
     assert [m["clipped"] for m in now] == [0.0] * 4 and now[0] == ahead[0]
 
 
+def test_through_a_vllm_server_the_thread_asks_it_and_the_ratio_is_used(tmp_path, monkeypatch, vllm_server):
+    """method.vllm_server (vLLM's stand-in in a process of its own): the thread asks the server for the next step's
+    completions, the weights pushed when the copy is refreshed (every step: 4 pushes, 4 requests). One step behind, the
+    ratio to the copy's log-probs is used from step 2; sampled just before each step (lag 0), nothing is clipped and
+    step 1 is the same. The server samples other completions than the copy's own generator: another trajectory."""
+    from finetune.methods import background
+
+    address, health = vllm_server
+    served = ["method.vllm=true", f"method.vllm_server={address}", "optim.lr=3e-2"]
+    before = health()
+    ahead = _run(tmp_path / "ahead", *served)
+    after = health()
+    assert (after["pushes"] - before["pushes"], after["requests"] - before["requests"]) == (4, 4)
+    assert ahead[0]["clipped"] == 0.0 and any(m["clipped"] > 0 for m in ahead[1:])
+    assert ahead != _run(tmp_path / "copy", "optim.lr=3e-2")
+    monkeypatch.setattr(background.Background, "lag", 0)
+    now = _run(tmp_path / "now", *served)
+    assert [m["clipped"] for m in now] == [0.0] * 4 and now[0] == ahead[0] and health()["pushes"] - after["pushes"] == 4
+
+
 @pytest.mark.slow
 def test_a_resumed_run_trains_on_the_rollout_its_checkpoint_sampled_ahead(tmp_path):
     common = [*BASE, "optim.lr=3e-2", "train.save_every=2", "train.progress_bar=false"]

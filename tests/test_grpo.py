@@ -159,7 +159,7 @@ def test_rules(compose):
     for overrides, message in [
         (["method.gamma=0.5"], "method.gamma: not a key of method=grpo; its keys are name, beta, reference, generations, "
          "completion_tokens, temperature, top_p, mask_truncated_completions, overlong_buffer, dynamic_sampling, sampling_rounds, "
-         "tools, max_turns, tool_timeout, rewards, reward_weights, format_pattern, vllm, vllm_memory, epsilon, epsilon_high, loss_type, scale_rewards, "
+         "tools, max_turns, tool_timeout, rewards, reward_weights, format_pattern, vllm, vllm_memory, vllm_server, epsilon, epsilon_high, loss_type, scale_rewards, "
          "importance_sampling_level, updates_per_rollout, async_generation"),
         (["method.reference=live"], "method.reference=live has no effect with method=grpo and method.beta=0 (no KL term, no reference): "
                                     "remove it or change the option"),
@@ -271,24 +271,26 @@ LAYOUTS = {"fsdp": ["parallelism=fsdp"], "fsdp-lora": ["parallelism=fsdp", "peft
 
 
 @pytest.fixture(scope="module")
-def layout_run(tmp_path_factory):
+def layout_run(tmp_path_factory, request):
     """layout_run(name, vllm) -> the run directory of a 3-step 2-rank GRPO run in LAYOUTS[name] (each run once per module),
-    sampling through vLLM's interface (tests/vllm_standin) with `vllm`."""
+    sampling through vLLM's interface (tests/vllm_standin) with `vllm`: True, an engine on each rank; "server", the
+    `vllm_server` fixture's."""
     runs = {}
 
-    def run(name: str, vllm: bool = False) -> Path:
+    def run(name: str, vllm: bool | str = False) -> Path:
         if (name, vllm) not in runs:
             where = tmp_path_factory.mktemp(name)
+            served = ["method.vllm=true", f"method.vllm_server={request.getfixturevalue('vllm_server')[0]}"] if vllm == "server" else []
             with pytest.MonkeyPatch.context() as mp:
-                if vllm:
+                if vllm is True:
                     mp.setenv("PYTHONPATH", f"{STANDIN}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-                launch = run_cli if vllm else launch_here  # the stand-in is found on PYTHONPATH by a new process
+                launch = run_cli if vllm is True else launch_here  # the stand-in is found on PYTHONPATH by a new process
                 method = next((o for o in LAYOUTS[name] if o.startswith("method=")), "method=grpo")
                 out = launch("+recipe=quickstart_sft", method, "method.rewards=[length]", "method.generations=4",
                              "method.completion_tokens=12", "train.max_steps=3", "optim.warmup_steps=1", "train.micro_batch_size=2",
                              "train.global_batch_size=4", "train.exact_match_samples=4", "train.progress_bar=false",
                              *(o for o in LAYOUTS[name] if o != method),
-                             *(["method.vllm=true"] if vllm else []), f"hydra.run.dir={where / 'run'}", cwd=where)
+                             *(["method.vllm=true"] if vllm is True else served), f"hydra.run.dir={where / 'run'}", cwd=where)
             assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
             runs[name, vllm] = where / "run"
         return runs[name, vllm]
@@ -311,14 +313,21 @@ def test_sharded_layouts_generate_in_lockstep_and_train(name, layout_run):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["fsdp-lora", "zero3-lora-adapter_disabled"])
-def test_vllm_sampling_follows_the_generate_run_when_its_weights_are_the_policys(name, layout_run):
+@pytest.mark.parametrize("name,vllm", [("fsdp-lora", True), ("zero3-lora-adapter_disabled", True), ("fsdp-lora", "server")])
+def test_vllm_sampling_follows_the_generate_run_when_its_weights_are_the_policys(name, vllm, layout_run, request):
     """method.vllm=true through vLLM's interface (tests/vllm_standin: it samples as our generate path does, from the
-    weights it was given): the weights loaded before each rollout are the policy's, gathered from FSDP2's DTensors or
-    ZeRO-3's partitions with the adapter merged, so the run takes the same completions, rewards and updates."""
+    weights it was given), on each rank or in a server process (method.vllm_server, weights pushed over gloo): the
+    weights loaded before each rollout are the policy's, gathered from FSDP2's DTensors or ZeRO-3's partitions with
+    the adapter merged, so the run takes the same completions, rewards and updates. The server loaded a push per
+    rollout and served each rank's prompts."""
     keys = ("loss", "grad_norm", "reward", "completion_tokens", "kl")
-    ours, theirs = ([{k: m[k] for k in keys} for m in read_metrics(layout_run(name, vllm)) if m["kind"] == "train"] for vllm in (False, True))
+    before = request.getfixturevalue("vllm_server")[1]() if vllm == "server" else None
+    theirs = [{k: m[k] for k in keys} for m in read_metrics(layout_run(name, vllm)) if m["kind"] == "train"]
+    ours = [{k: m[k] for k in keys} for m in read_metrics(layout_run(name)) if m["kind"] == "train"]
     assert len(theirs) == 3 and any(m["grad_norm"] > 0 for m in theirs)
+    if before is not None:
+        after = request.getfixturevalue("vllm_server")[1]()
+        assert (after["pushes"] - before["pushes"], after["requests"] - before["requests"]) == (3, 3 * 2)
     for a, b in zip(ours, theirs):
         assert b == pytest.approx(a, rel=1e-4, abs=1e-6)
 
@@ -438,6 +447,7 @@ def test_vllm_draws_each_prompts_samples_from_streams_of_their_own(monkeypatch):
     stream. Seeds one apart (the earlier seed + i) made sample k of prompt i a copy of sample k-1 of prompt i+1's draws."""
     import types
 
+    from finetune import vllm_engine
     from finetune.methods import vllm_rollout
     from finetune.methods.grpo import GrpoConfig
 
@@ -456,12 +466,12 @@ def test_vllm_draws_each_prompts_samples_from_streams_of_their_own(monkeypatch):
         streams += sampler.llm.streams
     assert len(streams) == 3 * 16 * 8 and len(set(streams)) == len(streams)
     assert all(0 <= s < 2**63 for s in streams)
-    assert vllm_rollout.prompt_seeds(2**63 - 1, 4, 8) == [(2**63 - 1) % (2**63 - 32) + 8 * i for i in range(4)]
+    assert vllm_engine.prompt_seeds(2**63 - 1, 4, 8) == [(2**63 - 1) % (2**63 - 32) + 8 * i for i in range(4)]
 
 
 def test_vllm_is_refused_where_it_cannot_run(compose, monkeypatch):
     """Not installed; layouts whose weights a vLLM engine cannot take whole (tp), a 4-bit base, DoRA; its memory share without it."""
-    from finetune.methods.online import vllm_rules
+    from finetune.methods.vllm_rollout import vllm_rules
 
     base = ["+recipe=quickstart_sft", "method=grpo"]
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
@@ -477,6 +487,40 @@ def test_vllm_is_refused_where_it_cannot_run(compose, monkeypatch):
         assert str(e.value).startswith(start)
     with pytest.raises(ConfigError, match=r"^method.vllm_memory=0.5 is set but method.vllm=false"):
         compose([*base, "method.vllm_memory=0.5"])
+
+
+def test_a_vllm_server_needs_no_vllm_here_and_is_refused_where_it_cannot_serve(compose, monkeypatch, tmp_path):
+    """method.vllm_server: vLLM runs in the server's environment, so none is needed where training runs; the address's
+    form, its use without method.vllm, a colocated memory share beside it, and layouts whose ranks share a batch; a
+    launch where no server answers stops before any rank starts, saying how to start one."""
+    import socket
+    from finetune.methods.vllm_rollout import vllm_rules
+    from finetune.planner.peak import plan
+
+    base = ["+recipe=quickstart_sft", "method=grpo", "method.vllm=true"]
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    cfg = compose([*base, "method.vllm_server=localhost:8000", "parallelism=fsdp", "launcher.nproc_per_node=2"])
+    vllm_rules(cfg)
+    served = plan(cfg)
+    assert served.reserved == 0 and served.rollout == 0 and any("a vLLM server (method.vllm_server) samples" in n for n in served.notes)
+    for extra, start in ((["method.vllm_server=localhost"], "method.vllm_server=localhost must be HOST:PORT"),
+                         (["method.vllm=false", "method.vllm_server=gpu7:8000"], "method.vllm_server=gpu7:8000 is set but method.vllm=false"),
+                         (["method.vllm_server=gpu7:8000", "method.vllm_memory=0.5"], "method.vllm_memory=0.5 with method.vllm_server=gpu7:8000: "
+                          "the server takes its share of its own GPU"),
+                         (["method.vllm_server=gpu7:8000", "parallelism=tp2", "launcher.nproc_per_node=2"],
+                          "method.vllm_server with parallelism.tp=2 cp=1 is not supported")):
+        with pytest.raises(ConfigError) as e:
+            compose([*base, *extra])
+        assert str(e.value).startswith(start), str(e.value)
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    out = run_cli(*base, f"method.vllm_server=127.0.0.1:{port}", "train.max_steps=3", "optim.warmup_steps=1",
+                  f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert out.returncode == 2 and last_line(out.stderr) == (
+        f"error: method.vllm_server=127.0.0.1:{port}: no vLLM server answers at http://127.0.0.1:{port} ([Errno 111] Connection refused): "
+        f"start one on the devices it should use with `python -m finetune.vllm_server --port {port}` (docs/grpo.md, vLLM server)")
+    assert not (tmp_path / "run/ranks").exists()
 
 
 @pytest.mark.gpu
@@ -527,12 +571,31 @@ def test_vllm_itself_samples_from_the_synced_policy_and_trains(shipped, tmp_path
     assert len(train) == 3 and all(m["generation_s"] > 0 and 1 <= m["completion_tokens"] <= 16 for m in train)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None or
+                    os.environ.get("PYTHONPATH", "").find("vllm_standin") >= 0, reason="needs CUDA and vLLM itself")
+def test_a_vllm_server_on_the_gpu_samples_for_a_run_and_it_trains(shipped, tmp_path):
+    """vLLM itself as the server (0.3 of this GPU), the quickstart's model sent to it; 3 GRPO steps through the CLI on CPU
+    (two processes cannot share one GPU in an NCCL group: the weights go over gloo here, NCCL is for two GPUs), each
+    rollout pushed, each rank's prompts served."""
+    from conftest import vllm_server_process
+
+    with vllm_server_process(tmp_path / "server.log", os.environ.get("PYTHONPATH", ""), "--gpu-memory", "0.3") as (address, health):
+        run = run_cli("+recipe=quickstart_grpo", f"model.path={shipped / 'outputs/quickstart_sft/final'}", "method.vllm=true",
+                      f"method.vllm_server={address}", "train.max_steps=3", "train.eval_every=0", "train.exact_match_samples=0",
+                      "train.progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:] + (tmp_path / "server.log").read_text()[-3000:]
+        assert health()["pushes"] == 3 and health()["requests"] == 3 * 2
+    train = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "train"]
+    assert len(train) == 3 and all(1 <= m["completion_tokens"] <= 16 for m in train)
+
+
 def test_a_vllm_built_for_another_torch_is_refused_before_launch(monkeypatch):
     """vLLM's releases pin their own torch (0.33.0: torch==2.14.0, transformers<5.21): installed into this environment they
     replace the tested versions, or left beside them they do not run. Its package metadata says which: one line."""
     from importlib import metadata
 
-    from finetune.methods import online as grpo
+    from finetune.methods import vllm_rollout as grpo
 
     installed = {"vllm": "0.33.0", "torch": "2.13.0+cpu", "transformers": "5.24.0"}
     pins = ["transformers<5.21.0,>=5.16.1", "torch==2.14.0", "torchaudio==2.11.0", "pytest; extra == 'test'"]

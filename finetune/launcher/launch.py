@@ -165,6 +165,7 @@ def _launch_once(dcfg: DictConfig, cfg: Config | None = None) -> float | None:
         make_model_first(cfg)
         disk.check(cfg)  # the model, tokenizer and device as files on this machine: one line now, not in each rank
         check_hub(cfg)
+        check_sampler(cfg)
     except ConfigError as e:
         raise TrialFailed(2, str(e)) from None
     picked = disk.attention(cfg, disk.has_gpu())  # what the ranks will run, and why (they decide again, on their device)
@@ -221,6 +222,19 @@ def check_hub(cfg: Config) -> None:
                        ("method.teacher", teacher.where if teacher else None)):
         if where is not None and not disk.is_local(where) and (refusal := disk.hub_unreachable(key, where)) is not None:
             raise refusal
+
+
+def check_sampler(cfg: Config) -> None:
+    """A real launch's sampling server (method.vllm_server) answers: one line now, not rank 0's after loading."""
+    sampling = methods.get(cfg.method.name).sampling(cfg.method)
+    if cfg.launcher.dry_run or sampling is None or sampling.server is None:
+        return
+    from finetune import vllm_wire
+
+    try:
+        vllm_wire.call(f"http://{sampling.server}", "/health", timeout=10)
+    except vllm_wire.ServerError as e:
+        raise ConfigError(f"method.vllm_server={sampling.server}: {e}") from None
 
 
 def check_trackers(cfg: Config) -> None:

@@ -92,6 +92,11 @@ class OnlineConfig(MethodConfig):
     vllm_memory: float = checked(in_range(0.05, 0.95), 0.3)
     """With vllm: the fraction of the GPU's memory vLLM takes for its weights and KV cache (its gpu_memory_utilization);
     training gets the rest."""
+    vllm_server: str | None = checked(Accepts("HOST:PORT", lambda v: v.rpartition(":")[0] != "" and v.rpartition(":")[2].isdigit(),
+                                              ("localhost",)), None)
+    """With vllm: sample through the vLLM engine of a `python -m finetune.vllm_server` at HOST:PORT, on devices of its own
+    (TRL's server mode), instead of one beside training on each rank; rank 0 pushes the policy's weights to it before
+    each rollout (finetune.methods.vllm_rollout). vLLM need not be installed where training runs."""
 
 
 class OnlineMethod:
@@ -133,9 +138,10 @@ class OnlineMethod:
         return examples
 
     def sampling(self, cfg: OnlineConfig) -> Sampling:
-        sampler = "vllm" if cfg.vllm else "background" if getattr(cfg, "async_generation", False) else "generate"
-        return Sampling(cfg.generations, cfg.completion_tokens, sampler, cfg.vllm_memory if cfg.vllm else 0.0,
-                        1 + cfg.max_turns if cfg.tools else 1)
+        sampler = ("vllm_server" if cfg.vllm and cfg.vllm_server else "vllm" if cfg.vllm else
+                   "background" if getattr(cfg, "async_generation", False) else "generate")
+        return Sampling(cfg.generations, cfg.completion_tokens, sampler, cfg.vllm_memory if sampler == "vllm" else 0.0,
+                        1 + cfg.max_turns if cfg.tools else 1, cfg.vllm_server if cfg.vllm else None)
 
     def teacher(self, cfg: MethodConfig) -> None:
         return None
@@ -193,10 +199,15 @@ class OnlineMethod:
                 raise ConfigError(f"method.vllm=true with model.path={cfg.model.path}, a vision-language model: the vLLM sampler "
                                   "is given the prompts' tokens, not their images: set method.vllm=false (transformers' "
                                   "generate samples from both)")
+            from finetune.methods.vllm_rollout import vllm_rules
+
             vllm_rules(cfg)
-        elif m.vllm_memory != OnlineConfig().vllm_memory:
-            raise ConfigError(f"method.vllm_memory={m.vllm_memory:g} is set but method.vllm=false: it is the share of the GPU vLLM "
-                              "takes; set method.vllm=true or drop it")
+        else:
+            for key, default, what in (("vllm_memory", OnlineConfig().vllm_memory, "the share of the GPU a colocated vLLM takes"),
+                                       ("vllm_server", None, "the address of the vLLM server that samples")):
+                if getattr(m, key) != default:
+                    raise ConfigError(f"method.{key}={getattr(m, key)} is set but method.vllm=false: it is {what}; set "
+                                      "method.vllm=true or drop it")
         rewards.resolve(m)
 
 
@@ -222,57 +233,6 @@ def whole_model(cfg: Config) -> bool:
 
     p = cfg.parallelism
     return p.strategy in (Strategy.single, Strategy.ddp) and p.tp == p.pp == p.cp == 1 and not cfg.zero.enabled
-
-
-def vllm_mismatch() -> str | None:
-    """What the installed vLLM requires of torch and transformers that this environment does not have (vLLM's releases
-    pin their own torch: 0.33.0 needs torch==2.14.0 and transformers<5.21), as `vLLM V needs NAME SPEC, but this
-    environment has NAME W`; None when they agree, or vLLM has no package metadata (a source checkout)."""
-    from importlib import metadata
-
-    from packaging.requirements import Requirement
-
-    try:
-        version, required = metadata.version("vllm"), metadata.requires("vllm") or []
-    except metadata.PackageNotFoundError:
-        return None
-    for text in required:
-        req = Requirement(text)
-        if req.name not in ("torch", "transformers") or (req.marker is not None and not req.marker.evaluate({"extra": ""})):
-            continue
-        try:
-            have = metadata.version(req.name)
-        except metadata.PackageNotFoundError:
-            continue
-        if not req.specifier.contains(have, prereleases=True):
-            return f"vLLM {version} needs {req.name}{req.specifier}, but this environment has {req.name} {have}"
-    return None
-
-
-def vllm_rules(cfg: Config) -> None:
-    """method.vllm=true: vLLM installed, and a layout whose weights it can load whole (finetune.methods.vllm_rollout)."""
-    import importlib.util
-
-    from finetune.config import PeftMethod
-
-    if importlib.util.find_spec("vllm") is None:
-        raise ConfigError("method.vllm=true: vLLM is not installed here: pip install vllm (its wheels are built for CUDA GPUs), or "
-                          "drop method.vllm to sample with transformers' generate")
-    mismatch = vllm_mismatch()
-    if mismatch:
-        raise ConfigError(f"method.vllm=true: {mismatch}, so vLLM and this training would not run on the versions either was "
-                          "built for: install vLLM in a virtualenv of its own (docs/grpo.md, vLLM), not into this one")
-    p = cfg.parallelism
-    if p.tp > 1 or p.cp > 1:
-        raise ConfigError(f"method.vllm=true with parallelism.tp={p.tp} cp={p.cp} is not supported: each rank's vLLM engine holds "
-                          "the whole model and its own process group would cut across the model's; use fsdp or zero (gathered "
-                          "for vLLM), or method.vllm=false")
-    if cfg.peft.name == PeftMethod.qlora:
-        raise ConfigError("method.vllm=true with peft=qlora is not supported: vLLM would load the 4-bit base dequantized and merged "
-                          "at every step; use peft=lora, or method.vllm=false (generate runs on the 4-bit model)")
-    if cfg.peft.name == PeftMethod.dora:
-        raise ConfigError("method.vllm=true with peft=dora is not supported: a DoRA weight is not W + its delta (its magnitude "
-                          "rescales it); use peft=lora, or method.vllm=false")
 
 
 @dataclass
@@ -363,28 +323,36 @@ class Online:
         if self.rewards is None:
             self.rewards = rewards.resolve(self.cfg, load_models=True)
         tic = time.perf_counter()
-        if self.cfg.vllm:
-            if self.vllm is None:
-                from finetune.methods.vllm_rollout import VllmSampler
+        if self.cfg.vllm and self.vllm is None:
+            from finetune.methods import vllm_rollout
 
-                self.vllm = VllmSampler(engine, tokenizer, self.cfg, prompt_tokens=self.prompt_tokens)
-            self.vllm.sync(engine)
+            self.vllm = (vllm_rollout.ServedSampler(self.cfg.vllm_server, engine, tokenizer, self.cfg, prompt_tokens=self.prompt_tokens)
+                         if self.cfg.vllm_server else vllm_rollout.VllmSampler(engine, tokenizer, self.cfg, prompt_tokens=self.prompt_tokens))
         if not self.overlapped:
+            if self.vllm is not None:
+                self.vllm.sync(engine)
             out = self.made(engine, micro_batches, step=step, tokenizer=tokenizer, seed=seed, refill=refill)
         else:
             bg = self.started(engine)
             out = bg.take(step)
             if out is None:  # the first step (or one resumed without a rollout saved ahead): sampled now, by the copy
-                bg.sampler.refresh()
+                self.refreshed(engine)
                 bg.submit(step, lambda sampler: self.made(sampler, micro_batches, step=step, tokenizer=tokenizer, seed=seed))
                 out = bg.take(step)
             if ahead is not None and bg.lag:  # the next step's, sampled by the policy as it is now while this step trains
                 upcoming = ahead()
-                bg.sampler.refresh()
+                self.refreshed(engine)
                 bg.submit(step + 1, lambda sampler: self.made(sampler, upcoming, step=step + 1, tokenizer=tokenizer, seed=seed))
         self.rescaled(engine, out)
         self.buffer = out if mu > 1 else []
         return out, time.perf_counter() - tic
+
+    def refreshed(self, engine: Any) -> None:
+        """The background sampler's copy (which scores what is sampled) and a vLLM server's engine (which samples it, where
+        one does) given the policy as it is now: the thread that used them last has been waited for."""
+        self.background.sampler.refresh()
+        if self.vllm is not None:
+            self.vllm.sync(engine)
 
     def started(self, engine: Any) -> Any:
         if self.background is None:

@@ -1,29 +1,34 @@
-"""An online method's completions (GRPO's, RLOO's) sampled by vLLM (method.vllm=true): an engine on each rank beside training ("colocated", as
-TRL's vllm_mode=colocate), holding method.vllm_memory of the GPU for its weights and KV cache.
+"""An online method's completions (GRPO's, RLOO's) sampled by vLLM (method.vllm=true): an engine on each rank beside
+training ("colocated", as TRL's vllm_mode=colocate), holding method.vllm_memory of the GPU for its weights and KV cache;
+or, with method.vllm_server=HOST:PORT, the engine of a `python -m finetune.vllm_server` on devices of its own (TRL's
+vllm_mode=server), which training's devices then do not share.
 
-vLLM is built once per rank from the policy's config and tokenizer (written to a temporary directory) with dummy
-weights; before each rollout the policy's weights are loaded into it by their Hugging Face names
-(`model.load_weights`, as a checkpoint would be): gathered whole on every rank where the engine shards them (FSDP2's
-DTensors, ZeRO-3's partitions), with a LoRA adapter merged in (W + the adapter's delta, computed beside the training
-weights, which are left untouched). Each prompt is one request for `method.generations` samples, seeded from
-(train.seed, step, rank, micro-batch) as the transformers path is.
+vLLM is built from the policy's config and tokenizer with dummy weights (finetune.vllm_engine); before each rollout the
+policy's weights are loaded into it by their Hugging Face names (`model.load_weights`, as a checkpoint would be):
+gathered whole on every rank where training shards them (FSDP2's DTensors, ZeRO-3's partitions), with a LoRA adapter
+merged in (W + the adapter's delta, computed beside the training weights, which are left untouched); a server is sent
+them by rank 0 over a process group of their own (finetune.vllm_wire). Each prompt is one request for
+`method.generations` samples, seeded from (train.seed, step, rank, micro-batch) as the transformers path is.
 
-Not run on the machines this project is tested on (no GPU, and vLLM's wheels are built for CUDA): tests/test_grpo.py
-runs this module against a stand-in with vLLM's interface (tests/vllm_standin) on every layout, and
-tests/test_gpu.py runs it against vLLM itself where a GPU is.
+Not run with vLLM itself on the machines this project is tested on (no GPU, and vLLM's wheels are built for CUDA):
+tests/test_grpo.py runs this module against a stand-in with vLLM's interface (tests/vllm_standin) on every layout,
+colocated and through a server process (gloo for the weights), and its GPU-marked tests run it against vLLM itself.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import os
+import itertools
+import json
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-from finetune.config import MethodConfig
+from finetune import vllm_engine, vllm_wire
+from finetune.config import Config, ConfigError, MethodConfig
 
 if TYPE_CHECKING:
     import torch
@@ -33,70 +38,112 @@ class VllmSampler:
     """One vLLM engine on this rank; `sync` loads the policy's weights into it, `sample` draws completions."""
 
     def __init__(self, engine: Any, tokenizer: Any, cfg: MethodConfig, *, prompt_tokens: int | None) -> None:
-        from vllm import LLM
-
-        model = engine.generation_model
         self.directory = Path(tempfile.mkdtemp(prefix="finetune-vllm-"))  # config and tokenizer only (a few MB)
         atexit.register(shutil.rmtree, self.directory, True)
-        base_config(model).save_pretrained(self.directory)
+        base_config(engine.generation_model).save_pretrained(self.directory)
         tokenizer.save_pretrained(self.directory)
-        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
-            os.environ.setdefault(key, value)  # vLLM's external launcher reads the process group's place (one process: set here)
-        with untouched_rng():  # its dummy weights' initialization leaves the run's random stream (dropout) as it was
-            self.llm = LLM(model=str(self.directory), load_format="dummy", dtype=str(engine.dtype or "torch.float32").removeprefix("torch."),
-                           seed=engine.dp_rank,
-                           gpu_memory_utilization=cfg.vllm_memory, tensor_parallel_size=1, distributed_executor_backend="external_launcher",
-                           **({"max_model_len": prompt_tokens + cfg.completion_tokens} if prompt_tokens else {}))
+        self.llm = vllm_engine.build(str(self.directory), dtype=dtype_name(engine), seed=engine.dp_rank, memory=cfg.vllm_memory,
+                                     max_model_len=prompt_tokens + cfg.completion_tokens if prompt_tokens else None)
 
     def sync(self, engine: Any) -> None:
         """The policy's weights as they are now into vLLM (collective where they are gathered); the rollout calls it once
         before sampling."""
-        runner_model(self.llm).load_weights(hf_weights(engine.generation_model))
+        vllm_engine.load(self.llm, hf_weights(engine.generation_model))
         self.llm.reset_prefix_cache()
 
     def sample(self, prompts: list[list[int]], cfg: MethodConfig, seed: int) -> list[list[int]]:
         """G completions per prompt (adjacent), as vLLM returns them (cut at EOS, which it keeps)."""
-        from vllm import SamplingParams
-
-        params = [SamplingParams(n=cfg.generations, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.completion_tokens,
-                                 seed=s) for s in prompt_seeds(seed, len(prompts), cfg.generations)]
-        with untouched_rng():
-            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [list(o.token_ids) for out in outputs for o in out.outputs]
+        return vllm_engine.sample(self.llm, prompts, n=cfg.generations, temperature=cfg.temperature, top_p=cfg.top_p,
+                                  max_tokens=cfg.completion_tokens, seed=seed)
 
 
-def prompt_seeds(seed: int, prompts: int, generations: int) -> list[int]:
-    """A seed per prompt's request, spaced `generations` apart: vLLM seeds a request's k-th sample with its seed + k
-    (vllm/v1/engine/parallel_sampling.py, a child request per sample), so prompt i's samples draw from seeds
-    base + i * G + k, each its own; seeds one apart (seed + i) would give sample k of prompt i the random stream of
-    sample k - 1 of prompt i + 1. Below 2**63, as vLLM takes them."""
-    base = seed % (2**63 - prompts * generations)
-    return [base + i * generations for i in range(prompts)]
+class ServedSampler:
+    """method.vllm_server=HOST:PORT: the vLLM engine of a `python -m finetune.vllm_server` on devices of its own
+    (finetune.vllm_wire says how they talk). Rank 0 sends the policy's config and tokenizer when built and pushes its
+    weights in `sync` (every rank gathers them: FSDP2's DTensors, ZeRO-3's partitions; an adapter merged in); each rank
+    asks for its own prompts' completions, seeded as the colocated engine's are."""
+
+    def __init__(self, address: str, engine: Any, tokenizer: Any, cfg: MethodConfig, *, prompt_tokens: int | None) -> None:
+        import base64
+
+        self.url, self.host = f"http://{address}", address.rpartition(":")[0]
+        self.first, self.dtype = rank() == 0, dtype_name(engine)
+        self.pg: Any = None
+        self.store: Any = None
+        if self.first:
+            with tempfile.TemporaryDirectory() as saved:
+                tokenizer.save_pretrained(saved)
+                files = {p.name: base64.b64encode(p.read_bytes()).decode() for p in Path(saved).iterdir() if p.is_file()}
+            config = json.loads(base_config(engine.generation_model).to_json_string())
+            vllm_wire.call(self.url, "/init", {"config": config, "files": files, "dtype": self.dtype,
+                                               "max_model_len": prompt_tokens + cfg.completion_tokens if prompt_tokens else None})
+        barrier()
+
+    def sync(self, engine: Any) -> None:
+        """The policy's weights as they are now pushed to the server, in its dtype (every rank gathers; rank 0 sends); every
+        rank returns once the server has loaded them."""
+        import torch
+
+        weights = ((name, value.to(getattr(torch, self.dtype))) for name, value in hf_weights(engine.generation_model))
+        if not self.first:
+            for _ in weights:
+                pass
+        else:
+            name, value = next(weights)
+            device = value.device if value.is_cuda else torch.device("cpu")
+            backend = "nccl" if value.is_cuda else "gloo"
+            if self.store is None:  # the weights group's rendezvous, on a free port of this machine's address facing the server
+                self.store = torch.distributed.TCPStore(vllm_wire.facing(self.host), 0, 2, True, timeout=vllm_wire.TIMEOUT,
+                                                        wait_for_workers=False)
+            answer: dict[str, Any] = {}
+
+            def push() -> None:
+                try:
+                    answer.update(vllm_wire.call(self.url, "/weights", {"host": self.store.host, "port": self.store.port, "backend": backend}))
+                except vllm_wire.ServerError as e:
+                    answer["error"] = e
+
+            posting = threading.Thread(target=push, daemon=True)
+            posting.start()
+            if self.pg is None:
+                self.pg = vllm_wire.group(self.store, 0, backend)
+            sent = vllm_wire.send(self.pg, itertools.chain([(name, value)], weights), device)
+            posting.join()
+            if "error" in answer:
+                raise answer["error"]
+            if answer.get("loaded") != sent:
+                raise vllm_wire.ServerError(f"the vLLM server at {self.url} loaded {answer.get('loaded')} of the {sent} weights pushed")
+        barrier()
+
+    def sample(self, prompts: list[list[int]], cfg: MethodConfig, seed: int) -> list[list[int]]:
+        """G completions per prompt (adjacent), as the server's vLLM returns them."""
+        return vllm_wire.call(self.url, "/generate", {"prompts": prompts, "n": cfg.generations, "temperature": cfg.temperature,
+                                                      "top_p": cfg.top_p, "max_tokens": cfg.completion_tokens, "seed": seed})["completions"]
 
 
-def untouched_rng() -> Any:
-    """torch's random state (CPU and this process's GPU) restored on exit."""
-    import torch
+def rank() -> int:
+    import torch.distributed as dist
 
-    return torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else [])
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def barrier() -> None:
+    """Every rank waits here (the server's push done before any asks for completions); nothing in one process."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def dtype_name(engine: Any) -> str:
+    """The dtype vLLM computes in: the engine's (its precision), float32 where it has none."""
+    return str(engine.dtype or "torch.float32").removeprefix("torch.")
 
 
 def base_config(model: Any) -> Any:
     """The transformers config of the model under any PEFT or compile wrapper."""
     inner = getattr(model, "_orig_mod", model)
     return (inner.get_base_model() if hasattr(inner, "get_base_model") else inner).config
-
-
-def runner_model(llm: Any) -> Any:
-    """The torch model inside a colocated vLLM engine (its place moved between vLLM's V0 and V1 workers)."""
-    worker = llm.llm_engine.model_executor.driver_worker
-    runner = getattr(getattr(worker, "worker", worker), "model_runner", None)
-    if runner is None or not hasattr(getattr(runner, "model", None), "load_weights"):
-        import vllm
-
-        raise RuntimeError(f"method.vllm: vLLM {vllm.__version__} does not expose its model at "
-                           "llm.llm_engine.model_executor.driver_worker[.worker].model_runner.model: use vLLM 0.8 to 0.11, or method.vllm=false")
-    return runner.model
 
 
 @contextlib.contextmanager
@@ -142,3 +189,61 @@ def hf_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
 
 def hf_name(name: str) -> str:
     return name.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+
+
+def vllm_mismatch() -> str | None:
+    """What the installed vLLM requires of torch and transformers that this environment does not have (vLLM's releases
+    pin their own torch: 0.33.0 needs torch==2.14.0 and transformers<5.21), as `vLLM V needs NAME SPEC, but this
+    environment has NAME W`; None when they agree, or vLLM has no package metadata (a source checkout)."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    try:
+        version, required = metadata.version("vllm"), metadata.requires("vllm") or []
+    except metadata.PackageNotFoundError:
+        return None
+    for text in required:
+        req = Requirement(text)
+        if req.name not in ("torch", "transformers") or (req.marker is not None and not req.marker.evaluate({"extra": ""})):
+            continue
+        try:
+            have = metadata.version(req.name)
+        except metadata.PackageNotFoundError:
+            continue
+        if not req.specifier.contains(have, prereleases=True):
+            return f"vLLM {version} needs {req.name}{req.specifier}, but this environment has {req.name} {have}"
+    return None
+
+
+def vllm_rules(cfg: Config) -> None:
+    """method.vllm=true: vLLM installed, and a layout whose weights it can load whole (finetune.methods.vllm_rollout)."""
+    import importlib.util
+
+    from finetune.config import PeftMethod
+
+    m, p = cfg.method, cfg.parallelism
+    if m.vllm_server is not None and m.vllm_memory != type(m)().vllm_memory:
+        raise ConfigError(f"method.vllm_memory={m.vllm_memory:g} with method.vllm_server={m.vllm_server}: the server takes its share "
+                          "of its own GPU (`python -m finetune.vllm_server --gpu-memory`); drop method.vllm_memory")
+    if m.vllm_server is None and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("method.vllm=true: vLLM is not installed here: pip install vllm (its wheels are built for CUDA GPUs), or "
+                          "drop method.vllm to sample with transformers' generate")
+    mismatch = None if m.vllm_server else vllm_mismatch()
+    if mismatch:
+        raise ConfigError(f"method.vllm=true: {mismatch}, so vLLM and this training would not run on the versions either was "
+                          "built for: install vLLM in a virtualenv of its own and sample through it as a server (method.vllm_server, docs/grpo.md), "
+                          "not into this one")
+    if (p.tp > 1 or p.cp > 1) and m.vllm_server is None:
+        raise ConfigError(f"method.vllm=true with parallelism.tp={p.tp} cp={p.cp} is not supported: each rank's vLLM engine holds "
+                          "the whole model and its own process group would cut across the model's; use fsdp or zero (gathered "
+                          "for vLLM), method.vllm_server (vLLM on devices of its own), or method.vllm=false")
+    if p.tp > 1 or p.cp > 1:
+        raise ConfigError(f"method.vllm_server with parallelism.tp={p.tp} cp={p.cp} is not supported: the ranks that share a batch would "
+                          "each ask the server for its completions, and a server's batches are not bitwise repeatable; use fsdp or zero")
+    if cfg.peft.name == PeftMethod.qlora:
+        raise ConfigError("method.vllm=true with peft=qlora is not supported: vLLM would load the 4-bit base dequantized and merged "
+                          "at every step; use peft=lora, or method.vllm=false (generate runs on the 4-bit model)")
+    if cfg.peft.name == PeftMethod.dora:
+        raise ConfigError("method.vllm=true with peft=dora is not supported: a DoRA weight is not W + its delta (its magnitude "
+                          "rescales it); use peft=lora, or method.vllm=false")

@@ -183,8 +183,16 @@ def rollout_bytes(arch: Arch, cfg: Config, sampling: Sampling, seq: int, on_gpu:
                      f"of the GPU for its weights and KV cache through the run ({reserved / GIB:.2f} GiB, counted at every peak)"
                      if on_gpu else f"{name} rollout: vLLM on CPU keeps its KV cache in VLLM_CPU_KVCACHE_SPACE, not counted here")
         return 0.0, reserved
-    kv = kv_cache_bytes(arch, rows, seq, cfg.parallelism.tp, dtypes(cfg).compute)
     logits = rows * arch.vocab_size * 4 * 2
+    if sampling.sampler == "vllm_server":
+        copy = policy + logits if getattr(cfg.method, "async_generation", False) else 0.0
+        notes.append(f"{name} rollout: a vLLM server (method.vllm_server) samples {rows} completions per micro-batch on devices "
+                     "of its own: nothing of it on this rank" + (
+                         f"; a copy of the policy scores them in the background while the step trains (method.async_generation: "
+                         f"{policy / 2**20:.1f} MiB, and {logits / 2**20:.1f} MiB of logits for its {rows} rows, counted at every peak)"
+                         if copy else ""))
+        return 0.0, copy
+    kv = kv_cache_bytes(arch, rows, seq, cfg.parallelism.tp, dtypes(cfg).compute)
     if sampling.sampler == "background":
         notes.append(f"{name} rollout: sampled in the background while the step trains (method.async_generation), by a copy "
                      f"of the policy ({policy / 2**20:.1f} MiB, held through the run) with a KV cache of {kv / 2**20:.1f} MiB "

@@ -1,0 +1,149 @@
+"""`python -m finetune.vllm_server`: vLLM on devices of its own, sampling an online method's completions (GRPO's,
+RLOO's) for a training run that names it with method.vllm=true method.vllm_server=HOST:PORT (TRL's vllm_mode=server).
+
+    CUDA_VISIBLE_DEVICES=7 python -m finetune.vllm_server --port 8000      # in vLLM's own virtualenv
+    python -m finetune.launch +recipe=quickstart_grpo method.vllm=true method.vllm_server=localhost:8000 ...
+
+It holds no model until a run sends its own: the run's rank 0 sends the policy's config and tokenizer (/init; vLLM is
+built from them with dummy weights, once per model), pushes the policy's weights before each rollout (/weights: a
+stream over a process group of the two, finetune.vllm_wire), and each rank asks for its prompts' completions
+(/generate: seeded per prompt as the colocated engine is, so a run samples what it would sample colocated). Training
+devices hold no sampler; the run's ranks wait for the push, then sample, one request at a time (a lock: one engine).
+
+GET /health answers {"ok": true, "model": whether one is built, "pushes": weights pushed, "requests": completions served}.
+The server imports nothing of finetune but finetune.vllm_engine and finetune.vllm_wire: in vLLM's virtualenv
+`pip install --no-deps finetune` is enough.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import shutil
+import sys
+import tempfile
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from finetune import vllm_engine, vllm_wire
+
+
+class Engine:
+    """The server's one vLLM engine, the weights group, and what it has done; every request under one lock."""
+
+    def __init__(self, memory: float) -> None:
+        self.memory, self.lock = memory, threading.Lock()
+        self.llm: Any = None
+        self.key: str | None = None  # the model it was built for (its /init body)
+        self.directory: Path | None = None
+        self.pg: Any = None
+        self.store_at: tuple[str, int] | None = None
+        self.device: Any = None
+        self.pushes = self.requests = 0
+
+    def health(self, _: dict[str, Any]) -> dict[str, Any]:
+        return {"ok": True, "model": self.llm is not None, "pushes": self.pushes, "requests": self.requests}
+
+    def init(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A run's model: its config (config.json's fields) and tokenizer files; built anew unless the same was."""
+        key = json.dumps({k: body[k] for k in ("config", "files", "dtype", "max_model_len")}, sort_keys=True)
+        if key == self.key:
+            return {"built": False}
+        directory = Path(tempfile.mkdtemp(prefix="finetune-vllm-server-"))
+        (directory / "config.json").write_text(json.dumps(body["config"]))
+        for name, data in body["files"].items():
+            if Path(name).name != name or name == "config.json":
+                raise ValueError(f"/init: a tokenizer file is named {name!r}: names only, no directories")
+            (directory / name).write_bytes(base64.b64decode(data))
+        self.llm = None  # the old engine's memory released before the new one takes its share
+        self.llm = vllm_engine.build(str(directory), dtype=body["dtype"], seed=0, memory=self.memory, max_model_len=body["max_model_len"])
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+        self.directory, self.key, self.pushes = directory, key, 0
+        return {"built": True}
+
+    def weights(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The run's push: joins its weights group (the first time, or a new run's), loads every tensor as it arrives."""
+        import torch
+
+        if self.llm is None:
+            raise ValueError("/weights before /init: the server holds no model yet")
+        at = (str(body["host"]), int(body["port"]))
+        if at != self.store_at:
+            store = torch.distributed.TCPStore(at[0], at[1], 2, False, timeout=vllm_wire.TIMEOUT)
+            self.pg = vllm_wire.group(store, 1, body["backend"])
+            self.store_at, self.device = at, torch.device("cuda" if body["backend"] == "nccl" else "cpu")
+        loaded = 0
+        for name, value in vllm_wire.received(self.pg, self.device):
+            vllm_engine.load(self.llm, [(name, value)])
+            loaded += 1
+        self.llm.reset_prefix_cache()
+        self.pushes += 1
+        return {"loaded": loaded}
+
+    def generate(self, body: dict[str, Any]) -> dict[str, Any]:
+        if not self.pushes:
+            raise ValueError("/generate before /weights: the engine holds dummy weights")
+        out = vllm_engine.sample(self.llm, body["prompts"], n=int(body["n"]), temperature=float(body["temperature"]),
+                                 top_p=float(body["top_p"]), max_tokens=int(body["max_tokens"]), seed=int(body["seed"]))
+        self.requests += 1
+        return {"completions": out}
+
+
+def handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
+    routes = {"/health": engine.health, "/init": engine.init, "/weights": engine.weights, "/generate": engine.generate}
+
+    class Handler(BaseHTTPRequestHandler):
+        def answer(self) -> None:
+            route = routes.get(self.path)
+            if route is None:
+                return self.reply(404, {"error": f"no endpoint {self.path}: {', '.join(routes)}"})
+            try:
+                size = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(size)) if size else {}
+                with engine.lock:
+                    out = route(body)
+            except (KeyError, ValueError, TypeError) as e:
+                return self.reply(400, {"error": f"{type(e).__name__}: {e}"})
+            except Exception as e:  # the engine's own failure: said to the run, which stops with it
+                print(f"finetune.vllm_server: {self.path}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                return self.reply(500, {"error": f"{type(e).__name__}: {e}"})
+            self.reply(200, out)
+
+        do_GET = do_POST = answer
+
+        def reply(self, code: int, body: dict[str, Any]) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: Any) -> None:  # one line per request on stderr, without the client's address
+            print(f"finetune.vllm_server: {format % args}", file=sys.stderr, flush=True)
+
+    return Handler
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m finetune.vllm_server", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=8000, help="the port to listen on (0: a free one, printed)")
+    parser.add_argument("--gpu-memory", type=float, default=0.9, help="the share of the GPU vLLM takes (gpu_memory_utilization)")
+    args = parser.parse_args(argv)
+    if not 0 < args.gpu_memory < 1:
+        parser.error(f"--gpu-memory={args.gpu_memory:g}: a share of the GPU, between 0 and 1")
+    server = ThreadingHTTPServer((args.host, args.port), handler(Engine(args.gpu_memory)))
+    print(f"finetune.vllm_server: serving on http://{args.host}:{server.server_address[1]}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()
