@@ -194,12 +194,16 @@ def test_the_planner_counts_every_completion_as_a_row(compose, monkeypatch):
     grpo = plan(compose(["method=grpo", "method.generations=4", "method.completion_tokens=16", "train.micro_batch_size=2",
                          "train.global_batch_size=4"]))  # rows of data.max_length 64 + 16 sampled tokens
     assert grpo.activations == pytest.approx(sft.activations, rel=0.01)  # 2 prompts x 4 completions = 8 rows
+    v = architecture(compose(["method=grpo"]).model).vocab_size  # the loss's fp32 log-softmax at the completion tokens only
+    assert (sft.logits, grpo.logits) == (8 * 80 * (12 * v + 8), 8 * 16 * (12 * v + 8))  # (logits_to_keep), not the prompts'
+    assert "logits at the completion tokens only (8 rows x up to 16)" in " ".join(grpo.notes)
     padded = [plan(compose([*o, "data.padding_free=false"])) for o in (
         ["train.micro_batch_size=8", "train.global_batch_size=16", "data.max_length=80"],
         ["method=grpo", "method.generations=4", "method.completion_tokens=16", "train.micro_batch_size=2", "train.global_batch_size=4"])]
     assert padded[1].activations == pytest.approx(padded[0].activations, rel=0.01) and padded[1].activations > grpo.activations  # sdpa's mask
+    assert padded[1].logits == padded[0].logits  # padded: every position's logits
     kv = 8 * 80 * 2 * 2 * 64 * 4  # rows x tokens x layers x (K, V) x kv_dim x fp32
-    logits = 8 * architecture(compose(["method=grpo"]).model).vocab_size * 4 * 2  # one decoding step's fp32 logits and probabilities
+    logits = 8 * v * 4 * 2  # one decoding step's fp32 logits and probabilities
     assert grpo.rollout == kv + logits and grpo.rollout_peak == grpo.weights + grpo.optimizer + kv + logits + grpo.overhead
     assert f"sampling holds a KV cache of {kv / 2**20:.1f} MiB at 80 tokens" in " ".join(grpo.notes)
     assert grpo.total == max(grpo.backward_peak, grpo.step_peak) > grpo.rollout_peak  # short completions: backward is the peak
@@ -569,6 +573,17 @@ def test_vllm_itself_samples_from_the_synced_policy_and_trains(shipped, tmp_path
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     train = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "train"]
     assert len(train) == 3 and all(m["generation_s"] > 0 and 1 <= m["completion_tokens"] <= 16 for m in train)
+
+
+def test_the_vllm_server_runs_without_finetunes_dependencies():
+    """The server runs in vLLM's own virtualenv, where `pip install --no-deps finetune` brings it: importing it loads no
+    other module of finetune and none of Hydra, OmegaConf, torch or transformers (vLLM brings those it needs)."""
+    import subprocess
+
+    probe = ("import sys, finetune.vllm_server; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+             "('finetune', 'hydra', 'omegaconf', 'torch', 'transformers', 'datasets', 'peft')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(["finetune", "finetune.vllm_engine", "finetune.vllm_server", "finetune.vllm_wire"])
 
 
 @pytest.mark.gpu

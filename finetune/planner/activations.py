@@ -259,7 +259,7 @@ def recompute_every(cfg: Config) -> int:
 
 def activation_bytes(arch: Arch, cfg: Config, layers: int, in_flight: int, seq: int, tokens: int,
                      block_grads: float = 0.0, head_grads: float = 0.0, moves: bool = True, masked: bool = False,
-                     labelled: int | None = None, exchange: float = 0.0) -> Activations:
+                     labelled: int | None = None, exchange: float = 0.0, logit_tokens: int | None = None) -> Activations:
     """Saved activations for `layers` blocks and `in_flight` micro-batches, through backward;
     `block_grads` per block and `head_grads` are the gradients that fill in as backward goes down.
 
@@ -270,7 +270,8 @@ def activation_bytes(arch: Arch, cfg: Config, layers: int, in_flight: int, seq: 
     device). Under pipeline parallel the earlier micro-batches in flight hold their stored
     activations while the current one peaks. `moves`: False when the ranks run on CPU, where
     offloading to CPU RAM moves nothing (counted as none). `exchange`: context parallel's all-to-all buffers,
-    live while a block runs."""
+    live while a block runs. `logit_tokens`: the positions the output layer computes where not every token's
+    (transformers' logits_to_keep: an online method's padding-free rollout, its completion tokens only)."""
     d = dtypes(cfg)
     block = max(block_activation_bytes(arch, cfg, seq, tokens, b, masked) for b in set(arch.layers))
     # differentiating a block: the gradient of the residual stream (m h) and about one MLP-wide
@@ -313,8 +314,9 @@ def activation_bytes(arch: Arch, cfg: Config, layers: int, in_flight: int, seq: 
         return Activations(stored=earlier + sum(kept) + head_bytes(arch, cfg, tokens), loss=moment, logits_grad=moment,
                            blocks=earlier + blocks,
                            filled=earlier + filled + head_grads, cpu=offloaded)
-    return Activations(stored=earlier + sum(kept) + head_bytes(arch, cfg, tokens), loss=tokens * (12 * v + 8),
-                       logits_grad=tokens * d.compute * v, blocks=earlier + blocks, filled=earlier + filled + head_grads,
+    scored = tokens if logit_tokens is None else min(tokens, logit_tokens)
+    return Activations(stored=earlier + sum(kept) + head_bytes(arch, cfg, tokens), loss=scored * (12 * v + 8),
+                       logits_grad=scored * d.compute * v, blocks=earlier + blocks, filled=earlier + filled + head_grads,
                        cpu=offloaded)
 
 

@@ -20,7 +20,7 @@ from finetune.families import COUNTED, Arch
 from finetune.families.arch import arch_from_config
 from finetune.families.vision import frozen_parts
 from finetune.data.lengths import Longest
-from finetune.data.rows import several_per_row
+from finetune.data.rows import padding_free, several_per_row
 from finetune.layouts import engine_kind, layouts_of, resolve
 from finetune.methods.base import SCORED, Sampling
 from finetune.methods.distill import teacher_dir
@@ -273,6 +273,17 @@ def reference_weights(arch: Arch, cfg: Config, s: States, notes: list[str]) -> f
     return module_bytes(cfg) * arch.params / s.split
 
 
+def completion_logits(cfg: Config, sampling: Sampling | None, rows: int, notes: list[str]) -> int | None:
+    """An online method's padding-free rollout computes the output layer at its completion tokens only (transformers'
+    logits_to_keep, finetune.methods.losses.labelled_logps): rows x completion_tokens (x turns) positions at most;
+    None (every position) otherwise."""
+    if sampling is None or not padding_free(cfg)[0]:
+        return None
+    notes.append(f"{cfg.method.name} rollout batch: logits at the completion tokens only ({rows} rows x up to "
+                 f"{sampling.completion_tokens * sampling.turns}), not the prompts'")
+    return rows * sampling.completion_tokens * sampling.turns
+
+
 def teacher_bytes(cfg: Config, s: States, labelled: float, notes: list[str]) -> tuple[float, float]:
     """method=distill's teacher (finetune.rank.teacher): (its weights on this rank, split like the policy's, with its
     output layer gathered whole under logits=chunked where they are split; what it adds at the loss's backward: with
@@ -338,7 +349,7 @@ def activations_through_backward(arch: Arch, cfg: Config, counts: Counts, s: Sta
         s.grads = resident = s.one_grad
         block_grads = head_grads = 0.0
     acts = activation_bytes(arch, cfg, w.layers, w.in_flight, seq, w.tokens, block_grads, head_grads, moves=on_gpu, masked=masked,
-                            labelled=w.labelled, exchange=w.exchange)
+                            labelled=w.labelled, exchange=w.exchange, logit_tokens=completion_logits(cfg, sampling, rows, notes))
     tower = tower_bytes(arch, cfg, patches(arch, cfg, longest))  # held until the tower's own backward, the last
     if tower:
         acts = replace(acts, stored=acts.stored + tower, blocks=acts.blocks + tower, filled=acts.filled + tower)
