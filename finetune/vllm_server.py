@@ -8,7 +8,8 @@ It holds no model until a run sends its own: the run's rank 0 sends the policy's
 built from them with dummy weights, once per model), pushes the policy's weights before each rollout (/weights: a
 stream over a process group of the two, finetune.vllm_wire), and each rank asks for its prompts' completions
 (/generate: seeded per prompt as the colocated engine is, so a run samples what it would sample colocated). Training
-devices hold no sampler; the run's ranks wait for the push, then sample, one request at a time (a lock: one engine).
+devices hold no sampler; the run's ranks wait for the push, then sample, one request at a time (one engine, on one
+thread).
 
 GET /health answers {"ok": true, "model": whether one is built, "pushes": weights pushed, "requests": completions served}.
 The server imports nothing of finetune but finetune.vllm_engine and finetune.vllm_wire: in vLLM's virtualenv
@@ -23,7 +24,7 @@ import json
 import shutil
 import sys
 import tempfile
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -32,10 +33,11 @@ from finetune import vllm_engine, vllm_wire
 
 
 class Engine:
-    """The server's one vLLM engine, the weights group, and what it has done; every request under one lock."""
+    """The server's one vLLM engine, the weights group, and what it has done; every request's work runs on one thread of
+    its own (`worker`), in turn: vLLM and the process group see one caller, whichever HTTP thread took the request."""
 
     def __init__(self, memory: float) -> None:
-        self.memory, self.lock = memory, threading.Lock()
+        self.memory, self.worker = memory, ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.llm: Any = None
         self.key: str | None = None  # the model it was built for (its /init body)
         self.directory: Path | None = None
@@ -104,8 +106,7 @@ def handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
             try:
                 size = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(size)) if size else {}
-                with engine.lock:
-                    out = route(body)
+                out = route(body) if route == engine.health else engine.worker.submit(route, body).result()  # health: at once
             except (KeyError, ValueError, TypeError) as e:
                 return self.reply(400, {"error": f"{type(e).__name__}: {e}"})
             except Exception as e:  # the engine's own failure: said to the run, which stops with it
