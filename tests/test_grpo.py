@@ -575,6 +575,37 @@ def test_vllm_itself_samples_from_the_synced_policy_and_trains(shipped, tmp_path
     assert len(train) == 3 and all(m["generation_s"] > 0 and 1 <= m["completion_tokens"] <= 16 for m in train)
 
 
+def test_a_vllm_server_samples_for_one_run_at_a_time(vllm_server):
+    """Two runs on one server would push their weights into one engine in turn and sample from each other's: the second
+    is refused (409, one line) while the first is live; once the first ends (/close) the second takes it, and the first's
+    requests are refused from then on."""
+    from types import SimpleNamespace
+
+    from finetune.methods.grpo import GrpoConfig
+    from finetune.methods.vllm_rollout import ServedSampler
+    from finetune.vllm_wire import ServerError
+
+    address, health = vllm_server
+    net, tok = tiny_model()
+    engine, cfg = SimpleNamespace(generation_model=net.eval(), dtype=None, dp_rank=0), GrpoConfig(generations=2, completion_tokens=4)
+    first = ServedSampler(address, engine, tok, cfg, prompt_tokens=8)
+    first.sync(engine)
+    drawn = first.sample([[5, 6, 7]], cfg, seed=1)
+    assert len(drawn) == 2 and health()["run"] == first.run
+    with pytest.raises(ServerError, match=r"refused /init: this server samples for another run \(its last request 0 s ago; it is "
+                                          r"free when that run ends or after --idle-s=600 s without a request\): start a server of "
+                                          r"its own for this run$"):
+        ServedSampler(address, engine, tok, cfg, prompt_tokens=8)
+    first.close()
+    second = ServedSampler(address, engine, tok, cfg, prompt_tokens=8)
+    second.sync(engine)
+    assert second.sample([[5, 6, 7]], cfg, seed=1) == drawn  # the same weights pushed, the same seed
+    with pytest.raises(ServerError, match="refused /generate: this server samples for another run"):
+        first.sample([[5, 6, 7]], cfg, seed=1)
+    second.close()
+    assert health()["run"] is None
+
+
 def test_the_vllm_server_runs_without_finetunes_dependencies():
     """The server runs in vLLM's own virtualenv, where `pip install --no-deps finetune` brings it: importing it loads no
     other module of finetune and none of Hydra, OmegaConf, torch or transformers (vLLM brings those it needs)."""

@@ -374,6 +374,8 @@ class Online:
     def close(self) -> None:
         if self.background is not None:
             self.background.close()
+        if self.vllm is not None:
+            self.vllm.close()
 
     def made(self, engine: Any, micro_batches: list[dict[str, torch.Tensor]], *, step: int, tokenizer: Any, seed: int,
              refill: Callable[[int], list[dict[str, torch.Tensor]]] | None = None) -> list[dict[str, torch.Tensor]]:

@@ -51,6 +51,9 @@ class VllmSampler:
         vllm_engine.load(self.llm, hf_weights(engine.generation_model))
         self.llm.reset_prefix_cache()
 
+    def close(self) -> None:
+        """Nothing to release before the process ends."""
+
     def sample(self, prompts: list[list[int]], cfg: MethodConfig, seed: int) -> list[list[int]]:
         """G completions per prompt (adjacent), as vLLM returns them (cut at EOS, which it keeps)."""
         return vllm_engine.sample(self.llm, prompts, n=cfg.generations, temperature=cfg.temperature, top_p=cfg.top_p,
@@ -67,7 +70,7 @@ class ServedSampler:
         import base64
 
         self.url, self.host = f"http://{address}", address.rpartition(":")[0]
-        self.first, self.dtype = rank() == 0, dtype_name(engine)
+        self.first, self.dtype, self.run = rank() == 0, dtype_name(engine), run_id()
         self.pg: Any = None
         self.store: Any = None
         if self.first:
@@ -75,7 +78,7 @@ class ServedSampler:
                 tokenizer.save_pretrained(saved)
                 files = {p.name: base64.b64encode(p.read_bytes()).decode() for p in Path(saved).iterdir() if p.is_file()}
             config = json.loads(base_config(engine.generation_model).to_json_string())
-            vllm_wire.call(self.url, "/init", {"config": config, "files": files, "dtype": self.dtype,
+            vllm_wire.call(self.url, "/init", {"run": self.run, "config": config, "files": files, "dtype": self.dtype,
                                                "max_model_len": prompt_tokens + cfg.completion_tokens if prompt_tokens else None})
         barrier()
 
@@ -99,7 +102,8 @@ class ServedSampler:
 
             def push() -> None:
                 try:
-                    answer.update(vllm_wire.call(self.url, "/weights", {"host": self.store.host, "port": self.store.port, "backend": backend}))
+                    answer.update(vllm_wire.call(self.url, "/weights", {"run": self.run, "host": self.store.host, "port": self.store.port,
+                                                                        "backend": backend}))
                 except vllm_wire.ServerError as e:
                     answer["error"] = e
 
@@ -117,8 +121,26 @@ class ServedSampler:
 
     def sample(self, prompts: list[list[int]], cfg: MethodConfig, seed: int) -> list[list[int]]:
         """G completions per prompt (adjacent), as the server's vLLM returns them."""
-        return vllm_wire.call(self.url, "/generate", {"prompts": prompts, "n": cfg.generations, "temperature": cfg.temperature,
+        return vllm_wire.call(self.url, "/generate", {"run": self.run, "prompts": prompts, "n": cfg.generations, "temperature": cfg.temperature,
                                                       "top_p": cfg.top_p, "max_tokens": cfg.completion_tokens, "seed": seed})["completions"]
+
+    def close(self) -> None:
+        """The run's end: the server is free for another (a run that crashes frees it after the server's --idle-s)."""
+        if self.first:
+            with contextlib.suppress(vllm_wire.ServerError):
+                vllm_wire.call(self.url, "/close", {"run": self.run}, timeout=30)
+
+
+def run_id() -> str:
+    """This run's id for the server: rank 0's, the same on every rank (a broadcast where there are several)."""
+    import uuid
+
+    import torch.distributed as dist
+
+    ids = [uuid.uuid4().hex]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(ids, src=0)
+    return ids[0]
 
 
 def rank() -> int:
