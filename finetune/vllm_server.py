@@ -1,8 +1,8 @@
 """`python -m finetune.vllm_server`: vLLM on devices of its own, sampling an online method's completions (GRPO's,
-RLOO's) for a training run that names it with method.vllm=true method.vllm_server=HOST:PORT (TRL's vllm_mode=server).
+RLOO's) for a training run that names it with method.vllm=true method.vllm_servers=[HOST:PORT] (TRL's vllm_mode=server).
 
     CUDA_VISIBLE_DEVICES=7 python -m finetune.vllm_server --port 8000      # in vLLM's own virtualenv
-    python -m finetune.launch +recipe=quickstart_grpo method.vllm=true method.vllm_server=localhost:8000 ...
+    python -m finetune.launch +recipe=quickstart_grpo method.vllm=true method.vllm_servers=[localhost:8000] ...
 
 It holds no model until a run sends its own: the run's rank 0 sends the policy's config and tokenizer (/init; vLLM is
 built from them with dummy weights, once per model), pushes the policy's weights before each rollout (/weights: a

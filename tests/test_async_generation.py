@@ -74,14 +74,14 @@ def test_one_step_behind_the_ratio_to_the_sampler_is_used(tmp_path, monkeypatch)
 
 
 def test_through_a_vllm_server_the_thread_asks_it_and_the_ratio_is_used(tmp_path, monkeypatch, vllm_server):
-    """method.vllm_server (vLLM's stand-in in a process of its own): the thread asks the server for the next step's
+    """method.vllm_servers (vLLM's stand-in in a process of its own): the thread asks the server for the next step's
     completions, the weights pushed when the copy is refreshed (every step: 4 pushes, 4 requests). One step behind, the
     ratio to the copy's log-probs is used from step 2; sampled just before each step (lag 0), nothing is clipped and
     step 1 is the same. The server samples other completions than the copy's own generator: another trajectory."""
     from finetune.methods import background
 
     address, health = vllm_server
-    served = ["method.vllm=true", f"method.vllm_server={address}", "optim.lr=3e-2"]
+    served = ["method.vllm=true", f"method.vllm_servers=[{address}]", "optim.lr=3e-2"]
     before = health()
     ahead = _run(tmp_path / "ahead", *served)
     after = health()

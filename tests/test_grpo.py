@@ -159,7 +159,7 @@ def test_rules(compose):
     for overrides, message in [
         (["method.gamma=0.5"], "method.gamma: not a key of method=grpo; its keys are name, beta, reference, generations, "
          "completion_tokens, temperature, top_p, mask_truncated_completions, overlong_buffer, dynamic_sampling, sampling_rounds, "
-         "tools, max_turns, tool_timeout, rewards, reward_weights, format_pattern, vllm, vllm_memory, vllm_server, epsilon, epsilon_high, loss_type, scale_rewards, "
+         "tools, max_turns, tool_timeout, rewards, reward_weights, format_pattern, vllm, vllm_memory, vllm_servers, epsilon, epsilon_high, loss_type, scale_rewards, "
          "importance_sampling_level, updates_per_rollout, async_generation"),
         (["method.reference=live"], "method.reference=live has no effect with method=grpo and method.beta=0 (no KL term, no reference): "
                                     "remove it or change the option"),
@@ -284,7 +284,7 @@ def layout_run(tmp_path_factory, request):
     def run(name: str, vllm: bool | str = False) -> Path:
         if (name, vllm) not in runs:
             where = tmp_path_factory.mktemp(name)
-            served = ["method.vllm=true", f"method.vllm_server={request.getfixturevalue('vllm_server')[0]}"] if vllm == "server" else []
+            served = ["method.vllm=true", f"method.vllm_servers=[{request.getfixturevalue('vllm_server')[0]}]"] if vllm == "server" else []
             with pytest.MonkeyPatch.context() as mp:
                 if vllm is True:
                     mp.setenv("PYTHONPATH", f"{STANDIN}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
@@ -320,7 +320,7 @@ def test_sharded_layouts_generate_in_lockstep_and_train(name, layout_run):
 @pytest.mark.parametrize("name,vllm", [("fsdp-lora", True), ("zero3-lora-adapter_disabled", True), ("fsdp-lora", "server")])
 def test_vllm_sampling_follows_the_generate_run_when_its_weights_are_the_policys(name, vllm, layout_run, request):
     """method.vllm=true through vLLM's interface (tests/vllm_standin: it samples as our generate path does, from the
-    weights it was given), on each rank or in a server process (method.vllm_server, weights pushed over gloo): the
+    weights it was given), on each rank or in a server process (method.vllm_servers, weights pushed over gloo): the
     weights loaded before each rollout are the policy's, gathered from FSDP2's DTensors or ZeRO-3's partitions with
     the adapter merged, so the run takes the same completions, rewards and updates. The server loaded a push per
     rollout and served each rank's prompts."""
@@ -332,6 +332,32 @@ def test_vllm_sampling_follows_the_generate_run_when_its_weights_are_the_policys
     if before is not None:
         after = request.getfixturevalue("vllm_server")[1]()
         assert (after["pushes"] - before["pushes"], after["requests"] - before["requests"]) == (3, 3 * 2)
+    for a, b in zip(ours, theirs):
+        assert b == pytest.approx(a, rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_two_vllm_servers_sample_apart_and_the_run_follows_the_generate_run(layout_run, vllm_server, tmp_path):
+    """method.vllm_servers=[A,B] on 2 FSDP2 + LoRA ranks: rank k pushes the weights to server k and asks it for its prompts'
+    completions, seeded as ever: the run is the generate run, and each server had one push and one request a step."""
+    from conftest import vllm_server_process
+
+    keys = ("loss", "grad_norm", "reward", "completion_tokens", "kl")
+    address, health = vllm_server
+    pythonpath = f"{STANDIN}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    with vllm_server_process(tmp_path / "second.log", pythonpath) as (second, second_health):
+        before = health()
+        out = launch_here("+recipe=quickstart_sft", "method=grpo", "method.rewards=[length]", "method.generations=4",
+                          "method.completion_tokens=12", "train.max_steps=3", "optim.warmup_steps=1", "train.micro_batch_size=2",
+                          "train.global_batch_size=4", "train.exact_match_samples=4", "train.progress_bar=false", *LAYOUTS["fsdp-lora"],
+                          "method.vllm=true", f"method.vllm_servers=[{address},{second}]", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        after, other = health(), second_health()
+    assert (after["pushes"] - before["pushes"], after["requests"] - before["requests"]) == (3, 3)
+    assert (other["pushes"], other["requests"], other["run"]) == (3, 3, None)
+    theirs = [{k: m[k] for k in keys} for m in read_metrics(tmp_path / "run") if m["kind"] == "train"]
+    ours = [{k: m[k] for k in keys} for m in read_metrics(layout_run("fsdp-lora")) if m["kind"] == "train"]
+    assert len(theirs) == 3 and any(m["grad_norm"] > 0 for m in theirs)
     for a, b in zip(ours, theirs):
         assert b == pytest.approx(a, rel=1e-4, abs=1e-6)
 
@@ -494,7 +520,7 @@ def test_vllm_is_refused_where_it_cannot_run(compose, monkeypatch):
 
 
 def test_a_vllm_server_needs_no_vllm_here_and_is_refused_where_it_cannot_serve(compose, monkeypatch, tmp_path):
-    """method.vllm_server: vLLM runs in the server's environment, so none is needed where training runs; the address's
+    """method.vllm_servers: vLLM runs in the server's environment, so none is needed where training runs; the address's
     form, its use without method.vllm, a colocated memory share beside it, and layouts whose ranks share a batch; a
     launch where no server answers stops before any rank starts, saying how to start one."""
     import socket
@@ -503,26 +529,28 @@ def test_a_vllm_server_needs_no_vllm_here_and_is_refused_where_it_cannot_serve(c
 
     base = ["+recipe=quickstart_sft", "method=grpo", "method.vllm=true"]
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
-    cfg = compose([*base, "method.vllm_server=localhost:8000", "parallelism=fsdp", "launcher.nproc_per_node=2"])
+    cfg = compose([*base, "method.vllm_servers=[localhost:8000]", "parallelism=fsdp", "launcher.nproc_per_node=2"])
     vllm_rules(cfg)
     served = plan(cfg)
-    assert served.reserved == 0 and served.rollout == 0 and any("a vLLM server (method.vllm_server) samples" in n for n in served.notes)
-    for extra, start in ((["method.vllm_server=localhost"], "method.vllm_server=localhost must be HOST:PORT"),
-                         (["method.vllm=false", "method.vllm_server=gpu7:8000"], "method.vllm_server=gpu7:8000 is set but method.vllm=false"),
-                         (["method.vllm_server=gpu7:8000", "method.vllm_memory=0.5"], "method.vllm_memory=0.5 with method.vllm_server=gpu7:8000: "
-                          "the server takes its share of its own GPU"),
-                         (["method.vllm_server=gpu7:8000", "parallelism=tp2", "launcher.nproc_per_node=2"],
-                          "method.vllm_server with parallelism.tp=2 cp=1 is not supported")):
+    assert served.reserved == 0 and served.rollout == 0 and any("a vLLM server (method.vllm_servers) samples" in n for n in served.notes)
+    for extra, start in ((["method.vllm_servers=[localhost]"], "method.vllm_servers=['localhost'] must be a list of HOST:PORT"),
+                         (["method.vllm_servers=[a:1,b:2,c:3]", "parallelism=ddp", "launcher.nproc_per_node=2"],
+                          "method.vllm_servers names 3 servers for 2 ranks: rank k pushes the weights to server k"),
+                         (["method.vllm=false", "method.vllm_servers=[gpu7:8000]"], "method.vllm_servers=[gpu7:8000] is set but method.vllm=false"),
+                         (["method.vllm_servers=[gpu7:8000]", "method.vllm_memory=0.5"], "method.vllm_memory=0.5 with method.vllm_servers: "
+                          "a server takes its share of its own GPU"),
+                         (["method.vllm_servers=[gpu7:8000]", "parallelism=tp2", "launcher.nproc_per_node=2"],
+                          "method.vllm_servers with parallelism.tp=2 cp=1 is not supported")):
         with pytest.raises(ConfigError) as e:
             compose([*base, *extra])
         assert str(e.value).startswith(start), str(e.value)
     with socket.socket() as closed:  # a port nothing listens on
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
-    out = run_cli(*base, f"method.vllm_server=127.0.0.1:{port}", "train.max_steps=3", "optim.warmup_steps=1",
+    out = run_cli(*base, f"method.vllm_servers=[127.0.0.1:{port}]", "train.max_steps=3", "optim.warmup_steps=1",
                   f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert out.returncode == 2 and last_line(out.stderr) == (
-        f"error: method.vllm_server=127.0.0.1:{port}: no vLLM server answers at http://127.0.0.1:{port} ([Errno 111] Connection refused): "
+        f"error: method.vllm_servers=[127.0.0.1:{port}]: no vLLM server answers at http://127.0.0.1:{port} ([Errno 111] Connection refused): "
         f"start one on the devices it should use with `python -m finetune.vllm_server --port {port}` (docs/grpo.md, vLLM server)")
     assert not (tmp_path / "run/ranks").exists()
 
@@ -588,16 +616,16 @@ def test_a_vllm_server_samples_for_one_run_at_a_time(vllm_server):
     address, health = vllm_server
     net, tok = tiny_model()
     engine, cfg = SimpleNamespace(generation_model=net.eval(), dtype=None, dp_rank=0), GrpoConfig(generations=2, completion_tokens=4)
-    first = ServedSampler(address, engine, tok, cfg, prompt_tokens=8)
+    first = ServedSampler([address], engine, tok, cfg, prompt_tokens=8)
     first.sync(engine)
     drawn = first.sample([[5, 6, 7]], cfg, seed=1)
     assert len(drawn) == 2 and health()["run"] == first.run
     with pytest.raises(ServerError, match=r"refused /init: this server samples for another run \(its last request 0 s ago; it is "
                                           r"free when that run ends or after --idle-s=600 s without a request\): start a server of "
                                           r"its own for this run$"):
-        ServedSampler(address, engine, tok, cfg, prompt_tokens=8)
+        ServedSampler([address], engine, tok, cfg, prompt_tokens=8)
     first.close()
-    second = ServedSampler(address, engine, tok, cfg, prompt_tokens=8)
+    second = ServedSampler([address], engine, tok, cfg, prompt_tokens=8)
     second.sync(engine)
     assert second.sample([[5, 6, 7]], cfg, seed=1) == drawn  # the same weights pushed, the same seed
     with pytest.raises(ServerError, match="refused /generate: this server samples for another run"):
@@ -628,7 +656,7 @@ def test_a_vllm_server_on_the_gpu_samples_for_a_run_and_it_trains(shipped, tmp_p
 
     with vllm_server_process(tmp_path / "server.log", os.environ.get("PYTHONPATH", ""), "--gpu-memory", "0.3") as (address, health):
         run = run_cli("+recipe=quickstart_grpo", f"model.path={shipped / 'outputs/quickstart_sft/final'}", "method.vllm=true",
-                      f"method.vllm_server={address}", "train.max_steps=3", "train.eval_every=0", "train.exact_match_samples=0",
+                      f"method.vllm_servers=[{address}]", "train.max_steps=3", "train.eval_every=0", "train.exact_match_samples=0",
                       "train.progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:] + (tmp_path / "server.log").read_text()[-3000:]
         assert health()["pushes"] == 3 and health()["requests"] == 3 * 2

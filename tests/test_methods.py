@@ -56,7 +56,7 @@ def test_a_config_without_a_method_name_is_refused(tmp_path):
     (["method=grpo", "method.generatons=4"],
      "method.generatons: not a key of method=grpo (did you mean 'generations'?); its keys are name, beta, reference, generations, "
      "completion_tokens, temperature, top_p, mask_truncated_completions, overlong_buffer, dynamic_sampling, sampling_rounds, "
-         "tools, max_turns, tool_timeout, rewards, reward_weights, format_pattern, vllm, vllm_memory, vllm_server, epsilon, epsilon_high, loss_type, scale_rewards, "
+         "tools, max_turns, tool_timeout, rewards, reward_weights, format_pattern, vllm, vllm_memory, vllm_servers, epsilon, epsilon_high, loss_type, scale_rewards, "
          "importance_sampling_level, updates_per_rollout, async_generation"),
     (["method=sft", "method.beta=0.1"], "method.beta: not a key of method=sft; its keys are name"),
 ])

@@ -225,16 +225,17 @@ def check_hub(cfg: Config) -> None:
 
 
 def check_sampler(cfg: Config) -> None:
-    """A real launch's sampling server (method.vllm_server) answers: one line now, not rank 0's after loading."""
+    """A real launch's sampling servers (method.vllm_servers) answer: one line now, not a rank's after loading."""
     sampling = methods.get(cfg.method.name).sampling(cfg.method)
-    if cfg.launcher.dry_run or sampling is None or sampling.server is None:
+    if cfg.launcher.dry_run or sampling is None:
         return
     from finetune import vllm_wire
 
-    try:
-        vllm_wire.call(f"http://{sampling.server}", "/health", timeout=10)
-    except vllm_wire.ServerError as e:
-        raise ConfigError(f"method.vllm_server={sampling.server}: {e}") from None
+    for address in sampling.servers:
+        try:
+            vllm_wire.call(f"http://{address}", "/health", timeout=10)
+        except vllm_wire.ServerError as e:
+            raise ConfigError(f"method.vllm_servers=[{','.join(sampling.servers)}]: {e}") from None
 
 
 def check_trackers(cfg: Config) -> None:

@@ -125,14 +125,14 @@ class Sampling:
     """The most tokens one completion has."""
     sampler: str = "generate"
     """What samples: transformers' generate (a KV cache freed before the step), vllm (an engine beside training),
-    vllm_server (an engine on devices of its own: method.vllm_server), or background (generate by a copy of the policy,
+    vllm_server (engines on devices of their own: method.vllm_servers), or background (generate by a copy of the policy,
     during the step: method.async_generation)."""
     reserved: float = 0.0
     """The share of the GPU a sampler beside training holds through the run (vLLM's gpu_memory_utilization)."""
     turns: int = 1
     """The assistant turns one completion may take (method.tools: 1 + method.max_turns), each up to completion_tokens."""
-    server: str | None = None
-    """Where a sampler on devices of its own answers (method.vllm_server: HOST:PORT): a launch checks it does first."""
+    servers: tuple[str, ...] = ()
+    """Where samplers on devices of their own answer (method.vllm_servers: HOST:PORT each): a launch checks they do first."""
 
 
 @dataclass(frozen=True)

@@ -147,8 +147,8 @@ def async_rules(cfg: Config) -> None:
         raise ConfigError(f"{why} runs on parallelism=single or ddp: its sampler is a whole copy of the policy on each rank, "
                           "sampling in a thread while the step trains, and sharded weights (fsdp, tp, zero) are gathered by "
                           "collectives the step's own would interleave with; use parallelism=ddp, or drop it")
-    for key, on, reason in (("vllm", m.vllm and not m.vllm_server, "a colocated vLLM engine would sample on the training's device "
-                             "while the step trains; sample through a server of its own (method.vllm_server=HOST:PORT)"),
+    for key, on, reason in (("vllm", m.vllm and not m.vllm_servers, "a colocated vLLM engine would sample on the training's device "
+                             "while the step trains; sample through a server of its own (method.vllm_servers=[HOST:PORT])"),
                             ("dynamic_sampling", m.dynamic_sampling, "its refills' rounds are agreed across ranks by a collective, "
                              "which the sampler's thread cannot join while the step trains"),
                             ("updates_per_rollout", m.updates_per_rollout > 1, "a rollout sampled ahead trains once")):

@@ -92,11 +92,12 @@ class OnlineConfig(MethodConfig):
     vllm_memory: float = checked(in_range(0.05, 0.95), 0.3)
     """With vllm: the fraction of the GPU's memory vLLM takes for its weights and KV cache (its gpu_memory_utilization);
     training gets the rest."""
-    vllm_server: str | None = checked(Accepts("HOST:PORT", lambda v: v.rpartition(":")[0] != "" and v.rpartition(":")[2].isdigit(),
-                                              ("localhost",)), None)
-    """With vllm: sample through the vLLM engine of a `python -m finetune.vllm_server` at HOST:PORT, on devices of its own
-    (TRL's server mode), instead of one beside training on each rank; rank 0 pushes the policy's weights to it before
-    each rollout (finetune.methods.vllm_rollout). vLLM need not be installed where training runs."""
+    vllm_servers: list[str] | None = checked(Accepts("a list of HOST:PORT", lambda v: len(v) > 0 and all(
+        a.rpartition(":")[0] != "" and a.rpartition(":")[2].isdigit() for a in v), ("[localhost]", "[]")), None)
+    """With vllm: sample through the vLLM engine of a `python -m finetune.vllm_server` at each HOST:PORT, on devices of
+    its own (TRL's server mode), instead of one beside training on each rank; the policy's weights are pushed to it before
+    each rollout (finetune.methods.vllm_rollout). With N servers rank r asks server r mod N, and rank k < N pushes to
+    server k. vLLM need not be installed where training runs."""
 
 
 class OnlineMethod:
@@ -138,10 +139,10 @@ class OnlineMethod:
         return examples
 
     def sampling(self, cfg: OnlineConfig) -> Sampling:
-        sampler = ("vllm_server" if cfg.vllm and cfg.vllm_server else "vllm" if cfg.vllm else
+        sampler = ("vllm_server" if cfg.vllm and cfg.vllm_servers else "vllm" if cfg.vllm else
                    "background" if getattr(cfg, "async_generation", False) else "generate")
         return Sampling(cfg.generations, cfg.completion_tokens, sampler, cfg.vllm_memory if sampler == "vllm" else 0.0,
-                        1 + cfg.max_turns if cfg.tools else 1, cfg.vllm_server if cfg.vllm else None)
+                        1 + cfg.max_turns if cfg.tools else 1, tuple(cfg.vllm_servers or ()) if cfg.vllm else ())
 
     def teacher(self, cfg: MethodConfig) -> None:
         return None
@@ -204,9 +205,11 @@ class OnlineMethod:
             vllm_rules(cfg)
         else:
             for key, default, what in (("vllm_memory", OnlineConfig().vllm_memory, "the share of the GPU a colocated vLLM takes"),
-                                       ("vllm_server", None, "the address of the vLLM server that samples")):
-                if getattr(m, key) != default:
-                    raise ConfigError(f"method.{key}={getattr(m, key)} is set but method.vllm=false: it is {what}; set "
+                                       ("vllm_servers", None, "the vLLM servers that sample")):
+                value = getattr(m, key)
+                if value != default:
+                    shown = f"[{','.join(value)}]" if isinstance(value, list) else f"{value:g}"
+                    raise ConfigError(f"method.{key}={shown} is set but method.vllm=false: it is {what}; set "
                                       "method.vllm=true or drop it")
         rewards.resolve(m)
 
@@ -326,8 +329,8 @@ class Online:
         if self.cfg.vllm and self.vllm is None:
             from finetune.methods import vllm_rollout
 
-            self.vllm = (vllm_rollout.ServedSampler(self.cfg.vllm_server, engine, tokenizer, self.cfg, prompt_tokens=self.prompt_tokens)
-                         if self.cfg.vllm_server else vllm_rollout.VllmSampler(engine, tokenizer, self.cfg, prompt_tokens=self.prompt_tokens))
+            self.vllm = (vllm_rollout.ServedSampler(list(self.cfg.vllm_servers), engine, tokenizer, self.cfg, prompt_tokens=self.prompt_tokens)
+                         if self.cfg.vllm_servers else vllm_rollout.VllmSampler(engine, tokenizer, self.cfg, prompt_tokens=self.prompt_tokens))
         if not self.overlapped:
             if self.vllm is not None:
                 self.vllm.sync(engine)

@@ -1,6 +1,6 @@
 """An online method's completions (GRPO's, RLOO's) sampled by vLLM (method.vllm=true): an engine on each rank beside
 training ("colocated", as TRL's vllm_mode=colocate), holding method.vllm_memory of the GPU for its weights and KV cache;
-or, with method.vllm_server=HOST:PORT, the engine of a `python -m finetune.vllm_server` on devices of its own (TRL's
+or, with method.vllm_servers=[HOST:PORT, ...], the engine of a `python -m finetune.vllm_server` on devices of its own (TRL's
 vllm_mode=server), which training's devices then do not share.
 
 vLLM is built from the policy's config and tokenizer with dummy weights (finetune.vllm_engine); before each rollout the
@@ -61,16 +61,19 @@ class VllmSampler:
 
 
 class ServedSampler:
-    """method.vllm_server=HOST:PORT: the vLLM engine of a `python -m finetune.vllm_server` on devices of its own
-    (finetune.vllm_wire says how they talk). Rank 0 sends the policy's config and tokenizer when built and pushes its
-    weights in `sync` (every rank gathers them: FSDP2's DTensors, ZeRO-3's partitions; an adapter merged in); each rank
-    asks for its own prompts' completions, seeded as the colocated engine's are."""
+    """method.vllm_servers=[HOST:PORT, ...]: the vLLM engine of a `python -m finetune.vllm_server` on devices of
+    its own (finetune.vllm_wire says how they talk); with N servers, rank r's is server r mod N. Rank k < N sends the
+    policy's config and tokenizer to server k when built and pushes the weights in `sync` (every rank gathers them:
+    FSDP2's DTensors, ZeRO-3's partitions; an adapter merged in); each rank asks its server for its own prompts'
+    completions, seeded as the colocated engine's are."""
 
-    def __init__(self, address: str, engine: Any, tokenizer: Any, cfg: MethodConfig, *, prompt_tokens: int | None) -> None:
+    def __init__(self, servers: list[str], engine: Any, tokenizer: Any, cfg: MethodConfig, *, prompt_tokens: int | None) -> None:
         import base64
 
-        self.url, self.host = f"http://{address}", address.rpartition(":")[0]
-        self.first, self.dtype, self.run = rank() == 0, dtype_name(engine), run_id()
+        here = rank()
+        mine = servers[here % len(servers)]
+        self.url, self.host = f"http://{mine}", mine.rpartition(":")[0]
+        self.first, self.dtype, self.run = here < len(servers), dtype_name(engine), run_id()
         self.pg: Any = None
         self.store: Any = None
         if self.first:
@@ -245,24 +248,28 @@ def vllm_rules(cfg: Config) -> None:
     from finetune.config import PeftMethod
 
     m, p = cfg.method, cfg.parallelism
-    if m.vllm_server is not None and m.vllm_memory != type(m)().vllm_memory:
-        raise ConfigError(f"method.vllm_memory={m.vllm_memory:g} with method.vllm_server={m.vllm_server}: the server takes its share "
-                          "of its own GPU (`python -m finetune.vllm_server --gpu-memory`); drop method.vllm_memory")
-    if m.vllm_server is None and importlib.util.find_spec("vllm") is None:
+    servers = len(m.vllm_servers or [])
+    if servers and m.vllm_memory != type(m)().vllm_memory:
+        raise ConfigError(f"method.vllm_memory={m.vllm_memory:g} with method.vllm_servers: a server takes its share of its own GPU "
+                          "(`python -m finetune.vllm_server --gpu-memory`); drop method.vllm_memory")
+    if not servers and importlib.util.find_spec("vllm") is None:
         raise ConfigError("method.vllm=true: vLLM is not installed here: pip install vllm (its wheels are built for CUDA GPUs), or "
                           "drop method.vllm to sample with transformers' generate")
-    mismatch = None if m.vllm_server else vllm_mismatch()
+    mismatch = None if servers else vllm_mismatch()
     if mismatch:
         raise ConfigError(f"method.vllm=true: {mismatch}, so vLLM and this training would not run on the versions either was "
-                          "built for: install vLLM in a virtualenv of its own and sample through it as a server (method.vllm_server, docs/grpo.md), "
+                          "built for: install vLLM in a virtualenv of its own and sample through it as a server (method.vllm_servers, docs/grpo.md), "
                           "not into this one")
-    if (p.tp > 1 or p.cp > 1) and m.vllm_server is None:
+    if (p.tp > 1 or p.cp > 1) and not servers:
         raise ConfigError(f"method.vllm=true with parallelism.tp={p.tp} cp={p.cp} is not supported: each rank's vLLM engine holds "
                           "the whole model and its own process group would cut across the model's; use fsdp or zero (gathered "
-                          "for vLLM), method.vllm_server (vLLM on devices of its own), or method.vllm=false")
+                          "for vLLM), method.vllm_servers (vLLM on devices of its own), or method.vllm=false")
     if p.tp > 1 or p.cp > 1:
-        raise ConfigError(f"method.vllm_server with parallelism.tp={p.tp} cp={p.cp} is not supported: the ranks that share a batch would "
+        raise ConfigError(f"method.vllm_servers with parallelism.tp={p.tp} cp={p.cp} is not supported: the ranks that share a batch would "
                           "each ask the server for its completions, and a server's batches are not bitwise repeatable; use fsdp or zero")
+    if servers > cfg.world_size:
+        raise ConfigError(f"method.vllm_servers names {servers} servers for {cfg.world_size} ranks: rank k pushes the weights to server k, so "
+                          f"some would never get them; name at most {cfg.world_size}")
     if cfg.peft.name == PeftMethod.qlora:
         raise ConfigError("method.vllm=true with peft=qlora is not supported: vLLM would load the 4-bit base dequantized and merged "
                           "at every step; use peft=lora, or method.vllm=false (generate runs on the 4-bit model)")

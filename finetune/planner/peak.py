@@ -186,7 +186,7 @@ def rollout_bytes(arch: Arch, cfg: Config, sampling: Sampling, seq: int, on_gpu:
     logits = rows * arch.vocab_size * 4 * 2
     if sampling.sampler == "vllm_server":
         copy = policy + logits if getattr(cfg.method, "async_generation", False) else 0.0
-        notes.append(f"{name} rollout: a vLLM server (method.vllm_server) samples {rows} completions per micro-batch on devices "
+        notes.append(f"{name} rollout: a vLLM server (method.vllm_servers) samples {rows} completions per micro-batch on devices "
                      "of its own: nothing of it on this rank" + (
                          f"; a copy of the policy scores them in the background while the step trains (method.async_generation: "
                          f"{policy / 2**20:.1f} MiB, and {logits / 2**20:.1f} MiB of logits for its {rows} rows, counted at every peak)"
