@@ -105,10 +105,17 @@ class Engine:
             store = torch.distributed.TCPStore(at[0], at[1], 2, False, timeout=vllm_wire.TIMEOUT)
             self.pg = vllm_wire.group(store, 1, body["backend"])
             self.store_at, self.device = at, torch.device("cuda" if body["backend"] == "nccl" else "cpu")
-        loaded = 0
-        for name, value in vllm_wire.received(self.pg, self.device):
-            vllm_engine.load(self.llm, [(name, value)])
-            loaded += 1
+        loaded, failed = 0, None
+        for name, value in vllm_wire.received(self.pg, self.device):  # to the end even after a failure: the run is sending
+            try:
+                if failed is None:
+                    vllm_engine.load(self.llm, [(name, value)])
+                    loaded += 1
+            except Exception as e:  # said once the stream is drained, so the run is not left waiting on a broadcast
+                failed = ValueError(f"loading {name} ({tuple(value.shape)}, {value.dtype}): {type(e).__name__}: {e}")
+        if failed is not None:
+            self.dummy = True  # some weights are the run's, some are not: nothing is sampled from it until a whole push
+            raise failed
         self.llm.reset_prefix_cache()
         self.pushes, self.dummy = self.pushes + 1, False
         return {"loaded": loaded}
@@ -116,7 +123,7 @@ class Engine:
     def generate(self, body: dict[str, Any]) -> dict[str, Any]:
         self.serving(body)
         if self.dummy:
-            raise ValueError("/generate before /weights: the engine holds dummy weights")
+            raise ValueError("/generate before a whole /weights push: the engine does not hold the run's weights")
         out = vllm_engine.sample(self.llm, body["prompts"], n=int(body["n"]), temperature=float(body["temperature"]),
                                  top_p=float(body["top_p"]), max_tokens=int(body["max_tokens"]), seed=int(body["seed"]))
         self.requests += 1

@@ -606,7 +606,8 @@ def test_vllm_itself_samples_from_the_synced_policy_and_trains(shipped, tmp_path
 def test_a_vllm_server_samples_for_one_run_at_a_time(vllm_server):
     """Two runs on one server would push their weights into one engine in turn and sample from each other's: the second
     is refused (409, one line) while the first is live; once the first ends (/close) the second takes it, and the first's
-    requests are refused from then on."""
+    requests are refused from then on. A push the engine cannot load is drained and refused, naming the tensor."""
+    import copy
     from types import SimpleNamespace
 
     from finetune.methods.grpo import GrpoConfig
@@ -620,6 +621,13 @@ def test_a_vllm_server_samples_for_one_run_at_a_time(vllm_server):
     first.sync(engine)
     drawn = first.sample([[5, 6, 7]], cfg, seed=1)
     assert len(drawn) == 2 and health()["run"] == first.run
+    broken = copy.deepcopy(net)  # a weight the engine has no place for: the server drains the push, then says which
+    broken.extra = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ServerError, match=r"refused /weights: ValueError: loading extra \(\(3,\), torch.float32\): KeyError"):
+        first.sync(SimpleNamespace(generation_model=broken))
+    with pytest.raises(ServerError, match="refused /generate: ValueError: /generate before a whole /weights push"):
+        first.sample([[5, 6, 7]], cfg, seed=1)
+    first.sync(engine)  # the stream stayed in step: the next push loads
     with pytest.raises(ServerError, match=r"refused /init: this server samples for another run \(its last request 0 s ago; it is "
                                           r"free when that run ends or after --idle-s=600 s without a request\): start a server of "
                                           r"its own for this run$"):

@@ -86,8 +86,8 @@ class ServedSampler:
         barrier()
 
     def sync(self, engine: Any) -> None:
-        """The policy's weights as they are now pushed to the server, in its dtype (every rank gathers; rank 0 sends); every
-        rank returns once the server has loaded them."""
+        """The policy's weights as they are now pushed to the servers, in their dtype (every rank gathers; rank k < N sends
+        to server k); every rank returns once every server has loaded them."""
         import torch
 
         weights = ((name, value.to(getattr(torch, self.dtype))) for name, value in hf_weights(engine.generation_model))
