@@ -4,7 +4,7 @@
 # Writes OUT_DIR/{device.txt,tests.txt,benchmark.md,varlen.md,peers.md,peers_compiled.md} (default gpu_check/) and prints them.
 #   bash scripts/gpu_check.sh [OUT_DIR]
 # Needs the gpu extra for the flash-attn, fused-kernel, Liger and FP8 (torchao) rows: pip install -e ".[test,gpu]".
-# GRPO's vLLM tests (tests/test_grpo.py: colocated, and `python -m finetune.vllm_server` on the GPU sampling for a run)
+# GRPO's vLLM tests (tests/test_grpo.py: colocated, and `python -m finetune.vllm` on the GPU sampling for a run)
 # run where vLLM is installed (pip install vllm: it brings the torch it was built for, so install it in an environment
 # of its own); without it they are skipped and say so.
 set -euo pipefail

@@ -405,7 +405,7 @@ def kill_whole_job(launcher: subprocess.Popen, run_dir: Path) -> None:
 
 @pytest.fixture(scope="session")
 def vllm_server(tmp_path_factory):
-    """A `python -m finetune.vllm_server` over vLLM's stand-in (tests/vllm_standin, on the server's path only: the runs
+    """A `python -m finetune.vllm` over vLLM's stand-in (tests/vllm_standin, on the server's path only: the runs
     that sample through it need no vLLM) on a free port, one thread; -> (HOST:PORT, health() -> its /health), stopped
     at the end. Its log: vllm_server.log in the session's temporary directory."""
     log = tmp_path_factory.mktemp("vllm_server") / "vllm_server.log"
@@ -415,16 +415,16 @@ def vllm_server(tmp_path_factory):
 
 @contextlib.contextmanager
 def vllm_server_process(log: Path, pythonpath: str, *args: str):
-    """`python -m finetune.vllm_server --port 0 ARGS` with `pythonpath`, one thread, its stderr into `log`; -> (HOST:PORT,
+    """`python -m finetune.vllm --port 0 ARGS` with `pythonpath`, one thread, its stderr into `log`; -> (HOST:PORT,
     health() -> its /health); stopped on exit."""
     import urllib.request
 
     env = {**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"}
     with log.open("w") as err:
-        server = subprocess.Popen([sys.executable, "-m", "finetune.vllm_server", "--port", "0", *args], stdout=subprocess.PIPE,
+        server = subprocess.Popen([sys.executable, "-m", "finetune.vllm", "--port", "0", *args], stdout=subprocess.PIPE,
                                   stderr=err, text=True, env=env)
     try:
-        first = server.stdout.readline()  # "finetune.vllm_server: serving on http://127.0.0.1:PORT"
+        first = server.stdout.readline()  # "finetune.vllm: serving on http://127.0.0.1:PORT"
         assert "serving on http://" in first, first + log.read_text()[-3000:]
         address = first.rpartition("//")[2].strip()
 

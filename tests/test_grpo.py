@@ -477,7 +477,7 @@ def test_vllm_draws_each_prompts_samples_from_streams_of_their_own(monkeypatch):
     stream. Seeds one apart (the earlier seed + i) made sample k of prompt i a copy of sample k-1 of prompt i+1's draws."""
     import types
 
-    from finetune import vllm_engine
+    from finetune.vllm import engine as vllm_engine
     from finetune.methods import vllm_rollout
     from finetune.methods.grpo import GrpoConfig
 
@@ -551,7 +551,7 @@ def test_a_vllm_server_needs_no_vllm_here_and_is_refused_where_it_cannot_serve(c
                   f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert out.returncode == 2 and last_line(out.stderr) == (
         f"error: method.vllm_servers=[127.0.0.1:{port}]: no vLLM server answers at http://127.0.0.1:{port} ([Errno 111] Connection refused): "
-        f"start one on the devices it should use with `python -m finetune.vllm_server --port {port}` (docs/grpo.md, vLLM server)")
+        f"start one on the devices it should use with `python -m finetune.vllm --port {port}` (docs/grpo.md, vLLM server)")
     assert not (tmp_path / "run/ranks").exists()
 
 
@@ -612,7 +612,7 @@ def test_a_vllm_server_samples_for_one_run_at_a_time(vllm_server):
 
     from finetune.methods.grpo import GrpoConfig
     from finetune.methods.vllm_rollout import ServedSampler
-    from finetune.vllm_wire import ServerError
+    from finetune.vllm.wire import ServerError
 
     address, health = vllm_server
     net, tok = tiny_model()
@@ -647,10 +647,10 @@ def test_the_vllm_server_runs_without_finetunes_dependencies():
     other module of finetune and none of Hydra, OmegaConf, torch or transformers (vLLM brings those it needs)."""
     import subprocess
 
-    probe = ("import sys, finetune.vllm_server; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+    probe = ("import sys, finetune.vllm.server; print(sorted(m for m in sys.modules if m.split('.')[0] in "
              "('finetune', 'hydra', 'omegaconf', 'torch', 'transformers', 'datasets', 'peft')))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == str(["finetune", "finetune.vllm_engine", "finetune.vllm_server", "finetune.vllm_wire"])
+    assert out.stdout.strip() == str(["finetune", "finetune.vllm", "finetune.vllm.engine", "finetune.vllm.server", "finetune.vllm.wire"])
 
 
 @pytest.mark.gpu

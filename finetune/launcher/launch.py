@@ -229,7 +229,7 @@ def check_sampler(cfg: Config) -> None:
     sampling = methods.get(cfg.method.name).sampling(cfg.method)
     if cfg.launcher.dry_run or sampling is None:
         return
-    from finetune import vllm_wire
+    from finetune.vllm import wire as vllm_wire
 
     for address in sampling.servers:
         try:

@@ -94,7 +94,7 @@ class OnlineConfig(MethodConfig):
     training gets the rest."""
     vllm_servers: list[str] | None = checked(Accepts("a list of HOST:PORT", lambda v: len(v) > 0 and all(
         a.rpartition(":")[0] != "" and a.rpartition(":")[2].isdigit() for a in v), ("[localhost]", "[]")), None)
-    """With vllm: sample through the vLLM engine of a `python -m finetune.vllm_server` at each HOST:PORT, on devices of
+    """With vllm: sample through the vLLM engine of a `python -m finetune.vllm` at each HOST:PORT, on devices of
     its own (TRL's server mode), instead of one beside training on each rank; the policy's weights are pushed to it before
     each rollout (finetune.methods.vllm_rollout). With N servers rank r asks server r mod N, and rank k < N pushes to
     server k. vLLM need not be installed where training runs."""
@@ -142,7 +142,7 @@ class OnlineMethod:
         sampler = ("vllm_server" if cfg.vllm and cfg.vllm_servers else "vllm" if cfg.vllm else
                    "background" if getattr(cfg, "async_generation", False) else "generate")
         return Sampling(cfg.generations, cfg.completion_tokens, sampler, cfg.vllm_memory if sampler == "vllm" else 0.0,
-                        1 + cfg.max_turns if cfg.tools else 1, tuple(cfg.vllm_servers or ()) if cfg.vllm else ())
+                        1 + cfg.max_turns if cfg.tools else 1, tuple(cfg.vllm_servers or ()) if cfg.vllm else (), completion_logits=True)
 
     def teacher(self, cfg: MethodConfig) -> None:
         return None

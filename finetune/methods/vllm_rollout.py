@@ -1,13 +1,13 @@
 """An online method's completions (GRPO's, RLOO's) sampled by vLLM (method.vllm=true): an engine on each rank beside
 training ("colocated", as TRL's vllm_mode=colocate), holding method.vllm_memory of the GPU for its weights and KV cache;
-or, with method.vllm_servers=[HOST:PORT, ...], the engine of a `python -m finetune.vllm_server` on devices of its own (TRL's
+or, with method.vllm_servers=[HOST:PORT, ...], the engine of a `python -m finetune.vllm` on devices of its own (TRL's
 vllm_mode=server), which training's devices then do not share.
 
-vLLM is built from the policy's config and tokenizer with dummy weights (finetune.vllm_engine); before each rollout the
+vLLM is built from the policy's config and tokenizer with dummy weights (finetune.vllm.engine); before each rollout the
 policy's weights are loaded into it by their Hugging Face names (`model.load_weights`, as a checkpoint would be):
 gathered whole on every rank where training shards them (FSDP2's DTensors, ZeRO-3's partitions), with a LoRA adapter
 merged in (W + the adapter's delta, computed beside the training weights, which are left untouched); a server is sent
-them by rank 0 over a process group of their own (finetune.vllm_wire). Each prompt is one request for
+them by rank 0 over a process group of their own (finetune.vllm.wire). Each prompt is one request for
 `method.generations` samples, seeded from (train.seed, step, rank, micro-batch) as the transformers path is.
 
 Not run with vLLM itself on the machines this project is tested on (no GPU, and vLLM's wheels are built for CUDA):
@@ -27,7 +27,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-from finetune import vllm_engine, vllm_wire
+from finetune.vllm import engine as vllm_engine, wire as vllm_wire
 from finetune.config import Config, ConfigError, MethodConfig
 
 if TYPE_CHECKING:
@@ -61,8 +61,8 @@ class VllmSampler:
 
 
 class ServedSampler:
-    """method.vllm_servers=[HOST:PORT, ...]: the vLLM engine of a `python -m finetune.vllm_server` on devices of
-    its own (finetune.vllm_wire says how they talk); with N servers, rank r's is server r mod N. Rank k < N sends the
+    """method.vllm_servers=[HOST:PORT, ...]: the vLLM engine of a `python -m finetune.vllm` on devices of
+    its own (finetune.vllm.wire says how they talk); with N servers, rank r's is server r mod N. Rank k < N sends the
     policy's config and tokenizer to server k when built and pushes the weights in `sync` (every rank gathers them:
     FSDP2's DTensors, ZeRO-3's partitions; an adapter merged in); each rank asks its server for its own prompts'
     completions, seeded as the colocated engine's are."""
@@ -251,7 +251,7 @@ def vllm_rules(cfg: Config) -> None:
     servers = len(m.vllm_servers or [])
     if servers and m.vllm_memory != type(m)().vllm_memory:
         raise ConfigError(f"method.vllm_memory={m.vllm_memory:g} with method.vllm_servers: a server takes its share of its own GPU "
-                          "(`python -m finetune.vllm_server --gpu-memory`); drop method.vllm_memory")
+                          "(`python -m finetune.vllm --gpu-memory`); drop method.vllm_memory")
     if not servers and importlib.util.find_spec("vllm") is None:
         raise ConfigError("method.vllm=true: vLLM is not installed here: pip install vllm (its wheels are built for CUDA GPUs), or "
                           "drop method.vllm to sample with transformers' generate")

@@ -277,7 +277,7 @@ def completion_logits(cfg: Config, sampling: Sampling | None, rows: int, notes: 
     """An online method's padding-free rollout computes the output layer at its completion tokens only (transformers'
     logits_to_keep, finetune.methods.losses.labelled_logps): rows x completion_tokens (x turns) positions at most;
     None (every position) otherwise."""
-    if sampling is None or not padding_free(cfg)[0]:
+    if sampling is None or not sampling.completion_logits or not padding_free(cfg)[0]:
         return None
     notes.append(f"{cfg.method.name} rollout batch: logits at the completion tokens only ({rows} rows x up to "
                  f"{sampling.completion_tokens * sampling.turns}), not the prompts'")

@@ -1,4 +1,4 @@
-"""What a training run (method.vllm_server) and its vLLM server (finetune.vllm_server) say to each other: JSON over HTTP
+"""What a training run (method.vllm_servers) and its vLLM server (finetune.vllm) say to each other: JSON over HTTP
 for requests (the run's model and tokenizer, prompts and completions), and the policy's weights over a process group
 of two of their own (the training's rank 0 and the server; NCCL between GPUs, gloo otherwise), set up with a TCP
 store the run's rank 0 holds: separate from the run's own process group, which the server never joins.
@@ -39,7 +39,7 @@ def call(url: str, path: str, body: dict[str, Any] | None = None, timeout: float
         raise ServerError(f"the vLLM server at {url} refused {path}: {json.loads(e.read() or b'{}').get('error', e.reason)}") from None
     except (urllib.error.URLError, ConnectionError, socket.timeout) as e:
         raise ServerError(f"no vLLM server answers at {url} ({getattr(e, 'reason', e)}): start one on the devices it should use with "
-                          f"`python -m finetune.vllm_server --port {url.rpartition(':')[2]}` (docs/grpo.md, vLLM server)") from None
+                          f"`python -m finetune.vllm --port {url.rpartition(':')[2]}` (docs/grpo.md, vLLM server)") from None
 
 
 def facing(host: str) -> str:

@@ -1,12 +1,12 @@
-"""`python -m finetune.vllm_server`: vLLM on devices of its own, sampling an online method's completions (GRPO's,
+"""`python -m finetune.vllm`: vLLM on devices of its own, sampling an online method's completions (GRPO's,
 RLOO's) for a training run that names it with method.vllm=true method.vllm_servers=[HOST:PORT] (TRL's vllm_mode=server).
 
-    CUDA_VISIBLE_DEVICES=7 python -m finetune.vllm_server --port 8000      # in vLLM's own virtualenv
+    CUDA_VISIBLE_DEVICES=7 python -m finetune.vllm --port 8000      # in vLLM's own virtualenv
     python -m finetune.launch +recipe=quickstart_grpo method.vllm=true method.vllm_servers=[localhost:8000] ...
 
 It holds no model until a run sends its own: the run's rank 0 sends the policy's config and tokenizer (/init; vLLM is
 built from them with dummy weights, once per model), pushes the policy's weights before each rollout (/weights: a
-stream over a process group of the two, finetune.vllm_wire), and each rank asks for its prompts' completions
+stream over a process group of the two, finetune.vllm.wire), and each rank asks for its prompts' completions
 (/generate: seeded per prompt as the colocated engine is, so a run samples what it would sample colocated). Training
 devices hold no sampler; the run's ranks wait for the push, then sample, one request at a time (one engine, on one
 thread).
@@ -17,7 +17,7 @@ seconds (a run that crashed); so two runs never push weights into, and sample fr
 
 GET /health answers {"ok": true, "model": whether one is built, "run": the run it samples for (null: none), "pushes":
 weights pushed, "requests": completions served}.
-The server imports nothing of finetune but finetune.vllm_engine and finetune.vllm_wire: in vLLM's virtualenv
+The server imports nothing of finetune but finetune.vllm.engine and finetune.vllm.wire: in vLLM's virtualenv
 `pip install --no-deps finetune` is enough.
 """
 
@@ -35,7 +35,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from finetune import vllm_engine, vllm_wire
+from finetune.vllm import engine as vllm_engine, wire as vllm_wire
 
 
 class Engine:
@@ -152,7 +152,7 @@ def handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
             except (KeyError, ValueError, TypeError) as e:
                 return self.reply(400, {"error": f"{type(e).__name__}: {e}"})
             except Exception as e:  # the engine's own failure: said to the run, which stops with it
-                print(f"finetune.vllm_server: {self.path}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                print(f"finetune.vllm: {self.path}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
                 return self.reply(500, {"error": f"{type(e).__name__}: {e}"})
             self.reply(200, out)
 
@@ -167,13 +167,13 @@ def handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(data)
 
         def log_message(self, format: str, *args: Any) -> None:  # one line per request on stderr, without the client's address
-            print(f"finetune.vllm_server: {format % args}", file=sys.stderr, flush=True)
+            print(f"finetune.vllm: {format % args}", file=sys.stderr, flush=True)
 
     return Handler
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m finetune.vllm_server", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m finetune.vllm", description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8000, help="the port to listen on (0: a free one, printed)")
     parser.add_argument("--gpu-memory", type=float, default=0.9, help="the share of the GPU vLLM takes (gpu_memory_utilization)")
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     if not 0 < args.gpu_memory < 1:
         parser.error(f"--gpu-memory={args.gpu_memory:g}: a share of the GPU, between 0 and 1")
     server = ThreadingHTTPServer((args.host, args.port), handler(Engine(args.gpu_memory, args.idle_s)))
-    print(f"finetune.vllm_server: serving on http://{args.host}:{server.server_address[1]}", flush=True)
+    print(f"finetune.vllm: serving on http://{args.host}:{server.server_address[1]}", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

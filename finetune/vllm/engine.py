@@ -1,6 +1,6 @@
 """vLLM's engine as this project builds and drives it, in one process: beside training on each rank (method.vllm,
 "colocated": finetune.methods.vllm_rollout) or in a server on devices of its own (method.vllm_servers:
-finetune.vllm_server). Built from a directory holding the policy's config and tokenizer with dummy weights; the policy's
+finetune.vllm). Built from a directory holding the policy's config and tokenizer with dummy weights; the policy's
 weights are loaded into it by their Hugging Face names before it samples; each prompt is one request for G samples
 with a seed of its own.
 
