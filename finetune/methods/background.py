@@ -15,7 +15,7 @@ the rollout sampled ahead (`rollout_<rank>.pt`): a resumed run trains on what th
 
 What limits the overlap: both threads share the rank's cores. On a GPU the sampler's kernels and training's
 interleave on the device; on CPU the overlap needs a core for each (one rank, OMP_NUM_THREADS below the cores).
-With method.vllm_server (vLLM on devices of its own, finetune.vllm) the thread asks the server for the next
+With method.vllm_servers (vLLM on devices of its own, finetune.vllm) the thread asks the server for the next
 step's completions instead, the policy's weights pushed to it when the copy is refreshed; the copy still scores them
 (the sampler's log-probs, in training's own numerics), so the ratio stays exactly 1 where nothing moved. A colocated
 vLLM engine (method.vllm without a server) is refused here: it would sample on the training's device meanwhile.

@@ -133,6 +133,8 @@ class Sampling:
     """The assistant turns one completion may take (method.tools: 1 + method.max_turns), each up to completion_tokens."""
     servers: tuple[str, ...] = ()
     """Where samplers on devices of their own answer (method.vllm_servers: HOST:PORT each): a launch checks they do first."""
+    copy: bool = False
+    """A copy of the policy is held through the run and samples or scores during the step (method.async_generation)."""
     completion_logits: bool = False
     """Its loss's forward computes the output layer at the completion tokens only where the batch is padding-free
     (transformers' logits_to_keep: finetune.methods.losses.labelled_logps), not at the prompts'."""

@@ -139,10 +139,11 @@ class OnlineMethod:
         return examples
 
     def sampling(self, cfg: OnlineConfig) -> Sampling:
-        sampler = ("vllm_server" if cfg.vllm and cfg.vllm_servers else "vllm" if cfg.vllm else
-                   "background" if getattr(cfg, "async_generation", False) else "generate")
+        overlapped = bool(getattr(cfg, "async_generation", False))  # GRPO's option (RLOO has none)
+        sampler = ("vllm_server" if cfg.vllm and cfg.vllm_servers else "vllm" if cfg.vllm else "background" if overlapped else "generate")
         return Sampling(cfg.generations, cfg.completion_tokens, sampler, cfg.vllm_memory if sampler == "vllm" else 0.0,
-                        1 + cfg.max_turns if cfg.tools else 1, tuple(cfg.vllm_servers or ()) if cfg.vllm else (), completion_logits=True)
+                        1 + cfg.max_turns if cfg.tools else 1, tuple(cfg.vllm_servers or ()) if cfg.vllm else (), copy=overlapped,
+                        completion_logits=True)
 
     def teacher(self, cfg: MethodConfig) -> None:
         return None

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from finetune.vllm import engine as vllm_engine, wire as vllm_wire
 from finetune.config import Config, ConfigError, MethodConfig
+from finetune.methods.collectives import barrier, rank0s, this_rank
 
 if TYPE_CHECKING:
     import torch
@@ -69,11 +70,12 @@ class ServedSampler:
 
     def __init__(self, servers: list[str], engine: Any, tokenizer: Any, cfg: MethodConfig, *, prompt_tokens: int | None) -> None:
         import base64
+        import uuid
 
-        here = rank()
+        here = this_rank()
         mine = servers[here % len(servers)]
         self.url, self.host = f"http://{mine}", mine.rpartition(":")[0]
-        self.first, self.dtype, self.run = here < len(servers), dtype_name(engine), run_id()
+        self.first, self.dtype, self.run = here < len(servers), dtype_name(engine), rank0s(uuid.uuid4().hex)  # the run's id
         self.pg: Any = None
         self.store: Any = None
         if self.first:
@@ -90,11 +92,13 @@ class ServedSampler:
         to server k); every rank returns once every server has loaded them."""
         import torch
 
-        weights = ((name, value.to(getattr(torch, self.dtype))) for name, value in hf_weights(engine.generation_model))
+        model = engine.generation_model
         if not self.first:
-            for _ in weights:
-                pass
+            if gathered(model):  # the gathers are collective: every rank takes part; whole weights need none of this rank
+                for _ in hf_weights(model):
+                    pass
         else:
+            weights = ((name, value.to(getattr(torch, self.dtype))) for name, value in hf_weights(model))
             name, value = next(weights)
             device = value.device if value.is_cuda else torch.device("cpu")
             backend = "nccl" if value.is_cuda else "gloo"
@@ -134,32 +138,6 @@ class ServedSampler:
                 vllm_wire.call(self.url, "/close", {"run": self.run}, timeout=30)
 
 
-def run_id() -> str:
-    """This run's id for the server: rank 0's, the same on every rank (a broadcast where there are several)."""
-    import uuid
-
-    import torch.distributed as dist
-
-    ids = [uuid.uuid4().hex]
-    if dist.is_available() and dist.is_initialized():
-        dist.broadcast_object_list(ids, src=0)
-    return ids[0]
-
-
-def rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def barrier() -> None:
-    """Every rank waits here (the server's push done before any asks for completions); nothing in one process."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
 def dtype_name(engine: Any) -> str:
     """The dtype vLLM computes in: the engine's (its precision), float32 where it has none."""
     return str(engine.dtype or "torch.float32").removeprefix("torch.")
@@ -169,6 +147,12 @@ def base_config(model: Any) -> Any:
     """The transformers config of the model under any PEFT or compile wrapper."""
     inner = getattr(model, "_orig_mod", model)
     return (inner.get_base_model() if hasattr(inner, "get_base_model") else inner).config
+
+
+def gathered(model: Any) -> bool:
+    """Its weights are sharded (ZeRO-3's partitions, FSDP2's or TP's DTensors): `hf_weights` gathers them collectively."""
+    inner = getattr(model, "_orig_mod", model)
+    return any(hasattr(p, "ds_id") or hasattr(p, "full_tensor") for p in inner.parameters())
 
 
 @contextlib.contextmanager

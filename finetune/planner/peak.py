@@ -185,7 +185,7 @@ def rollout_bytes(arch: Arch, cfg: Config, sampling: Sampling, seq: int, on_gpu:
         return 0.0, reserved
     logits = rows * arch.vocab_size * 4 * 2
     if sampling.sampler == "vllm_server":
-        copy = policy + logits if getattr(cfg.method, "async_generation", False) else 0.0
+        copy = policy + logits if sampling.copy else 0.0
         notes.append(f"{name} rollout: a vLLM server (method.vllm_servers) samples {rows} completions per micro-batch on devices "
                      "of its own: nothing of it on this rank" + (
                          f"; a copy of the policy scores them in the background while the step trains (method.async_generation: "
