@@ -372,9 +372,9 @@ def check_device(cfg: Config) -> None:
         if importlib.util.find_spec("flash_attn") is None:  # finds the package without importing it
             raise ConfigError("model.attn_implementation=flash_attention_2 needs the flash-attn package, which is not installed: "
                               f"pip install -e '.[gpu]', or {fix}")
-    if cfg.precision.fp8 is not None and not gpu:
+    if cfg.precision.fp8 is not None and not gpu and not cfg.precision.fp8_on_cpu:
         raise ConfigError(f"precision=fp8 needs an NVIDIA GPU of compute capability 8.9 or newer (FP8 matmuls), but {NO_GPU}: use "
-                          "precision=bf16 here")
+                          "precision=bf16 here (or precision.fp8_on_cpu=true to check the recipe through torch's CPU FP8 matmuls)")
     if cfg.zero.enabled:
         check_build_locks()
     if cfg.precision.name == Precision.fp16 and cfg.zero.enabled and not gpu and not cpu_has_fp16():

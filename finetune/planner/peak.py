@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from finetune import methods, optimizers
-from finetune.config import Config, ConfigError, Logits, ModelConfig, Offload, PeftMethod, Precision, Reference, StateDtype, Strategy
+from finetune.config import Config, ConfigError, Fp8Scaling, Logits, ModelConfig, Offload, PeftMethod, Precision, Reference, StateDtype, Strategy
 from finetune.disk import local_config
 from finetune.families import COUNTED, Arch
 from finetune.families.arch import arch_from_config
@@ -134,7 +134,9 @@ def plan(cfg: Config, longest: Longest | None = None) -> Plan:
     notes = model_notes(arch, cfg)
     if cfg.precision.fp8 is not None:
         notes.append("precision=fp8: weights, gradients and optimizer states as precision=bf16's (torchao keeps the weights in "
-                     "their dtype); activations counted in bf16, an upper bound (the float8 layers save some inputs in FP8)")
+                     "their dtype), and activations too (its float8 layers save their bf16 inputs for the backward)" +
+                     ("; FSDP2 gathers a block's converted weights in FP8 (1 byte each), counted as bf16's: an upper bound"
+                      if cfg.parallelism.strategy == Strategy.fsdp and cfg.precision.fp8 == Fp8Scaling.tensorwise else ""))
     s = model_states(arch, cfg, counts, on_gpu, notes)
     policy = s.weights  # one copy of the policy's weights on this rank (a background sampler holds another)
     s.weights += reference_weights(arch, cfg, s, notes)

@@ -277,7 +277,8 @@ def prepare_model(cfg: Config, d: dist.Dist, loaded: torch.nn.Module, attention:
     if cfg.model.kernels == Kernels.liger and d.is_main:
         print(liger.describe(loaded))
     if cfg.precision.fp8 is not None:  # the linear layers' matmuls in FP8, before adapters, checkpointing and sharding
-        said = fp8.convert(loaded, cfg.precision.fp8.value, d.device)
+        said = fp8.convert(loaded, cfg.precision.fp8.value, d.device, cfg.precision.fp8_on_cpu,
+                           fsdp=cfg.parallelism.strategy == Strategy.fsdp, tp=cfg.parallelism.tp)
         if d.is_main:
             print(said)
     if cfg.train.qat is not None:  # the linear layers' forward fake-quantized, before adapters wrap them

@@ -25,7 +25,7 @@ def validate_strategies(cfg: Config) -> None:
         _unused(peft, "peft", ("name",), "with peft=none")
     elif peft.name != PeftMethod.qlora:
         _unused(peft, "peft", ("name", "r", "alpha", "dropout", "target_modules", "modules_to_save", "use_rslora", "init"), f"with peft={peft.name.value} (only with qlora)")
-    own = {Precision.fp16: ("initial_scale_power", "loss_scale_window"), Precision.bf16_pure: ("kahan_sum",), Precision.bf16: ("fp8",)}
+    own = {Precision.fp16: ("initial_scale_power", "loss_scale_window"), Precision.bf16_pure: ("kahan_sum",), Precision.bf16: ("fp8", "fp8_on_cpu")}
     for owner, keys in own.items():  # each precision's own keys, refused under the others
         if owner != cfg.precision.name:
             _unused(cfg.precision, "precision", tuple(f.name for f in fields(cfg.precision) if f.name not in keys),
@@ -61,22 +61,25 @@ def validate_strategies(cfg: Config) -> None:
 
 
 def validate_fp8(cfg: Config) -> None:
-    """precision=fp8 (finetune.rank.fp8): an NVIDIA GPU (the ranks check its compute capability), full fine-tuning on the
-    torch engine or FSDP2; the rest is not built."""
+    """precision=fp8 (finetune.rank.fp8): an NVIDIA GPU (the ranks check its compute capability; precision.fp8_on_cpu lets
+    a CPU rank run it), on the torch layouts (single, DDP, FSDP2, TP, PP and their meshes), with full fine-tuning, LoRA or
+    DoRA; not under DeepSpeed nor over QLoRA's 4-bit base."""
     fp8 = cfg.precision.fp8
     if fp8 is None:
+        if cfg.precision.fp8_on_cpu:
+            raise ConfigError("precision.fp8_on_cpu=true has no effect without precision=fp8: remove it, or add precision=fp8")
         return
-    said, p = f"precision=fp8 (precision.fp8={fp8.value})", cfg.parallelism
-    if cfg.train.device == Device.cpu:
+    said = f"precision=fp8 (precision.fp8={fp8.value})"
+    if cfg.train.device == Device.cpu and not cfg.precision.fp8_on_cpu:
         raise ConfigError(f"{said} with train.device=cpu: FP8 matmuls need an NVIDIA GPU of compute capability 8.9 or newer (L4, "
-                          "RTX 4090, H100, H200, B200): use precision=bf16 on CPU")
+                          "RTX 4090, H100, H200, B200): use precision=bf16 on CPU (or precision.fp8_on_cpu=true to check the "
+                          "recipe's numerics through torch's CPU FP8 matmuls, slower than bf16)")
     blocked = (f"zero.stage={cfg.zero.stage}: DeepSpeed's engine casts the model and runs its own precision" if cfg.zero.enabled else
-               f"parallelism.tp={p.tp}: torchao's float8 tensor-parallel styles are not wired into the layouts" if p.tp > 1 else
-               f"parallelism.pp={p.pp}: the pipeline's stages are not converted" if p.pp > 1 else
-               f"peft={cfg.peft.name.value}: the adapters' base layers are not converted" if cfg.peft.name != PeftMethod.none else None)
+               "peft=qlora: its base layers are bitsandbytes' 4-bit ones, not linear layers torchao's FP8 can take"
+               if cfg.peft.name == PeftMethod.qlora else None)
     if blocked:
-        raise ConfigError(f"{said} with {blocked}; use precision=fp8 with full fine-tuning on parallelism=single, ddp or fsdp, or "
-                          "precision=bf16")
+        raise ConfigError(f"{said} with {blocked}; use precision=fp8 on the torch layouts (single, ddp, fsdp, tp, pp) with full "
+                          "fine-tuning, LoRA or DoRA, or precision=bf16")
 
 
 def validate_qat(cfg: Config) -> None:
