@@ -297,7 +297,8 @@ def prepare_model(cfg: Config, d: dist.Dist, loaded: torch.nn.Module, attention:
                               "data.padding_free=false")
         if vision.rope_per_sample(loaded):
             attention_why += "; M-RoPE positions per sample (finetune.rank.vision)"
-    if several and attention in varlen.KERNELS:  # rows of several samples, attended one sample at a time
+    per_sample = bool(several) and attention in varlen.KERNELS
+    if per_sample:  # rows of several samples, attended one sample at a time
         varlen.Varlen(loaded)
         attention_why += f"; {several}: {attention} per sample (finetune.rank.varlen)"
     elif several:
@@ -313,10 +314,11 @@ def prepare_model(cfg: Config, d: dist.Dist, loaded: torch.nn.Module, attention:
         trainable, total = model.trainable_parameters(net)
         print(f"model: {total:,} parameters, {trainable:,} trainable ({trainable / total:.2%}), attention {attention} ({attention_why})")
     if cfg.train.compile:
+        eager_layers = compiling.checkpointed_eager(cfg.checkpointing, several if per_sample else "")
         layers = compiling.compile_layers(net, d.device)
         if d.is_main:
             print(f"compile: {layers} decoder layers compiled in place at the first training step (each new shape compiles "
-                  "once more: compile_s in the metrics); evaluation and generation run eager")
+                  f"once more: compile_s in the metrics); evaluation and generation run eager{eager_layers}")
     return net
 
 
