@@ -118,6 +118,27 @@ def test_resume_gives_the_uninterrupted_losses(tmp_path):
     assert losses["resumed"] == pytest.approx(losses["full"][2:], rel=1e-6)
 
 
+def test_a_delayed_start_trains_in_full_precision_first_and_resumes_on_the_right_side(tmp_path, capsys):
+    """train.qat_after_steps=2 of 4: steps 1-2 and the first evaluation are the run without QAT's to the bit; the
+    evaluation after step 2 and steps 3-4 are fake-quantized (they leave that run); resumed from step 2 the quantizers are
+    on again and the losses are the uninterrupted run's; and the model line says from which step."""
+    common = [*SHORT, "train.max_steps=4", "train.eval_every=2", "train.save_every=2"]
+    train_here(common, tmp_path / "plain")
+    capsys.readouterr()
+    train_here([*common, "train.qat=int4_weight", "train.qat_after_steps=2"], tmp_path / "delayed")
+    assert ("qat: 14 linear layers fake-quantized (int4_weight, groups of 32), 1 in full precision: lm_head (the output layer); "
+            "fake-quantized from step 3 (train.qat_after_steps=2), full precision before") in capsys.readouterr().out
+    train_here([*common, "train.qat=int4_weight", "train.qat_after_steps=2", f"train.resume={tmp_path / 'delayed/checkpoints/step_2'}"],
+               tmp_path / "resumed")
+    runs = {name: [(m["kind"], m.get("loss", m.get("eval_loss"))) for m in read_metrics(tmp_path / name) if m["kind"] in ("train", "eval")]
+            for name in ("plain", "delayed", "resumed")}
+    plain, delayed = runs["plain"], runs["delayed"]
+    assert [k for k, _ in delayed] == ["eval", "train", "train", "eval", "train", "train", "eval"]
+    assert delayed[:3] == plain[:3]  # full precision until step 2 is done
+    assert all(abs(d - p) > 1e-5 * p for (_, d), (_, p) in zip(delayed[3:], plain[3:]))  # then the quantized grid
+    assert [v for k, v in runs["resumed"] if k == "train"] == pytest.approx([v for k, v in delayed[4:] if k == "train"], rel=1e-6)
+
+
 def test_two_fsdp2_ranks_train_the_one_process_qat_model(tmp_path):
     """The fake-quantized layers sharded by FSDP2 (each forward rounds the gathered weight): two ranks' eval loss after
     3 steps is one process's (measured alike on DDP, ZeRO-2 and the pipeline; ZeRO-3 moves by what it moves without QAT)."""
@@ -134,6 +155,11 @@ def test_two_fsdp2_ranks_train_the_one_process_qat_model(tmp_path):
 @pytest.mark.parametrize("overrides,message", [
     (["train.qat_group_size=64"], "train.qat_group_size=64 has no effect without train.qat: remove it or set "
                                   "train.qat=int4_weight (or int8_dynamic_int4_weight)"),
+    (["train.qat_after_steps=10"], "train.qat_after_steps=10 has no effect without train.qat: remove it or set "
+                                   "train.qat=int4_weight (or int8_dynamic_int4_weight)"),
+    (["train.qat=int4_weight", "train.qat_after_steps=100"],
+     "train.qat_after_steps=100 with train.max_steps=100: no step would train for the quantized grid: set "
+     "train.qat_after_steps below 100 (0: from the first)"),
     (["train.qat=int4_weight", "peft=qlora"], "train.qat=int4_weight with peft=qlora: its base is already quantized (bitsandbytes' "
                                               "4-bit NF4), and QAT rounds full-precision weights: train without train.qat"),
     (["train.qat=int4_weight", "parallelism=tp2", "launcher.nproc_per_node=2"],

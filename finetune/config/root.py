@@ -109,6 +109,10 @@ class TrainConfig:
     qat_group_size: int = checked(at_least(1), 32)
     """train.qat: weights sharing one scale along a row (32: GGUF Q4_0's block); layers whose input size it does not
     divide stay in full precision (the model line names them)."""
+    qat_after_steps: int = checked(at_least(0), 0)
+    """train.qat: the fake quantization starts after this many optimizer steps (torchtune's fake_quant_after_n_steps):
+    the steps before train in full precision, the rest for the quantized grid, and every evaluation from then on is the
+    quantized model's. 0: from the first step."""
 
     def __post_init__(self) -> None:
         # A str field, not an enum: OmegaConf refuses a bool for an enum, and true/false are still accepted (MEMORY_REPORT_BOOLS).

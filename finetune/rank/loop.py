@@ -85,7 +85,8 @@ def handle_signals() -> None:
 
 def train(cfg: TrainConfig, *, engine: Engine, objective: Any, batches: TrainBatches, evals: list[Example],
           tokenizer: Any, dist: Dist, log: MetricsLog, save: Callable[[int], Path], resume_from: Path | None,
-          probe: MemoryProbe | PeakProbe | None, flops_per_token: float | None = None, peak_flops: float | None = None) -> dict[str, dict[str, float]]:
+          probe: MemoryProbe | PeakProbe | None, flops_per_token: float | None = None, peak_flops: float | None = None,
+          before_step: Callable[[int], None] | None = None) -> dict[str, dict[str, float]]:
     """Run optimizer steps up to `cfg.max_steps`. Returns the eval metrics before and after training.
 
     Args:
@@ -93,15 +94,18 @@ def train(cfg: TrainConfig, *, engine: Engine, objective: Any, batches: TrainBat
         resume_from: a step directory to continue from (same data order: batches are a function of the step).
         probe: measures memory over the first MEMORY_STEPS steps, its peak or by category (None: not measured).
         flops_per_token, peak_flops: for model FLOPs utilisation (GPU; None: not reported).
+        before_step: called with the steps done before each step and each evaluation (train.qat_after_steps).
     """
     first = _resume(engine, resume_from, dist)
     if resume_from is not None and isinstance(objective, OnlineObjective):  # the rollout its checkpoint sampled ahead
         objective.restore_ahead(engine, resume_from, dist.rank)
     memory: dict[str, float] = {}
     skipped_nonfinite = 0
+    hook = before_step or (lambda done: None)
     bar = progress(cfg, dist, initial=first - 1)
 
     def run_eval(step: int, final: bool) -> dict[str, float]:
+        hook(step)
         return _evaluate(cfg, step, final, engine=engine, objective=objective, evals=evals, tokenizer=tokenizer, dist=dist,
                          log=log, bar=bar)
 
@@ -114,6 +118,7 @@ def train(cfg: TrainConfig, *, engine: Engine, objective: Any, batches: TrainBat
     online = isinstance(objective, OnlineObjective)  # it samples the rows it trains on (GRPO)
     rollout_every = objective.rollout_every if online else 1  # a rollout reused: a signal stops after its last update
     for step in range(first, cfg.max_steps + 1):
+        hook(step - 1)
         micro_batches, waited = ahead.get(step - 1)
         micro_batches, generated = (_rollout(cfg, step, engine=engine, objective=objective, batches=batches, micro_batches=micro_batches,
                                              tokenizer=tokenizer) if online else (micro_batches, 0.0))  # GRPO: rows from its prompts
@@ -134,16 +139,11 @@ def train(cfg: TrainConfig, *, engine: Engine, objective: Any, batches: TrainBat
             say(dist, bar, probe.line(memory))
 
         metrics = {"loss": loss_sum / count, "lr": out.lr, "grad_norm": out.grad_norm,
-                   "tokens_per_s": tokens / seconds,  # non-pad tokens over all ranks (slow while memory is measured by category)
-                   "nonpad_fraction": tokens / slots,  # packing raises it towards 1
-                   "step_s": seconds, "data_wait_s": waited,  # the step's micro-batches not ready when it began
+                   **_throughput(tokens, slots, seconds, waited, flops_per_token, peak_flops, dist.world_size),
                    "epoch": batches.epoch(step), "elapsed_s": time.perf_counter() - start,
                    **({"compile_s": compiled} if cfg.compile else {}),
                    **({"generation_s": generated} if online else {}),  # apart from step_s
-                   **{k: v / units for k, v in zip(names, sums)}}
-        if flops_per_token and peak_flops:  # achieved model FLOPs over the dense peak of all ranks
-            metrics["mfu"] = tokens * flops_per_token / seconds / (peak_flops * dist.world_size)
-        metrics |= _scaled(out)
+                   **{k: v / units for k, v in zip(names, sums)}, **_scaled(out)}
         skipped_nonfinite += _nonfinite(cfg, step, metrics, out, log=log, dist=dist, bar=bar, skipped=skipped_nonfinite)
         metrics["nonfinite_skipped"] = skipped_nonfinite
         log.write("train", step, metrics)
@@ -155,7 +155,7 @@ def train(cfg: TrainConfig, *, engine: Engine, objective: Any, batches: TrainBat
         if cfg.save_every and step % cfg.save_every == 0:
             save(step)
     ahead.close()
-    if isinstance(objective, OnlineObjective):
+    if online:
         objective.close()
     tic = time.perf_counter()
     after = run_eval(cfg.max_steps, final=True)
@@ -163,6 +163,17 @@ def train(cfg: TrainConfig, *, engine: Engine, objective: Any, batches: TrainBat
         bar.close()
     ended = {"eval": round(time.perf_counter() - tic, 3)}  # the rest of the time after training: finetune.rank.train.run
     return {"before": before, "after": after, "memory": memory, **({"startup": started} if started else {}), "after_training": ended}
+
+
+def _throughput(tokens: float, slots: float, seconds: float, waited: float, flops_per_token: float | None, peak_flops: float | None,
+                world_size: int) -> dict[str, float]:
+    """A step's speed metrics: non-pad tokens over all ranks per second (slow while memory is measured by category), their
+    share of the rows (packing raises it towards 1), the step's seconds and those its micro-batches were not ready when it
+    began; model FLOPs utilisation where the peak is known (achieved FLOPs over the dense peak of all ranks)."""
+    speed = {"tokens_per_s": tokens / seconds, "nonpad_fraction": tokens / slots, "step_s": seconds, "data_wait_s": waited}
+    if flops_per_token and peak_flops:
+        speed["mfu"] = tokens * flops_per_token / seconds / (peak_flops * world_size)
+    return speed
 
 
 def _rollout(cfg: TrainConfig, step: int, *, engine: Engine, objective: Any, batches: Any, micro_batches: list[dict[str, Any]],

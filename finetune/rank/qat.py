@@ -17,7 +17,7 @@ whose input size is not a multiple of the group size; the model line names what 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -57,7 +57,7 @@ def chosen(model: torch.nn.Module, group_size: int) -> tuple[list[str], dict[str
     return quantized, kept
 
 
-def prepare(model: torch.nn.Module, scheme: str, group_size: int) -> str:
+def prepare(model: torch.nn.Module, scheme: str, group_size: int, after_steps: int = 0) -> str:
     """The chosen layers swapped for torchao's fake-quantized ones in place; the model line's words for it."""
     from torchao.quantization import quantize_
     from torchao.quantization.qat import FakeQuantizedLinear, QATConfig
@@ -73,7 +73,8 @@ def prepare(model: torch.nn.Module, scheme: str, group_size: int) -> str:
     if done != len(quantized):
         raise ConfigError(f"train.qat={scheme}: torchao prepared {done} of the {len(quantized)} linear layers chosen: "
                           "train without train.qat (and report the model's family)")
-    return describe(quantized, kept, scheme, group_size)
+    return describe(quantized, kept, scheme, group_size) + (
+        f"; fake-quantized from step {after_steps + 1} (train.qat_after_steps={after_steps}), full precision before" if after_steps else "")
 
 
 def describe(quantized: list[str], kept: dict[str, str], scheme: str, group_size: int) -> str:
@@ -100,3 +101,23 @@ def dequantize(layers: list[str], model: torch.nn.Module) -> None:
     for name in layers:
         module = model.get_submodule(name)
         module.weight = torch.nn.Parameter(module.weight.dequantize().float(), requires_grad=False)
+
+
+def fake_quantizing(model: torch.nn.Module, on: bool) -> None:
+    """Turn every fake quantizer of the prepared layers on or off (train.qat_after_steps): off, a layer's forward is its
+    full-precision one."""
+    from torchao.quantization.qat import FakeQuantizedLinear
+
+    for module in model.modules():
+        if isinstance(module, FakeQuantizedLinear):
+            for quantizer in (module.weight_fake_quantizer, module.activation_fake_quantizer):
+                if quantizer is not None:
+                    quantizer.enabled = on
+
+
+def switch(cfg: Any, model: torch.nn.Module) -> Callable[[int], None] | None:
+    """The training loop's `before_step` for train.qat_after_steps (None without a delay): fake quantization off until
+    that many steps are done, on from then (a resumed run sets it from its own step)."""
+    if cfg.qat is None or not cfg.qat_after_steps:
+        return None
+    return lambda done: fake_quantizing(model, done >= cfg.qat_after_steps)

@@ -282,7 +282,7 @@ def prepare_model(cfg: Config, d: dist.Dist, loaded: torch.nn.Module, attention:
         if d.is_main:
             print(said)
     if cfg.train.qat is not None:  # the linear layers' forward fake-quantized, before adapters wrap them
-        said = qat.prepare(loaded, cfg.train.qat.value, cfg.train.qat_group_size)
+        said = qat.prepare(loaded, cfg.train.qat.value, cfg.train.qat_group_size, cfg.train.qat_after_steps)
         if d.is_main:
             print(said)
     if getattr(loaded.config, "output_router_logits", False):  # a hub config the launcher could not read
@@ -368,7 +368,7 @@ def train_and_export(cfg: Config, d: dist.Dist, *, eng: Engine, net: Any, object
             result = loop.train(cfg.train, engine=eng, objective=objective, batches=batches, evals=eval_examples,
                                 tokenizer=tokenizer, dist=d, log=log, save=saver(cfg, eng, d, run_dir / "checkpoints", batches, tokenizer, objective),
                                 resume_from=resume_from, probe=probe(cfg, eng, d, run_dir, predicted),
-                                **mfu_inputs(cfg, net, d))
+                                before_step=qat.switch(cfg.train, net), **mfu_inputs(cfg, net, d))
         finally:
             with startup.timed(closing, "logs"):  # TensorBoard's last flush
                 log.close()

@@ -84,12 +84,16 @@ def validate_fp8(cfg: Config) -> None:
 
 def validate_qat(cfg: Config) -> None:
     """train.qat (finetune.rank.qat): a causal language model's linear layers, full fine-tuning or LoRA/DoRA over them."""
-    qat, group = cfg.train.qat, cfg.train.qat_group_size
+    qat, group, after = cfg.train.qat, cfg.train.qat_group_size, cfg.train.qat_after_steps
     if qat is None:
-        if group != 32:
-            raise ConfigError(f"train.qat_group_size={group} has no effect without train.qat: remove it or set "
-                              "train.qat=int4_weight (or int8_dynamic_int4_weight)")
+        for key, value, default in (("qat_group_size", group, 32), ("qat_after_steps", after, 0)):
+            if value != default:
+                raise ConfigError(f"train.{key}={value} has no effect without train.qat: remove it or set "
+                                  "train.qat=int4_weight (or int8_dynamic_int4_weight)")
         return
+    if cfg.train.max_steps is not None and after >= cfg.train.max_steps:
+        raise ConfigError(f"train.qat_after_steps={after} with train.max_steps={cfg.train.max_steps}: no step would train "
+                          f"for the quantized grid: set train.qat_after_steps below {cfg.train.max_steps} (0: from the first)")
     said = f"train.qat={qat.value}"
     blocked = (f"method={cfg.method.name}: the 4-bit export is a causal language model's, and this method trains "
                f"{cfg.method.name}'s model" if methods.get(cfg.method.name).model_class != CAUSAL_LM else
