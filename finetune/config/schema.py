@@ -274,8 +274,8 @@ class PrecisionConfig:
     GPU of compute capability 8.9 or newer (L4, RTX 4090, H100, H200, B200)."""
     fp8_on_cpu: bool = False
     """precision=fp8 only: let a CPU rank run it, through torch's CPU FP8 matmuls (the same e4m3/e5m2 casts and
-    scales as on a GPU, accumulated by the CPU; no speed-up: slower than bf16), to check an FP8 recipe's numerics and layouts before a GPU run. False: FP8
-    on CPU is refused."""
+    scales as on a GPU, accumulated by the CPU; no speed-up: slower than bf16), to check an FP8 recipe's numerics and
+    layouts before a GPU run. False: FP8 on CPU is refused."""
 
 
 @dataclass
