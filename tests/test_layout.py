@@ -33,7 +33,7 @@ MAX_FLAT = 12
 """At most this many modules at the top of finetune/ (the entries above and the shared pure modules that fit no
 package): the rest lives in launcher/, rank/ or a shared package."""
 
-TORCH_SHARED = ("finetune.methods.losses", "finetune.optimizers.kernels", "finetune.optimizers.sharded", "finetune.optimizers.muon")
+TORCH_SHARED = ("finetune.methods.losses", "finetune.data.host", "finetune.optimizers.kernels", "finetune.optimizers.sharded", "finetune.optimizers.muon")
 """Shared modules that import torch: the torch half of a shared record (the methods' loss helpers, the optimizers'
 builders), imported only inside the record's functions that run on the ranks, and by the rank side."""
 

@@ -76,6 +76,11 @@ class TrainConfig:
     """Measure memory over the first 2 steps: peak (the allocator's or the process's high-water mark, no cost), categories
     (parameters, gradients, optimizer, activations, with PyTorch's MemTracker: those steps run 2-3x slower) or off; printed
     beside the memory plan."""
+    count_host_reads: bool = False
+    """Count, in every training step, the ops that read a device value back on the host (each a sync that stalls a
+    GPU's queue: `.item()`, `nonzero`, a boolean mask's indexing), logged as `host_reads`: the step reads none per
+    micro-batch, and one (its numbers, with the loop's all-reduce) per step (finetune/rank/syncs.py). A diagnostic: the
+    counting slows the step. On a GPU, torch.cuda.set_sync_debug_mode("warn") also names each sync."""
     memory_snapshot: bool = False
     """CUDA only: write RUN_DIR/memory_snapshot.pickle of the first steps (open it at pytorch.org/memory_viz)."""
     save_every: int = checked(at_least(0), 0)

@@ -76,7 +76,16 @@ def row_sums(values: torch.Tensor, samples: torch.Tensor | None) -> torch.Tensor
     if samples is None:
         return values.sum(-1)
     owner = samples[:, 1:].reshape(-1)  # the sample of label t + 1 (a sample's first token has none: IGNORE)
-    return values.new_zeros(int(samples[0, -1]) + 1).index_add(0, owner, values.reshape(-1))
+    return values.new_zeros(sample_count(samples)).index_add(0, owner, values.reshape(-1))
+
+
+def sample_count(samples: torch.Tensor) -> int:
+    """How many samples a padding-free batch's SAMPLES holds: read from the micro-batch's host copy (finetune.rank.syncs)."""
+    from finetune.data.host import host_copy, on_host
+
+    host = host_copy(samples, "the samples of a padding-free batch")
+    with on_host():
+        return int(host[0, -1]) + 1
 
 
 def logits_token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

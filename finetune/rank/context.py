@@ -147,15 +147,17 @@ def split_batch(batch: dict[str, torch.Tensor], rank: int, size: int) -> tuple[d
     return part, positions
 
 
-def whole_mask(positions: torch.Tensor, window: int | None, additive: torch.dtype | None) -> torch.Tensor | None:
+def whole_mask(positions: torch.Tensor, window: int | None, additive: torch.dtype | None,
+               packed: bool | None = None) -> torch.Tensor | None:
     """The attention mask of whole rows [B or 1, 1, S, S] from their position ids: causal, within each packed sample
     (one begins where a position does not follow the one before: transformers' reading of packed rows), and within
     the layer's sliding window (a query sees keys fewer than `window` tokens back). Boolean (True: attend) for
     sdpa, which gets None where its own causal mask is all of it; with `additive` a dtype, the eager
-    function's additive mask (0 or the dtype's minimum), which it always needs (it applies no causality itself)."""
+    function's additive mask (0 or the dtype's minimum), which it always needs (it applies no causality itself).
+    `packed`: whether the rows hold several samples, where the caller knows (None: read from the positions)."""
     width = positions.shape[1]
     first = starts(positions)
-    packed = bool(first[:, 1:].any())
+    packed = bool(first[:, 1:].any()) if packed is None else packed  # known to the caller: nothing read back
     windowed = window is not None and window < width
     if additive is None and not packed and not windowed:
         return None

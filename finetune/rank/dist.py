@@ -34,6 +34,23 @@ class Dist:
             dist.all_reduce(t)
         return t.tolist()
 
+    def on_device(self, *values: Any) -> torch.Tensor:
+        """Numbers and 0-d tensors (DTensors' whole values) as one float64 vector on the device, read nothing back."""
+        parts = [v.full_tensor() if hasattr(v, "full_tensor") else v for v in values]
+        return torch.stack([v.detach().to(self.device, torch.float64).reshape(()) if torch.is_tensor(v)
+                            else torch.tensor(float(v), dtype=torch.float64, device=self.device) for v in parts])
+
+    def read(self, summed: list[Any], local: list[Any] = ()) -> tuple[list[float], list[float]]:
+        """The step's one host read: `summed` all-reduced (sum) over the ranks, `local` as this rank has it, in one
+        collective and one device-to-host copy (each may hold numbers and device tensors)."""
+        t = self.on_device(*summed, *local)
+        if self.world_size > 1 and summed:
+            head = t[:len(summed)]
+            dist.all_reduce(head)
+            t = torch.cat([head, t[len(summed):]])
+        values = t.tolist()
+        return values[:len(summed)], values[len(summed):]
+
     def sum_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """All-reduce (sum) a tensor (moved to the device for the collective); identity on one process."""
         if self.world_size == 1:

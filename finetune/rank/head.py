@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from finetune.config import ConfigError, LogitsKernel
 from finetune.data.tokenize import IGNORE
-from finetune.methods.losses import forward
+from finetune.methods.losses import forward, sample_count
 
 PROBE_TOKENS = 64
 """Tokens of the first training row that `ChunkedHead.probe` runs both ways before training."""
@@ -174,7 +174,7 @@ class ChunkedHead:
         keep = targets != IGNORE
         samples, self.samples = self.samples, None
         rows = keep.nonzero()[:, 0] if samples is None else samples[:, 1:][keep]
-        count = labels.shape[0] if samples is None else int(samples[0, -1]) + 1
+        count = labels.shape[0] if samples is None else sample_count(samples)
         selected, wanted = hidden[:, : labels.shape[1] - 1][keep], targets[keep]  # (objectives.predicting)
         chunk, self.chunk = self.chunk or ChunkedHead._labels_chunk, None
         starts = range(0, selected.shape[0], self.chunk_tokens)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import os
@@ -20,6 +21,9 @@ from finetune.config import NonFinite, TrainConfig
 from finetune.data.batches import TrainBatches
 from finetune.data.tokenize import Example
 from finetune.rank.dist import Dist
+from finetune.rank.engine.common import StepResult
+from finetune.data.host import Twins
+from finetune.rank.syncs import HostReads
 from finetune.rank.engine.base import Engine
 from finetune.rank.heldout import evaluate
 from finetune.logs import MetricsLog
@@ -122,13 +126,11 @@ def train(cfg: TrainConfig, *, engine: Engine, objective: Any, batches: TrainBat
         micro_batches, waited = ahead.get(step - 1)
         micro_batches, generated = (_rollout(cfg, step, engine=engine, objective=objective, batches=batches, micro_batches=micro_batches,
                                              tokenizer=tokenizer) if online else (micro_batches, 0.0))  # GRPO: rows from its prompts
-        count, units, local_tokens, local_slots = _counts(engine, objective, micro_batches, dist)
-
+        counts = _counts(engine, objective, micro_batches, dist)
         measured = probe is not None and step < first + MEMORY_STEPS
-        out, seconds, compiled = _timed_step(engine, objective, micro_batches, count, cfg=cfg, probe=probe if measured else None)
+        out, seen, seconds, compiled = _timed_step(engine, objective, micro_batches, counts, cfg=cfg, dist=dist,
+                                                   probe=probe if measured else None)
         names = objective.metrics  # its own (DPO rewards...), averaged like the loss; pipeline stages without the loss add 0
-        loss_sum, tokens, slots, signalled, *sums = dist.sum(out.loss_sum, local_tokens, local_slots, STOP["signal"],
-                                                             *(out.metrics.get(k, 0.0) for k in names))
         if compiled >= 0.05:
             say(dist, bar, f"compile: {compiled:.1f} s in step {step}" + (" (the first)" if step == first else " (a new shape)"))
         if step == first and (started := startup.first_step_done(compiled) or {}):
@@ -138,19 +140,20 @@ def train(cfg: TrainConfig, *, engine: Engine, objective: Any, batches: TrainBat
             log.write("memory", step, memory)
             say(dist, bar, probe.line(memory))
 
-        metrics = {"loss": loss_sum / count, "lr": out.lr, "grad_norm": out.grad_norm,
-                   **_throughput(tokens, slots, seconds, waited, flops_per_token, peak_flops, dist.world_size),
+        metrics = {"loss": out.loss_sum / seen["count"], "lr": out.lr, "grad_norm": out.grad_norm,
+                   **_throughput(seen["tokens"], seen["slots"], seconds, waited, flops_per_token, peak_flops, dist.world_size),
                    "epoch": batches.epoch(step), "elapsed_s": time.perf_counter() - start,
                    **({"compile_s": compiled} if cfg.compile else {}),
                    **({"generation_s": generated} if online else {}),  # apart from step_s
-                   **{k: v / units for k, v in zip(names, sums)}, **_scaled(out)}
+                   **{k: v / seen["units"] for k, v in out.metrics.items()}, **_scaled(out),
+                   **({"host_reads": seen["host_reads"]} if cfg.count_host_reads else {})}
         skipped_nonfinite += _nonfinite(cfg, step, metrics, out, log=log, dist=dist, bar=bar, skipped=skipped_nonfinite)
         metrics["nonfinite_skipped"] = skipped_nonfinite
         log.write("train", step, metrics)
         _show(cfg, step, metrics, out, names=names, waited=waited, dist=dist, bar=bar)
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps:
             run_eval(step, final=False)
-        if signalled and step < cfg.max_steps and step % rollout_every == 0:  # SIGTERM/SIGINT on some rank: save here and stop cleanly
+        if seen["signalled"] and step < cfg.max_steps and step % rollout_every == 0:  # SIGTERM/SIGINT on some rank: save here and stop cleanly
             _stop(step, save)
         if cfg.save_every and step % cfg.save_every == 0:
             save(step)
@@ -222,30 +225,47 @@ def _evaluate(cfg: TrainConfig, step: int, final: bool, *, engine: Engine, objec
     return metrics
 
 
-def _counts(engine: Engine, objective: Any, micro_batches: list[dict[str, Any]], dist: Dist) -> tuple[float, float, int, int]:
-    """(the loss units of the whole global batch: the normaliser, the units its metrics are averaged over (an objective's
-    `metric_count` where its loss has other units: GRPO's dapo divides by tokens, its rewards by completions), this
-    rank's non-pad tokens, its token slots). A global batch without a unit (every completion masked) divides by 1."""
+def _counts(engine: Engine, objective: Any, micro_batches: list[dict[str, Any]], dist: Dist) -> dict[str, Any]:
+    """The step's counts: `count`, the loss units of the whole global batch (the normaliser), and `units`, those its
+    metrics are averaged over (an objective's `metric_count` where its loss has other units: GRPO's dapo divides by
+    tokens, its rewards by completions), summed over the ranks on the device and never read here (the engine scales
+    the loss by the tensor; a global batch without a unit, every completion masked, divides by 1); this rank's non-pad
+    `tokens` and token `slots`. Counted on the host micro-batches: the data's own tensors, not the device's."""
     owner = int(engine.owner)  # tp/pp: one rank per model replica counts its data
     per = getattr(objective, "metric_count", objective.count)
-    local_count = owner * sum(objective.count(mb) for mb in micro_batches)
-    local_units = owner * sum(per(mb) for mb in micro_batches)
-    local_tokens = owner * sum(int(mb["real_tokens"].sum()) for mb in micro_batches)
-    local_slots = owner * sum(mb["input_ids"].numel() for mb in micro_batches)
-    count, units = dist.sum(local_count, local_units)
-    return max(count, 1.0), max(units, 1.0), local_tokens, local_slots
+    local = dist.on_device(owner * sum(objective.count(mb) for mb in micro_batches), owner * sum(per(mb) for mb in micro_batches))
+    count, units = dist.sum_tensor(local).clamp(min=1.0).float().unbind()  # exact below 2^24 units
+    return {"count": count, "units": units, "tokens": owner * sum(int(mb["real_tokens"].sum()) for mb in micro_batches),
+            "slots": owner * sum(mb["input_ids"].numel() for mb in micro_batches)}
 
 
-def _timed_step(engine: Engine, objective: Any, micro_batches: list[dict[str, Any]], count: float, *, cfg: TrainConfig,
-                probe: MemoryProbe | PeakProbe | None) -> tuple[Any, float, float]:
-    """(the engine's step result, its seconds, the seconds this rank compiled in it: apart from the step's time); the
-    memory probe tracks it where given."""
+def _timed_step(engine: Engine, objective: Any, micro_batches: list[dict[str, Any]], counts: dict[str, Any], *,
+                cfg: TrainConfig, dist: Dist, probe: MemoryProbe | PeakProbe | None) -> tuple[Any, dict[str, float], float, float]:
+    """(the engine's step result read on the host, the step's counts read, its seconds, the seconds this rank compiled in
+    it: apart from the step's time); the memory probe tracks it where given. The step's one host read (`_read`) ends it:
+    its seconds are the device's, not the time to queue it. train.count_host_reads: the reads counted (syncs.HostReads)."""
     tic, compiled = time.perf_counter(), compiling.seconds() if cfg.compile else 0.0
-    with probe.track() if probe is not None else contextlib.nullcontext():
-        out = engine.train_step(micro_batches, objective, count)
+    Twins.clear()  # the last step's micro-batches' host copies
+    with probe.track() if probe is not None else contextlib.nullcontext(), \
+            HostReads() if cfg.count_host_reads else contextlib.nullcontext() as reads:
+        out = engine.train_step(micro_batches, objective, counts["count"])
+    out, seen = _read(out, counts, objective.metrics, dist)
     seconds = time.perf_counter() - tic
     compiled = compiling.seconds() - compiled if cfg.compile else 0.0
-    return out, seconds - compiled, compiled
+    return out, {**seen, "host_reads": reads.count if reads else 0}, seconds - compiled, compiled
+
+
+def _read(out: StepResult, counts: dict[str, Any], names: tuple[str, ...], dist: Dist) -> tuple[StepResult, dict[str, float]]:
+    """The step's numbers on the host, in one collective and one read (Dist.read): the sums over the ranks (loss,
+    tokens, a signal, the objective's metrics) and this rank's own (counts already summed, the gradient norm, whether
+    the step was applied, fp16's scale and skipped steps)."""
+    summed = [out.loss_sum, counts["tokens"], counts["slots"], STOP["signal"], *(out.metrics.get(k, 0.0) for k in names)]
+    local = [counts["count"], counts["units"], out.grad_norm, out.applied, out.skipped,
+             0.0 if out.loss_scale is None else out.loss_scale]
+    (loss_sum, tokens, slots, signalled, *sums), (count, units, norm, applied, skipped, scale) = dist.read(summed, local)
+    host = dataclasses.replace(out, loss_sum=loss_sum, grad_norm=norm, applied=bool(applied), skipped=int(skipped),
+                               loss_scale=None if out.loss_scale is None else scale, metrics=dict(zip(names, sums)))
+    return host, {"count": count, "units": units, "tokens": tokens, "slots": slots, "signalled": signalled}
 
 
 def _scaled(out: Any) -> dict[str, float]:
@@ -303,12 +323,26 @@ class Ahead:
         waited = time.perf_counter() - tic
         self.next = None
         if self.pool is not None and step < self.last:
-            self.next = (step + 1, self.pool.submit(self.batches.micro_batches, step + 1))
+            self.next = (step + 1, self.pool.submit(self._pinned, step + 1))
         return micro_batches, waited
+
+    def _pinned(self, step: int) -> list[dict[str, Any]]:
+        """The step's micro-batches, in page-locked memory where a GPU trains (here, in the thread: the engine's copy
+        to the device then neither blocks nor copies them again, finetune.data.host.to_device)."""
+        micro_batches = self.batches.micro_batches(step)
+        if not pinnable():
+            return micro_batches
+        return [{k: v.pin_memory() if hasattr(v, "pin_memory") else v for k, v in mb.items()} for mb in micro_batches]
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def pinnable() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def progress(cfg: TrainConfig, dist: Dist, initial: int) -> Any:

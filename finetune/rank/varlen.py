@@ -28,6 +28,7 @@ from torch import nn
 
 from finetune.rank.context import family_eager
 from finetune.data.batches import starts
+from finetune.data.host import host_copy, on_host
 
 NAME = "finetune_varlen"
 """The attention implementations' (AttentionInterface keys') prefix, one per model: finetune_varlen_sdpa_0, ..."""
@@ -37,12 +38,34 @@ KERNELS = ("sdpa", "eager")
 
 
 def sample_lengths(positions: torch.Tensor) -> list[list[int]]:
-    """Each row's samples' lengths, in order (they sum to the row's width)."""
+    """Each row's samples' lengths, in order (they sum to the row's width): read from the micro-batch's host copy
+    (finetune.rank.syncs), the position ids the data made, where the engine moved them; else from the device."""
     width, out = positions.shape[1], []
-    for row in starts(positions).cpu():
-        at = row.nonzero().flatten().tolist() + [width]
-        out.append([b - a for a, b in zip(at, at[1:])])
+    host = host_copy(positions, "varlen: the samples' lengths from device position ids")
+    with on_host():
+        for row in starts(host):
+            at = row.nonzero().flatten().tolist() + [width]
+            out.append([b - a for a, b in zip(at, at[1:])])
     return out
+
+
+_PACKED = {"find": None, "forwards": 0}
+"""transformers' packed-row detection (masking_utils.find_packed_sequence_indices) and how many Varlen forwards run."""
+
+
+def _packed_rows(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """transformers' detection of packed rows, skipped inside a Varlen forward: there a row of several samples gets no
+    mask (`Varlen.mask`) and a row of one is not packed, so its answer is None either way, and reading it would wait for
+    the device once per forward."""
+    return None if _PACKED["forwards"] else _PACKED["find"](position_ids)
+
+
+def _hook_packed_detection() -> None:
+    from transformers import masking_utils
+
+    if _PACKED["find"] is None:
+        _PACKED["find"] = masking_utils.find_packed_sequence_indices
+        masking_utils.find_packed_sequence_indices = _packed_rows
 
 
 class Varlen:
@@ -74,11 +97,17 @@ class Varlen:
             if sub is not None and getattr(sub, "_attn_implementation", None) == self.name:
                 sub._attn_implementation = self.inner
         model.register_forward_pre_hook(self._forward_begins, with_kwargs=True)
+        model.register_forward_hook(self._forward_ends, always_call=True)
+        _hook_packed_detection()
+
+    def _forward_ends(self, *_args: Any) -> None:
+        _PACKED["forwards"] -= 1
 
     def _forward_begins(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         positions = kwargs.get("position_ids")
         if positions is not None and positions.dim() == 3:  # M-RoPE's [4, B, S]: the text positions first (vision.rope)
             positions = positions[0]
+        _PACKED["forwards"] += 1
         self.positions = positions
         self.lengths = None
         if positions is not None and positions.dim() == 2:
@@ -121,4 +150,4 @@ class Varlen:
         from finetune.rank.context import whole_mask
 
         additive = q.dtype if self.eager is not None else None
-        return whole_mask(torch.arange(n, device=q.device)[None], window, additive)
+        return whole_mask(torch.arange(n, device=q.device)[None], window, additive, packed=False)

@@ -36,26 +36,62 @@ def no_deepspeed_probe() -> Iterator[None]:
 
 @dataclass
 class StepResult:
-    loss_sum: float
+    """A step's numbers as the engine leaves them: device tensors (or numbers), read by the loop once per step
+    (finetune.rank.syncs: nothing is read back per micro-batch)."""
+
+    loss_sum: Any
     """This rank's summed loss over its micro-batches (the loop reduces and divides)."""
-    grad_norm: float
+    grad_norm: Any
     """Global gradient norm before clipping."""
     lr: float
     """Learning rate this step used."""
-    loss_scale: float | None = None
+    loss_scale: Any = None
     """fp16: the dynamic loss scale after this step."""
-    skipped: int = 0
+    skipped: Any = 0
     """fp16: optimizer steps skipped so far because gradients overflowed."""
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
     """This rank's sums of the objective's own metrics (DPO rewards...), reduced like `loss_sum`."""
-    applied: bool = True
+    applied: Any = True
     """Whether the optimizer step was applied (False: skipped because the gradient norm was not finite)."""
 
 
-def add_metrics(total: dict[str, float], sums: dict[str, Any]) -> None:
-    """Accumulate an objective's metric sums (tensors) into `total` (floats)."""
+def add_metrics(total: dict[str, Any], sums: dict[str, Any]) -> None:
+    """Accumulate an objective's metric sums into `total`, on the device (nothing read back)."""
     for k, v in sums.items():
-        total[k] = total.get(k, 0.0) + float(v)
+        v = v.detach() if torch.is_tensor(v) else v
+        total[k] = total[k] + v if k in total else v
+
+
+def clip(params: list[torch.nn.Parameter], max_norm: float | None, norm: torch.Tensor | None = None) -> torch.Tensor:
+    """Scale the gradients to at most `max_norm` (None: not clipped) by their global norm (computed here, or given:
+    DTensor shards and pipeline stages summed by the caller), without reading it: the factor stays a tensor. Returns
+    the norm before clipping."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if norm is None:
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    if max_norm and grads:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
+def skip_unless_finite(optimizer: torch.optim.Optimizer, norm: torch.Tensor) -> Any:
+    """optimizer.step() unless the gradient norm is not finite (never step on inf/nan gradients: the loop stops or
+    skips). A fused torch optimizer is told on the device (its `found_inf`, as GradScaler tells it: the kernel leaves
+    weights, moments and step counts as they were), so nothing is read; any other reads the norm, the step's one host
+    read before the loop's. Returns whether it stepped (a tensor where the fused kernel decided)."""
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    # each group's own flag: a checkpoint of another layout's kernel (tp's loop) loads its groups' flags with it
+    if getattr(optimizer, "_step_supports_amp_scaling", False) and all(g.get("fused") for g in optimizer.param_groups):
+        finite = torch.isfinite(norm)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        device = params[0].device if params else norm.device
+        optimizer.found_inf = (~finite).to(device, torch.float32)  # read by torch's Adam/AdamW/SGD step
+        optimizer.step()
+        return finite
+    if math.isfinite(float(norm)):
+        optimizer.step()
+        return True
+    return False
 
 
 def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, kahan: bool | None = None,
@@ -270,9 +306,9 @@ class InBackward:
         scheduler that an optimizer step happened (torch warns about the order otherwise)."""
         self.lead.step()
 
-    def norm(self) -> float:
-        """The global norm of this step's gradients (each read in its hook before the step)."""
-        return math.sqrt(float(self.squares)) if self.squares is not None else 0.0
+    def norm(self) -> Any:
+        """The global norm of this step's gradients (each summed in its hook before the step), on the device."""
+        return self.squares.sqrt() if self.squares is not None else 0.0
 
     def state_dict(self) -> dict[str, Any]:
         return {"per_param": [opt.state_dict() for opt in self.optimizers]}

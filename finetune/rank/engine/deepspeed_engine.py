@@ -15,6 +15,7 @@ import torch
 from finetune.data.images import save_tokenizer
 from finetune.config import Config, ConfigError, Precision
 from finetune.rank.dist import Dist, import_deepspeed
+from finetune.data.host import to_device
 from finetune.rank.engine.common import StepResult, add_metrics, autocast_dtype, build_scheduler, lora_b, loraplus_lr, param_groups
 from finetune.layouts.zero import deepspeed_config
 
@@ -60,7 +61,7 @@ class DeepSpeedEngine:
         lr = self.scheduler.get_last_lr()[0]
         loss_sum, norm, metrics = 0.0, None, {}
         for i, batch in enumerate(micro_batches):
-            batch = {k: v.to(self.engine.device) for k, v in batch.items()}
+            batch = to_device(batch, self.engine.device)
             loss, sums = objective(self.engine, batch)
             # DeepSpeed averages gradients over ranks (hence * world_size); we normalise by the
             # global token count ourselves, so no extra 1/accumulation scaling.
@@ -68,12 +69,12 @@ class DeepSpeedEngine:
             if self.stage == 0 and i == len(micro_batches) - 1:  # ZeRO off: DeepSpeed reports no norm
                 norm = torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in self.module.parameters() if p.grad is not None]))
             self.engine.step()
-            loss_sum += loss.item()
+            loss_sum = loss_sum + loss.detach().float()  # on the device: read once, by the loop
             add_metrics(metrics, sums)
-        norm = self.engine.get_global_grad_norm() if norm is None else norm
-        return StepResult(loss_sum=loss_sum, grad_norm=float(norm) if norm is not None else float("nan"), lr=lr,
-                          loss_scale=float(self.engine.optimizer.loss_scale) if self.fp16 else None,
-                          skipped=int(self.engine.skipped_steps), metrics=metrics)
+        norm = self.engine.get_global_grad_norm() if norm is None else norm  # DeepSpeed's step reads its own numbers
+        return StepResult(loss_sum=loss_sum, grad_norm=norm if norm is not None else float("nan"), lr=lr,
+                          loss_scale=self.engine.optimizer.loss_scale if self.fp16 else None,
+                          skipped=self.engine.skipped_steps, metrics=metrics)
 
     @torch.no_grad()
     def inference(self, fn: Objective, batch: dict[str, torch.Tensor]) -> Any:

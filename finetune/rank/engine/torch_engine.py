@@ -16,7 +16,8 @@ from finetune.data.images import save_tokenizer
 from finetune.config import Config, ConfigError, OptimConfig, Precision, PrecisionConfig, Strategy
 from finetune.families.vision import parts
 from finetune.rank.dist import Dist
-from finetune.rank.engine.common import (InBackward, StepResult, add_metrics, autocast_dtype, build_optimizer, build_scheduler, end_weights, lora_b, no_deepspeed_probe,
+from finetune.data.host import to_device
+from finetune.rank.engine.common import (InBackward, StepResult, add_metrics, clip, skip_unless_finite, autocast_dtype, build_optimizer, build_scheduler, end_weights, lora_b, no_deepspeed_probe,
                                     to_bf16)
 
 Objective = Callable[[Any, dict[str, torch.Tensor]], Any]
@@ -82,7 +83,7 @@ class TorchEngine:
         if self.in_backward:
             return self._step_in_backward(micro_batches, objective, count, lr)
         for i, batch in enumerate(micro_batches):
-            batch = {k: v.to(self.dist.device) for k, v in batch.items()}
+            batch = to_device(batch, self.dist.device)
             sync = i == len(micro_batches) - 1  # DDP all-reduces gradients on the last micro-batch only
             with contextlib.nullcontext() if sync or self.model is self.module else self.model.no_sync():
                 with self.autocast():
@@ -91,33 +92,31 @@ class TorchEngine:
                 # the step's gradient is d(sum of every rank's token losses)/dW / count.
                 scaled = loss * (self.dist.world_size / count)
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-            loss_sum += loss.item()
+            loss_sum = loss_sum + loss.detach().float()  # on the device: read once, by the loop
             add_metrics(metrics, sums)
         if self.scaler:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
-        norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm or math.inf))
-        applied = True
+        norm = clip(self.params, self.max_grad_norm)
         if self.scaler:
-            scale = self.scaler.get_scale()
+            scale = self.scaler._get_scale_async()
+            before = scale.clone()
             self.scaler.step(self.optimizer)  # skipped when gradients hold inf/nan
             self.scaler.update()
-            applied = self.scaler.get_scale() >= scale  # the scale backs off only on overflow
-            self.skipped += int(not applied)
-        elif math.isfinite(norm):
-            self.optimizer.step()
+            applied = scale >= before  # the scale backs off only on overflow
+            self.skipped = self.skipped + (~applied).long()
         else:
-            applied = False  # never step on inf/nan gradients (the loop stops or skips)
+            applied = skip_unless_finite(self.optimizer, norm)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(loss_sum=loss_sum, grad_norm=norm, lr=lr,
-                          loss_scale=self.scaler.get_scale() if self.scaler else None, skipped=self.skipped, metrics=metrics,
-                          applied=applied)
+                          loss_scale=self.scaler._get_scale_async() if self.scaler else None, skipped=self.skipped,
+                          metrics=metrics, applied=applied)
 
     def _step_in_backward(self, micro_batches: list[dict[str, torch.Tensor]], objective: Objective, count: float,
                           lr: float) -> StepResult:
         """optim.in_backward: one micro-batch (the rules refuse accumulation), whose backward steps every parameter."""
         (batch,) = micro_batches
-        batch = {k: v.to(self.dist.device) for k, v in batch.items()}
+        batch = to_device(batch, self.dist.device)
         assert self.in_backward is not None
         self.in_backward.begin()
         with self.autocast():
@@ -127,7 +126,7 @@ class TorchEngine:
         self.scheduler.step()
         metrics: dict[str, float] = {}
         add_metrics(metrics, sums)
-        return StepResult(loss_sum=loss.item(), grad_norm=self.in_backward.norm(), lr=lr, metrics=metrics)
+        return StepResult(loss_sum=loss.detach().float(), grad_norm=self.in_backward.norm(), lr=lr, metrics=metrics)
 
     @torch.no_grad()
     def inference(self, fn: Objective, batch: dict[str, torch.Tensor]) -> Any:
