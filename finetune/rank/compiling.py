@@ -52,14 +52,14 @@ def checkpointed_eager(checkpointing: CheckpointingConfig, per_sample: str) -> s
     """What the compile line adds where checkpointed layers hold the per-sample attention (`per_sample`: what lays several
     samples in a row, finetune.rank.varlen, "" where none does): that attention runs outside the graph, and dynamo
     cannot split a checkpointed layer around it (a checkpoint is one higher-order op), so those layers run eagerly. Under
-    checkpointing=full that is every layer, and nothing would compile: refused."""
-    if not per_sample or checkpointing.name not in (Checkpointing.full, Checkpointing.selective):
+    checkpointing=full (ops, full_offload) that is every layer, and nothing would compile: refused."""
+    if not per_sample or checkpointing.name in (Checkpointing.none, Checkpointing.offload):
         return ""
     why = (f"{per_sample} attend each sample alone outside the compiled graph (finetune.rank.varlen), and dynamo cannot split "
            "a checkpointed layer around it")
-    if checkpointing.name == Checkpointing.full:
-        raise ConfigError(f"train.compile=true with checkpointing=full: {why}, so every layer would run eagerly and nothing "
-                          "compile: use checkpointing=offload (or selective) with train.compile=true, or set "
+    if checkpointing.name != Checkpointing.selective:
+        raise ConfigError(f"train.compile=true with checkpointing={checkpointing.name.value}: {why}, so every layer would run "
+                          "eagerly and nothing compile: use checkpointing=offload (or selective) with train.compile=true, or set "
                           "data.packing=false and data.padding_free=false (padded rows compile under checkpointing)")
     k = checkpointing.every
     return f"; the checkpointed layers (blocks 0, {k}, {2 * k}, ...) run eagerly: {why}"

@@ -257,8 +257,13 @@ def apply_strategies(model: torch.nn.Module, *, checkpointing: CheckpointingConf
             check_adapted(model, modules, parameters)
             if peft.dropout:
                 _linear_dropout(model, peft.dropout)
-    if checkpointing.name in (Checkpointing.full, Checkpointing.selective):
+    if checkpointing.name in RECOMPUTED:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if checkpointing.name in (Checkpointing.ops, Checkpointing.full_offload):  # each block's own checkpoint function
+            from finetune.rank import recompute
+
+            recompute.install(model, recompute.op_level if checkpointing.name == Checkpointing.ops else
+                              recompute.HostInputs().checkpoint)
         if checkpointing.name == Checkpointing.selective:
             from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -274,6 +279,9 @@ def apply_strategies(model: torch.nn.Module, *, checkpointing: CheckpointingConf
     return model
 
 
+RECOMPUTED = (Checkpointing.full, Checkpointing.selective, Checkpointing.ops, Checkpointing.full_offload)
+"""The options that checkpoint decoder blocks (transformers' gradient checkpointing, finetune.rank.recompute's
+functions for ops and full_offload)."""
 LORA_INIT = {LoraInit.default: True, LoraInit.gaussian: "gaussian", LoraInit.pissa: "pissa", LoraInit.olora: "olora",
              LoraInit.loftq: "loftq"}
 """peft.init -> LoraConfig's init_lora_weights."""

@@ -1,6 +1,6 @@
 """The memory strategies' rules: keys a strategy leaves unused (checkpointing, peft, precision, logits), Liger's
 kernels, PEFT's targets against the family, DoRA and tensor parallel on a MoE's experts, flash-attn's precision,
-QLoRA under ZeRO-3.
+QLoRA under ZeRO-3, checkpointing=full_offload under train.compile.
 """
 
 from __future__ import annotations
@@ -21,6 +21,11 @@ def validate_strategies(cfg: Config) -> None:
     ck, peft = cfg.checkpointing, cfg.peft
     if ck.name != Checkpointing.selective:
         _unused(ck, "checkpointing", ("name",), f"with checkpointing={ck.name.value} (only with selective)")
+    if ck.name == Checkpointing.full_offload and cfg.train.compile:
+        raise ConfigError("checkpointing=full_offload with train.compile=true: the host-memory hooks around each block "
+                          "(torch.autograd.graph.saved_tensors_hooks) are a graph break dynamo does not trace, so every "
+                          "layer would run eagerly: use checkpointing=full or ops with train.compile=true, or "
+                          "train.compile=false")
     if peft.name == PeftMethod.none:
         _unused(peft, "peft", ("name",), "with peft=none")
     elif peft.name != PeftMethod.qlora:
