@@ -1,6 +1,6 @@
 """Memory planner: per-rank bytes of a composed config, before anything starts.
 
-    python -m finetune.plan +recipe=quickstart_sft [group=option ...] hardware=h100_80g [plan.suggest=true]
+    python -m finetune.plan +recipe=quickstart_sft [group=option ...] hardware=h100_80g [plan.suggest=true] [plan.simulate=true]
 
 Composes exactly as `finetune.launch` does (its `preflight`), then `plan(cfg)` counts, for the
 rank that needs the most: weights, gradients, optimizer states, activations, logits/loss buffers
@@ -29,6 +29,7 @@ from finetune.data.lengths import Longest
 from finetune.planner.counts import GIB
 from finetune.planner.peak import Plan, plan
 from finetune.launcher.suggest import render_suggestions, suggest
+from finetune.launcher import simulation
 
 
 def render(cfg: Config, pl: Plan) -> str:
@@ -76,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(render(cfg, pl))
+    print(render(cfg, pl), flush=True)
+    if cfg.plan.simulate:  # the real step under fake tensors, in a child process (the rank side: torch)
+        print(simulation.render(cfg, pl, simulation.measure(cfg, pl)))
     if cfg.plan.suggest and not pl.fits:
         print(render_suggestions(suggest(cfg, args, cfg.plan.suggestions, longest=longest)))
     return 0 if pl.fits else 1

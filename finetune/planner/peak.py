@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from finetune import methods, optimizers
-from finetune.config import Config, ConfigError, Fp8Scaling, Logits, ModelConfig, Offload, PeftMethod, Precision, Reference, StateDtype, Strategy
+from finetune.config import Config, ConfigError, Fp8Scaling, Logits, ModelConfig, Offload, OptimKernel, PeftMethod, Precision, Reference, StateDtype, Strategy
 from finetune.disk import local_config
 from finetune.families import COUNTED, Arch
 from finetune.families.arch import arch_from_config
@@ -258,8 +258,8 @@ def model_states(arch: Arch, cfg: Config, counts: Counts, on_gpu: bool, notes: l
                      + (", 2 of them Kahan's compensation)" if cfg.precision.kahan_sum else ")"))
     else:
         states = "bf16 states (optim.state_dtype=bf16: 4 bytes/param)" if cfg.optim.state_dtype == StateDtype.bf16 else "states"
-        notes.append(f"torch engine: fp32 weights and {optimizer_kind(cfg)} {states} in every precision "
-                     "(bf16/fp16 autocast the compute only)")
+        compute = "FSDP2 gathers and computes in bf16" if dtypes(cfg).module == 2 else "bf16/fp16 autocast the compute only"
+        notes.append(f"torch engine: fp32 weights and {optimizer_kind(cfg)} {states} in every precision ({compute})")
     if cfg.peft.name == PeftMethod.dora:
         notes.append("DoRA: its magnitude path keeps more per forward than LoRA (base and adapter outputs per token, "
                      "weight-sized norms); counted as LoRA, so activations are low (~1.5-2x at h=256 measured)")
@@ -388,10 +388,20 @@ def step_temp(arch: Arch, cfg: Config, counts: Counts, s: States, on_gpu: bool) 
         return muon_temp(arch, cfg, shard)
     if optimizers.record(cfg.optim.name).step_temp == "tensor" and not z.enabled:
         return 4 * min(counts.trainable, arch.largest_layer_params) / shard
+    if optimizers.record(cfg.optim.name).step_temp == "foreach" and fused_step(cfg):
+        return 0.0
     if optimizers.record(cfg.optim.name).step_temp == "foreach" and not (z.enabled and z.offload_optimizer != Offload.none):
         return 4 * (s.trainable / (dp * p.cp if (z.enabled or p.strategy == Strategy.fsdp) else 1) if on_gpu
                     else min(counts.trainable, arch.largest_layer_params))
     return 0.0
+
+
+def fused_step(cfg: Config) -> bool:
+    """Whether the run builds torch's fused kernel for adamw/adam/sgd (finetune.optimizers.kernels.kernel: optim.kernel=auto
+    or fused, every parameter of one kind; tensor parallel leaves some plain, and takes the loop): one kernel over
+    every parameter, no temporary beside the states (measured under fake tensors: tests/test_simulate.py)."""
+    return (not cfg.zero.enabled and cfg.optim.kernel in (OptimKernel.auto, OptimKernel.fused) and cfg.parallelism.tp == 1
+            and cfg.optim.state_dtype != StateDtype.bf16 and cfg.precision.name != Precision.bf16_pure and not cfg.optim.in_backward)
 
 
 def muon_temp(arch: Arch, cfg: Config, shard: int) -> float:
