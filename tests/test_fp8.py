@@ -145,16 +145,17 @@ def test_on_cpu_every_converted_matmul_is_rounded_to_fp8(one_process):
 
 
 @pytest.mark.parametrize("name,layout,reference,within", [
-    ("fsdp-full-checkpointing", ["parallelism=fsdp", "checkpointing=full", "train.save_every=2"], "tensorwise", 1e-6),
+    ("fsdp-full-checkpointing", ["parallelism=fsdp", "checkpointing=full", "train.save_every=2"], "tensorwise", 5e-4),
     ("tp2-lora", ["parallelism=tp2", "peft=lora"], "lora", 5e-4),
     ("pp2-rowwise", ["parallelism=pp2", "precision.fp8=rowwise"], "rowwise", 5e-4),
 ])
 def test_on_cpu_fp8_layouts_follow_one_process(one_process, tmp_path, name, layout, reference, within):
-    """Two ranks (2 CPU processes, gloo) in FP8 follow one process's FP8 run: FSDP2 (its FP8 all-gather of the weights)
-    with full checkpointing equal to it, and resumed from its step-2 checkpoint to the same step 3; tensor parallel's
-    DTensor shards under LoRA and a 2-stage pipeline with rowwise scales within 5e-4 (measured 1.7e-4 and 6e-5: the
-    shards' partial sums are rounded to bf16 before they are added), their first step within 1.5e-4 where FP8's own
-    rounding moves it by 4e-4 from bf16's."""
+    """Two ranks (2 CPU processes, gloo) in FP8 follow one process's FP8 run: FSDP2 (its FP8 all-gather of the weights,
+    the rest gathered and computed in bf16 by its mixed-precision policy where one process autocasts over fp32 weights)
+    with full checkpointing, and resumed from its step-2 checkpoint to the same step 3; tensor parallel's DTensor shards
+    under LoRA and a 2-stage pipeline with rowwise scales: within 5e-4 (measured 1.2e-4, 1.7e-4 and 6e-5: bf16's
+    residual stream, and the shards' partial sums rounded to bf16 before they are added), their first step within
+    1.5e-4 where FP8's own rounding moves it by 4e-4 from bf16's."""
     out = launch_here(*SHORT, *ON_CPU, "launcher.nproc_per_node=2", *layout, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     said = "FSDP2 all-gathers their weights in FP8; " if name.startswith("fsdp") else ""

@@ -250,20 +250,39 @@ def qlora_constants(cfg: Config) -> float:
 
 
 def fsdp_frozen_and_gathered(arch: Arch, cfg: Config, frozen_w: float, w: int, g: int) -> tuple[float, float]:
-    """FSDP2's per-rank frozen base and the most it gathers at a time (one block's weights and gradients, or
-    the root's embeddings and head). QLoRA: the 4-bit bytes are sharded, their constants stay whole on
-    every rank (bitsandbytes keeps them beside the weight, outside what FSDP shards), and a gathered block
-    is 4-bit."""
+    """FSDP2's per-rank frozen base and the most it holds gathered, `w` bytes per gathered weight (2 where precision=bf16
+    gathers in bf16: layouts.mesh.fsdp_gathers_bf16; an unsharded gradient is the same dtype) and `g` per gradient
+    reduce-scattered (fp32). The root unit (embeddings, final norm, head) stays gathered from forward to backward, and
+    FSDP keeps each all-gather's buffer until the next all-gather: in backward the root with its output layer's gradient
+    where it trains, beside one block's buffer, weights and gradients (or, resharded, its gradients and their
+    reduce-scatter's fp32 copy); in forward, the root's and a block's weights and buffers at once (LoRA's worst moment).
+    Checked against finetune.rank.simulate's FSDP2 step on Llama-3.1-8B's and -70B's shapes (tests/test_simulate.py).
+    QLoRA: the 4-bit bytes are sharded, their constants stay whole on every rank (bitsandbytes keeps them beside the
+    weight, outside what FSDP shards), and a gathered block is 4-bit."""
     p = cfg.parallelism
     dp = cfg.data_parallel_size * p.cp  # FSDP shards over the context-parallel ranks too
+    adapters = adapter_params(arch.block, cfg)
+    trained = arch.block_params if cfg.peft.name == PeftMethod.none else adapters
     if cfg.peft.name != PeftMethod.qlora:
-        return frozen_w / dp, (w + g) * max(arch.block_params / p.tp, arch.largest_layer_params / p.tp)
-    constants = arch.quantized_params * qlora_constants(cfg) / (p.tp * p.pp)
-    quantized = sum(lin.inputs * lin.outputs for lin in arch.block.linears if lin.adaptable)
-    rest = qlora_rest_bytes(cfg)
-    block = 0.5 * quantized + rest * (arch.block_params - quantized) + (w + g) * adapter_params(arch.block, cfg)
-    root = rest * max(arch.embedding_params, arch.head_params)
-    return (frozen_w - constants) / dp + constants, max(block, root) / p.tp
+        block_w, root_w, frozen = w * (arch.block_params + adapters), w * fsdp_root_params(arch, cfg), frozen_w / dp
+    else:
+        constants = arch.quantized_params * qlora_constants(cfg) / (p.tp * p.pp)
+        quantized = sum(lin.inputs * lin.outputs for lin in arch.block.linears if lin.adaptable)
+        rest = min(w, qlora_rest_bytes(cfg))  # bf16 gathers make the unquantized rest bf16 too
+        block_w = 0.5 * quantized + rest * (arch.block_params - quantized) + w * adapters
+        root_w, frozen = rest * fsdp_root_params(arch, cfg), (frozen_w - constants) / dp + constants
+    head_g = w * (arch.head_params or arch.embedding_params) if cfg.peft.name == PeftMethod.none else 0.0
+    # a block's backward: its buffer, then its weights and gradients, or (resharded) its gradients and their fp32 copy
+    backward = root_w + head_g + block_w + w * trained + max(block_w, g * trained)
+    return frozen, max(2 * (root_w + block_w), backward) / p.tp  # forward: the root's buffer held at a block's gather
+
+
+def fsdp_root_params(arch: Arch, cfg: Config) -> int:
+    """What FSDP2's root unit gathers: the embeddings, final norm and head (a vision-language model's tower and projector
+    are units of their own); under pipeline parallel the worst stage's (the first's embeddings or the last's head)."""
+    vision = sum(n for part, n in arch.image_parts if part != "language")
+    before, after = arch.embedding_params + arch.positions, arch.final_norm - vision + arch.head_params
+    return max(before, after) if cfg.parallelism.pp > 1 else before + after
 
 
 def moe_notes(arch: Arch, cfg: Config) -> list[str]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from finetune.config import Config, Offload, PipeSchedule
 from finetune.families import Arch
 from finetune.layouts import engine_kind
+from finetune.layouts.mesh import fsdp_gathers_bf16
 from finetune.planner.activations import dtypes
 from finetune.planner.counts import Counts, fsdp_frozen_and_gathered, zero_states
 
@@ -142,16 +143,21 @@ def ddp_buckets(arch: Arch, cfg: Config, s: States, counts: Counts, on_gpu: bool
 
 
 def fsdp_shards(arch: Arch, cfg: Config, s: States, counts: Counts, on_gpu: bool, notes: list[str]) -> None:
-    """FSDP2: like ZeRO-3 over the data-parallel (x context-parallel) ranks, fp32 states, one block gathered at a time
-    (the whole model kept gathered from forward to backward with parallelism.fsdp_reshard_after_forward=false)."""
+    """FSDP2: like ZeRO-3 over the data-parallel (x context-parallel) ranks, fp32 states, the root unit kept gathered
+    from forward to backward beside one block at a time (every block kept gathered with
+    parallelism.fsdp_reshard_after_forward=false); in bf16 under precision=bf16 (layouts.mesh.fsdp_gathers_bf16)."""
     p = cfg.parallelism
     n = cfg.data_parallel_size * p.cp
     w, g, _ = s.bytes_per_param
     s.weights, s.grads, s.opt = s.weights / n, s.grads / n, s.opt / n
     s.split *= n
-    s.frozen, s.gathered = fsdp_frozen_and_gathered(arch, cfg, s.frozen, w, g)
-    if not p.fsdp_reshard_after_forward and not (p.fsdp_offload and on_gpu):
-        s.gathered += w * arch.params / (p.tp * p.pp)
+    gather = 2 if fsdp_gathers_bf16(cfg) else w  # a weight as gathered; gradients reduce-scattered in fp32 either way
+    s.frozen, s.gathered = fsdp_frozen_and_gathered(arch, cfg, s.frozen, gather, g)
+    if not p.fsdp_reshard_after_forward and not (p.fsdp_offload and on_gpu):  # the other blocks too
+        s.gathered += gather * (sum(b.params for b in arch.layers) - arch.block_params) / (p.tp * p.pp)
+    if fsdp_gathers_bf16(cfg):
+        notes.append("FSDP2 in mixed precision (precision=bf16): fp32 shards, each unit gathered and computed in bf16 "
+                     "(MixedPrecisionPolicy, no autocast), gradients reduce-scattered in fp32")
 
 
 def fsdp_offload(arch: Arch, cfg: Config, s: States, counts: Counts, on_gpu: bool, notes: list[str]) -> None:

@@ -74,6 +74,8 @@ class Teacher:
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """What its output layer (and the family's post-processing) makes of `hidden`, over the shared vocabulary."""
         assert self.weight is not None, "place() first"
+        # the gathered weight is the shards' dtype (fp32), the hidden states FSDP's bf16 under precision=bf16 (no autocast)
+        hidden = hidden.to(self.weight.dtype)
         logits = F.linear(hidden, self.weight[: self.vocab], None if self.bias is None else self.bias[: self.vocab])
         for op in self.ops:
             logits = op(logits)

@@ -1,8 +1,9 @@
 """The mesh engine: FSDP2, tensor parallel and pipeline parallel, composed on one DeviceMesh
 (pp, dp, tp), behind the same interface as the other engines.
 
-- Data parallel: FSDP2 shards (strategy=fsdp) or replicas whose gradients are summed over the
-  dp dimension after backward (strategy=ddp with tp/pp).
+- Data parallel: FSDP2 shards (strategy=fsdp; under precision=bf16 gathered and computed in bf16 by its
+  mixed-precision policy, without autocast) or replicas whose gradients are summed over the dp dimension after
+  backward (strategy=ddp with tp/pp).
 - Tensor parallel: DTensor plans; every rank of a TP group sees the same batch.
 - Pipeline parallel: the step's micro-batches are the pipeline's micro-batches; the schedule
   (GPipe, 1F1B, interleaved 1F1B) runs forward and backward, and the objective's `loss(logits,
@@ -14,7 +15,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,8 +26,10 @@ from finetune.data.images import save_tokenizer
 from finetune.rank import parallel
 from finetune.rank.context import ContextParallel
 from finetune.config import Config, ConfigError, Logits, PipeSchedule, Precision, Strategy
+from finetune.layouts.mesh import fsdp_gathers_bf16
 from finetune.rank.dist import Dist
-from finetune.rank.engine.common import (StepResult, add_metrics, autocast_dtype, build_optimizer, build_scheduler, end_weights, lora_b, no_deepspeed_probe,
+from finetune.data.host import to_device
+from finetune.rank.engine.common import (StepResult, add_metrics, skip_unless_finite, autocast_dtype, build_optimizer, build_scheduler, end_weights, lora_b, no_deepspeed_probe,
                                     to_bf16)
 
 STATE_FILE = "trainer_state.pt"  # scheduler and step, beside the DCP shards
@@ -69,6 +71,8 @@ class MeshEngine:
         self.fsdp = p.strategy == Strategy.fsdp
         self.chunked = cfg.logits.name == Logits.chunked  # under pp: the last stage returns rows' log-probs, not logits
         self.dtype = autocast_dtype(cfg.precision.name)
+        # precision=bf16 under FSDP2: its MixedPrecisionPolicy instead of autocast (finetune.rank.parallel.fully_shard)
+        self.param_dtype = torch.bfloat16 if fsdp_gathers_bf16(cfg) else None
         pure = cfg.precision.name == Precision.bf16_pure
         if pure:
             to_bf16(model)  # sharded and stepped in bf16: no fp32 master anywhere
@@ -82,10 +86,11 @@ class MeshEngine:
             self.stages, self.num_stages, modules = [], 1, [model]
         self.partial: list[nn.Parameter] = []  # replicated under tp, but each rank's gradient covers its heads only
         for m in modules:
-            partial = parallel.tensor_parallel(m, self.mesh["tp"]) if p.tp > 1 else []
+            partial = parallel.tensor_parallel(m, self.mesh["tp"], sequence=p.sequence_parallel) if p.tp > 1 else []
             names = [n for n, q in m.named_parameters() if any(q is r for r in partial)]  # FSDP replaces the objects
             if self.fsdp:
-                parallel.fully_shard(m, self.replicas, reshard_after_forward=p.fsdp_reshard_after_forward, offload=p.fsdp_offload)
+                parallel.fully_shard(m, self.replicas, reshard_after_forward=p.fsdp_reshard_after_forward, offload=p.fsdp_offload,
+                                     param_dtype=self.param_dtype)
             self.partial += [m.get_parameter(n) for n in names]
         self.modules = modules
         self.model = modules[0] if p.pp == 1 else None
@@ -109,7 +114,11 @@ class MeshEngine:
     # -- steps ----------------------------------------------------------------------------------
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        return torch.autocast(self.dist.device.type, dtype=self.dtype) if self.dtype else contextlib.nullcontext()
+        """torch.autocast in the compute dtype, except where FSDP's policy already gathers and computes in it: autocast
+        there would cast each bf16 weight again and keep the copies until the forward ends."""
+        if self.dtype is None or self.param_dtype is not None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.dist.device.type, dtype=self.dtype)
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], objective: Any, count: float) -> StepResult:
         for m in self.modules:
@@ -117,7 +126,7 @@ class MeshEngine:
         lr = self.scheduler.get_last_lr()[0]
         # FSDP's reduce-scatter averages over dp x cp (hence * dp * cp); replicas' gradients are summed below.
         scale = (self.dp * self.cp if self.fsdp else 1) / count
-        batches = [{k: v.to(self.dist.device) for k, v in b.items()} for b in micro_batches]
+        batches = [to_device(b, self.dist.device) for b in micro_batches]
         if self.pp > 1:
             loss_sum, metrics = self._pipeline_step(batches, objective, scale)
         else:
@@ -131,7 +140,7 @@ class MeshEngine:
                     with self.autocast():
                         loss, sums = objective(self.model, batch)
                     (loss * scale).backward()
-                    loss_sum += loss.item()
+                    loss_sum = loss_sum + loss.detach().float()  # on the device: read once, by the loop
                     add_metrics(metrics, sums)
             if self.context:  # each rank's sums cover its slice of the tokens
                 loss_sum, metrics = self._sum_over_cp((loss_sum, metrics))
@@ -140,12 +149,11 @@ class MeshEngine:
         if not self.fsdp and self.dp * self.cp > 1:
             self._sum_over_dp()
         norm = self._clip()
-        if math.isfinite(norm):  # never step on inf/nan gradients (the loop stops or skips)
-            self.optimizer.step()
+        applied = skip_unless_finite(self.optimizer, norm)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(loss_sum=loss_sum if self.owner else 0.0, grad_norm=norm, lr=lr,
-                          metrics=metrics if self.owner else {k: 0.0 for k in metrics}, applied=math.isfinite(norm))
+                          metrics=metrics if self.owner else {k: 0.0 for k in metrics}, applied=applied)
 
     def _pipeline_step(self, batches: list[dict[str, torch.Tensor]], objective: Any, scale: float) -> tuple[float, dict]:
         records: dict[int, tuple[torch.Tensor, dict]] = {}  # by micro-batch: the first step may call twice
@@ -175,7 +183,7 @@ class MeshEngine:
         metrics: dict[str, float] = {}
         for _, sums in records.values():
             add_metrics(metrics, sums)
-        return sum(float(loss) for loss, _ in records.values()), metrics
+        return sum((loss.float() for loss, _ in records.values()), torch.zeros((), device=self.dist.device)), metrics
 
     def _pipeline_schedule(self, microbatches: int, loss_fn: Callable) -> Any:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
@@ -211,8 +219,8 @@ class MeshEngine:
                 g = q.grad._local_tensor if hasattr(q.grad, "_local_tensor") else q.grad
                 tdist.all_reduce(g, group=group)
 
-    def _clip(self) -> float:
-        """Global gradient norm (DTensor shards included, summed over pipeline stages), then clipping."""
+    def _clip(self) -> torch.Tensor:
+        """Global gradient norm (DTensor shards included, summed over pipeline stages), then clipping: on the device."""
         squares = torch.zeros((), dtype=torch.float64, device=self.dist.device)
         for q in self.params:
             if q.grad is not None:
@@ -220,11 +228,12 @@ class MeshEngine:
                 squares += (n.full_tensor() if hasattr(n, "full_tensor") else n) ** 2
         if self.pp > 1:
             tdist.all_reduce(squares, group=self.mesh["pp"].get_group())
-        norm = float(squares.sqrt())
-        if self.max_grad_norm and norm > self.max_grad_norm:
+        norm = squares.sqrt()
+        if self.max_grad_norm:  # torch's factor: max / (norm + 1e-6), at most 1
+            factor = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
             for q in self.params:
                 if q.grad is not None:
-                    q.grad.mul_(self.max_grad_norm / (norm + 1e-6))
+                    q.grad.mul_(factor.to(q.grad.dtype))
         return norm
 
     @torch.no_grad()
@@ -280,13 +289,14 @@ class MeshEngine:
         return self.stages[0][1].lm.config.hidden_size
 
     def frozen(self, model: nn.Module) -> nn.Module:
-        """A frozen reference placed like the policy: the same TP plan / FSDP sharding, no optimizer."""
+        """A frozen reference placed like the policy: the same TP plan / FSDP sharding and precision policy, no optimizer.
+        Every unit, the root too, is resharded after each forward: no backward comes to free what it gathered."""
         model = model.to(self.dist.device).eval().requires_grad_(False)
         if self.tp > 1:
-            parallel.tensor_parallel(model, self.mesh["tp"])
+            parallel.tensor_parallel(model, self.mesh["tp"], sequence=self.cfg.parallelism.sequence_parallel)
         if self.fsdp:
-            p = self.cfg.parallelism
-            parallel.fully_shard(model, self.mesh["dp"], reshard_after_forward=p.fsdp_reshard_after_forward, offload=p.fsdp_offload)
+            parallel.fully_shard(model, self.mesh["dp"], reshard_after_forward=True, offload=self.cfg.parallelism.fsdp_offload,
+                                 param_dtype=self.param_dtype, keep_root=False)
         return model
 
     @property
