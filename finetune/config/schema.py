@@ -62,6 +62,8 @@ class Checkpointing(str, Enum, metaclass=Spelled):
     full = "full"
     selective = "selective"
     offload = "offload"
+    ops = "ops"
+    full_offload = "full_offload"
 
 
 class Logits(str, Enum, metaclass=Spelled):
@@ -256,7 +258,8 @@ def method_schema(name: Any) -> type[MethodConfig]:
 @dataclass
 class PrecisionConfig:
     name: Precision = Precision.fp32
-    """fp32; bf16 (autocast, fp32 master weights); fp16 (autocast + dynamic loss scaling); bf16_pure
+    """fp32; bf16 (fp32 master weights; autocast, or under parallelism=fsdp FSDP2's mixed precision: each unit
+    gathered and computed in bf16, gradients reduce-scattered in fp32); fp16 (autocast + dynamic loss scaling); bf16_pure
     (weights, gradients and optimizer states all bf16, no fp32 master: 2 + 2 + 4 bytes/param with AdamW,
     + 2 for the Kahan compensation)."""
     kahan_sum: bool = True
@@ -282,7 +285,10 @@ class PrecisionConfig:
 class CheckpointingConfig:
     name: Checkpointing = Checkpointing.none
     """none; full (recompute every block in backward); selective (every k-th block);
-    offload (keep saved activations in CPU memory instead of recomputing)."""
+    offload (keep saved activations in CPU memory instead of recomputing); ops (op-level selective recompute in
+    every block: its matmuls' and attention's outputs kept, the pointwise ops and norms recomputed, no matmul run
+    twice); full_offload (full recompute, each block's input held in CPU memory: about one block's activations on
+    the GPU)."""
     every: int = checked(at_least(1), 2)
     """selective: recompute blocks 0, k, 2k, ... (k = every)."""
 
@@ -366,9 +372,19 @@ class ParallelismConfig:
     data-parallel degree) of them; the bubble is (stages - 1) / (micro-batches x virtual stages + stages - 1)."""
     fsdp_reshard_after_forward: bool = True
     """fsdp: free gathered parameters after each block's forward (gather again for backward):
-    ZeRO-3-like memory; false keeps them until backward (ZeRO-2-like, less communication)."""
+    ZeRO-3-like memory; false keeps them until backward (ZeRO-2-like, less communication). The blocks' (and a
+    vision-language model's tower and projector): the root unit (embeddings, final norm, output layer) is never
+    resharded after forward, as torchtitan's is not: its forward spans every block's, so it is gathered through the
+    whole forward anyway and backward starts with its output layer (resharding would free it for the loss only, to
+    gather it again at once). A frozen reference or teacher, with no backward to free them, reshards every unit."""
     fsdp_offload: bool = False
     """fsdp: keep parameters, gradients and optimizer states in CPU memory (FSDP2 CPUOffloadPolicy)."""
+    sequence_parallel: bool = True
+    """tp > 1: sequence parallel (Korthikanti et al. 2022, as torchtitan lays it out): between the sublayers tensor
+    parallel splits, the residual stream and the norms hold 1/tp of the sequence on each rank (the inputs of attention
+    and the MLP all-gathered, o_proj's and down_proj's partial sums reduce-scattered), so their activations, and a
+    checkpointed block's input, are 1/tp; the same communication volume. false keeps them whole on every rank. No
+    effect without tp (finetune/rank/sequence.py)."""
 
 
 @dataclass
@@ -477,6 +493,10 @@ class PlanConfig:
     """How many fitting override sets to print."""
     force: bool = False
     """Launch even if the plan says the config does not fit the hardware (the plan is still printed)."""
+    simulate: bool = False
+    """python -m finetune.plan only: also run the config's real step (model, strategies, layout, optimizer) under
+    torch's FakeTensorMode over a fake process group of the run's world size, in a child process, and print its
+    measured memory per category beside the formula's (finetune/rank/simulate.py; about a minute for an 8B model)."""
 
 
 @dataclass

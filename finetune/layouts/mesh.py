@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from finetune import methods
-from finetune.config import Checkpointing, Config, ConfigError, ParallelismConfig, PeftMethod, Precision, Reference
+from finetune.config import Checkpointing, Config, ConfigError, ParallelismConfig, PeftMethod, Precision, Reference, Strategy
 from finetune.disk import local_vision, model_config
 from finetune.families import FAMILIES, router_loss_split
 
@@ -33,6 +33,14 @@ def _precision(cfg: Config) -> None:
 def validate_fsdp(cfg: Config) -> None:
     """FSDP2 (parallelism=fsdp)."""
     _precision(cfg)
+
+
+def fsdp_gathers_bf16(cfg: Config) -> bool:
+    """Whether FSDP2 trains in mixed precision as torchtitan does (precision=bf16, precision=fp8's bf16 rest): each unit
+    gathered and computed in bf16 over fp32 shards, the gradients reduce-scattered in fp32, no autocast
+    (finetune.rank.parallel.fully_shard's MixedPrecisionPolicy); what the planner counts it as. bf16_pure's weights
+    are bf16 already; fp32 gathers fp32."""
+    return cfg.parallelism.strategy == Strategy.fsdp and cfg.precision.name == Precision.bf16
 
 
 def validate_tp(cfg: Config) -> None:

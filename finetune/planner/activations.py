@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from finetune.config import Checkpointing, Config, Logits, LogitsKernel, PeftMethod, Precision
 from finetune.families import Arch, Block, Linear, adapted, targeted
+from finetune.layouts.mesh import fsdp_gathers_bf16
 from finetune.planner.counts import adapter_params, attention_kernel, module_bytes
 
 
@@ -18,7 +19,7 @@ class Dtypes:
     """How a block's tensors are stored.
 
     module: bytes of the weights and of the residual stream (4: the torch engine keeps the module
-    fp32 in every precision; 2: DeepSpeed's bf16/fp16 module); compute: bytes of matmul outputs
+    fp32 in every precision; 2: DeepSpeed's bf16/fp16 module, FSDP2's bf16 gathers); compute: bytes of matmul outputs
     (2 under bf16/fp16, 4 in fp32); autocast: torch.autocast casts each matmul's inputs (and keeps
     a 16-bit copy of every weight it used for backward)."""
 
@@ -31,8 +32,10 @@ class Dtypes:
 
 
 def dtypes(cfg: Config) -> Dtypes:
+    """The module's and the compute's bytes; FSDP2 in mixed precision computes on its bf16 gathers as a bf16 module
+    does (fp32 shards, no autocast: layouts.mesh.fsdp_gathers_bf16)."""
     compute = 4 if cfg.precision.name == Precision.fp32 else 2
-    return Dtypes(module=module_bytes(cfg), compute=compute)
+    return Dtypes(module=2 if fsdp_gathers_bf16(cfg) else module_bytes(cfg), compute=compute)
 
 
 def linear_input_bytes(cfg: Config, d: Dtypes, width: int, linears: tuple[Linear, ...], stored: int, saved: bool) -> float:
@@ -113,7 +116,10 @@ def block_activation_bytes(arch: Arch, cfg: Config, seq: int, tokens: int, block
     fp32 Llama full fine-tuning: 32h+8kv+16i bytes/token; autocast bf16 30h+4kv+8i; a bf16 module
     (DeepSpeed) 20h+4kv+8i -- Korthikanti et al. (2022) count 34h for GPT's block in 16-bit.
     Tensor parallel divides everything but the residual-stream norms and the replicated inputs of
-    the column-parallel linears (q/k/v, gate/up) by tp. Under autocast each weight the block used is
+    the column-parallel linears (q/k/v, gate/up) by tp; sequence parallel (`sequence_split`) divides the norms (and
+    the residual dropout masks) too, as Korthikanti et al.'s s*b*h*(34 + 5as/h)/t, except that torch's column-wise
+    layers save the gathered input whole (Megatron gathers it again in backward): the inputs of q/k/v and gate/up stay
+    whole on every rank. Under autocast each weight the block used is
     also kept as a 16-bit copy for the input gradient: 2 bytes/param (not for QLoRA's 4-bit base,
     which is dequantized again in backward, nor for a MoE's experts); PEFT's adapted experts keep their
     merged weights (m bytes/param) per forward."""
@@ -123,13 +129,23 @@ def block_activation_bytes(arch: Arch, cfg: Config, seq: int, tokens: int, block
     m, c = d.module, d.compute
     pre, post = fam.block_norms - fam.post_norms, fam.post_norms
     normed_in, normed_out = (4, 4) if fam.norm_fp32 else (m, c)  # the normalised input: fp32, or the input's dtype
-    # replicated under tensor parallel: the residual stream's norms and what the column-parallel linears read
-    replicated = pre * norm_bytes(arch, cfg, h, 1, normed_in) + post * norm_bytes(arch, cfg, h, 1, normed_out) \
+    # replicated under tensor parallel: the residual stream's norms (split along the sequence under sequence parallel)
+    # and what the column-parallel linears read (gathered whole either way)
+    split = sequence_split(cfg)
+    replicated = (pre * norm_bytes(arch, cfg, h, 1, normed_in) + post * norm_bytes(arch, cfg, h, 1, normed_out)) / split \
         + linear_input_bytes(cfg, d, h, block.role("qkv"), m, False) + linear_input_bytes(cfg, d, h, block.role("up"), m, False)
     attention = attention_bytes(arch, cfg, block, seq, masked, normed_out)
     residual_masks = (2 * h * (1 if cfg.hardware.gpu_memory_gib > 0 else c)) if arch.residual_dropout > 0 else 0
     mlp = mlp_bytes(arch, cfg, block)
-    return tokens * (replicated + (attention + mlp + residual_masks) / tp + qat_inputs(cfg, block)) + weight_copies(arch, cfg, block)
+    return tokens * (replicated + (attention + mlp) / tp + residual_masks / split + qat_inputs(cfg, block)) \
+        + weight_copies(arch, cfg, block)
+
+
+def sequence_split(cfg: Config) -> int:
+    """Over how many ranks the residual stream is split along the sequence: tp under sequence parallel (the default with
+    tp > 1: finetune/rank/sequence.py), else 1 (each rank of a TP group holds it whole)."""
+    p = cfg.parallelism
+    return p.tp if p.tp > 1 and p.sequence_parallel else 1
 
 
 def qat_linears(cfg: Config, block: Block) -> list[Linear]:
@@ -241,7 +257,8 @@ class Activations:
     filled: float
     """`blocks` with the gradients that exist by then (the blocks above, the head's)."""
     cpu: float = 0.0
-    """Offloaded to CPU RAM (checkpointing=offload on GPU ranks)."""
+    """Offloaded to CPU RAM on GPU ranks: checkpointing=offload's saved tensors, full_offload's block inputs (the plan's
+    host memory per node, peak.py)."""
 
     @property
     def measured(self) -> float:
@@ -251,10 +268,48 @@ class Activations:
 
 
 def recompute_every(cfg: Config) -> int:
-    """Every how many blocks one keeps only its input (recomputed in backward): 0 for none and offload, 1 for full,
-    checkpointing.every for selective."""
+    """Every how many blocks one is recomputed in backward (keeping its input, and under ops its matmuls' outputs):
+    0 for none and offload, 1 for full, ops and full_offload, checkpointing.every for selective."""
     ck = cfg.checkpointing
-    return {Checkpointing.none: 0, Checkpointing.offload: 0, Checkpointing.full: 1}.get(ck.name, ck.every)
+    return {Checkpointing.none: 0, Checkpointing.offload: 0}.get(ck.name, ck.every if ck.name == Checkpointing.selective else 1)
+
+
+def recomputed_outputs(arch: Arch, cfg: Config, seq: int, tokens: float) -> float:
+    """What a recomputed block keeps besides its input: under checkpointing=ops its ops' outputs (the largest block's
+    op_outputs_bytes), else nothing."""
+    if cfg.checkpointing.name != Checkpointing.ops:
+        return 0.0
+    return tokens * max(op_outputs_bytes(arch, cfg, b, seq) for b in set(arch.layers))
+
+
+def op_outputs_bytes(arch: Arch, cfg: Config, block: Block, seq: int) -> float:
+    """Per token, what checkpointing=ops keeps of a block besides its input: the outputs of the ops
+    finetune.rank.recompute.SAVED names, whether or not backward reads them (c bytes each; a MoE's experts in the
+    weights' dtype, grouped_mm is not autocast): every linear's (a frozen base's too; tensor parallel divides the
+    column-parallel ones, q/k/v and gate/up, whose outputs are sharded; o's and down's are whole partial sums), each
+    adapter's lora_A and lora_B outputs (r + outputs), a MoE's routed tokens' gate_up and down outputs (k per token),
+    and the attention kernel's: sdpa / FlashAttention its output and fp32 log-sum-exp per head, eager (and sdpa's
+    math kernel, fp32 on CPU) the two batched matmuls, the a x s scores and the output. The pointwise ops, norms,
+    casts (autocast's weight copies too) are recomputed. Checked tensor by tensor (tests/test_checkpointing.py)."""
+    d, tp = dtypes(cfg), cfg.parallelism.tp
+    m, c = d.module, d.compute
+    sharded = {lin.name for role in ("qkv", "up") for lin in block.role(role)}
+    dense = sum(lin.outputs / (tp if lin.name in sharded else 1) for lin in block.linears if lin.experts == 1)
+    lora = 0.0
+    if cfg.peft.name != PeftMethod.none:
+        lora = sum(cfg.peft.r + lin.outputs for lin in block.linears
+                   if lin.experts == 1 and lin.adaptable and targeted(lin.name, cfg.peft.target_modules))
+    experts = 0.0
+    if block.moe is not None:
+        experts = block.moe.top_k * m * (2 * block.moe.width + arch.hidden_size) / tp
+    kernel = attention_kernel(arch, cfg)[0]
+    q, a = arch.q_dim / tp, arch.num_attention_heads / tp
+    math = kernel == "sdpa" and arch.attention_dropout > 0 and cfg.hardware.gpu_memory_gib <= 0
+    if kernel == "eager" or math:
+        attention = (4 if math else c) * (a * seq + q)
+    else:
+        attention = c * q + 4 * a
+    return c * (dense + lora) + experts + attention
 
 
 def activation_bytes(arch: Arch, cfg: Config, layers: int, in_flight: int, seq: int, tokens: int,
@@ -266,9 +321,10 @@ def activation_bytes(arch: Arch, cfg: Config, layers: int, in_flight: int, seq: 
     none: every block's; full recompute (non-reentrant checkpoint): each block keeps its input
     (m s b h; the literature's 2sbh per layer in 16-bit, docs/memory.md) and the block being
     recomputed is whole again in backward; selective (blocks 0, k, 2k... recomputed): those keep their input, the rest
-    everything; offload: everything saved goes to CPU RAM (one block's worth in flight on the
-    device). Under pipeline parallel the earlier micro-batches in flight hold their stored
-    activations while the current one peaks. `moves`: False when the ranks run on CPU, where
+    everything; ops: each block its input and its matmuls' outputs (op_outputs_bytes), recomputed whole in
+    backward; offload: everything saved goes to CPU RAM (one block's worth in flight on the
+    device); full_offload: the blocks' inputs go to CPU RAM, the device holds the block being recomputed. Under
+    pipeline parallel the earlier micro-batches in flight hold their stored activations while the current one peaks. `moves`: False when the ranks run on CPU, where
     offloading to CPU RAM moves nothing (counted as none). `exchange`: context parallel's all-to-all buffers,
     live while a block runs. `logit_tokens`: the positions the output layer computes where not every token's
     (transformers' logits_to_keep: an online method's padding-free rollout, its completion tokens only)."""
@@ -278,14 +334,18 @@ def activation_bytes(arch: Arch, cfg: Config, layers: int, in_flight: int, seq: 
     # gradient at a time while its saved tensors are freed one by one (measured with MemTracker)
     width = max(b.mlp_width * (d.module if b.moe else d.compute) for b in arch.layers)
     working = tokens * (width / cfg.parallelism.tp + d.module * arch.hidden_size) + exchange
-    layer_input = tokens * arch.hidden_size * d.module
+    layer_input = tokens * arch.hidden_size * d.module / sequence_split(cfg)  # a recomputed block's input: this rank's tokens
     ck = cfg.checkpointing
     if ck.name == Checkpointing.offload and moves:
         kept = [0.0] * layers
         offloaded = layers * block * in_flight
+    elif ck.name == Checkpointing.full_offload and moves:  # the inputs in host memory; one block whole at a time
+        kept = [0.0] * layers
+        offloaded = layers * layer_input * in_flight
     else:
         every = recompute_every(cfg)
-        kept = [layer_input if every and j % every == 0 else block for j in range(layers)]
+        keeps = layer_input + recomputed_outputs(arch, cfg, seq, tokens)
+        kept = [keeps if every and j % every == 0 else block for j in range(layers)]
         offloaded = 0.0
     earlier = sum(kept) * (in_flight - 1)  # pipeline micro-batches waiting for their backward
     # a block recomputed under PEFT holds more in its backward than its forward saved (RECOMPUTE_PEFT)
@@ -294,11 +354,11 @@ def activation_bytes(arch: Arch, cfg: Config, layers: int, in_flight: int, seq: 
     # the blocks above are freed and their gradients exist
     below, blocks, filled = 0.0, 0.0, 0.0
     for j in range(layers):
-        whole = recomputed if kept[j] != block else block
+        whole = recomputed if kept[j] != block else block  # full_offload: the input back from host memory is in it
         blocks = max(blocks, below + whole + working)
         filled = max(filled, below + whole + working + (layers - 1 - j) * block_grads)
         below += kept[j]
-    v = arch.head_width / cfg.parallelism.tp
+    v = arch.head_width  # the output layer is replicated under tensor parallel (no loss parallel): every rank's logits are whole
     if cfg.logits.name == Logits.chunked:  # one chunk's logits, their fp32 log-softmax and gradients, at the backward's start
         chunk = min(cfg.logits.chunk_tokens, tokens, labelled or tokens)  # only labelled positions reach the head
         # a chunk's backward (inside the model's now): log_softmax's fp32 output, the gradient arriving at it and the one
@@ -333,7 +393,8 @@ def tower_bytes(arch: Arch, cfg: Config, patches: float) -> float:
     seq = int(patches)
     block = max(block_activation_bytes(tower, cfg, seq, seq, b) for b in set(tower.layers))
     every = recompute_every(cfg)
-    kept = [patches * tower.hidden_size * d.module if every and j % every == 0 else block for j in range(tower.num_hidden_layers)]
+    keeps = patches * tower.hidden_size * d.module + recomputed_outputs(tower, cfg, seq, patches)
+    kept = [keeps if every and j % every == 0 else block for j in range(tower.num_hidden_layers)]
     return (patches * arch.patch_input * d.compute if d.autocast else 0.0) + sum(kept)
 
 
@@ -341,11 +402,12 @@ def head_bytes(arch: Arch, cfg: Config, tokens: int) -> float:
     """What the model saves outside its blocks: the final norm (norm_bytes), lm_head's input (when lm_head
     trains: a 16-bit cast under autocast, else the norm's output) and, under autocast, its 16-bit
     weight; the tanh of soft-capped logits (Gemma-2: c V); the embedding dropout's mask (GPT-2)."""
-    d, fam, h, tp = dtypes(cfg), arch.family, arch.hidden_size, cfg.parallelism.tp
+    d, fam, h = dtypes(cfg), arch.family, arch.hidden_size  # the output layer whole on every rank, under tp too
     trains = cfg.peft.name == PeftMethod.none or "lm_head" in cfg.peft.modules_to_save
-    per_token = norm_bytes(arch, cfg, h, 1, 4 if fam.norm_fp32 else d.module) + (d.compute if trains else 0) * h
+    # the final norm on this rank's tokens under sequence parallel (its output gathered whole for the output layer)
+    per_token = norm_bytes(arch, cfg, h, 1, 4 if fam.norm_fp32 else d.module) / sequence_split(cfg) + (d.compute if trains else 0) * h
     chunked = cfg.logits.name == Logits.chunked
-    per_token += d.compute * arch.vocab_size / tp if arch.final_softcap and not chunked else 0  # chunked: recomputed
+    per_token += d.compute * arch.vocab_size if arch.final_softcap and not chunked else 0  # chunked: recomputed
     per_token += d.module * h if chunked else 0  # the labelled positions' hidden states, gathered for the chunks
     per_token += h * (1 if cfg.hardware.gpu_memory_gib > 0 else d.module) if arch.embedding_dropout > 0 else 0
-    return tokens * per_token + (2 * arch.head_width * h / tp if d.autocast else 0)
+    return tokens * per_token + (2 * arch.head_width * h if d.autocast else 0)

@@ -7,8 +7,10 @@ laid out from what transformers publishes about each family:
   row-wise for Llama, the projections gathered for Phi-3's fused qkv and OLMo-2's full-width q/k
   norms, q/k norms with summed gradients for Qwen3, packed experts for Mixtral), applied per block
   with DTensor; our own Llama plan only for a family with no plan and Llama's block; anything
-  else refused with the reason;
-- FSDP2: `fully_shard` per block, then the root, over the data-parallel dimension;
+  else refused with the reason; with sequence parallel (the default) the residual stream and the norms between its
+  sublayers split along the sequence (finetune/rank/sequence.py);
+- FSDP2: `fully_shard` per block, then the root (kept gathered from forward to backward), over the data-parallel
+  dimension; in bf16 over fp32 shards under precision=bf16 (its MixedPrecisionPolicy);
 - pipeline parallel: each rank keeps only its stages' blocks; which modules run before the blocks
   (embeddings) and after them (final norm, LM head) is the family's pipeline plan
   (`config.base_model_pp_plan`, the model class's `_pp_plan`), and each stage runs the family's own
@@ -143,10 +145,11 @@ def _base(module: nn.Module) -> nn.Module:
     return getattr(module, "base_layer", module)
 
 
-def tensor_parallel(model: nn.Module, tp_mesh: Any) -> list[nn.Parameter]:
+def tensor_parallel(model: nn.Module, tp_mesh: Any, *, sequence: bool = False) -> list[nn.Parameter]:
     """Shard every (remaining) decoder block over the TP mesh with the family's plan; the rest stays
     replicated. Returns the replicated parameters whose gradients are partial (each rank's heads
-    only): the engine sums them over tp once per step.
+    only; under `sequence` parallel the norms', which see this rank's tokens only): the engine sums
+    them over tp once per step.
 
     Linear layers take torch's Colwise/RowwiseParallel (gathered / split variants for transformers'
     colwise_gather_output / rowwise_split_input); other styles (packed MoE experts) transformers' own.
@@ -168,7 +171,9 @@ def tensor_parallel(model: nn.Module, tp_mesh: Any) -> list[nn.Parameter]:
             if style == PARTIAL_GRADIENT:
                 partial += [target] if isinstance(target, nn.Parameter) else list(target.parameters())
             elif isinstance(target, nn.Module) and (style in COLUMN_STYLES or style in ROW_STYLES):
-                linear.update(_linear_plan(model, path, target, style))
+                # sequence parallel: a sublayer's own row-wise layer (self_attn.o_proj, mlp.down_proj) reduce-scatters
+                # into this rank's tokens (finetune.rank.sequence); one deeper (a shared expert's) all-reduces
+                linear.update(_linear_plan(model, path, target, style, scatter=sequence and path.count(".") == 1))
             else:
                 if isinstance(target, nn.Module) and hasattr(target, "base_layer"):
                     raise ConfigError(f"peft: an adapter on {family(model)}'s {path} cannot follow transformers' tensor-parallel "
@@ -178,7 +183,27 @@ def tensor_parallel(model: nn.Module, tp_mesh: Any) -> list[nn.Parameter]:
         if linear:
             parallelize_module(block, tp_mesh, linear)
         _transformers_styles(block, tp_mesh, other, model)
+    if sequence:
+        from finetune.rank.sequence import sequence_parallel
+
+        blocks = [b for b in block_list(model)[1] if not isinstance(b, Skipped)]
+        partial += sequence_parallel(blocks, _final_norm(model), tp_mesh)
     return [q for q in partial if q.requires_grad]
+
+
+def _final_norm(model: nn.Module) -> nn.Module | None:
+    """The module after the model's last block (the final norm, as the family's pipeline plan lists it), where this
+    module (a pipeline stage) holds that block; None where it does not, or the family publishes no pipeline plan."""
+    lm = causal_lm(model)
+    blocks = block_list(lm)[1]
+    if isinstance(blocks[len(blocks) - 1], Skipped):
+        return None
+    try:
+        after = pipe_layout(lm).after
+    except ConfigError:
+        return None
+    found = lm.get_submodule(after[0]) if after and "." in after[0] else None
+    return None if found is None or isinstance(found, Skipped) else found
 
 
 def _lookup(block: nn.Module, path: str) -> nn.Module | nn.Parameter | None:
@@ -192,9 +217,10 @@ def _lookup(block: nn.Module, path: str) -> nn.Module | nn.Parameter | None:
     return getattr(parent, leaf, None) if isinstance(getattr(parent, leaf, None), nn.Module) else None
 
 
-def _linear_plan(model: nn.Module, path: str, layer: nn.Module, style: str) -> dict[str, Any]:
-    """torch ParallelStyles for one linear layer (and its LoRA adapters), from transformers' style name."""
-    from torch.distributed.tensor import Replicate
+def _linear_plan(model: nn.Module, path: str, layer: nn.Module, style: str, scatter: bool = False) -> dict[str, Any]:
+    """torch ParallelStyles for one linear layer (and its LoRA adapters), from transformers' style name. `scatter`: a
+    row-wise layer without adapters reduce-scatters its output along the sequence (a DTensor: sequence parallel)."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     if not isinstance(_base(layer), nn.Linear):
@@ -203,7 +229,8 @@ def _linear_plan(model: nn.Module, path: str, layer: nn.Module, style: str) -> d
     if style in COLUMN_STYLES:
         make = (lambda: ColwiseParallel(output_layouts=Replicate())) if COLUMN_STYLES[style] else ColwiseParallel
     else:
-        make = (lambda: RowwiseParallel(input_layouts=Replicate())) if ROW_STYLES[style] else RowwiseParallel
+        out = {"output_layouts": Shard(1), "use_local_output": False} if scatter and not hasattr(layer, "base_layer") else {}
+        make = (lambda: RowwiseParallel(input_layouts=Replicate(), **out)) if ROW_STYLES[style] else (lambda: RowwiseParallel(**out))
     if not hasattr(layer, "base_layer"):
         return {path: make()}
     adapters = "lora_B" if style in COLUMN_STYLES else "lora_A"
@@ -243,19 +270,31 @@ def _transformers_styles(block: nn.Module, tp_mesh: Any, entries: list[tuple[str
 # -- FSDP2 ----------------------------------------------------------------------------------------
 
 
-def fully_shard(model: nn.Module, dp_mesh: Any, *, reshard_after_forward: bool, offload: bool) -> None:
+def fully_shard(model: nn.Module, dp_mesh: Any, *, reshard_after_forward: bool, offload: bool,
+                param_dtype: torch.dtype | None = None, keep_root: bool = True) -> None:
     """FSDP2: each decoder block is one unit (gathered for its forward/backward), a vision-language model's projector and
     vision tower, then the root: the transformers model itself, inside any PEFT wrapper (which holds no parameters of its
     own). The root's forward gathers what lies outside the blocks (embeddings, final norm, head), and `generate` calls
     the inner model's forward, not the wrapper's: rooted at the wrapper, generation under LoRA met the embedding still
-    sharded."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+    sharded.
+
+    `reshard_after_forward` is the blocks' (and the vision parts'). `keep_root`: the root is not resharded after its
+    forward (torchtitan's default): its forward spans every block's, so its parameters are gathered through the whole
+    forward anyway, and backward starts with its output layer; resharding would free them for the loss only, to gather
+    them again at once. A frozen model (no backward to reshard it) passes False.
+
+    `param_dtype` (precision=bf16: FSDP's MixedPrecisionPolicy, as torchtitan trains): every unit gathers its floating-
+    point parameters in that dtype and computes in it (inputs cast at each unit), while the shards stay fp32 (the
+    optimizer's master weights) and the gradients are reduce-scattered in fp32. Integer storage (QLoRA's 4-bit bytes)
+    is gathered as it is; torchao's FP8 weights all-gather in FP8 either way."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
     from torch.distributed.fsdp import fully_shard as shard
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     from finetune.families.vision import parts
 
-    kwargs = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward,
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
+    kwargs = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward, "mp_policy": policy,
               "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()}
     for block in [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]:
         shard(block, **kwargs)
@@ -264,7 +303,7 @@ def fully_shard(model: nn.Module, dp_mesh: Any, *, reshard_after_forward: bool, 
     for part in (found.projector, found.vision):  # outside the root's: units of their own, the projector (inside
         if part is not None:                      # Qwen's tower) first
             shard(part, **kwargs)
-    shard(root, **kwargs)
+    shard(root, **{**kwargs, "reshard_after_forward": not keep_root})
     keep_quant_states(model, dp_mesh.device_type)
 
 

@@ -55,7 +55,12 @@ class HostInputs:
         self.held = 0
         self.tensors = 0
 
-    def pack(self, tensor: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
+    def pack(self, tensor: torch.Tensor) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(tensor, DTensor):  # sequence parallel's block input: its local shard goes, the layout stays here
+            layout = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride())
+            return ("dtensor", layout, self.pack(tensor._local_tensor))
         self.held += tensor.numel() * tensor.element_size()
         self.tensors += 1
         if tensor.device.type == "cpu":
@@ -65,7 +70,12 @@ class HostInputs:
         return tensor.device, host
 
     @staticmethod
-    def unpack(packed: tuple[torch.device, torch.Tensor]) -> torch.Tensor:
+    def unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed[0], str):  # ("dtensor", layout, its local shard packed)
+            from torch.distributed.tensor import DTensor
+
+            (mesh, placements, shape, stride), local = packed[1], HostInputs.unpack(packed[2])
+            return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
         device, tensor = packed
         return tensor.to(device, non_blocking=device.type == "cuda")
 

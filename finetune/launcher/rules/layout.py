@@ -69,9 +69,14 @@ def validate_layout(cfg: Config) -> None:
         raise ConfigError(f"parallelism.tp={p.tp}/pp={p.pp}{cp} need parallelism.strategy=ddp or fsdp (data parallel over "
                           f"world / (tp x pp{' x cp' if cp else ''}) replicas), not single")
     if p.pp == 1:
-        _unused(p, "parallelism", ("strategy", "tp", "pp", "cp", "fsdp_reshard_after_forward", "fsdp_offload"), "without pipeline parallel (pp=1)")
+        _unused(p, "parallelism", ("strategy", "tp", "pp", "cp", "fsdp_reshard_after_forward", "fsdp_offload", "sequence_parallel"),
+                "without pipeline parallel (pp=1)")
     if p.strategy != Strategy.fsdp:
-        _unused(p, "parallelism", ("strategy", "tp", "pp", "cp", "pp_schedule", "pp_stages_per_rank"), f"with strategy={p.strategy.value} (only with fsdp)")
+        _unused(p, "parallelism", ("strategy", "tp", "pp", "cp", "pp_schedule", "pp_stages_per_rank", "sequence_parallel"),
+                f"with strategy={p.strategy.value} (only with fsdp)")
+    if p.tp == 1 and not p.sequence_parallel:
+        raise ConfigError("parallelism.sequence_parallel=false has no effect without tensor parallel (tp=1): remove it or "
+                          "change the option")
     interleaved = p.pp_schedule == PipeSchedule.interleaved_1f1b
     if p.pp > 1 and interleaved != (p.pp_stages_per_rank > 1):
         raise ConfigError(f"parallelism.pp_schedule={p.pp_schedule.value} with pp_stages_per_rank={p.pp_stages_per_rank}: "
