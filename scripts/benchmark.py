@@ -34,6 +34,8 @@ STRATEGIES: dict[str, list[str]] = {
     "fp8 rowwise + compile": [*SINGLE, "precision=fp8", "precision.fp8=rowwise", "train.compile=true"],
     "full checkpointing": [*SINGLE, "checkpointing=full"],
     "selective checkpointing (every 2nd)": [*SINGLE, "checkpointing=selective"],
+    "op-level checkpointing": [*SINGLE, "checkpointing=ops"],
+    "FSDP2 bf16 policy x1": ["parallelism=fsdp", "launcher.nproc_per_node=1", "precision=bf16"],  # against "bf16 autocast"
     "packing": [*SINGLE, "data.packing=true"],
     "LoRA r=16": [*SINGLE, "peft=lora"],
     "DoRA r=16": [*SINGLE, "peft=dora"],

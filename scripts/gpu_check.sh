@@ -23,12 +23,14 @@ set +e
 tests=${PIPESTATUS[0]}
 set -e
 # 2. The benchmark at Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 heads / 8 kv heads, MLP 8192, 128k vocabulary).
+#    "FSDP2 bf16 policy x1" beside "bf16 autocast": FSDP2's bf16 MixedPrecisionPolicy (no autocast) against autocast over
+#    fp32 weights, tokens/s and MFU on one GPU (the halved all-gather bytes need two: tests/test_fsdp_precision.py counts them).
 LLAMA_1B=(model.init.hidden_size=2048 model.init.num_hidden_layers=16 model.init.num_attention_heads=32
           model.init.num_key_value_heads=8 model.init.intermediate_size=8192 model.init.vocab_size=128256
           model.init.max_position_embeddings=4096 data.max_length=2048 data.packing=true
           train.micro_batch_size=4 train.global_batch_size=4 train.device=cuda hardware=h100_80g)
 "$PY" scripts/benchmark.py --steps 30 --out "$OUT/benchmark.md" --dry-runs 0 \
-  --only "bf16 autocast" "bf16 + compile" "bf16 + compile + Liger" "fp8 tensorwise + compile" "fp8 rowwise + compile" "full checkpointing" "LoRA r=16" "QLoRA r=16 (NF4)" --extra "${LLAMA_1B[@]}"
+  --only "bf16 autocast" "bf16 + compile" "bf16 + compile + Liger" "fp8 tensorwise + compile" "fp8 rowwise + compile" "full checkpointing" "op-level checkpointing" "FSDP2 bf16 policy x1" "LoRA r=16" "QLoRA r=16 (NF4)" --extra "${LLAMA_1B[@]}"
 cat "$OUT/benchmark.md"
 # 3. Rows of several samples at 1k, 4k and 8k tokens: transformers' mask against attention per sample (sdpa) and
 #    flash-attn's variable-length kernel, at the 1B shape's width (4 layers).
