@@ -20,7 +20,7 @@ log-sum-exp; fused AdamW is built on both). Layouts it cannot run are refused in
 Three traps, each handled here and nowhere else:
 - `Module.to(device)` of fake parameters swaps them (torch.utils.swap_tensors), which the fake mode's own weak
   references forbid: a move to where the tensors already are is made a no-op while the engine builds (`_placed`).
-- host reads (`loss.item()`, `float(norm)`) of a fake tensor have no value: they read 1 (`HostReads`), so the
+- host reads (`loss.item()`, `float(norm)`) of a fake tensor have no value: they read 1 (`FakeReads`), so the
   step takes its normal path (a finite norm, the optimizer steps).
 - transformers builds a full attention mask for a fake attention_mask (it takes them for tracing): the batch
   carries one only where the plan counts one (padded rows of several, the planner's `masked`).
@@ -69,7 +69,7 @@ def refusal(cfg: Config) -> str | None:
     return f"plan.simulate: {why}" if why else None
 
 
-class HostReads(TorchDispatchMode):
+class FakeReads(TorchDispatchMode):
     """A host read of a fake tensor (`.item()`, `float()`: aten._local_scalar_dense) reads 1."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -200,7 +200,7 @@ def _simulate(cfg: Config, width: int, world_size: int, start: float) -> dict[st
         module, optimizer = eng.memory_targets()
         moments = Moments(module, optimizer, fsdp=cfg.parallelism.strategy == Strategy.fsdp)
         count = float(rows * width * cfg.grad_accum_steps * world_size)
-        with moments.tracker, HostReads(), _own_propagation():
+        with moments.tracker, FakeReads(), _own_propagation():
             for step in range(2):
                 moments.step = step
                 eng.train_step([batch] * cfg.grad_accum_steps, objective, count)
