@@ -317,7 +317,7 @@ def replay(seen: dict, step) -> list[float]:
     the step's count, backward, then `step()` (the optimizers' steps) and the gradients zeroed; the steps' losses."""
     net, losses = seen["net"], []
     for micro_batches, count in seen["steps"]:
-        total = 0.0
+        count, total = float(count), 0.0  # the engine is handed the count on the device (the step reads nothing back)
         for batch in micro_batches:
             loss, _ = seen["objective"](net, batch)
             (loss * (1 / count)).backward()  # as the engine scales it (world size 1)

