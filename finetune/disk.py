@@ -240,6 +240,40 @@ def safetensors_problem(file: Path) -> str | None:
     return f"{size} bytes, its tensors need {need}: a download or copy was cut short" if size < need else None
 
 
+SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+
+
+def stored_dtypes(path: Path) -> dict[str, int]:
+    """The floating-point dtypes of a local checkpoint's safetensors files and the bytes each holds, read from their
+    headers ({} where it holds none: pytorch_model.bin, or no weights). What finetune.rank.model.load_model reads the
+    weights in: one dtype, memory-mapped, cast on the device."""
+    files = sorted(path.glob("*.safetensors"))
+    found: dict[str, int] = {}
+    for file in files:
+        with file.open("rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            table = json.loads(f.read(length))
+        for name, t in table.items():
+            if name != "__metadata__" and t.get("dtype") in SAFETENSORS_DTYPES:
+                start, end = t["data_offsets"]
+                found[SAFETENSORS_DTYPES[t["dtype"]]] = found.get(SAFETENSORS_DTYPES[t["dtype"]], 0) + end - start
+    return found
+
+
+def checkpoint_dir(path: str, revision: str | None = None) -> Path | None:
+    """Where a model's files are on this machine: the local directory, or a hub id's snapshot in the Hugging Face cache
+    (None: not downloaded yet)."""
+    if is_local(path):
+        return Path(path).expanduser()
+    from huggingface_hub import try_to_load_from_cache
+
+    for name in ("model.safetensors.index.json", "model.safetensors"):
+        cached = try_to_load_from_cache(path, name, revision=revision)
+        if isinstance(cached, str):
+            return Path(cached).parent
+    return None
+
+
 def listing(path: Path, most: int = 8) -> str:
     names = sorted(p.name for p in path.iterdir())
     more = f" and {len(names) - most} more" if len(names) > most else ""

@@ -48,7 +48,7 @@ REPO = Path(__file__).resolve().parent.parent
 # RANKS worker's). Measured (scripts/slowest.py on the last run): RANKS' files took 1,163 s of the 3,271 s of test time.
 # (xdist's own --dist loadgroup would do it with markers, but its group suffix is lost under pytest 9.2: `FileScopes`.)
 RANKS = ("test_e2e.py", "test_faults.py", "test_parallel.py", "test_grpo.py", "test_deepspeed.py", "test_context.py",
-         "test_families_parallel.py", "test_resilience.py", "test_multinode.py", "test_async_generation.py")
+         "test_families_parallel.py", "test_resilience.py", "test_multinode.py", "test_async_generation.py", "test_loading.py")
 LONGEST_FIRST = ("test_bad_inputs.py", "test_dpo.py", "test_sweep.py", "test_plan.py", "test_optim.py", "test_kto.py",
                  "test_strategies.py", "test_reward.py", "test_export.py")
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 
 from finetune import methods, optimizers
 from finetune.config import Config, ConfigError, Fp8Scaling, Logits, ModelConfig, Offload, OptimKernel, PeftMethod, Precision, Reference, StateDtype, Strategy
-from finetune.disk import local_config
+from finetune.disk import checkpoint_dir, local_config, stored_dtypes
 from finetune.families import COUNTED, Arch
 from finetune.families.arch import arch_from_config
 from finetune.families.vision import frozen_parts
@@ -416,6 +416,32 @@ def muon_temp(arch: Arch, cfg: Config, shard: int) -> float:
     return max((4 * n / shard + whole * n + 4 * n + 4 * m * m + (2 * n / shard if shard > 1 else 0) for n, m in sizes), default=0.0)
 
 
+def loading_bytes(cfg: Config, counts: Counts) -> tuple[float, str]:
+    """The host memory each rank holds of its own while the model loads on a GPU machine (finetune.rank.model.read_dtype,
+    measured by scripts/benchmark_loading.py), and the words for it. A checkpoint whose weights share one dtype is
+    read memory-mapped in it: its pages are the page cache, shared by the node's ranks and dropped under pressure (not
+    counted), and each rank's part is cast on its GPU. Otherwise the whole model is on every rank's host first, in
+    the dtype it is read or built in."""
+    m, dtype = cfg.model, 2 if cfg.precision.name == Precision.bf16_pure else 4
+    if cfg.zero.stage == 3:
+        return 0.0, ""  # ZeRO-3's zero.Init partitions the model while it is built or read
+    if cfg.peft.name == PeftMethod.qlora:
+        if cfg.parallelism.strategy != Strategy.fsdp:
+            return 0.0, ""  # bitsandbytes quantizes each weight on the GPU as it is read
+        return counts.frozen * counts.frozen_bytes_per_param, ("QLoRA under FSDP: each rank quantizes the whole base into "
+                                                               "host memory before sharding it")
+    if m.path is None or m.from_scratch:
+        return 4.0 * counts.total, ("a random-init model is built whole in fp32 on every rank's host before it is placed "
+                                    "(zero=stage3 builds it partitioned)")
+    where = checkpoint_dir(m.path, m.revision)
+    stored = stored_dtypes(where) if where is not None else {}
+    if where is None or len(stored) == 1 or not (stored or any(where.glob("*.bin"))):
+        return 0.0, ""  # one dtype, or no weights here to read yet
+    why = f"its weights mix {' and '.join(sorted(stored))}" if stored else "its weights are .bin files, not safetensors"
+    return dtype * counts.total, (f"model.path={m.path} is read whole on every rank's host ({why}; a checkpoint in one dtype, "
+                                  "as save_pretrained writes it, is memory-mapped and shared instead)")
+
+
 def total(cfg: Config, counts: Counts, s: States, acts: Activations, backward: float, temp: float, seq: int, on_gpu: bool,
           notes: list[str]) -> Plan:
     """The Plan: per-rank categories, CPU RAM and NVMe per node (QLoRA under FSDP loads the whole base first), and the
@@ -423,12 +449,11 @@ def total(cfg: Config, counts: Counts, s: States, acts: Activations, backward: f
     hw, p = cfg.hardware, cfg.parallelism
     ranks_per_node = cfg.launcher.nproc_per_node
     cpu = (s.cpu + acts.cpu) * ranks_per_node  # per rank -> per node
-    if cfg.peft.name == PeftMethod.qlora and p.strategy == Strategy.fsdp and on_gpu:
-        # each rank quantizes the whole base in host memory before fully_shard moves its shard to the GPU
-        loading = counts.frozen * counts.frozen_bytes_per_param * ranks_per_node
-        notes.append(f"QLoRA under FSDP: each rank loads the whole 4-bit base into host memory before sharding it: "
-                     f"{loading / ranks_per_node / GIB:.2f} GiB per rank, {loading / GIB:.2f} GiB per node at start")
-        cpu = max(cpu, loading)
+    loading, how = loading_bytes(cfg, counts) if on_gpu else (0.0, "")
+    if how:
+        notes.append(f"loading: {how}" + (f": {loading / GIB:.2f} GiB per rank, {loading * ranks_per_node / GIB:.2f} GiB per "
+                                          "node at start" if loading else ""))
+    cpu = max(cpu, loading * ranks_per_node)  # loading ends before offloaded states fill in
     nvme = s.nvme * ranks_per_node
     budget = hw.gpu_memory_gib * GIB if on_gpu else hw.cpu_memory_gib * GIB / ranks_per_node
     return Plan(params=counts.total, trainable=counts.trainable, weights=s.weights, gradients=s.grads, optimizer=s.opt,

@@ -8,11 +8,16 @@
   make the measured steps 2-3x slower, so it is asked for, not the default.
 
 Both print one line beside the memory plan's numbers (finetune.plan) and write {"kind": "memory"}.
+
+Loading (`LoadWatch`, always): the host memory a rank takes from the model's first byte read to the engine built,
+its private (anonymous) part apart from the file-backed pages of a memory-mapped checkpoint, which the node's ranks
+share and the kernel can drop; each rank's numbers in RUN_DIR/ranks/RANK.json ("loading").
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -118,6 +123,70 @@ def _reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+def host_use() -> dict[str, int]:
+    """This process's resident memory now, in bytes: "private" (anonymous: its own) and "file" (pages of mapped files:
+    the page cache, shared with every process that maps the same file). {} without /proc (macOS)."""
+    found: dict[str, int] = {}
+    with contextlib.suppress(OSError):
+        with open("/proc/self/status") as f:
+            for row in f:
+                if row.startswith(("RssAnon:", "RssFile:")):
+                    found["private" if row.startswith("RssAnon") else "file"] = int(row.split()[1]) * 1024
+    return found
+
+
+class LoadWatch:
+    """The host memory one phase takes (loading the model and building its engine): the private part's peak, sampled
+    every `every` seconds on a thread of its own (what lives shorter than that is missed), the whole resident set's peak
+    (VmHWM, reset at the start), and both at the end, each over what the process held before."""
+
+    def __init__(self, every: float = 0.005) -> None:
+        self.before = host_use()
+        self.peak_private = self.before.get("private", 0)
+        self.reset = _reset_peak_rss()
+        self.marks: dict[str, float] = {}
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, args=(every,), daemon=True)
+        self._thread.start()
+
+    def _sample(self, every: float) -> None:
+        while not self._done.wait(every):
+            self.peak_private = max(self.peak_private, host_use().get("private", 0))
+
+    def mark(self, name: str) -> None:
+        """What the process holds now over the start: NAME_private_mib and NAME_file_mib in stop()'s numbers."""
+        now = host_use()
+        if now:
+            self.marks[f"{name}_private_mib"] = (now["private"] - self.before["private"]) / MIB
+            self.marks[f"{name}_file_mib"] = (now["file"] - self.before["file"]) / MIB
+
+    def stop(self) -> dict[str, float]:
+        """MiB: private_peak and resident_peak over the start, private and file (mapped pages) held at the end over it,
+        and each mark's."""
+        self._done.set()
+        self._thread.join()
+        now, before = host_use(), self.before
+        if not now:
+            return {}
+        whole = sum(before.values())
+        out = {**self.marks, "private_peak_mib": (max(self.peak_private, now["private"]) - before["private"]) / MIB,
+               "private_mib": (now["private"] - before["private"]) / MIB, "file_mib": (now["file"] - before["file"]) / MIB}
+        if self.reset:
+            out["resident_peak_mib"] = (peak_rss() - whole) / MIB
+        return {k: round(v, 1) for k, v in out.items()}
+
+
+def load_line(measured: dict[str, float], device: str) -> str:
+    """The rank's line for what loading took from the host (rank 0's numbers): the model read (before any engine placed
+    it), then the engine built (on a CPU device, the training weights are host memory too)."""
+    gib = {k: v / 1024 for k, v in measured.items()}
+    line = f"loading (rank 0): the model read with {gib.get('read_private_mib', 0):.2f} GiB of private host memory"
+    if gib.get("read_file_mib", 0) > 0.05:
+        line += f" and {gib['read_file_mib']:.2f} GiB of the memory-mapped checkpoint's pages (shared by the node's ranks)"
+    line += f"; the engine built: {gib['private_peak_mib']:.2f} GiB private at the peak, {gib['private_mib']:.2f} GiB kept"
+    return line + (" (the training weights among them: the device is the host)" if device == "cpu" else "")
 
 
 def _planned(planned: dict[str, float] | None, *, overhead: bool) -> str:

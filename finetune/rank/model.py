@@ -99,8 +99,9 @@ def published_limits(model_type: str) -> dict[str, str]:
 def load_model(cfg: ModelConfig, tokenizer: Any, *, attention: str, peft: PeftConfig, compute_dtype: torch.dtype,
                zero3: bool, run_dir: Path, is_main: bool, barrier: Any, dtype: torch.dtype = torch.float32,
                fsdp: bool = False, model_class: str = CAUSAL_LM) -> torch.nn.Module:
-    """The model on CPU, the same on every rank (sharded under ZeRO-3): a pretrained one loaded in `dtype` (fp32;
-    bf16 for precision=bf16_pure, never an fp32 copy first), a random-init one built in fp32 (the engine casts it).
+    """The model on CPU, the same on every rank (sharded under ZeRO-3): a pretrained one read in the checkpoint's own
+    dtype, memory-mapped (read_dtype: the engine casts it to the training `dtype`, fp32 or bf16 for
+    precision=bf16_pure, on the device), a random-init one built in fp32 (the engine casts it).
     `model_class`: the method's transformers Auto class (a causal LM, or a sequence classifier with one score per
     row: its head is new, randomly initialised, on top of a causal LM's checkpoint).
 
@@ -129,7 +130,8 @@ def load_model(cfg: ModelConfig, tokenizer: Any, *, attention: str, peft: PeftCo
         if peft.name != PeftMethod.qlora:
             model.name_or_path = model.config._name_or_path = path  # recorded in adapter_config.json
             return model
-    kwargs: dict[str, Any] = {"dtype": dtype}
+    read, how = read_dtype(cfg, path, dtype, quantized=peft.name == PeftMethod.qlora, zero3=zero3)
+    kwargs: dict[str, Any] = {"dtype": read}
     if cfg.architecture and cfg.path is not None and not disk.is_local(cfg.path):
         kwargs["config"] = check_architecture(cfg)
         for key, value in head.items():
@@ -152,8 +154,11 @@ def load_model(cfg: ModelConfig, tokenizer: Any, *, attention: str, peft: PeftCo
             kwargs["device_map"] = {"": torch.cuda.current_device()} if torch.cuda.is_available() and not fsdp else "cpu"
     try:
         with unbuildable(model_class, path):
-            return auto.from_pretrained(path, revision=cfg.revision, attn_implementation=attention,
-                                        trust_remote_code=cfg.trust_remote_code, **kwargs)
+            loaded = auto.from_pretrained(path, revision=cfg.revision, attn_implementation=attention,
+                                          trust_remote_code=cfg.trust_remote_code, **kwargs)
+            loaded.read_as = how  # said by the rank's model line (finetune.rank.train.prepare_model)
+            loaded.cast_to = dtype  # what the engine casts it to on the device (a frozen reference too)
+            return loaded
     except OSError as e:
         raise ConfigError(f"model.path={path!r}: could not load weights: {str(e).splitlines()[0]}") from None
     except Exception as e:
@@ -163,6 +168,26 @@ def load_model(cfg: ModelConfig, tokenizer: Any, *, attention: str, peft: PeftCo
         damaged = [f"{f} ({why})" for f in sorted(local.glob("*.safetensors")) if (why := disk.safetensors_problem(f))]
         which = damaged[0] if damaged else f"a weight file ({str(e).splitlines()[0]})"
         raise ConfigError(f"model.path={path!r}: {which} is damaged or incomplete: copy or download the model again") from None
+
+
+def read_dtype(cfg: ModelConfig, path: str, dtype: torch.dtype, *, quantized: bool, zero3: bool) -> tuple[torch.dtype, str]:
+    """The dtype a pretrained checkpoint is read in, and the words for it. Its own dtype where all its floating-point
+    weights share one (the safetensors headers say): transformers then leaves each weight a view of the memory-mapped
+    file, shared by every rank of the node and read only where used (an FSDP2 rank copies its own rows), and the engine
+    casts to the training `dtype` on the device, one tensor at a time (finetune.rank.engine.common.place). Otherwise, and
+    for a 4-bit base (bitsandbytes quantizes while reading) or ZeRO-3 (its zero.Init partitions while reading), `dtype`."""
+    name = str(dtype).removeprefix("torch.")
+    if quantized or zero3:
+        return dtype, f"read in {name}" + (" around the 4-bit base" if quantized else " into ZeRO-3's partitions")
+    where = disk.checkpoint_dir(path, cfg.revision)
+    stored = disk.stored_dtypes(where) if where is not None else {}
+    if len(stored) == 1:
+        own = next(iter(stored))
+        cast = "" if own == name else f", cast to {name} on the device"
+        return getattr(torch, own), f"read in {own} (the checkpoint's own), memory-mapped{cast}"
+    why = (f"the checkpoint mixes {' and '.join(sorted(stored))}" if stored else "no safetensors headers to read here" if where
+           else "not downloaded yet: its dtype is unknown")
+    return dtype, f"read in {name} on the host ({why})"
 
 
 def _random_config(cfg: ModelConfig, tokenizer: Any, head: dict[str, Any]) -> tuple[Any, int, str]:

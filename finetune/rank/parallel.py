@@ -271,7 +271,7 @@ def _transformers_styles(block: nn.Module, tp_mesh: Any, entries: list[tuple[str
 
 
 def fully_shard(model: nn.Module, dp_mesh: Any, *, reshard_after_forward: bool, offload: bool,
-                param_dtype: torch.dtype | None = None, keep_root: bool = True) -> None:
+                param_dtype: torch.dtype | None = None, keep_root: bool = True, dtype: torch.dtype | None = None) -> None:
     """FSDP2: each decoder block is one unit (gathered for its forward/backward), a vision-language model's projector and
     vision tower, then the root: the transformers model itself, inside any PEFT wrapper (which holds no parameters of its
     own). The root's forward gathers what lies outside the blocks (embeddings, final norm, head), and `generate` calls
@@ -286,7 +286,11 @@ def fully_shard(model: nn.Module, dp_mesh: Any, *, reshard_after_forward: bool, 
     `param_dtype` (precision=bf16: FSDP's MixedPrecisionPolicy, as torchtitan trains): every unit gathers its floating-
     point parameters in that dtype and computes in it (inputs cast at each unit), while the shards stay fp32 (the
     optimizer's master weights) and the gradients are reduce-scattered in fp32. Integer storage (QLoRA's 4-bit bytes)
-    is gathered as it is; torchao's FP8 weights all-gather in FP8 either way."""
+    is gathered as it is; torchao's FP8 weights all-gather in FP8 either way.
+
+    `dtype`: the shards' (the training weights'). A checkpoint read in bf16 (memory-mapped) is sharded as it is (each
+    rank copies its rows of each weight to the device) and then each shard is cast there: no rank ever holds more than
+    its own shard in both dtypes, and the host nothing but the checkpoint's mapped pages."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
     from torch.distributed.fsdp import fully_shard as shard
     from transformers.modeling_layers import GradientCheckpointingLayer
@@ -296,6 +300,8 @@ def fully_shard(model: nn.Module, dp_mesh: Any, *, reshard_after_forward: bool, 
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
     kwargs = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward, "mp_policy": policy,
               "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()}
+    cast = [] if dtype is None else [n for n, q in model.named_parameters()
+                                     if q.is_floating_point() and q.dtype != dtype and type(q).__name__ != "Params4bit"]
     for block in [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]:
         shard(block, **kwargs)
     root = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -304,6 +310,10 @@ def fully_shard(model: nn.Module, dp_mesh: Any, *, reshard_after_forward: bool, 
         if part is not None:                      # Qwen's tower) first
             shard(part, **kwargs)
     shard(root, **{**kwargs, "reshard_after_forward": not keep_root})
+    if cast:  # each shard cast where it now is (the device), one tensor at a time: FSDP2 takes module._apply after
+        own = {id(model.get_parameter(n)) for n in cast}  # sharding (it re-registers each shard) until its first forward
+        with torch.no_grad():
+            model._apply(lambda t: t.to(dtype) if id(t) in own else t)
     keep_quant_states(model, dp_mesh.device_type)
 
 

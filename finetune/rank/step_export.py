@@ -84,6 +84,7 @@ def built(run_dir: Path, cfg: Config) -> tuple[Any, Any]:
     from finetune import methods
     from finetune.config import PeftMethod
     from finetune.rank import model, vision
+    from finetune.rank.engine.common import place
 
     from finetune.data.images import pictures_of
     from finetune.methods.base import built_as
@@ -92,6 +93,7 @@ def built(run_dir: Path, cfg: Config) -> tuple[Any, Any]:
     model_class = built_as(methods.get(cfg.method.name).model_class, pictures_of(tokenizer) is not None)
     net = model.load_model(cfg.model, tokenizer, attention="sdpa", peft=cfg.peft, compute_dtype=torch.float32, zero3=False,
                            run_dir=run_dir, is_main=False, barrier=lambda: None, model_class=model_class)
+    place(net.parameters(), None, torch.float32)  # read in the checkpoint's dtype: the trained fp32 weights go into fp32
     _, kept = vision.freeze(net, cfg.model.freeze, adapters=cfg.peft.name != PeftMethod.none)  # as the run froze it
     return model.apply_strategies(net, checkpointing=CheckpointingConfig(), peft=cfg.peft, model_class=model_class, kept=kept), tokenizer
 

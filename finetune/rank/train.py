@@ -24,7 +24,7 @@ from finetune.data import steps
 from finetune.families import liger
 from finetune.methods import losses
 from finetune.methods.base import IMAGE_TEXT, built_as
-from finetune.rank import checkpoint, compiling, dist, engine, flops, fp8, heldout, loop, model, qat, reference, teacher, topk, varlen, vision
+from finetune.rank import checkpoint, compiling, dist, engine, flops, fp8, heldout, loop, memory, model, qat, reference, teacher, topk, varlen, vision
 from finetune.config import Config, ConfigError, Kernels, Logits, MemoryReport, MethodConfig, PeftConfig, PeftMethod, Precision, Strategy, uses_deepspeed
 from finetune.data import rows
 from finetune.rank import stream
@@ -56,6 +56,7 @@ def phase(name: str) -> None:
     startup.mark(name)  # where the start-up goes (finetune.startup)
 
 
+LOADING: dict[str, float] = {}  # what loading took from this rank's host memory (memory.LoadWatch): in its status
 LOCK_HELD: list[int | None] = []  # this rank's share of RUN_DIR/.lock, open until the process ends
 
 
@@ -101,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if d is not None:
             dist.shutdown()
+    if LOADING:
+        status.info["loading"] = dict(LOADING)
     status.write("done" if code == 0 else f"exited {code}")
     return code
 
@@ -219,6 +222,7 @@ def run(cfg: Config, d: dist.Dist) -> None:
     phase("data")
     train_examples, eval_examples, stats = load_data(cfg, tokenizer, d)
     phase("model")
+    watch = memory.LoadWatch()  # the host memory loading takes, to the engine built (RUN_DIR/ranks/RANK.json)
     zero3 = model.zero3_context(deepspeed_config(cfg) if uses_deepspeed(cfg) else None)
     attention, attention_why = model.resolve_attention(cfg.model, cfg.precision.name, d.device)
     # a causal LM (a vision-language model's image-text class), or a scored model (method=reward)
@@ -242,11 +246,15 @@ def run(cfg: Config, d: dist.Dist) -> None:
 
     loaded = load(cfg.peft)
     net = prepare_model(cfg, d, loaded, attention, attention_why, model_class)
+    watch.mark("read")
     chunked = ChunkedHead(net, cfg.logits.chunk_tokens, cfg.logits.kernel, d.device) if cfg.logits.name == Logits.chunked else None
     if chunked is not None and d.is_main:
         print(f"logits: chunked, {chunked.kernel.value} ({chunked.why})")
     phase("engine")
     eng = engine.build(cfg, net, d)
+    LOADING.update(watch.stop())
+    if LOADING and d.is_main:
+        print(memory.load_line(LOADING, d.device.type))
     if chunked is not None:  # a family that changes its logits in a way we do not repeat per chunk: refused here
         with compiling.eager():
             chunked.check(*eng.inference(chunked.prober(), probe_batch(train_examples)))
@@ -313,6 +321,8 @@ def prepare_model(cfg: Config, d: dist.Dist, loaded: torch.nn.Module, attention:
     if d.is_main:
         trainable, total = model.trainable_parameters(net)
         print(f"model: {total:,} parameters, {trainable:,} trainable ({trainable / total:.2%}), attention {attention} ({attention_why})")
+        if getattr(loaded, "read_as", None):  # a pretrained checkpoint: what its weights were read in (model.read_dtype)
+            print(f"weights: {loaded.read_as}")
     if cfg.train.compile:
         eager_layers = compiling.checkpointed_eager(cfg.checkpointing, several if per_sample else "")
         layers = compiling.compile_layers(net, d.device)

@@ -12,7 +12,7 @@ from typing import Any, Collection, Iterator
 import torch
 
 from finetune import optimizers
-from finetune.config import ConfigError, OptimConfig, Scheduler, StateDtype
+from finetune.config import ConfigError, OptimConfig, Precision, Scheduler, StateDtype
 from finetune.optimizers.kernels import closure_loss
 
 
@@ -215,9 +215,38 @@ def autocast_dtype(name: Any) -> torch.dtype | None:
 def to_bf16(model: torch.nn.Module) -> None:
     """precision=bf16_pure: every floating-point parameter in bf16, in place (quantized 4-bit storage and
     buffers such as the rotary frequencies stay as they are)."""
-    for p in model.parameters():
-        if p.is_floating_point() and p.dtype != torch.bfloat16:
-            p.data = p.data.to(torch.bfloat16)
+    place(model.parameters(), None, torch.bfloat16)
+
+
+def read_for(model: torch.nn.Module) -> torch.dtype | None:
+    """The dtype a frozen model beside the policy is cast to on the device: the one finetune.rank.model.load_model read
+    it for (DPO's live reference: the training weights' dtype) where it was read in the checkpoint's own; None (kept as
+    it is) for one loaded in the dtype it runs in (a distillation teacher's method.teacher precision)."""
+    return getattr(model, "cast_to", None)
+
+
+def training_dtype(precision: Any) -> torch.dtype:
+    """The dtype the trained weights are held in: bf16 under precision=bf16_pure, fp32 (the master weights) otherwise."""
+    return torch.bfloat16 if precision == Precision.bf16_pure else torch.float32
+
+
+def place(params: Any, device: torch.device | None, dtype: torch.dtype | None) -> None:
+    """Each floating-point parameter moved to `device` (None: where it is) and then cast to `dtype` there, one tensor at a
+    time and in place (the Parameter objects stay: PEFT's, the optimizer's): a checkpoint read in its own dtype, memory-
+    mapped (finetune.rank.model.read_dtype), reaches the device in it and is cast there, never copied whole to fp32 on
+    the host (`dtype` None: each keeps its own). Quantized 4-bit storage (bitsandbytes' Params4bit, bf16 bytes under
+    ZeRO-3) stays as it is."""
+    from torch.distributed.tensor import DTensor
+
+    for p in params:
+        if not p.is_floating_point() or type(p).__name__ == "Params4bit":
+            continue
+        data = p.data if device is None or p.device == device else p.data.to(device)
+        data = data if dtype is None or data.dtype == dtype else data.to(dtype)
+        if isinstance(p, DTensor) and data is not p.data:  # a tensor-parallel shard: `.data =` would leave its local tensor
+            torch.utils.swap_tensors(p, torch.nn.Parameter(data, requires_grad=p.requires_grad))
+        else:
+            p.data = data
 
 
 def param_groups(params: list[torch.nn.Parameter], weight_decay: float, *, fast: Collection[int] = (),

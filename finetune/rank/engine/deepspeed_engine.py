@@ -16,7 +16,8 @@ from finetune.data.images import save_tokenizer
 from finetune.config import Config, ConfigError, Precision
 from finetune.rank.dist import Dist, import_deepspeed
 from finetune.data.host import to_device
-from finetune.rank.engine.common import StepResult, add_metrics, autocast_dtype, build_scheduler, lora_b, loraplus_lr, param_groups
+from finetune.rank.engine.common import (StepResult, add_metrics, autocast_dtype, build_scheduler, lora_b, loraplus_lr, param_groups, place,
+                                         read_for, training_dtype)
 from finetune.layouts.zero import deepspeed_config
 
 Objective = Callable[[Any, dict[str, torch.Tensor]], Any]
@@ -45,6 +46,9 @@ class DeepSpeedEngine:
         self.lockstep = self.stage == 3 and dist.world_size > 1  # parameters are gathered collectively
         self.fp16 = cfg.precision.name == Precision.fp16
         self.dtype = autocast_dtype(cfg.precision.name)
+        self.weights_dtype = training_dtype(cfg.precision.name)
+        if self.stage < 3:  # a checkpoint read in bf16, cast on the device (ZeRO-3's zero.Init read it into partitions)
+            place(model.parameters(), dist.device, self.weights_dtype)
         params = [p for p in model.parameters() if p.requires_grad]
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=model,
@@ -97,6 +101,8 @@ class DeepSpeedEngine:
         else:
             zero.pop("offload_optimizer", None)
         model.requires_grad_(False)
+        if self.stage < 3:
+            place(model.parameters(), self.dist.device, read_for(model))
         engine, *_ = deepspeed.initialize(model=model, config=config)
         engine.eval()
         return engine

@@ -30,7 +30,7 @@ from finetune.layouts.mesh import fsdp_gathers_bf16
 from finetune.rank.dist import Dist
 from finetune.data.host import to_device
 from finetune.rank.engine.common import (StepResult, add_metrics, skip_unless_finite, autocast_dtype, build_optimizer, build_scheduler, end_weights, lora_b, no_deepspeed_probe,
-                                    to_bf16)
+                                    place, read_for, training_dtype)
 
 STATE_FILE = "trainer_state.pt"  # scheduler and step, beside the DCP shards
 
@@ -74,10 +74,12 @@ class MeshEngine:
         # precision=bf16 under FSDP2: its MixedPrecisionPolicy instead of autocast (finetune.rank.parallel.fully_shard)
         self.param_dtype = torch.bfloat16 if fsdp_gathers_bf16(cfg) else None
         pure = cfg.precision.name == Precision.bf16_pure
-        if pure:
-            to_bf16(model)  # sharded and stepped in bf16: no fp32 master anywhere
-        if not (self.fsdp and p.tp == p.pp == 1):  # fully_shard moves each block's shard to the device itself: a model
-            model = model.to(dist.device)          # larger than one GPU (QLoRA's 4-bit base, on the host) then fits
+        # fp32 master weights, or bf16 ones under bf16_pure (no fp32 anywhere); a checkpoint read in its own dtype
+        # (bf16, memory-mapped) is cast where each rank's part of it lands, never whole on the host: FSDP2 moves each
+        # rank's rows to the device and casts them there (QLoRA's 4-bit base, larger than one GPU, fits so);
+        # tensor parallel sends each parameter to the device as it cuts the rank's shard (torch's distribute_tensor), and
+        # the rest follows; pipeline stages are cut on the host, then placed as the rest.
+        self.weights_dtype = training_dtype(cfg.precision.name)
         if p.pp > 1:
             self.stages = parallel.pipeline_stages(model, pp_rank=self.pp_rank, pp=p.pp, per_rank=p.pp_stages_per_rank)
             self.num_stages = p.pp * p.pp_stages_per_rank
@@ -87,10 +89,13 @@ class MeshEngine:
         self.partial: list[nn.Parameter] = []  # replicated under tp, but each rank's gradient covers its heads only
         for m in modules:
             partial = parallel.tensor_parallel(m, self.mesh["tp"], sequence=p.sequence_parallel) if p.tp > 1 else []
+            if not (self.fsdp and p.tp == 1):
+                place(m.parameters(), dist.device, self.weights_dtype)
+                m.to(dist.device)  # and the buffers
             names = [n for n, q in m.named_parameters() if any(q is r for r in partial)]  # FSDP replaces the objects
             if self.fsdp:
                 parallel.fully_shard(m, self.replicas, reshard_after_forward=p.fsdp_reshard_after_forward, offload=p.fsdp_offload,
-                                     param_dtype=self.param_dtype)
+                                     param_dtype=self.param_dtype, dtype=self.weights_dtype)
             self.partial += [m.get_parameter(n) for n in names]
         self.modules = modules
         self.model = modules[0] if p.pp == 1 else None
@@ -291,12 +296,15 @@ class MeshEngine:
     def frozen(self, model: nn.Module) -> nn.Module:
         """A frozen reference placed like the policy: the same TP plan / FSDP sharding and precision policy, no optimizer.
         Every unit, the root too, is resharded after each forward: no backward comes to free what it gathered."""
-        model = model.to(self.dist.device).eval().requires_grad_(False)
+        model = model.eval().requires_grad_(False)
         if self.tp > 1:
             parallel.tensor_parallel(model, self.mesh["tp"], sequence=self.cfg.parallelism.sequence_parallel)
+        if not (self.fsdp and self.tp == 1):  # as the policy's: FSDP2 casts and moves each unit's shard itself
+            place(model.parameters(), self.dist.device, read_for(model))
+            model = model.to(self.dist.device)
         if self.fsdp:
             parallel.fully_shard(model, self.mesh["dp"], reshard_after_forward=True, offload=self.cfg.parallelism.fsdp_offload,
-                                 param_dtype=self.param_dtype, keep_root=False)
+                                 param_dtype=self.param_dtype, keep_root=False, dtype=read_for(model))
         return model
 
     @property

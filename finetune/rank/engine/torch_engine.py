@@ -18,7 +18,7 @@ from finetune.families.vision import parts
 from finetune.rank.dist import Dist
 from finetune.data.host import to_device
 from finetune.rank.engine.common import (InBackward, StepResult, add_metrics, clip, skip_unless_finite, autocast_dtype, build_optimizer, build_scheduler, end_weights, lora_b, no_deepspeed_probe,
-                                    to_bf16)
+                                    place, read_for, training_dtype)
 
 Objective = Callable[[Any, dict[str, torch.Tensor]], Any]
 STATE_FILE = "state.pt"
@@ -42,9 +42,11 @@ class TorchEngine:
         self.dp_rank, self.dp_size = dist.rank, dist.world_size
         check_precision(precision.name, dist.device)
         pure = precision.name == Precision.bf16_pure
-        if pure:
-            to_bf16(model)  # no fp32 master: the weights the optimizer updates are the bf16 ones
-        self.module = model.to(dist.device)  # otherwise fp32 master weights whatever the compute precision
+        # fp32 master weights whatever the compute precision, or under bf16_pure the bf16 ones the optimizer updates;
+        # a checkpoint read in bf16 is cast on the device
+        self.weights_dtype = training_dtype(precision.name)
+        place(model.parameters(), dist.device, self.weights_dtype)
+        self.module = model.to(dist.device)  # and the buffers
         ddp = strategy == Strategy.ddp and dist.world_size > 1
         # a vision-language model: a row without images leaves its vision tower and projector out of the forward
         unused = parts(self.module).vision is not None
@@ -137,6 +139,7 @@ class TorchEngine:
 
     def frozen(self, model: torch.nn.Module) -> torch.nn.Module:
         """A frozen model beside the policy (DPO's live reference): on the device, eval mode, no grads."""
+        place(model.parameters(), self.dist.device, read_for(model))
         return model.to(self.dist.device).eval().requires_grad_(False)
 
     @property
