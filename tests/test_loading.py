@@ -157,8 +157,9 @@ def test_the_planner_counts_what_is_still_read_whole(compose, small, tmp_path):
     scratch = _plan(compose, small, "parallelism=fsdp", "model.from_scratch=true")
     per_rank = 4 * scratch.params
     assert scratch.cpu_bytes == pytest.approx(8 * per_rank)
-    assert (f"loading: a random-init model is built whole in fp32 on every rank's host before it is placed (zero=stage3 builds "
-            f"it partitioned): {per_rank / 2**30:.2f} GiB per rank, {8 * per_rank / 2**30:.2f} GiB per node at start") in scratch.notes
+    assert ("loading: a random-init model is built whole in fp32 on every rank's host before it is placed (parallelism=ddp "
+            f"zero=stage3 builds it partitioned): {per_rank / 2**30:.2f} GiB per rank, {8 * per_rank / 2**30:.2f} GiB per node "
+            "at start") in scratch.notes
     assert not [n for n in _plan(compose, small, "parallelism=ddp", "zero=stage3", "model.from_scratch=true").notes
                 if n.startswith("loading:")]
 

@@ -432,7 +432,7 @@ def loading_bytes(cfg: Config, counts: Counts) -> tuple[float, str]:
                                                                "host memory before sharding it")
     if m.path is None or m.from_scratch:
         return 4.0 * counts.total, ("a random-init model is built whole in fp32 on every rank's host before it is placed "
-                                    "(zero=stage3 builds it partitioned)")
+                                    "(parallelism=ddp zero=stage3 builds it partitioned)")
     where = checkpoint_dir(m.path, m.revision)
     stored = stored_dtypes(where) if where is not None else {}
     if where is None or len(stored) == 1 or not (stored or any(where.glob("*.bin"))):
