@@ -272,9 +272,23 @@ def fsdp_frozen_and_gathered(arch: Arch, cfg: Config, frozen_w: float, w: int, g
         block_w = 0.5 * quantized + rest * (arch.block_params - quantized) + w * adapters
         root_w, frozen = rest * fsdp_root_params(arch, cfg), (frozen_w - constants) / dp + constants
     head_g = w * (arch.head_params or arch.embedding_params) if cfg.peft.name == PeftMethod.none else 0.0
-    # a block's backward: its buffer, then its weights and gradients, or (resharded) its gradients and their fp32 copy
-    backward = root_w + head_g + block_w + w * trained + max(block_w, g * trained)
-    return frozen, max(2 * (root_w + block_w), backward) / p.tp  # forward: the root's buffer held at a block's gather
+    # a block's backward: its buffer, then its weights and gradients, or (resharded) its gradients and their fp32 copy;
+    # tensor parallel splits the block's, the root is whole on every rank of a TP group (tp_whole_params)
+    backward = root_w + head_g + (block_w + w * trained + max(block_w, g * trained)) / p.tp
+    return frozen, max(2 * (root_w + block_w / p.tp), backward)  # forward: the root's buffer held at a block's gather
+
+
+def tp_whole_params(arch: Arch, cfg: Config, counts: Counts) -> tuple[float, float]:
+    """(trainable, frozen) parameters that tensor parallel leaves whole on every rank of a TP group: what lies outside
+    the blocks (the embeddings, final norm and output layer: finetune.rank.parallel splits the blocks' linears only).
+    Without PEFT all of them train; with it, modules_to_save's part trains and the rest is the frozen base's."""
+    outside = arch.embedding_params + arch.positions + arch.final_norm + arch.head_params
+    if cfg.peft.name == PeftMethod.none:
+        return float(min(outside, counts.trainable)), 0.0
+    saved = (arch.head_params or arch.embedding_params) if "lm_head" in cfg.peft.modules_to_save else 0
+    saved += arch.embedding_params if "embed_tokens" in cfg.peft.modules_to_save and not (
+        arch.tie_word_embeddings and "lm_head" in cfg.peft.modules_to_save) else 0
+    return float(saved), float(max(0, outside - saved))
 
 
 def fsdp_root_params(arch: Arch, cfg: Config) -> int:

@@ -346,7 +346,7 @@ def activations_through_backward(arch: Arch, cfg: Config, counts: Counts, s: Sta
     block_trainable, head_trainable = trainable_split(arch, cfg, counts)
     resident = s.grads if (s.resident or cfg.grad_accum_steps > 1) else 0.0
     block_grads = 0.0 if resident else per_param * block_trainable / cfg.parallelism.tp
-    head_grads = 0.0 if resident else per_param * head_trainable / cfg.parallelism.tp
+    head_grads = 0.0 if resident else per_param * head_trainable  # whole on every TP rank (counts.tp_whole_params)
     if cfg.optim.in_backward:  # stepped and freed in backward: one gradient at a time, never all of them
         s.grads = resident = s.one_grad
         block_grads = head_grads = 0.0
@@ -357,7 +357,9 @@ def activations_through_backward(arch: Arch, cfg: Config, counts: Counts, s: Sta
         acts = replace(acts, stored=acts.stored + tower, blocks=acts.blocks + tower, filled=acts.filled + tower)
     # the worst moment of backward: the loss's own backward (everything saved, and its buffers), or
     # inside the blocks (the gradients filled in by then)
-    backward = s.buckets + resident + max(acts.stored + acts.loss, acts.filled)
+    # or (FSDP2) the root's post-backward: its unsharded gradients and their reduce-scatter copy, nothing gathered
+    root_end = s.root_end - s.gathered + (0.0 if resident else s.grads) if s.root_end else 0.0
+    backward = s.buckets + resident + max(acts.stored + acts.loss, acts.filled, root_end)
     s.grads += s.buckets
     return acts, backward
 
@@ -390,6 +392,8 @@ def step_temp(arch: Arch, cfg: Config, counts: Counts, s: States, on_gpu: bool) 
         return 4 * min(counts.trainable, arch.largest_layer_params) / shard
     if optimizers.record(cfg.optim.name).step_temp == "foreach" and fused_step(cfg):
         return 0.0
+    if optimizers.record(cfg.optim.name).step_temp == "foreach" and looped_step(cfg):
+        return looped_temp(arch, cfg)
     if optimizers.record(cfg.optim.name).step_temp == "foreach" and not (z.enabled and z.offload_optimizer != Offload.none):
         return 4 * (s.trainable / (dp * p.cp if (z.enabled or p.strategy == Strategy.fsdp) else 1) if on_gpu
                     else min(counts.trainable, arch.largest_layer_params))
@@ -400,8 +404,28 @@ def fused_step(cfg: Config) -> bool:
     """Whether the run builds torch's fused kernel for adamw/adam/sgd (finetune.optimizers.kernels.kernel: optim.kernel=auto
     or fused, every parameter of one kind; tensor parallel leaves some plain, and takes the loop): one kernel over
     every parameter, no temporary beside the states (measured under fake tensors: tests/test_simulate.py)."""
-    return (not cfg.zero.enabled and cfg.optim.kernel in (OptimKernel.auto, OptimKernel.fused) and cfg.parallelism.tp == 1
+    return (not cfg.zero.enabled and cfg.optim.kernel in (OptimKernel.auto, OptimKernel.fused) and not looped_step(cfg)
             and cfg.optim.state_dtype != StateDtype.bf16 and cfg.precision.name != Precision.bf16_pure and not cfg.optim.in_backward)
+
+
+def looped_temp(arch: Arch, cfg: Config) -> float:
+    """adamw/adam stepping tensor by tensor (`looped_step`): the largest tensor's sqrt of its second moment and that
+    divided by the bias correction, both fp32 and alive at once (torch.optim.adam._single_tensor_adam's denominator).
+    The largest on this rank: tensor parallel splits the blocks' weights and leaves the embeddings and the output layer
+    whole; FSDP2 shards each one (measured under fake tensors: tests/test_simulate.py)."""
+    p = cfg.parallelism
+    ends = end_shapes(arch, cfg)
+    split = [math.prod(shape) / p.tp for shape in trainable_shapes(arch, cfg) if shape not in ends]
+    largest = max([float(math.prod(shape)) for shape in ends] + split, default=0.0)
+    return 8 * largest / (cfg.data_parallel_size * p.cp if p.strategy == Strategy.fsdp else 1)
+
+
+def looped_step(cfg: Config) -> bool:
+    """Whether adamw/adam/sgd step tensor by tensor (optim.kernel=loop, or auto under tensor parallel without FSDP2: the
+    blocks' split weights are DTensors, what tensor parallel leaves whole plain tensors, and one fused call takes one kind;
+    FSDP2 makes every parameter a DTensor)."""
+    mixed = cfg.parallelism.tp > 1 and cfg.parallelism.strategy != Strategy.fsdp
+    return not cfg.zero.enabled and (cfg.optim.kernel == OptimKernel.loop or (cfg.optim.kernel == OptimKernel.auto and mixed))
 
 
 def muon_temp(arch: Arch, cfg: Config, shard: int) -> float:

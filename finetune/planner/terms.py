@@ -16,7 +16,7 @@ from finetune.families import Arch
 from finetune.layouts import engine_kind
 from finetune.layouts.mesh import fsdp_gathers_bf16
 from finetune.planner.activations import dtypes
-from finetune.planner.counts import Counts, fsdp_frozen_and_gathered, zero_states
+from finetune.planner.counts import Counts, fsdp_frozen_and_gathered, tp_whole_params, zero_states
 
 
 @dataclass
@@ -41,6 +41,9 @@ class States:
     """All gradients held through backward, not filled in block by block (DeepSpeed's partitions, a pipeline's)."""
     buckets: float = 0.0
     """DDP's flat gradient buckets (a second copy of the gradients)."""
+    root_end: float = 0.0
+    """FSDP2 at the root unit's post-backward, the end of backward (nothing gathered then): the root's unsharded gradients
+    and their copy for the reduce-scatter, beside every other unit's sharded gradients."""
     one_grad: float = 0.0
     """optim.in_backward: the largest trainable tensor's gradient, the most it holds."""
     cpu: float = 0.0
@@ -122,9 +125,17 @@ def zero_offload_param(arch: Arch, cfg: Config, s: States, counts: Counts, on_gp
 
 
 def tensor_split(arch: Arch, cfg: Config, s: States, counts: Counts, on_gpu: bool, notes: list[str]) -> None:
-    """Tensor parallel: each rank holds 1/tp of the states (the block's linears split by rows or columns; counted as
-    1/tp of the whole model)."""
-    s.divide(cfg.parallelism.tp)
+    """Tensor parallel: each rank holds 1/tp of the blocks' states (their linears split by rows or columns) and the
+    whole of what lies outside them (embeddings, final norm, output layer: counts.tp_whole_params)."""
+    tp = cfg.parallelism.tp
+    trained, frozen = tp_whole_params(arch, cfg, counts)
+    keep = lambda whole, part: part / whole + (1 - part / whole) / tp if whole else 1 / tp  # noqa: E731
+    t, f = keep(counts.trainable, trained), keep(counts.frozen, frozen)
+    s.trainable, s.weights, s.grads, s.opt, s.frozen = s.trainable * t, s.weights * t, s.grads * t, s.opt * t, s.frozen * f
+    s.split *= tp
+    whole = trained + frozen
+    notes.append(f"tensor parallel: the blocks' linears split over {tp} ranks; the embeddings, final norm and output layer "
+                 f"({whole / 1e6:,.1f}M parameters) whole on each")
 
 
 def pipeline_split(arch: Arch, cfg: Config, s: States, counts: Counts, on_gpu: bool, notes: list[str]) -> None:
@@ -153,6 +164,8 @@ def fsdp_shards(arch: Arch, cfg: Config, s: States, counts: Counts, on_gpu: bool
     s.split *= n
     gather = 2 if fsdp_gathers_bf16(cfg) else w  # a weight as gathered; gradients reduce-scattered in fp32 either way
     s.frozen, s.gathered = fsdp_frozen_and_gathered(arch, cfg, s.frozen, gather, g)
+    root_trained = tp_whole_params(arch, cfg, counts)[0]  # the root's trainable part: whole on every rank of a TP group
+    s.root_end = (gather + g) * root_trained - g * root_trained / n  # its own shards' gradients not there yet
     if not p.fsdp_reshard_after_forward and not (p.fsdp_offload and on_gpu):  # the other blocks too
         s.gathered += gather * (sum(b.params for b in arch.layers) - arch.block_params) / (p.tp * p.pp)
     if fsdp_gathers_bf16(cfg):

@@ -5,8 +5,8 @@
 Rank 0 of the run as its own code builds it, under torch's FakeTensorMode (tensors with shapes and dtypes, no
 storage, no arithmetic): the model from its config (model.architecture, model.init or model.path's config.json,
 random init: no weights read), the strategies (finetune.rank.train.prepare_model: PEFT's adapters, activation
-checkpointing), the engine (finetune.rank.engine.build: the torch engine, or the mesh engine's FSDP2 over a fake
-process group of N ranks, torch.testing's FakeStore), then two of the engine's own train_step at the plan's
+checkpointing), the engine (finetune.rank.engine.build: the torch engine, or the mesh engine's FSDP2, tensor parallel
+with sequence parallel and context parallel over a fake process group of N ranks, torch.testing's FakeStore), then two of the engine's own train_step at the plan's
 longest shape (micro_batch_size rows of TOKENS tokens, each row one sample: what a padding-free micro-batch or a
 packed row attends, sample by sample). MemTracker (FSDPMemTracker under FSDP) counts every tensor by category;
 the second step's numbers are reported (the first has no optimizer states yet). About a minute for Llama-3.1-8B
@@ -17,11 +17,13 @@ context and NCCL's buffers (the plan's fixed overhead), kernels' workspaces. The
 the kernels chosen are the CPU's (sdpa's flash kernel for CPU saves what CUDA's does: the output and its
 log-sum-exp; fused AdamW is built on both). Layouts it cannot run are refused in one line (`refusal`).
 
-Three traps, each handled here and nowhere else:
+Four traps, each handled here and nowhere else:
 - `Module.to(device)` of fake parameters swaps them (torch.utils.swap_tensors), which the fake mode's own weak
   references forbid: a move to where the tensors already are is made a no-op while the engine builds (`_placed`).
 - host reads (`loss.item()`, `float(norm)`) of a fake tensor have no value: they read 1 (`FakeReads`), so the
   step takes its normal path (a finite norm, the optimizer steps).
+- a DeviceMesh computes its ranks' coordinates with data-dependent ops: every mesh (the engine's, and those FSDP2 and
+  DTensor derive from it) is built outside the fake mode (`_mesh_outside`).
 - transformers builds a full attention mask for a fake attention_mask (it takes them for tracing): the batch
   carries one only where the plan counts one (padded rows of several, the planner's `masked`).
 """
@@ -55,8 +57,6 @@ def refusal(cfg: Config) -> str | None:
            f"parallelism=ddp on {cfg.world_size} ranks: DDP's reducer reads real storage (use parallelism=fsdp, or one process)"
            if p.strategy == Strategy.ddp and cfg.world_size > 1 and p.tp == p.pp == p.cp == 1 else
            f"parallelism.pp={p.pp}: MemTracker cannot hook the pipeline schedule's backward" if p.pp > 1 else
-           f"parallelism.tp={p.tp}: tensor parallel's DTensor plans are not simulated yet" if p.tp > 1 else
-           f"parallelism.cp={p.cp}: context parallel's all-to-alls are not simulated yet" if p.cp > 1 else
            "peft=qlora: bitsandbytes quantizes real weights" if cfg.peft.name == PeftMethod.qlora else
            "precision=fp8: torchao's float8 layers are not simulated" if cfg.precision.fp8 is not None else
            "train.compile=true: the layers would be compiled under fake tensors" if cfg.train.compile else
@@ -100,22 +100,30 @@ def _placed() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _mesh_outside() -> Iterator[None]:
-    """The engine's DeviceMesh built outside the fake mode (its ranks' coordinates are real tensors)."""
+    """Every DeviceMesh built outside the fake mode: the engine's, and those FSDP2 and DTensor derive from it (a TP
+    mesh concatenated with FSDP's, sub-meshes); a mesh's ranks and coordinates are real tensors."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
 
     from finetune.rank import parallel
 
-    original = parallel.build_mesh
+    original = DeviceMesh.__init__
+
+    def init(self: DeviceMesh, *args: Any, **kwargs: Any) -> None:
+        with unset_fake_temporarily():
+            original(self, *args, **kwargs)
 
     def build_mesh(*args: Any, **kwargs: Any) -> Any:
         with unset_fake_temporarily():
-            return original(*args, **kwargs)
+            return built(*args, **kwargs)
 
-    parallel.build_mesh = build_mesh
+    built, parallel.build_mesh = parallel.build_mesh, build_mesh
+    DeviceMesh.__init__ = init  # type: ignore[method-assign]
     try:
         yield
     finally:
-        parallel.build_mesh = original
+        DeviceMesh.__init__ = original  # type: ignore[method-assign]
+        parallel.build_mesh = built
 
 
 @contextlib.contextmanager
@@ -242,6 +250,7 @@ class Moments:
         self.before: dict[str, int] = {}
         self.after: dict[str, int] = {}
         self.current: dict[str, int] = {}
+        self.states: dict[str, int] = {}
         optimizer.register_step_pre_hook(lambda *_: self._sample("before"))
         optimizer.register_step_post_hook(lambda *_: self._sample("after"))
 
@@ -254,6 +263,8 @@ class Moments:
         if self.step != 1:
             return
         setattr(self, when, self._snapshot("peak"))
+        if when == "after":  # the states alone (the tracker books what the step allocates as OPT, its temporaries too)
+            self.states = self._snapshot("current")
         if when == "before":  # every gradient exists, the states too (from the first step); the step's own peak from here
             self.current = self._snapshot("current")
             t = self.tracker
@@ -279,8 +290,8 @@ class Moments:
                                "gradients": total(s, GRADS), "optimizer": total(s, ("OPT",)), "activations": total(s, ACTS),
                                "temporaries": total(s, TEMPS)} for name, s in (("backward", self.before), ("step", self.after))},
             "weights": total(self.current, WEIGHTS), "gathered": gathered, "gradients": total(self.current, GRADS),
-            "optimizer": total(self.after, ("OPT",)), "backward_activations": backward,
-            "step_temporaries": total(self.after, TEMPS),
+            "optimizer": total(self.states, ("OPT",)), "backward_activations": backward,
+            "step_temporaries": total(self.after, TEMPS) + max(0, total(self.after, ("OPT",)) - total(self.states, ("OPT",))),
         }
 
 
